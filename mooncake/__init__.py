@@ -1,0 +1,36 @@
+"""A Python-first Mooncake: KV-cache transfer engine and distributed store.
+
+Async API (anyio; trio is the reference backend, asyncio works too)::
+
+    async with mooncake.open_engine("127.0.0.1") as engine:
+        buf = engine.allocate(1 << 20)
+        await engine.write(peer_segment, buf.addr, remote_addr, 4096)
+
+The published Mooncake Python API lives where the published wheel puts it:
+``mooncake.engine.TransferEngine`` and ``mooncake.store.MooncakeDistributedStore``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mooncake import errors
+from mooncake.errors import MooncakeError
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from mooncake._engine.engine import Engine, open_engine
+
+
+def __getattr__(name: str) -> Any:
+    # The async layer is imported lazily so ``import mooncake`` stays cheap for the CLI and for
+    # the sans-I/O modules' tests.
+    if name in ("open_engine", "Engine"):
+        from mooncake._engine import engine as _engine
+
+        return getattr(_engine, name)
+    raise AttributeError(f"module 'mooncake' has no attribute {name!r}")
+
+
+__all__ = ["Engine", "MooncakeError", "__version__", "errors", "open_engine"]
