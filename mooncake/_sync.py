@@ -15,7 +15,8 @@ import concurrent.futures
 import contextlib
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any, AsyncContextManager, TypeVar
+from contextlib import AbstractAsyncContextManager
+from typing import Any, TypeVar
 
 import anyio.from_thread
 
@@ -39,7 +40,9 @@ class LoopThread:
         if self._closed:
             raise ClosedError("the background loop is closed")
         if threading.get_ident() == self._thread_id:
-            raise MooncakeError("sync facade called from its own event loop thread (would deadlock)")
+            raise MooncakeError(
+                "sync facade called from its own event loop thread (would deadlock)"
+            )
 
     def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``fn(*args)`` on the loop and return its result (exceptions propagate)."""
@@ -51,7 +54,7 @@ class LoopThread:
         self._check()
         return self.portal.start_task_soon(fn, *args)
 
-    def enter(self, acm: AsyncContextManager[T]) -> T:
+    def enter(self, acm: AbstractAsyncContextManager[T]) -> T:
         """Enter ``acm`` on the loop; it is exited (in reverse order) by :meth:`close`."""
         self._check()
         return self._stack.enter_context(self.portal.wrap_async_context_manager(acm))
