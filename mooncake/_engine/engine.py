@@ -193,7 +193,6 @@ class Engine:
         self._peer_locks: dict[str, anyio.Lock] = collections.defaultdict(anyio.Lock)
         self._notifies: collections.deque[Notify] = collections.deque(maxlen=MAX_NOTIFIES)
         self._buffers: dict[int, Buffer] = {}
-        self._released = anyio.Event()
         self._closed = False
         self._desc_cache: dict[str, Any] | None = None
 
@@ -350,10 +349,12 @@ class Engine:
         else:
             addr = buffer_address(obj, writable=False)[0]
         region = self.registry.get(addr)
+        if region.closing:
+            raise RegistrationError(f"region at {addr:#x} is already being unregistered")
         region.closing = True
         while region.users:
-            self._released = anyio.Event()
-            await self._released.wait()
+            released = region.meta["released"] = anyio.Event()
+            await released.wait()
         for t in self.transports:
             await t.on_unregister(region)
         self.registry.remove(addr)
@@ -371,7 +372,9 @@ class Engine:
     def release_region(self, region: Region) -> None:
         region.users -= 1
         if region.users == 0 and region.closing:
-            self._released.set()
+            released = region.meta.get("released")
+            if released is not None:
+                released.set()
 
     async def allocate(self, length: int, *, location: str = "cpu:0") -> Buffer:
         """Allocate ``length`` bytes of page-aligned memory, pre-fault it and register it."""
