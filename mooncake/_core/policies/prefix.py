@@ -130,11 +130,13 @@ class PrefixLRUPolicy(EvictionPolicy):
         if parent is not None and key in kids:
             # Children arrived first: refuse a parent link that closes a cycle.
             p: Key | None = parent
-            while p is not None and p in self._size:
+            while p is not None:
                 if p == key:
                     raise InvalidArgumentError(
                         f"parent {parent!r} of {key!r} descends from {key!r} (cycle)"
                     )
+                if p not in self._size:
+                    break
                 p = self._parent[p]
         if key in self._size:
             self.on_remove(key)
