@@ -414,6 +414,9 @@ def check_policy(
     adds a policy-specific exact check (:func:`lru_oracle` ...). ``derandomize=True`` makes
     the run repeatable; ``settings_`` replaces every hypothesis setting.
     """
+    if not __debug__:
+        # The checks are assert statements: under -O they would all pass vacuously.
+        raise RuntimeError("check_policy needs assertions enabled (do not run python -O)")
     machine = type(
         f"{getattr(policy_factory, '__name__', 'Policy')}Machine",
         (PolicyMachine,),
