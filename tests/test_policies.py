@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 from collections.abc import Callable, Hashable
 
 import pytest
@@ -30,6 +31,8 @@ from mooncake.testing import (
     lru_oracle,
     prefix_lru_oracle,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ORACLES = {
     "lru": lru_oracle,
@@ -251,13 +254,28 @@ def test_any_hashable_key(name: str) -> None:
     assert sorted(map(repr, victims)) == sorted(map(repr, keys))
 
 
+def test_testing_package_imports_without_hypothesis() -> None:
+    code = (
+        "import sys, mooncake.testing\n"
+        "assert 'hypothesis' not in sys.modules\n"
+        "assert callable(mooncake.testing.check_policy)\n"
+        "assert 'hypothesis' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_check_policy_accepts_any_factory() -> None:
+    check_policy(lambda: PrefixLRUPolicy(), max_examples=10)
+    check_policy(lambda: make_policy("s3fifo", small_ratio=0.3), max_examples=10)
+
+
 def test_core_policies_import_no_event_loop() -> None:
     code = (
         "import sys, mooncake.policies, mooncake._core.misses\n"
         "bad = {'anyio', 'trio', 'asyncio'} & set(sys.modules)\n"
         "assert not bad, bad\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 # -- behaviour each policy is named for --------------------------------------------------------

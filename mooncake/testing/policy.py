@@ -25,6 +25,7 @@ pytest). Needs the ``test`` extra (``hypothesis``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -392,6 +393,9 @@ class PolicyMachine(RuleBasedStateMachine):
             assert set(dead) == expected, (
                 f"unreachable() = {dead!r}, model {sorted(map(repr, expected))}"
             )
+            for i, key in enumerate(dead):
+                later = [c for c in self.model.children(key) if c in dead[i:]]
+                assert not later, f"unreachable() lists {key!r} before its children {later!r}"
         else:
             assert dead == [], f"unreachable() = {dead!r} from a policy that is not prefix-closed"
 
@@ -417,8 +421,9 @@ def check_policy(
     if not __debug__:
         # The checks are assert statements: under -O they would all pass vacuously.
         raise RuntimeError("check_policy needs assertions enabled (do not run python -O)")
+    label = re.sub(r"\W", "_", getattr(policy_factory, "__name__", "Policy"))
     machine = type(
-        f"{getattr(policy_factory, '__name__', 'Policy')}Machine",
+        f"{label}Machine",
         (PolicyMachine,),
         {
             "factory": staticmethod(policy_factory),
