@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 from collections.abc import Callable, Hashable
+from pathlib import Path
 
 import pytest
 

@@ -19,8 +19,9 @@ its own model of what the policy should track, and after every step checks:
   the policy must propose (or ``None`` to skip). :func:`lru_oracle`, :func:`fifo_oracle`,
   :func:`lfu_oracle` and :func:`prefix_lru_oracle` are the shipped policies' oracles.
 
-A failure raises the hypothesis error with the shrunk sequence of steps attached (printed by
-pytest). Needs the ``test`` extra (``hypothesis``).
+A failure raises ``AssertionError`` naming the broken rule, with hypothesis' shrunk sequence
+of steps in its ``__notes__`` (pytest prints them). Needs the ``test`` extra (``hypothesis``);
+refuses to run under ``python -O``, where its assertions would vanish.
 """
 
 from __future__ import annotations
