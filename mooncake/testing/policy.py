@@ -394,9 +394,9 @@ class PolicyMachine(RuleBasedStateMachine):
             assert set(dead) == expected, (
                 f"unreachable() = {dead!r}, model {sorted(map(repr, expected))}"
             )
-            for i, key in enumerate(dead):
-                later = [c for c in self.model.children(key) if c in dead[i:]]
-                assert not later, f"unreachable() lists {key!r} before its children {later!r}"
+            for i, gone in enumerate(dead):
+                later = [c for c in self.model.children(gone) if c in dead[i:]]
+                assert not later, f"unreachable() lists {gone!r} before its children {later!r}"
         else:
             assert dead == [], f"unreachable() = {dead!r} from a policy that is not prefix-closed"
 

@@ -83,11 +83,11 @@ class LFUPolicy(EvictionPolicy):
             del freqs[bisect.bisect_left(freqs, freq)]
         freq += 1
         self._freq[key] = freq
-        bucket = buckets.get(freq)
-        if bucket is None:
-            bucket = buckets[freq] = OrderedDict()
+        target = buckets.get(freq)
+        if target is None:
+            target = buckets[freq] = OrderedDict()
             bisect.insort(freqs, freq)
-        bucket[key] = None
+        target[key] = None
 
     def on_remove(self, key: Key) -> None:
         self._bytes -= self._size.pop(key)
