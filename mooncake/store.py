@@ -340,7 +340,7 @@ class MooncakeDistributedStore:
 
     def remove(self, key: str, force: bool = False) -> int:
         try:
-            return self._rc(self._s.remove, key, force)
+            return self._rc(_kw(self._s.remove, force=force), key)
         except Exception as e:
             return to_code(e)
 
