@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-_SUBCOMMANDS: list[str] = ["metadata_server"]
+_SUBCOMMANDS: list[str] = ["master", "metadata_server"]
 
 
 def build_parser() -> argparse.ArgumentParser:
