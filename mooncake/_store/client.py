@@ -656,21 +656,24 @@ class Store:
 
         return sorted(complete, key=rank)
 
-    async def _query(self, key: str) -> tuple[st.GetReplicaListResponse, float]:
+    async def _query(
+        self, key: str, *, for_read: bool = True
+    ) -> tuple[st.GetReplicaListResponse, float]:
+        """GetReplicaList and the read's fence deadline (measured from before the request)."""
         t0 = anyio.current_time()
         resp: st.GetReplicaListResponse = await self.master.call(
-            "GetReplicaList", rpc.KeyParams(key=_check_key(key))
+            "GetReplicaList", rpc.KeyParams(key=_check_key(key), for_read=for_read)
         )
-        return resp, t0 + resp.lease_ttl_ms / 1000.0
+        return resp, t0 + _read_ttl(resp)
 
     async def _batch_query(
-        self, keys: Sequence[str]
+        self, keys: Sequence[str], *, for_read: bool = True
     ) -> tuple[list[st.GetReplicaListResponse | MooncakeError], float]:
         from mooncake.errors import error_from_code
 
         t0 = anyio.current_time()
         items: list[rpc.Item[st.GetReplicaListResponse]] = await self.master.call(
-            "BatchGetReplicaList", rpc.KeysParams(keys=list(keys))
+            "BatchGetReplicaList", rpc.KeysParams(keys=list(keys), for_read=for_read)
         )
         out: list[st.GetReplicaListResponse | MooncakeError] = []
         for it in items:
@@ -880,7 +883,7 @@ class Store:
         for i, r in enumerate(resps):
             if isinstance(r, MooncakeError) or errs[i] is not None:
                 continue
-            if now > t0 + r.lease_ttl_ms / 1000.0:
+            if now > t0 + _read_ttl(r):
                 self.lease_fences += 1
                 errs[i] = LeaseExpiredError("the read finished after its lease expired")
         return errs
@@ -905,13 +908,13 @@ class Store:
     async def get_size(self, key: str) -> int:
         """Size in bytes of ``key``'s value."""
         self._check_open()
-        resp, _ = await self._query(key)
+        resp, _ = await self._query(key, for_read=False)
         return self._size_of(resp)
 
     async def replica_descriptors(self, key: str) -> list[st.ReplicaDescriptor]:
         """The object's replicas (grants a read lease)."""
         self._check_open()
-        resp, _ = await self._query(key)
+        resp, _ = await self._query(key, for_read=False)
         return list(resp.replicas)
 
     async def batch_replica_descriptors(
@@ -921,7 +924,7 @@ class Store:
         self._check_open()
         if not keys:
             return {}
-        resps, _ = await self._batch_query(keys)
+        resps, _ = await self._batch_query(keys, for_read=False)
         return {
             k: list(r.replicas) for k, r in zip(keys, resps, strict=True) if not isinstance(r, MooncakeError)
         }
@@ -948,6 +951,11 @@ class Store:
         self._check_open()
         n: int = await self.master.call("RemoveAll", rpc.ForceParams(force=force))
         return n
+
+
+def _read_ttl(resp: st.GetReplicaListResponse) -> float:
+    """Seconds a read of ``resp``'s replicas may take before it must fail closed."""
+    return (resp.read_ttl_ms or resp.lease_ttl_ms) / 1000.0
 
 
 async def _memcpy_many(copies: Sequence[tuple[int, int, int]]) -> None:
