@@ -12,9 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-_SUBCOMMANDS: list[str] = [
-    "demo",
-]
+_SUBCOMMANDS: list[str] = ["demo", "master", "metadata_server"]
 
 
 def build_parser() -> argparse.ArgumentParser:
