@@ -362,6 +362,14 @@ def _port(listener: MultiListener[anyio.abc.SocketStream]) -> int:
     return int(listener.listeners[0].extra(anyio.abc.SocketAttribute.local_port))
 
 
+async def _serve_closing(
+    listener: MultiListener[anyio.abc.SocketStream],
+    handler: Callable[[anyio.abc.SocketStream], Any],
+) -> None:
+    async with listener:
+        await listener.serve(handler)
+
+
 async def serve_master(
     config: MasterServerConfig | None = None,
     *,
@@ -379,7 +387,7 @@ async def serve_master(
         if config.enable_metric_reporting and config.metrics_port >= 0:
             mlistener = await _listen(config.metrics_host, config.metrics_port)
             server.metrics_port = _port(mlistener)
-            tg.start_soon(mlistener.serve, server.serve_http_connection)
+            tg.start_soon(_serve_closing, mlistener, server.serve_http_connection)
         if config.enable_http_metadata_server:
             from mooncake._engine.metadata.server import serve_http_metadata
 
@@ -399,4 +407,4 @@ async def serve_master(
             f"{config.metrics_host}:{server.metrics_port}" if server.metrics_port else "off",
         )
         task_status.started(server)
-        await listener.serve(server.serve_connection)
+        await _serve_closing(listener, server.serve_connection)
