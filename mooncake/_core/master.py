@@ -17,9 +17,12 @@ Model
   readable version: a half-written object is never returned.
 * **Lease**: ``GetReplicaList``/``ExistKey`` (and their batch/regex forms) extend the object's
   lease to ``now + default_kv_lease_ttl``. A leased object is not evicted, and ``Remove`` /
-  ``RemoveAll`` / ``RemoveByRegex`` refuse it (``OBJECT_HAS_LEASE``) unless ``force``. Space of a
-  version replaced or force-removed while leased is freed only when the lease ends, so bytes a
-  reader is entitled to are never handed to another object during its lease.
+  ``RemoveAll`` / ``RemoveByRegex`` refuse it (``OBJECT_HAS_LEASE``) unless ``force``.
+* **Read window**: a ``GetReplicaList`` for reading also opens a short window (``read_fence_ttl``
+  plus ``read_fence_s_per_mib`` per MiB, at most the lease) during which the space of that
+  version is not reused, even if the object is force-removed or replaced; the client fails a
+  read that finishes after the window (``read_ttl_ms``). So bytes a reader copies are never
+  handed to another object while it copies them, without holding space for a whole lease.
 * **Pins**: ``with_hard_pin`` objects are never evicted. A soft pin (``with_soft_pin`` or
   ``soft_pin_action=ENABLE``) lasts ``soft_pin_ttl_ms`` (default ``default_kv_soft_pin_ttl``,
   capped at ``max_kv_soft_pin_ttl``) from PutEnd; soft-pinned objects are evicted only after every
@@ -102,6 +105,8 @@ class MasterConfig:
     client_ttl: float = 10.0
     put_start_discard_timeout: float = 30.0
     put_start_release_timeout: float = 600.0
+    read_fence_ttl: float = 0.25
+    read_fence_s_per_mib: float = 0.01
     allocation_strategy: str = "random"
     alignment: int = DEFAULT_ALIGNMENT
     seed: int | None = None
@@ -115,6 +120,8 @@ class MasterConfig:
             "client_ttl",
             "put_start_discard_timeout",
             "put_start_release_timeout",
+            "read_fence_ttl",
+            "read_fence_s_per_mib",
         ):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -197,6 +204,7 @@ class _Object:
     pending: _Pending | None = None
     writer: str = ""
     lease_deadline: float = 0.0
+    read_deadline: float = 0.0
     hard_pinned: bool = False
     soft_pin_deadline: float | None = None
 
@@ -614,8 +622,17 @@ class MasterState:
 
     # -- reads -----------------------------------------------------------------------------
 
-    def get_replica_list(self, key: str, now: float) -> GetReplicaListResponse:
-        """Replicas of the readable version of ``key``; extends its lease."""
+    def get_replica_list(
+        self, key: str, now: float, *, for_read: bool = True
+    ) -> GetReplicaListResponse:
+        """Replicas of the readable version of ``key``; extends its lease.
+
+        ``for_read`` also opens a *read window* of ``read_fence_ttl`` plus ``read_fence_s_per_mib``
+        per MiB of the object (at most the lease; i.e. reads slower than ~100 MB/s fail): until it
+        closes, the space of this version is not reused even if the object is force-removed or
+        replaced, and the client fails any read that finishes after it (``read_ttl_ms``). A
+        descriptor-only query (``for_read=False``) opens none.
+        """
         obj = self._objects.get(key)
         if obj is None or obj.readable is None:
             self.stats.get_misses += 1
@@ -624,6 +641,13 @@ class MasterState:
             raise ObjectNotFoundError(f"object {key!r} not found")
         ttl = self.config.default_kv_lease_ttl
         obj.lease_deadline = max(obj.lease_deadline, now + ttl)
+        ver = obj.readable
+        read_ttl = min(
+            ttl,
+            self.config.read_fence_ttl + self.config.read_fence_s_per_mib * ver.size / (1 << 20),
+        )
+        if for_read:
+            obj.read_deadline = max(obj.read_deadline, now + read_ttl)
         self.policy.on_access(key, now)
         self.stats.gets += 1
         ver = obj.readable
@@ -631,15 +655,18 @@ class MasterState:
             replicas=[r.descriptor(ReplicaStatus.COMPLETE) for r in ver.replicas],
             lease_ttl_ms=int(ttl * 1000),
             size=ver.size,
+            read_ttl_ms=int(read_ttl * 1000),
         )
 
     def batch_get_replica_list(
-        self, keys: list[str], now: float
+        self, keys: list[str], now: float, *, for_read: bool = True
     ) -> list[Item[GetReplicaListResponse]]:
         out: list[Item[GetReplicaListResponse]] = []
         for key in keys:
             try:
-                out.append(Item(code=0, value=self.get_replica_list(key, now)))
+                out.append(
+                    Item(code=0, value=self.get_replica_list(key, now, for_read=for_read))
+                )
             except MooncakeError as e:
                 out.append(Item(code=int(e.code)))
         return out
@@ -860,8 +887,9 @@ class MasterState:
                 r.seg.keys.discard(key)
 
     def _release_after_lease(self, obj: _Object, ver: _Version, now: float) -> None:
-        if obj.lease_deadline > now:
-            self._deferred.append((obj.lease_deadline, ver.replicas))
+        # Only a read window (not the policy lease) can have a reader copying these bytes.
+        if obj.read_deadline > now:
+            self._deferred.append((obj.read_deadline, ver.replicas))
         else:
             self._free_version(ver)
 

@@ -150,10 +150,12 @@ class BatchKeyClientParams(_Params):
 
 class KeyParams(_Params):
     key: str
+    for_read: bool = True  # GetReplicaList only: False = descriptor query, no read window
 
 
 class KeysParams(_Params):
     keys: list[str]
+    for_read: bool = True
 
 
 class RegexParams(_Params):

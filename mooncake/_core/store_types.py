@@ -146,6 +146,9 @@ class GetReplicaListResponse(_Struct):
     replicas: list[ReplicaDescriptor]
     lease_ttl_ms: int
     size: int = 0
+    read_ttl_ms: int = 0
+    """The read window (0: ``lease_ttl_ms``): a read finishing later than this after the request
+    was sent fails closed, since the space may then hold another object."""
 
 
 class PingResponse(_Struct):

@@ -113,8 +113,10 @@ def _handlers() -> dict[str, Handler]:
         ),
         "BatchUpsertEnd": lambda s, p, now: s.batch_put_end(p.client_id, p.keys, now),
         "BatchUpsertRevoke": lambda s, p, now: s.batch_put_revoke(p.client_id, p.keys, now),
-        "GetReplicaList": lambda s, p, now: s.get_replica_list(p.key, now),
-        "BatchGetReplicaList": lambda s, p, now: s.batch_get_replica_list(p.keys, now),
+        "GetReplicaList": lambda s, p, now: s.get_replica_list(p.key, now, for_read=p.for_read),
+        "BatchGetReplicaList": lambda s, p, now: s.batch_get_replica_list(
+            p.keys, now, for_read=p.for_read
+        ),
         "GetReplicaListByRegex": lambda s, p, now: s.get_replica_list_by_regex(p.regex, now),
         "ExistKey": lambda s, p, now: s.exist_key(p.key, now),
         "BatchExistKey": lambda s, p, now: s.batch_exist_key(p.keys, now),
