@@ -17,9 +17,12 @@ Model
   readable version: a half-written object is never returned.
 * **Lease**: ``GetReplicaList``/``ExistKey`` (and their batch/regex forms) extend the object's
   lease to ``now + default_kv_lease_ttl``. A leased object is not evicted, and ``Remove`` /
-  ``RemoveAll`` / ``RemoveByRegex`` refuse it (``OBJECT_HAS_LEASE``) unless ``force``. Space of a
-  version replaced or force-removed while leased is freed only when the lease ends, so bytes a
-  reader is entitled to are never handed to another object during its lease.
+  ``RemoveAll`` / ``RemoveByRegex`` refuse it (``OBJECT_HAS_LEASE``) unless ``force``.
+* **Read window**: a ``GetReplicaList`` for reading also opens a short window (``read_fence_ttl``
+  plus ``read_fence_s_per_mib`` per MiB, at most the lease) during which the space of that
+  version is not reused, even if the object is force-removed or replaced; the client fails a
+  read that finishes after the window (``read_ttl_ms``). So bytes a reader copies are never
+  handed to another object while it copies them, without holding space for a whole lease.
 * **Pins**: ``with_hard_pin`` objects are never evicted. A soft pin (``with_soft_pin`` or
   ``soft_pin_action=ENABLE``) lasts ``soft_pin_ttl_ms`` (default ``default_kv_soft_pin_ttl``,
   capped at ``max_kv_soft_pin_ttl``) from PutEnd; soft-pinned objects are evicted only after every
