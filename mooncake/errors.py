@@ -252,6 +252,13 @@ class BufferOverflowError(StoreError):
     code = ErrorCode.BUFFER_OVERFLOW
 
 
+class TierDataError(StoreError):
+    """An object's bytes in a storage tier (SSD file) are missing, truncated or fail their
+    checksum. The object has been dropped from that tier; no bytes were returned."""
+
+    code = ErrorCode.CHECKSUM_MISMATCH
+
+
 class UnavailableError(StoreError):
     """The master cannot serve this now (shutting down, not ready)."""
 
@@ -285,6 +292,7 @@ _BY_CODE: dict[int, type[MooncakeError]] = {
         BufferOverflowError,
         UnavailableError,
         RpcError,
+        TierDataError,
         SegmentNotFoundError,
         InvalidArgumentError,
         NotSupportedError,
@@ -357,6 +365,7 @@ __all__ = [
     "SegmentExistsError",
     "SegmentNotFoundError",
     "StoreError",
+    "TierDataError",
     "TransferError",
     "UnavailableError",
     "error_from_code",
