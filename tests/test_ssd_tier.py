@@ -284,11 +284,7 @@ async def test_corrupted_payload_is_dropped_never_returned(tmp_path: Path, direc
         data = _payload(10000)
         e = await tier.put("k", data)
         path = tmp_path / "objects" / e.name
-        with open(path, "r+b") as f:
-            f.seek(e.disk_bytes - round_block(10000) + 5000)
-            b = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([b[0] ^ 0x40]))
+        _flip(path, e.disk_bytes - round_block(10000) + 5000)
         buf = bytearray(10000)
         with pytest.raises(TierDataError, match="checksum mismatch") as ei:
             await tier.get_into("k", buf)
@@ -297,6 +293,23 @@ async def test_corrupted_payload_is_dropped_never_returned(tmp_path: Path, direc
         assert drops == ["corrupt"] and tier.stats()["errors"] == 1
         with pytest.raises(ObjectNotFoundError):
             await tier.get("k")
+
+
+def _poke(path: Path, off: int, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, off)
+    finally:
+        os.close(fd)
+
+
+def _flip(path: Path, off: int) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        b = os.pread(fd, 1, off)
+    finally:
+        os.close(fd)
+    _poke(path, off, bytes([b[0] ^ 0x40]))
 
 
 def round_block(n: int) -> int:
@@ -316,9 +329,7 @@ async def test_damaged_file_is_a_clear_error(tmp_path: Path, damage: str) -> Non
         elif damage == "extend":
             os.truncate(path, e.disk_bytes + BLOCK)
         elif damage == "header":
-            with open(path, "r+b") as f:
-                f.seek(20)
-                f.write(b"\xff")
+            _poke(path, 20, b"\xff")
         else:  # another object's (valid) file under this name
             os.replace(tmp_path / "objects" / other.name, path)
         with pytest.raises(TierDataError, match="dropped") as ei:
@@ -341,11 +352,8 @@ async def test_restart_recovers_and_drops_bad_files(tmp_path: Path) -> None:
         names = {f"k{i}": tier.index.entries[f"k{i}"].name for i in range(5)}
     # a write that never finished, a corrupted payload, a bad header, a stray file
     (tmp_path / "tmp" / "deadbeef.7").write_bytes(b"partial")
-    with open(tmp_path / "objects" / names["k1"], "r+b") as f:
-        f.seek(BLOCK + 10)
-        f.write(b"\x00\x01")
-    with open(tmp_path / "objects" / names["k2"], "r+b") as f:
-        f.write(b"JUNK")
+    _flip(tmp_path / "objects" / names["k1"], BLOCK + 10)
+    _poke(tmp_path / "objects" / names["k2"], 0, b"JUNK")
     (tmp_path / "objects" / "00" / "stray.obj").write_bytes(b"x" * 10)
 
     async with open_ssd_tier(tmp_path, 1 << 20, verify="full") as tier:
@@ -376,9 +384,7 @@ async def test_restart_with_smaller_capacity_keeps_newest(tmp_path: Path) -> Non
 async def test_header_only_recovery_still_verifies_on_read(tmp_path: Path) -> None:
     async with open_ssd_tier(tmp_path, 1 << 20) as tier:
         e = await tier.put("k", _payload(9000))
-    with open(tmp_path / "objects" / e.name, "r+b") as f:
-        f.seek(BLOCK + 8999)
-        f.write(b"\xaa")
+    _flip(tmp_path / "objects" / e.name, BLOCK + 8999)
     async with open_ssd_tier(tmp_path, 1 << 20) as tier:
         assert tier.keys() == ["k"]  # header and length are fine
         with pytest.raises(TierDataError, match="checksum"):
@@ -455,7 +461,7 @@ async def test_concurrent_eviction_and_reput(tmp_path: Path) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(tier.put, "d", b"d")  # evicts a
             tg.start_soon(tier.put, "a", b"a2")  # re-puts a, evicting b
-        for k in tier.keys():
+        for k in list(tier):
             assert (await tier.get(k))[:1] == k.encode()
 
 

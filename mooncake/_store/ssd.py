@@ -44,7 +44,7 @@ import mmap
 import os
 import queue
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -442,6 +442,9 @@ class SsdTier:
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self.index.entries))
 
     def keys(self) -> list[str]:
         return list(self.index.entries)
