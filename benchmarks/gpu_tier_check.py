@@ -1,0 +1,181 @@
+"""One-shot GPU check for the store's tiers (run it on a machine with a CUDA GPU and cupy).
+
+Steps, each reported as ok / skipped (why) / FAILED (what):
+
+1. ``device``: cupy imports, a device is present; prints its name and memory.
+2. ``alloc``: allocates ``--mib`` MiB of device memory and fills it with a known pattern.
+3. ``register``: registers that device memory with a transfer engine as ``cuda:0`` (needs the
+   CUDA transport; skipped with the reason when this build has none).
+4. ``store``: starts a master in-process and a store client, puts ``--objects`` objects whose
+   bytes come from device memory (device -> pinned host -> store), gets them back into device
+   memory (store -> pinned host -> device) and verifies every byte on the device.
+5. ``engine``: with step 3 done, a loopback ``engine.write`` from the device buffer into a host
+   buffer and back, verified.
+
+Exit status 0 if nothing FAILED (skips are fine), 1 otherwise. ``--json PATH`` writes the
+report. Takes a few seconds::
+
+    python benchmarks/gpu_tier_check.py --json gpu_tier_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import anyio  # noqa: E402
+
+MIB = 1 << 20
+
+
+class Report:
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+
+    def ok(self, step: str, **info: Any) -> None:
+        self.steps.append({"step": step, "status": "ok", **info})
+        print(f"  ok       {step} {info or ''}", flush=True)
+
+    def skip(self, step: str, why: str) -> None:
+        self.steps.append({"step": step, "status": "skipped", "why": why})
+        print(f"  skipped  {step}: {why}", flush=True)
+
+    def fail(self, step: str, why: str) -> None:
+        self.steps.append({"step": step, "status": "FAILED", "why": why})
+        print(f"  FAILED   {step}: {why}", flush=True)
+
+    @property
+    def failed(self) -> bool:
+        return any(s["status"] == "FAILED" for s in self.steps)
+
+
+async def run_checks(mib: int, objects: int, report: Report) -> None:
+    try:
+        import cupy as cp
+    except ImportError as e:
+        report.skip("device", f"cupy is not installed ({e}); pip install 'mooncake-py[cuda]'")
+        return
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+    except Exception as e:  # cupy raises its own runtime errors
+        report.skip("device", f"no usable CUDA device ({e})")
+        return
+    if n < 1:
+        report.skip("device", "no CUDA device")
+        return
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    free, total = cp.cuda.runtime.memGetInfo()
+    report.ok(
+        "device",
+        name=props["name"].decode(),
+        devices=n,
+        free_mib=free // MIB,
+        total_mib=total // MIB,
+    )
+
+    size = mib * MIB
+    dev = cp.arange(size, dtype=cp.uint8)  # pattern: i & 0xff
+    dev ^= cp.uint8(0x5A)
+    cp.cuda.runtime.deviceSynchronize()
+    report.ok("alloc", bytes=size, ptr=hex(dev.data.ptr))
+
+    from mooncake import open_engine
+    from mooncake._core.master import MasterConfig
+    from mooncake._store.client import open_store
+    from mooncake._store.master import MasterServerConfig, serve_master
+
+    async with open_engine("127.0.0.1", "P2PHANDSHAKE") as engine:
+        region = None
+        try:
+            region = await engine.register((dev.data.ptr, size), location="cuda:0")
+            report.ok("register", location="cuda:0")
+        except Exception as e:
+            report.skip("register", f"this build cannot register device memory ({e!r})")
+
+        cfg = MasterServerConfig(
+            rpc_port=0, enable_metric_reporting=False, state=MasterConfig(seed=1)
+        )
+        async with anyio.create_task_group() as tg:
+            server = await tg.start(serve_master, cfg)
+            addr = f"127.0.0.1:{server.rpc_port}"
+            try:
+                async with open_store(
+                    addr,
+                    segment_size=4 * size // objects + 64 * MIB,
+                    local_buffer_size=size + 16 * MIB,
+                ) as store:
+                    chunk = size // objects
+                    pinned = cp.cuda.alloc_pinned_memory(chunk)
+                    import numpy as np
+
+                    host = np.frombuffer(pinned, dtype=np.uint8, count=chunk)
+                    await store.register_buffer(host.ctypes.data, chunk)
+                    t0 = time.perf_counter()
+                    for i in range(objects):
+                        cp.asnumpy(dev[i * chunk : (i + 1) * chunk], out=host)
+                        await store.put(f"gpu-obj-{i}", host)
+                    back = cp.zeros(size, dtype=cp.uint8)
+                    for i in range(objects):
+                        n_read = await store.get_into(f"gpu-obj-{i}", host.ctypes.data, chunk)
+                        if n_read != chunk:
+                            raise AssertionError(f"object {i}: {n_read} bytes, want {chunk}")
+                        back[i * chunk : (i + 1) * chunk].set(host)
+                    cp.cuda.runtime.deviceSynchronize()
+                    dt = time.perf_counter() - t0
+                    bad = int(cp.count_nonzero(back != dev))
+                    if bad:
+                        report.fail("store", f"{bad} bytes differ after the round trip")
+                    else:
+                        report.ok("store", objects=objects, bytes=size, seconds=round(dt, 4))
+            except Exception as e:
+                report.fail("store", "".join(traceback.format_exception_only(e)).strip())
+            tg.cancel_scope.cancel()
+
+        if region is None:
+            report.skip("engine", "device memory is not registered (step register)")
+            return
+        try:
+            hostbuf = await engine.allocate(size)
+            await engine.write(engine.segment_name, dev.data.ptr, hostbuf.addr, size)
+            ok = bytes(hostbuf.view[:4096]) == cp.asnumpy(dev[:4096]).tobytes()
+            if not ok:
+                report.fail("engine", "device -> host bytes differ")
+                return
+            dev2 = cp.zeros(size, dtype=cp.uint8)
+            await engine.register((dev2.data.ptr, size), location="cuda:0")
+            await engine.write(engine.segment_name, hostbuf.addr, dev2.data.ptr, size)
+            cp.cuda.runtime.deviceSynchronize()
+            bad = int(cp.count_nonzero(dev2 != dev))
+            if bad:
+                report.fail("engine", f"{bad} bytes differ host -> device")
+            else:
+                report.ok("engine", bytes=size)
+        except Exception as e:
+            report.fail("engine", "".join(traceback.format_exception_only(e)).strip())
+
+
+def main(argv: list[str] | None = None, run: Callable[..., Any] = anyio.run) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", type=int, default=64)
+    ap.add_argument("--objects", type=int, default=16)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    report = Report()
+    print("GPU tier check:", flush=True)
+    run(run_checks, args.mib, args.objects, report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.steps, indent=2))
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
