@@ -55,10 +55,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from mooncake._core.allocator import DEFAULT_ALIGNMENT, OffsetAllocator
+from mooncake._core.misses import Miss, MissLedger, MissReason
 from mooncake._core.policies import EvictionPolicy, Pin, make_policy
 from mooncake._core.rpc import Item
 from mooncake._core.store_types import (
     ClientStatus,
+    DemoteTask,
+    DiskDrop,
     GetReplicaListResponse,
     ObjectInfo,
     PingResponse,
@@ -68,7 +71,9 @@ from mooncake._core.store_types import (
     Segment,
     SegmentInfo,
     SoftPinAction,
+    TierTasks,
 )
+from mooncake._core.tiers import TierCounters
 from mooncake.errors import (
     ClientNotFoundError,
     IllegalClientError,
@@ -85,7 +90,14 @@ from mooncake.errors import (
     SegmentNotFoundError,
 )
 
-__all__ = ["ALLOCATION_STRATEGIES", "MasterConfig", "MasterState", "MasterStats"]
+__all__ = [
+    "ALLOCATION_STRATEGIES",
+    "MasterConfig",
+    "MasterState",
+    "MasterStats",
+    "format_miss",
+    "parse_miss",
+]
 
 ALLOCATION_STRATEGIES = ("random", "free_ratio_first")
 MAX_KEY_LENGTH = 1 << 20
@@ -110,6 +122,12 @@ class MasterConfig:
     allocation_strategy: str = "random"
     alignment: int = DEFAULT_ALIGNMENT
     seed: int | None = None
+    offload_on_evict: bool = True
+    """Demote evicted objects to the SSD tier of the client owning their bytes, if it has one."""
+    demote_timeout: float = 30.0
+    """A demotion not ended within this many seconds is revoked (the object is dropped)."""
+    max_disk_drops: int = 1 << 16
+    """Bound of each client's queue of SSD copies to delete (oldest notices dropped beyond)."""
 
     def validate(self) -> None:
         """Raise :class:`InvalidArgumentError` naming the first bad setting."""
@@ -122,6 +140,7 @@ class MasterConfig:
             "put_start_release_timeout",
             "read_fence_ttl",
             "read_fence_s_per_mib",
+            "demote_timeout",
         ):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -187,6 +206,22 @@ class _Replica:
 class _Version:
     size: int
     replicas: list[_Replica]
+    vid: int = 0
+    disk: list[str] = field(default_factory=list)
+    """Client ids holding an SSD copy of this version."""
+
+
+@dataclass(slots=True)
+class _Demote:
+    client_id: str
+    deadline: float
+
+
+@dataclass(slots=True)
+class _Promote:
+    client_id: str
+    replicas: list[_Replica]
+    started: float
 
 
 @dataclass(slots=True)
@@ -207,6 +242,8 @@ class _Object:
     read_deadline: float = 0.0
     hard_pinned: bool = False
     soft_pin_deadline: float | None = None
+    demoting: _Demote | None = None
+    promoting: _Promote | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -222,6 +259,10 @@ class _Seg:
 class _Client:
     deadline: float
     segments: set[str] = field(default_factory=set)
+    ssd_capacity: int = 0
+    ssd_keys: set[str] = field(default_factory=set)
+    demote_tasks: list[DemoteTask] = field(default_factory=list)
+    disk_drops: list[DiskDrop] = field(default_factory=list)
 
 
 _Deferred = tuple[float, list[_Replica]]
@@ -251,6 +292,12 @@ class MasterState:
         self._soft_pinned: set[str] = set()
         self._used = 0
         self._capacity = 0
+        self._next_vid = 0
+        self.misses = MissLedger()
+        """How lost keys were lost; classifies every GetReplicaList miss."""
+        self.tiers = {"dram": TierCounters(), "ssd": TierCounters()}
+        """Per-tier counters as the master sees them (SSD reads themselves are counted by the
+        owning client)."""
 
     # -- introspection ---------------------------------------------------------------------
 
@@ -361,7 +408,7 @@ class MasterState:
         self._touch_client(client_id, now)
         self._drop_segment(seg)
 
-    def _drop_segment(self, seg: _Seg) -> None:
+    def _drop_segment(self, seg: _Seg, *, owner_died: bool = False) -> None:
         seg.mounted = False
         del self._segments[seg.segment.id]
         self._seg_list.remove(seg)
@@ -377,9 +424,22 @@ class MasterState:
             for ver in (obj.readable, obj.pending.version if obj.pending else None):
                 if ver is not None:
                     ver.replicas = [r for r in ver.replicas if r.seg is not seg]
-            if obj.readable is not None and not obj.readable.replicas:
-                obj.readable = None
+            ver = obj.readable
+            if obj.demoting is not None and obj.demoting.client_id == seg.client_id:
+                obj.demoting = None  # its source extent went with the segment
+                if ver is not None and ver.replicas and obj.promoting is None:
+                    self.policy.on_insert(key, ver.size)  # back under the DRAM policy
+            if ver is not None and not ver.replicas:
                 self._untrack(obj)
+                if not ver.disk:  # else it is still on an SSD
+                    obj.readable = None
+                    self._end_tier_moves(obj)
+                    if owner_died:
+                        self.misses.record_owner_death([key], owner=seg.client_id)
+                    else:
+                        self.misses.record_removal(
+                            key, detail=f"segment {seg.segment.id} unmounted"
+                        )
             if obj.pending is not None and not obj.pending.version.replicas:
                 obj.pending = None
             if obj.readable is None and obj.pending is None:
@@ -400,7 +460,17 @@ class MasterState:
             for sid in list(client.segments):
                 seg = self._segments.get(sid)
                 if seg is not None:
-                    self._drop_segment(seg)
+                    self._drop_segment(seg, owner_died=True)
+            lost = []
+            for key in client.ssd_keys:
+                obj = self._objects.get(key)
+                if obj is None or obj.readable is None or cid not in obj.readable.disk:
+                    continue
+                obj.readable.disk.remove(cid)
+                if not obj.readable.replicas and not obj.readable.disk:
+                    self._drop_object(obj, now)
+                    lost.append(key)
+            self.misses.record_owner_death(lost, owner=cid, now=now)
         self.stats.clients_expired += len(dead)
         return dead
 
@@ -492,7 +562,8 @@ class MasterState:
                 )
         if obj is None:
             obj = self._objects[key] = _Object(key)
-        version = _Version(size, replicas)
+        self._next_vid += 1
+        version = _Version(size, replicas, self._next_vid)
         obj.pending = _Pending(client_id, version, now, config)
         for r in replicas:
             r.seg.keys.add(key)
@@ -542,6 +613,8 @@ class MasterState:
             self._unlink(key, old)
             self._release_after_lease(obj, old, now)
             self._untrack(obj)
+            self._end_tier_moves(obj)
+            self._forget_disk(key, old)
         obj.readable = pending.version
         obj.pending = None
         obj.writer = client_id
@@ -563,6 +636,7 @@ class MasterState:
         elif obj.soft_pin_deadline is not None:
             self.policy.set_pin(key, Pin.SOFT)
             self._soft_pinned.add(key)
+        self.misses.record_stored(key)
         self.stats.puts_ended += 1
 
     upsert_end = put_end
@@ -636,9 +710,12 @@ class MasterState:
         obj = self._objects.get(key)
         if obj is None or obj.readable is None:
             self.stats.get_misses += 1
+            self.tiers["dram"].misses += 1
             if obj is not None:
                 raise ReplicaNotReadyError(f"object {key!r} is still being written")
-            raise ObjectNotFoundError(f"object {key!r} not found")
+            raise ObjectNotFoundError(
+                f"object {key!r} not found {format_miss(self.misses.classify(key))}"
+            )
         ttl = self.config.default_kv_lease_ttl
         obj.lease_deadline = max(obj.lease_deadline, now + ttl)
         ver = obj.readable
@@ -648,14 +725,21 @@ class MasterState:
         )
         if for_read:
             obj.read_deadline = max(obj.read_deadline, now + read_ttl)
-        self.policy.on_access(key, now)
+        if key in self.policy:
+            self.policy.on_access(key, now)
         self.stats.gets += 1
-        ver = obj.readable
+        if ver.replicas:
+            self.tiers["dram"].hits += 1
+        else:
+            self.tiers["dram"].misses += 1
+            self.tiers["ssd"].hits += 1
         return GetReplicaListResponse(
             replicas=[r.descriptor(ReplicaStatus.COMPLETE) for r in ver.replicas],
             lease_ttl_ms=int(ttl * 1000),
             size=ver.size,
             read_ttl_ms=int(read_ttl * 1000),
+            vid=ver.vid,
+            disk_clients=list(ver.disk),
         )
 
     def batch_get_replica_list(
@@ -664,9 +748,7 @@ class MasterState:
         out: list[Item[GetReplicaListResponse]] = []
         for key in keys:
             try:
-                out.append(
-                    Item(code=0, value=self.get_replica_list(key, now, for_read=for_read))
-                )
+                out.append(Item(code=0, value=self.get_replica_list(key, now, for_read=for_read)))
             except MooncakeError as e:
                 out.append(Item(code=int(e.code)))
         return out
@@ -712,6 +794,7 @@ class MasterState:
                 f"object {key!r} is leased for another {obj.lease_deadline - now:.3f} s"
             )
         self._drop_object(obj, now)
+        self.misses.record_removal(key, now=now)
         self.stats.removes += 1
 
     def batch_remove(self, keys: list[str], force: bool, now: float) -> list[int]:
@@ -735,6 +818,7 @@ class MasterState:
                 self.stats.lease_refusals += 1
                 continue
             self._drop_object(obj, now)
+            self.misses.record_removal(key, now=now)
             n += 1
         self.stats.removes += n
         return n
@@ -746,6 +830,8 @@ class MasterState:
             self._unlink(obj.key, ver)
             self._release_after_lease(obj, ver, now)
             self._untrack(obj)
+            self._end_tier_moves(obj)
+            self._forget_disk(obj.key, ver)
             obj.readable = None
 
     # -- admin -----------------------------------------------------------------------------
@@ -795,6 +881,7 @@ class MasterState:
         self._release_zombies(now)
         self._release_deferred(now)
         self._expire_soft_pins(now)
+        self._expire_tier_moves(now)
         if (
             self._capacity
             and self._used > self.config.eviction_high_watermark_ratio * self._capacity
@@ -855,6 +942,8 @@ class MasterState:
                 obj is not None
                 and obj.readable is not None
                 and obj.pending is None
+                and obj.demoting is None
+                and obj.promoting is None
                 and not obj.hard_pinned
                 and obj.lease_deadline <= now
                 and (allow_soft or obj.soft_pin_deadline is None)
@@ -862,14 +951,241 @@ class MasterState:
 
         self.stats.eviction_runs += 1
         freed = 0
+        policy = self.policy.name
         for key in self.policy.victims(target, can_evict):
             obj = objects[key]  # type: ignore[index]
-            assert obj.readable is not None
-            freed += obj.readable.size * len(obj.readable.replicas)
-            self.stats.evicted_bytes += obj.readable.size
-            self._drop_object(obj, now)
+            ver = obj.readable
+            assert ver is not None
+            freed += ver.size * len(ver.replicas)
+            self.stats.evicted_bytes += ver.size
             self.stats.evicted_objects += 1
+            self.tiers["dram"].evictions += 1
+            if ver.disk:
+                # Already on an SSD: dropping the memory replicas is the whole demotion.
+                self._to_disk_only(obj, now)
+                continue
+            owner = self._demotion_owner(ver)
+            if owner is not None:
+                self._start_demotion(obj, owner, now)
+                continue
+            self._drop_object(obj, now)
+            self.misses.record_eviction(key, policy=policy, tier="dram", now=now)
         return freed
+
+    # -- tiers: SSD copies, demotion, promotion ---------------------------------------------
+
+    def mount_local_disk(self, client_id: str, capacity: int, now: float) -> None:
+        """``client_id`` has an SSD tier of ``capacity`` bytes: evictions from its segments may
+        be demoted to it (``offload_on_evict``). Capacity 0 unmounts it for new demotions."""
+        _check_client_id(client_id)
+        if capacity < 0:
+            raise InvalidArgumentError(f"SSD capacity must be >= 0, got {capacity}")
+        self._touch_client(client_id, now).ssd_capacity = capacity
+
+    def fetch_tier_tasks(self, client_id: str, now: float) -> TierTasks:
+        """Take ``client_id``'s queued demotions and SSD copies to delete."""
+        _check_client_id(client_id)
+        client = self._touch_client(client_id, now)
+        out = TierTasks(demote=client.demote_tasks, drop=client.disk_drops)
+        client.demote_tasks, client.disk_drops = [], []
+        return out
+
+    def _demotion_owner(self, ver: _Version) -> _Replica | None:
+        if not self.config.offload_on_evict:
+            return None
+        for r in ver.replicas:
+            c = self._clients.get(r.seg.client_id)
+            if c is not None and c.ssd_capacity >= ver.size:
+                return r
+        return None
+
+    def _start_demotion(self, obj: _Object, source: _Replica, now: float) -> None:
+        ver = obj.readable
+        assert ver is not None
+        cid = source.seg.client_id
+        obj.demoting = _Demote(cid, now + self.config.demote_timeout)
+        self._untrack(obj)
+        self._clients[cid].demote_tasks.append(
+            DemoteTask(
+                key=obj.key,
+                vid=ver.vid,
+                segment_name=source.seg.segment.name,
+                addr=source.addr,
+                size=ver.size,
+            )
+        )
+
+    def _to_disk_only(self, obj: _Object, now: float) -> None:
+        ver = obj.readable
+        assert ver is not None and ver.disk
+        self._unlink(obj.key, ver)
+        self._release_after_lease(obj, ver, now)
+        ver.replicas = []
+        self._untrack(obj)
+
+    def _tier_object(self, client_id: str, key: str, vid: int) -> tuple[_Object, _Version]:
+        _check_client_id(client_id)
+        obj = self._objects.get(key)
+        if obj is None or obj.readable is None or obj.readable.vid != vid:
+            raise ObjectNotFoundError(f"object {key!r} version {vid} is gone (removed or replaced)")
+        return obj, obj.readable
+
+    def demote_end(self, client_id: str, key: str, vid: int, now: float) -> None:
+        """``client_id`` holds version ``vid`` of ``key`` on its SSD: free the memory replicas.
+
+        ``OBJECT_NOT_FOUND`` if that version is gone (the client must delete its copy);
+        ``ILLEGAL_CLIENT`` if no demotion of it to this client is in progress.
+        """
+        obj, ver = self._tier_object(client_id, key, vid)
+        if obj.demoting is None or obj.demoting.client_id != client_id:
+            raise IllegalClientError(f"no demotion of {key!r} to client {client_id} is in progress")
+        obj.demoting = None
+        client = self._touch_client(client_id, now)
+        ver.disk.append(client_id)
+        client.ssd_keys.add(key)
+        self._to_disk_only(obj, now)
+        self.tiers["ssd"].demotions += 1
+
+    def demote_revoke(self, client_id: str, key: str, vid: int, now: float) -> None:
+        """The demotion of ``key`` failed: the object is dropped (evicted from DRAM)."""
+        obj, _ = self._tier_object(client_id, key, vid)
+        if obj.demoting is None or obj.demoting.client_id != client_id:
+            raise IllegalClientError(f"no demotion of {key!r} to client {client_id} is in progress")
+        self._drop_object(obj, now)
+        self.misses.record_eviction(key, policy=self.policy.name, tier="dram", now=now)
+
+    def promote_start(
+        self, client_id: str, key: str, vid: int, now: float
+    ) -> list[ReplicaDescriptor]:
+        """Allocate a memory replica for the SSD-only version ``vid`` of ``key`` (on the
+        client's own segments first); the client writes it and calls :meth:`promote_end`.
+
+        ``OBJECT_ALREADY_EXISTS`` if it has memory replicas already, ``REPLICA_IS_NOT_READY``
+        if a promotion is in progress, ``NO_AVAILABLE_HANDLE`` if no space (after eviction).
+        """
+        obj, ver = self._tier_object(client_id, key, vid)
+        if ver.replicas:
+            raise ObjectAlreadyExistsError(f"object {key!r} is already in memory")
+        if obj.promoting is not None or obj.pending is not None:
+            raise ReplicaNotReadyError(f"object {key!r} is being promoted or written")
+        client = self._touch_client(client_id, now)
+        mine = [self._segments[s].segment.name for s in client.segments if s in self._segments]
+        config = ReplicateConfig(replica_num=1, preferred_segments=mine)
+        if self._capacity and (
+            self._used + ver.size > self.config.eviction_high_watermark_ratio * self._capacity
+        ):
+            self.evict(now, need=ver.size)
+        replicas = self._allocate(ver.size, config)
+        if not replicas:
+            raise NoAvailableHandleError(f"no segment has {ver.size} free bytes to promote {key!r}")
+        obj.promoting = _Promote(client_id, replicas, now)
+        return [r.descriptor(ReplicaStatus.PROCESSING) for r in replicas]
+
+    def promote_end(self, client_id: str, key: str, vid: int, now: float) -> None:
+        """The promoted replica is written: the object is in DRAM again."""
+        obj, ver = self._tier_object(client_id, key, vid)
+        p = obj.promoting
+        if p is None or p.client_id != client_id:
+            raise IllegalClientError(f"no promotion of {key!r} by client {client_id}")
+        obj.promoting = None
+        live = [r for r in p.replicas if r.seg.mounted]
+        if not live:
+            raise ObjectNotFoundError(f"the segment receiving {key!r} was unmounted")
+        ver.replicas = live
+        for r in live:
+            r.seg.keys.add(key)
+        self.policy.on_insert(key, ver.size, now=now)
+        if obj.hard_pinned:
+            self.policy.set_pin(key, Pin.HARD)
+        elif obj.soft_pin_deadline is not None:
+            self.policy.set_pin(key, Pin.SOFT)
+        self.tiers["ssd"].promotions += 1
+
+    def promote_revoke(self, client_id: str, key: str, vid: int, now: float) -> None:
+        obj, _ = self._tier_object(client_id, key, vid)
+        p = obj.promoting
+        if p is None or p.client_id != client_id:
+            raise IllegalClientError(f"no promotion of {key!r} by client {client_id}")
+        obj.promoting = None
+        self._free_replicas(p.replicas)
+
+    def evict_disk_replica(
+        self, client_id: str, key: str, vid: int, policy: str, now: float
+    ) -> None:
+        """``client_id`` evicted (by ``policy``) or lost its SSD copy of ``key`` version ``vid``.
+
+        The object is dropped if that was its last replica. A version already gone is a no-op.
+        """
+        _check_client_id(client_id)
+        client = self._touch_client(client_id, now)
+        obj = self._objects.get(key)
+        if obj is None or obj.readable is None or obj.readable.vid != vid:
+            return
+        ver = obj.readable
+        if client_id not in ver.disk:
+            return
+        ver.disk.remove(client_id)
+        client.ssd_keys.discard(key)
+        self.tiers["ssd"].evictions += 1
+        if not ver.replicas and not ver.disk and obj.promoting is None:
+            self._drop_object(obj, now)
+            self.misses.record_eviction(key, policy=policy, tier="ssd", now=now)
+
+    def put_local(self, client_id: str, key: str, size: int, now: float) -> int:
+        """Announce an SSD copy ``client_id`` kept across a restart as a new object held only on
+        its SSD; returns its version id. ``OBJECT_ALREADY_EXISTS`` if ``key`` exists (the client
+        must drop its copy: the key has a newer life)."""
+        _check_client_id(client_id)
+        _check_key(key)
+        if size <= 0:
+            raise InvalidArgumentError(f"object size must be positive, got {size}")
+        client = self._touch_client(client_id, now)
+        if client.ssd_capacity <= 0:
+            raise InvalidArgumentError(f"client {client_id} has no SSD tier mounted")
+        if key in self._objects:
+            raise ObjectAlreadyExistsError(f"object {key!r} already exists")
+        self._next_vid += 1
+        obj = self._objects[key] = _Object(key, writer=client_id)
+        obj.readable = _Version(size, [], self._next_vid, [client_id])
+        client.ssd_keys.add(key)
+        self.misses.record_stored(key)
+        return self._next_vid
+
+    def explain_miss(self, key: str) -> Miss:
+        """Why ``key`` is not readable (without counting a miss)."""
+        return self.misses.explain(key)
+
+    def _end_tier_moves(self, obj: _Object) -> None:
+        """The readable version goes away: cancel its demotion, park its promotion's space."""
+        obj.demoting = None
+        p = obj.promoting
+        if p is not None:
+            obj.promoting = None
+            # the promoter may still be writing: reuse only after the zombie release timeout
+            self._deferred.append((p.started + self.config.put_start_release_timeout, p.replicas))
+
+    def _forget_disk(self, key: str, ver: _Version) -> None:
+        for cid in ver.disk:
+            c = self._clients.get(cid)
+            if c is None:
+                continue
+            c.ssd_keys.discard(key)
+            c.disk_drops.append(DiskDrop(key=key, vid=ver.vid))
+            if len(c.disk_drops) > self.config.max_disk_drops:
+                del c.disk_drops[0]
+        ver.disk = []
+
+    def _expire_tier_moves(self, now: float) -> None:
+        stale = self.config.put_start_discard_timeout
+        for key, obj in list(self._objects.items()):
+            d = obj.demoting
+            if d is not None and d.deadline <= now:
+                self._drop_object(obj, now)
+                self.misses.record_eviction(key, policy=self.policy.name, tier="dram", now=now)
+                continue
+            p = obj.promoting
+            if p is not None and now - p.started >= stale:
+                self._end_tier_moves(obj)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -922,7 +1238,21 @@ class MasterState:
                 for r in ver.replicas:
                     assert r.seg.mounted and obj.key in r.seg.keys
                     extents.setdefault(id(r.seg), []).append((r.addr, r.seg.alloc.extent(r.addr)))
-            assert (obj.readable is not None) == (obj.key in self.policy)
+            in_dram = (
+                obj.readable is not None and bool(obj.readable.replicas) and obj.demoting is None
+            )
+            assert in_dram == (obj.key in self.policy), f"policy tracking of {obj.key!r}"
+            if obj.readable is not None:
+                assert obj.readable.replicas or obj.readable.disk, f"{obj.key!r} has no replica"
+                for cid in obj.readable.disk:
+                    c = self._clients.get(cid)
+                    assert c is None or obj.key in c.ssd_keys
+            if obj.promoting is not None:
+                for r in obj.promoting.replicas:
+                    if r.seg.mounted:
+                        extents.setdefault(id(r.seg), []).append(
+                            (r.addr, r.seg.alloc.extent(r.addr))
+                        )
         for _, reps in self._deferred:
             for r in reps:
                 if r.seg.mounted:
@@ -963,3 +1293,35 @@ def _compile(regex: str) -> re.Pattern[str]:
         return re.compile(regex)
     except re.error as e:
         raise InvalidKeyError(f"bad regular expression {regex!r}: {e}") from None
+
+
+def format_miss(miss: Miss) -> str:
+    """The attribution suffix of an ``OBJECT_NOT_FOUND`` message (parsed by :func:`parse_miss`)."""
+    parts = [f"reason={miss.reason.value}"]
+    for name in ("policy", "tier", "owner"):
+        value = getattr(miss, name)
+        if value:
+            parts.append(f"{name}={value}")
+    return "[miss " + " ".join(parts) + "]"
+
+
+_MISS_RE = re.compile(r"\[miss ((?:\w+=[^\s\]]*\s?)+)\]")
+
+
+def parse_miss(key: str, message: str) -> Miss | None:
+    """The :class:`Miss` in an ``OBJECT_NOT_FOUND`` message, or None if it carries none."""
+    m = _MISS_RE.search(message)
+    if m is None:
+        return None
+    fields = dict(f.split("=", 1) for f in m.group(1).split())
+    try:
+        reason = MissReason(fields.get("reason", ""))
+    except ValueError:
+        return None
+    return Miss(
+        key,
+        reason,
+        policy=fields.get("policy", ""),
+        tier=fields.get("tier", ""),
+        owner=fields.get("owner", ""),
+    )

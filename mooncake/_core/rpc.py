@@ -53,6 +53,15 @@ RemoveAll              ForceParams                      int (objects removed)
 QueryKey               KeyParams                        ObjectInfo (admin: no lease)
 GetAllKeys             Empty                            list[str] (admin: complete objects)
 GetAllSegments         Empty                            list[SegmentInfo]
+MountLocalDisk         LocalDiskParams                  None (the client has an SSD tier)
+FetchTierTasks         ClientParams                     TierTasks (demotions to do, copies to drop)
+DemoteEnd / -Revoke    TierKeyParams                    None
+PromoteStart           TierKeyParams                    list[ReplicaDescriptor]
+PromoteEnd / -Revoke   TierKeyParams                    None
+EvictDiskReplica       EvictDiskParams                  None
+PutLocal               PutLocalParams                   int (version id of the re-announced object)
+ExplainMiss            KeyParams                        MissInfo (no miss counted)
+GetTierStats           Empty                            dict[str, dict[str, int]] (per tier)
 ====================== ================================ ==========================================
 
 Semantics of each call are the master's (:mod:`mooncake._core.master`); this module only
@@ -70,12 +79,14 @@ import msgspec
 
 from mooncake._core.store_types import (
     GetReplicaListResponse,
+    MissInfo,
     ObjectInfo,
     PingResponse,
     ReplicaDescriptor,
     ReplicateConfig,
     Segment,
     SegmentInfo,
+    TierTasks,
 )
 from mooncake.errors import (
     ErrorCode,
@@ -156,6 +167,30 @@ class KeyParams(_Params):
 class KeysParams(_Params):
     keys: list[str]
     for_read: bool = True
+
+
+class LocalDiskParams(_Params):
+    client_id: str
+    capacity: int
+
+
+class TierKeyParams(_Params):
+    client_id: str
+    key: str
+    vid: int
+
+
+class EvictDiskParams(_Params):
+    client_id: str
+    key: str
+    vid: int
+    policy: str = ""
+
+
+class PutLocalParams(_Params):
+    client_id: str
+    key: str
+    size: int
 
 
 class RegexParams(_Params):
@@ -242,6 +277,17 @@ METHODS: dict[str, MethodSpec] = {
         _spec("QueryKey", KeyParams, ObjectInfo),
         _spec("GetAllKeys", Empty, list[str]),
         _spec("GetAllSegments", Empty, list[SegmentInfo]),
+        _spec("MountLocalDisk", LocalDiskParams, None),
+        _spec("FetchTierTasks", ClientParams, TierTasks),
+        _spec("DemoteEnd", TierKeyParams, None),
+        _spec("DemoteRevoke", TierKeyParams, None),
+        _spec("PromoteStart", TierKeyParams, list[ReplicaDescriptor]),
+        _spec("PromoteEnd", TierKeyParams, None),
+        _spec("PromoteRevoke", TierKeyParams, None),
+        _spec("EvictDiskReplica", EvictDiskParams, None),
+        _spec("PutLocal", PutLocalParams, int),
+        _spec("ExplainMiss", KeyParams, MissInfo),
+        _spec("GetTierStats", Empty, dict[str, dict[str, int]]),
     )
 }
 

@@ -149,6 +149,10 @@ class GetReplicaListResponse(_Struct):
     read_ttl_ms: int = 0
     """The read window (0: ``lease_ttl_ms``): a read finishing later than this after the request
     was sent fails closed, since the space may then hold another object."""
+    vid: int = 0
+    """The master's id of this version of the object (changes with every put/upsert)."""
+    disk_clients: list[str] = msgspec.field(default_factory=list)
+    """Client ids holding a copy of this version on their local SSD tier (``LOCAL_DISK``)."""
 
 
 class PingResponse(_Struct):
@@ -185,7 +189,10 @@ class SegmentInfo(_Struct):
 
 __all__ = [
     "ClientStatus",
+    "DemoteTask",
+    "DiskDrop",
     "GetReplicaListResponse",
+    "MissInfo",
     "ObjectDataType",
     "ObjectInfo",
     "PingResponse",
@@ -195,4 +202,40 @@ __all__ = [
     "Segment",
     "SegmentInfo",
     "SoftPinAction",
+    "TierTasks",
 ]
+
+
+class DemoteTask(_Struct):
+    """Master -> owning client: copy ``[addr, addr+size)`` of your segment ``segment_name`` (the
+    object ``key``, version ``vid``) to your SSD tier, then ``DemoteEnd`` (or ``DemoteRevoke``)."""
+
+    key: str
+    vid: int
+    segment_name: str
+    addr: int
+    size: int
+
+
+class DiskDrop(_Struct):
+    """Master -> client: your SSD copy of ``key`` version ``vid`` is no longer listed; delete it."""
+
+    key: str
+    vid: int
+
+
+class TierTasks(_Struct):
+    """Answer of ``FetchTierTasks``: demotions to do and SSD copies to delete."""
+
+    demote: list[DemoteTask] = msgspec.field(default_factory=list)
+    drop: list[DiskDrop] = msgspec.field(default_factory=list)
+
+
+class MissInfo(_Struct):
+    """Why a key is not readable (``ExplainMiss``); fields as :class:`mooncake._core.misses.Miss`."""
+
+    reason: str
+    policy: str = ""
+    tier: str = ""
+    owner: str = ""
+    at: float = 0.0

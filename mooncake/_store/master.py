@@ -48,6 +48,8 @@ from prometheus_client.registry import Collector
 
 from mooncake._core import rpc
 from mooncake._core.master import MasterConfig, MasterState
+from mooncake._core.misses import Miss
+from mooncake._core.store_types import MissInfo
 from mooncake.errors import (
     ErrorCode,
     InvalidArgumentError,
@@ -90,10 +92,33 @@ class MasterServerConfig:
 Handler = Callable[[MasterState, Any, float], Any]
 
 
+def _miss_info(miss: Miss) -> MissInfo:
+    return MissInfo(
+        reason=miss.reason.value,
+        policy=miss.policy,
+        tier=miss.tier,
+        owner=miss.owner,
+        at=miss.at or 0.0,
+    )
+
+
 def _handlers() -> dict[str, Handler]:
     return {
         "ServiceReady": lambda s, p, now: rpc.VERSION,
         "Ping": lambda s, p, now: s.ping(p.client_id, now),
+        "MountLocalDisk": lambda s, p, now: s.mount_local_disk(p.client_id, p.capacity, now),
+        "FetchTierTasks": lambda s, p, now: s.fetch_tier_tasks(p.client_id, now),
+        "DemoteEnd": lambda s, p, now: s.demote_end(p.client_id, p.key, p.vid, now),
+        "DemoteRevoke": lambda s, p, now: s.demote_revoke(p.client_id, p.key, p.vid, now),
+        "PromoteStart": lambda s, p, now: s.promote_start(p.client_id, p.key, p.vid, now),
+        "PromoteEnd": lambda s, p, now: s.promote_end(p.client_id, p.key, p.vid, now),
+        "PromoteRevoke": lambda s, p, now: s.promote_revoke(p.client_id, p.key, p.vid, now),
+        "EvictDiskReplica": lambda s, p, now: s.evict_disk_replica(
+            p.client_id, p.key, p.vid, p.policy, now
+        ),
+        "PutLocal": lambda s, p, now: s.put_local(p.client_id, p.key, p.size, now),
+        "ExplainMiss": lambda s, p, now: _miss_info(s.explain_miss(p.key)),
+        "GetTierStats": lambda s, p, now: {t: c.as_dict() for t, c in s.tiers.items()},
         "MountSegment": lambda s, p, now: s.mount_segment(p.client_id, p.segment, now),
         "ReMountSegment": lambda s, p, now: s.remount_segments(p.client_id, p.segments, now),
         "UnmountSegment": lambda s, p, now: s.unmount_segment(p.client_id, p.segment_id, now),
@@ -364,6 +389,21 @@ class _MasterCollector(Collector):
         yield counter(
             "master_clients_expired", "Clients dropped after client_ttl", st.clients_expired
         )
+        misses = CounterMetricFamily(
+            "master_misses",
+            "Replica lookups of absent objects, by why the object is absent",
+            labels=["reason", "policy", "tier"],
+        )
+        for (reason, policy, tier), n in sorted(s.misses.counts().items()):
+            misses.add_metric([reason, policy, tier], n)
+        yield misses
+        for what in ("hits", "misses", "evictions", "demotions", "promotions"):
+            fam = CounterMetricFamily(
+                f"master_tier_{what}", f"Per-tier {what} as the master sees them", labels=["tier"]
+            )
+            for tier, c in s.tiers.items():
+                fam.add_metric([tier], getattr(c, what))
+            yield fam
         req = CounterMetricFamily(
             "master_rpc_requests", "RPC requests by method", labels=["method"]
         )
