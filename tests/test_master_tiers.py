@@ -236,6 +236,7 @@ def test_ssd_copy_on_another_client_survives_the_segment_owner() -> None:
     m.mount_local_disk("b", 1 << 30, 0)
     m.evict(1, need=1 << 30)
     (t,) = m.fetch_tier_tasks("a", 1).demote
+    assert t.key == "k"
     m.demote_end("a", "k", vid, 1)
     assert m.get_replica_list("k", 2).disk_clients == ["a"]
     m.unmount_segment("a", "seg0", 3)  # the DRAM segment goes; the SSD copy stays
