@@ -160,6 +160,8 @@ class ObjectNotFoundError(StoreError):
     """No readable object of that key (never written, removed, evicted, or not yet PutEnd)."""
 
     code = ErrorCode.OBJECT_NOT_FOUND
+    miss: object = None
+    """Why, when the master said (a :class:`mooncake._core.misses.Miss`): reason, policy, tier."""
 
 
 class ObjectAlreadyExistsError(StoreError):

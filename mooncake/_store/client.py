@@ -47,7 +47,7 @@ import ctypes
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,12 +57,17 @@ import numpy as np
 from mooncake import _fast
 from mooncake._core import rpc
 from mooncake._core import store_types as st
+from mooncake._core.master import parse_miss
+from mooncake._core.misses import Miss, MissReason
+from mooncake._core.policies import EvictionPolicy
 from mooncake._core.staging import RangeAllocator
+from mooncake._core.tiers import Admission, SsdEntry, make_admission
 from mooncake._core.transfer import TransferRequest
 from mooncake._engine.engine import Buffer, Engine, open_engine
 from mooncake._store.config import ReplicateConfig, to_wire
 from mooncake._store.master_conn import MasterConnection
 from mooncake._store.shm import MappedPeer, SharedSegment, ShmPeers, ShmServer
+from mooncake._store.ssd import SsdTier, open_ssd_tier
 from mooncake.errors import (
     BufferOverflowError,
     ClosedError,
@@ -73,12 +78,15 @@ from mooncake.errors import (
     ObjectAlreadyExistsError,
     ObjectNotFoundError,
     PeerDiedError,
+    TierDataError,
     TransferError,
 )
 
 log = logging.getLogger("mooncake.store")
 
 HEARTBEAT_S = 1.0
+#: how often a client with an SSD tier asks the master for demotions to do
+TIER_POLL_S = 0.02
 #: copies below this many bytes run on the loop thread; larger ones in worker threads
 INLINE_COPY = 1 << 20
 #: copies at least this large are split over two worker threads
@@ -153,6 +161,13 @@ class Store:
         self._shm: ShmPeers
         self._closed = False
         self.lease_fences = 0  # reads refused because their lease ran out
+        self.ssd: SsdTier | None = None
+        """The local SSD tier, when opened with ``ssd_path``."""
+        self.admission: Admission = make_admission("hits:2")
+        self._ssd_vid: dict[str, int] = {}  # key -> master version id of our SSD copy
+        # SSD copies lost (evicted or corrupt) not yet reported: key -> (vid, policy, why)
+        self._disk_evictions: dict[str, tuple[int, str, str]] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -187,7 +202,197 @@ class Store:
             await self.master.call(
                 "MountSegment", rpc.MountSegmentParams(client_id=self.client_id, segment=self.mounted)
             )
+        self._tg = tg
+        if self.ssd is not None:
+            await self._start_ssd()
+            tg.start_soon(self._tier_loop)
         tg.start_soon(self._heartbeat)
+
+    # -- SSD tier ---------------------------------------------------------------------------
+
+    def _on_ssd_drop(self, entry: SsdEntry, why: str) -> None:
+        """The SSD tier let go of ``entry``: report evictions and losses to the master."""
+        vid = self._ssd_vid.pop(entry.key, None)
+        if vid is not None and why in ("evicted", "corrupt"):
+            assert self.ssd is not None
+            self._disk_evictions[entry.key] = (vid, self.ssd.index.policy.name, why)
+
+    async def _start_ssd(self) -> None:
+        """Mount the SSD tier at the master and re-announce what it recovered."""
+        tier = self.ssd
+        assert tier is not None
+        await self.master.call(
+            "MountLocalDisk",
+            rpc.LocalDiskParams(client_id=self.client_id, capacity=tier.capacity),
+        )
+        for entry in tier.recovered:
+            if entry.key not in tier:
+                continue
+            try:
+                vid: int = await self.master.call(
+                    "PutLocal",
+                    rpc.PutLocalParams(client_id=self.client_id, key=entry.key, size=entry.size),
+                )
+            except (ObjectAlreadyExistsError, InvalidArgumentError):
+                # the key was written again meanwhile (or cannot be announced): drop our copy
+                self._ssd_vid.pop(entry.key, None)
+                await tier.remove(entry.key)
+                continue
+            self._ssd_vid[entry.key] = vid
+
+    async def _tier_loop(self) -> None:
+        """Do the master's demotions, delete copies it no longer lists, report SSD evictions."""
+        params = rpc.ClientParams(client_id=self.client_id)
+        while True:
+            try:
+                await self._report_disk_evictions()
+                tasks: st.TierTasks = await self.master.call("FetchTierTasks", params)
+                for d in tasks.drop:
+                    if self._ssd_vid.get(d.key) == d.vid:
+                        del self._ssd_vid[d.key]
+                        assert self.ssd is not None
+                        await self.ssd.remove(d.key)
+                for t in tasks.demote:
+                    await self._demote(t)
+            except MooncakeError as e:
+                log.warning("SSD tier round with the master failed: %s", e)
+            await anyio.sleep(TIER_POLL_S)
+
+    async def _report_disk_evictions(self) -> None:
+        while self._disk_evictions:
+            key, (vid, policy, _) = next(iter(self._disk_evictions.items()))
+            await self.master.call(
+                "EvictDiskReplica",
+                rpc.EvictDiskParams(client_id=self.client_id, key=key, vid=vid, policy=policy),
+            )
+            if self._disk_evictions.get(key, (None,))[0] == vid:
+                del self._disk_evictions[key]
+
+    async def _demote(self, t: st.DemoteTask) -> None:
+        """Copy a DRAM replica of our segment to the SSD tier, then DemoteEnd (or Revoke)."""
+        tier, seg = self.ssd, self.segment
+        assert tier is not None
+        params = rpc.TierKeyParams(client_id=self.client_id, key=t.key, vid=t.vid)
+        ok = (
+            seg is not None
+            and t.segment_name == self.segment_name
+            and seg.addr <= t.addr
+            and t.addr + t.size <= seg.addr + seg.size
+        )
+        if ok:
+            assert seg is not None
+            # The master keeps this extent allocated until DemoteEnd/Revoke: stable bytes.
+            view = (ctypes.c_char * t.size).from_address(t.addr)
+            try:
+                await tier.put(t.key, memoryview(view).cast("B"))
+            except MooncakeError as e:
+                log.warning("demoting %r to the SSD tier failed: %s", t.key, e)
+                ok = False
+        if not ok:
+            try:
+                await self.master.call("DemoteRevoke", params)
+            except MooncakeError:
+                pass
+            return
+        self._ssd_vid[t.key] = t.vid
+        try:
+            await self.master.call("DemoteEnd", params)
+        except MooncakeError:
+            # removed or replaced while we copied: our copy must never be served
+            if self._ssd_vid.get(t.key) == t.vid:
+                del self._ssd_vid[t.key]
+                await tier.remove(t.key)
+            return
+        tier.counters.demotions += 1
+
+    async def _read_ssd(self, key: str, resp: st.GetReplicaListResponse) -> bytes:
+        """The bytes of an object the master lists only on SSD copies (ours, if any)."""
+        tier = self.ssd
+        lost = self._disk_evictions.get(key)
+        if lost is not None and lost[0] == resp.vid and self.client_id in resp.disk_clients:
+            # our SSD let it go and the master has not heard yet
+            err = ObjectNotFoundError(f"object {key!r} left this client's SSD tier ({lost[2]})")
+            if lost[2] == "evicted":
+                err.miss = Miss(key, MissReason.EVICTED, policy=lost[1], tier="ssd")
+            else:
+                err.miss = Miss(key, MissReason.TRANSFER_FAILED, tier="ssd", detail=lost[2])
+            raise err
+        if (
+            tier is None
+            or self.client_id not in resp.disk_clients
+            or self._ssd_vid.get(key) != resp.vid
+        ):
+            err = ObjectNotFoundError(
+                f"object {key!r} is only on the SSD of client(s) {', '.join(resp.disk_clients)}; "
+                "reading another client's SSD is not supported"
+            )
+            err.miss = Miss(key, MissReason.TRANSFER_FAILED, tier="ssd", detail="remote SSD")
+            raise err
+        try:
+            data = await tier.get(key)
+        except TierDataError:
+            # already dropped from the tier; _on_ssd_drop queued the report to the master
+            raise
+        if self.admission.admit(key) and self._tg is not None:
+            self._tg.start_soon(self._promote, key, resp.vid, data)
+        return data
+
+    async def _promote(self, key: str, vid: int, data: bytes) -> None:
+        """Copy an SSD hit back to DRAM (PromoteStart -> write -> PromoteEnd)."""
+        params = rpc.TierKeyParams(client_id=self.client_id, key=key, vid=vid)
+        try:
+            reps: list[st.ReplicaDescriptor] = await self.master.call("PromoteStart", params)
+        except MooncakeError as e:
+            log.debug("promotion of %r not started: %s", key, e)
+            return
+        try:
+            addr, n, keep = _value_addr(data)
+            r = reps[0]
+            if self._is_copyable(r.segment_name) and r.segment_name == self.segment_name:
+                ctypes.memmove(r.addr, addr, n)
+            else:
+                off = await self._stage(n)
+                try:
+                    assert self.local_buffer is not None
+                    local = self.local_buffer.addr + off
+                    ctypes.memmove(local, addr, n)
+                    op = _Op(True, local, r, n)
+                    await self._move([op])
+                    if op.error is not None:
+                        raise op.error
+                finally:
+                    self._unstage(off)
+            del keep
+            await self.master.call("PromoteEnd", params)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.master.call("PromoteRevoke", params)
+                except MooncakeError:
+                    pass
+            raise
+        assert self.ssd is not None
+        self.ssd.counters.promotions += 1
+
+    async def explain_miss(self, key: str) -> Miss:
+        """Why ``key`` is not readable, as the master attributes it (no miss is counted)."""
+        info: st.MissInfo = await self.master.call("ExplainMiss", rpc.KeyParams(key=key))
+        return Miss(
+            key,
+            MissReason(info.reason),
+            policy=info.policy,
+            tier=info.tier,
+            owner=info.owner,
+            at=info.at or None,
+        )
+
+    async def tier_stats(self) -> dict[str, dict[str, int]]:
+        """Per-tier counters: the master's view (``dram``, ``ssd``) and this client's SSD tier
+        (``local_ssd``: hits, misses, evictions, demotions, promotions, errors, bytes...)."""
+        out: dict[str, dict[str, int]] = await self.master.call("GetTierStats", rpc.Empty())
+        if self.ssd is not None:
+            out["local_ssd"] = self.ssd.stats()
+        return out
 
     async def _heartbeat(self) -> None:
         params = rpc.ClientParams(client_id=self.client_id)
@@ -661,9 +866,13 @@ class Store:
     ) -> tuple[st.GetReplicaListResponse, float]:
         """GetReplicaList and the read's fence deadline (measured from before the request)."""
         t0 = anyio.current_time()
-        resp: st.GetReplicaListResponse = await self.master.call(
-            "GetReplicaList", rpc.KeyParams(key=_check_key(key), for_read=for_read)
-        )
+        try:
+            resp: st.GetReplicaListResponse = await self.master.call(
+                "GetReplicaList", rpc.KeyParams(key=_check_key(key), for_read=for_read)
+            )
+        except ObjectNotFoundError as e:
+            e.miss = parse_miss(key, str(e))
+            raise
         return resp, t0 + _read_ttl(resp)
 
     async def _batch_query(
@@ -713,6 +922,8 @@ class Store:
         """The value of ``key`` (raises :class:`ObjectNotFoundError` if there is none)."""
         self._check_open()
         resp, deadline = await self._query(key)
+        if not resp.replicas and resp.disk_clients:
+            return await self._read_ssd(key, resp)
         n = self._size_of(resp)
         # same-host or own replica: copy straight into a new bytes object
         await self._resolve(r.segment_name for r in resp.replicas)
@@ -756,6 +967,9 @@ class Store:
         n = self._size_of(resp)
         if n > size:
             raise InvalidArgumentError(f"buffer of {size} bytes is smaller than the {n}-byte value")
+        if not resp.replicas and resp.disk_clients:
+            ctypes.memmove(addr, await self._read_ssd(key, resp), n)
+            return n
         await self._read_one(resp, addr, n, deadline)
         return n
 
@@ -770,6 +984,7 @@ class Store:
             resps, t0 = await self._batch_query(keys)
         except MooncakeError as e:
             return [e] * len(keys)
+        from_ssd = await self._batch_ssd(keys, resps)
         out: list[bytes | MooncakeError] = [b""] * len(keys)
         sizes = [self._size_of(r) if not isinstance(r, MooncakeError) else 0 for r in resps]
         total = sum(sizes)
@@ -798,6 +1013,24 @@ class Store:
         finally:
             if off is not None:
                 self._unstage(off)
+        for i, got in from_ssd.items():
+            out[i] = got
+        return out
+
+    async def _batch_ssd(
+        self, keys: Sequence[str], resps: list[st.GetReplicaListResponse | MooncakeError]
+    ) -> dict[int, bytes | MooncakeError]:
+        """Serve the SSD-only answers of a batch; their slots in ``resps`` become errors so the
+        memory path skips them (the caller puts the results back)."""
+        out: dict[int, bytes | MooncakeError] = {}
+        for i, r in enumerate(resps):
+            if isinstance(r, MooncakeError) or r.replicas or not r.disk_clients:
+                continue
+            try:
+                out[i] = await self._read_ssd(keys[i], r)
+            except MooncakeError as e:
+                out[i] = e
+            resps[i] = ObjectNotFoundError("served from the SSD tier")
         return out
 
     async def batch_get_into(
@@ -819,10 +1052,26 @@ class Store:
             resps, t0 = await self._batch_query(keys)
         except MooncakeError as e:
             return [e] * len(keys)
+        from_ssd = await self._batch_ssd(keys, resps)
+        for i, got in from_ssd.items():
+            if isinstance(got, MooncakeError):
+                out[i] = got
+                continue
+            try:
+                self._require_local(addrs[i], sizes[i], f"batch_get_into[{i}]")
+                if len(got) > sizes[i]:
+                    raise InvalidArgumentError(
+                        f"buffer of {sizes[i]} bytes is smaller than the {len(got)}-byte value"
+                    )
+                ctypes.memmove(addrs[i], got, len(got))
+                out[i] = len(got)
+            except MooncakeError as e:
+                out[i] = e
         lens: list[int] = []
         for i, r in enumerate(resps):
             if isinstance(r, MooncakeError):
-                out[i] = r
+                if i not in from_ssd:
+                    out[i] = r
                 lens.append(0)
                 continue
             n = self._size_of(r)
@@ -1003,6 +1252,12 @@ async def open_store(
     local_buffer_size: int = 16 << 20,
     protocol: str = "tcp",
     engine: Engine | None = None,
+    ssd_path: str | None = None,
+    ssd_capacity: int = 0,
+    ssd_policy: EvictionPolicy | str = "lru",
+    promotion: Admission | str = "hits:2",
+    ssd_direct_io: bool | None = None,
+    ssd_sync: bool = True,
 ) -> AsyncIterator[Store]:
     """Connect to the master at ``master``, mount a segment and yield a :class:`Store`.
 
@@ -1011,10 +1266,38 @@ async def open_store(
     address for peers (its engine binds it). Pass ``engine`` to share an existing engine (it is
     not closed on exit). On exit the segment is unmounted (objects stored in it disappear) and
     everything the client started stops.
+
+    ``ssd_path`` (with ``ssd_capacity`` bytes) gives the client a local SSD tier
+    (:mod:`mooncake._store.ssd`, evicting by ``ssd_policy``): objects the master evicts from this
+    client's segment are demoted to it instead of dropped, gets of objects held only there are
+    served from it (verified), and hits are promoted back to DRAM when ``promotion`` admits them
+    (``"always"``, ``"never"``, ``"hits:N"``). Objects found in ``ssd_path`` at start are
+    re-announced to the master (or dropped if their key was written again). See docs/tiers.md.
     """
     if protocol not in ("tcp", ""):
         raise InvalidArgumentError(f"protocol {protocol!r} is not supported (use 'tcp')")
     store = Store(master, segment_size=segment_size, local_buffer_size=local_buffer_size)
+    store.admission = make_admission(promotion)
+    async with AsyncExitStack() as stack:
+        if ssd_path is not None:
+            store.ssd = await stack.enter_async_context(
+                open_ssd_tier(
+                    ssd_path,
+                    ssd_capacity,
+                    policy=ssd_policy,
+                    direct_io=ssd_direct_io,
+                    sync=ssd_sync,
+                    on_drop=store._on_ssd_drop,
+                )
+            )
+        async with _open_with_engine(store, engine, hostname, metadata) as opened:
+            yield opened
+
+
+@asynccontextmanager
+async def _open_with_engine(
+    store: Store, engine: Engine | None, hostname: str, metadata: str
+) -> AsyncIterator[Store]:
     async with _engine_for(engine, hostname, metadata) as eng:
         store.engine = eng
         try:
