@@ -17,8 +17,10 @@ Part 2, ``trace``: replays the first ``--requests`` requests of a FAST'25 Moonca
 for each policy and each segment capacity (fraction of the distinct blocks): per request a
 ``get_batch`` of its blocks; the blocks before the first miss are prefix hits, the missing ones
 are put back with ``put_batch``. The master evicts with the policy under test above its high
-watermark; leases are shortened to 1 ms so recently read blocks stay evictable. Reports the
-prefix hit ratio (blocks hit / blocks requested).
+watermark; leases are shortened to 50 ms so recently read blocks stay evictable. Reports the
+prefix hit ratio (blocks hit / blocks requested). With ``--ssd-multiple M`` the client also has
+an SSD tier of M times the DRAM capacity (same policy, no promotion): DRAM evictions are
+demoted to it and prefix blocks found only there count as hits (``from ssd``).
 
     python benchmarks/tiers.py --json tiers.json
 """
@@ -153,16 +155,32 @@ def load_trace(path: str, n: int) -> list[list[int]]:
 
 
 async def replay(
-    trace: list[list[int]], policy: str, capacity_blocks: int, block: int
+    trace: list[list[int]],
+    policy: str,
+    capacity_blocks: int,
+    block: int,
+    ssd_blocks: int = 0,
+    ssd_dir: str = "",
 ) -> dict[str, Any]:
-    state = MasterConfig(seed=1, eviction_policy=policy, default_kv_lease_ttl=0.001)
+    state = MasterConfig(seed=1, eviction_policy=policy, default_kv_lease_ttl=0.05)
     # The segment is the DRAM capacity; the master keeps it under its high watermark.
     seg = capacity_blocks * block
     payload = bytes(block)
     hits = requested = put_fail = 0
+    tmp = tempfile.TemporaryDirectory(dir=ssd_dir or None) if ssd_blocks else None
+    ssd_kw: dict[str, Any] = {}
+    if tmp is not None:
+        # header block + one payload block per object on SSD
+        ssd_kw = dict(
+            ssd_path=tmp.name,
+            ssd_capacity=ssd_blocks * (block + 4096),
+            ssd_policy=policy,
+            promotion="never",
+            ssd_sync=False,
+        )
     async with (
         running_master(state) as addr,
-        open_store(addr, segment_size=seg, local_buffer_size=max(seg, 4 * MIB)) as s,
+        open_store(addr, segment_size=seg, local_buffer_size=max(seg, 4 * MIB), **ssd_kw) as s,
     ):
         for blocks in trace:
             keys = [f"b{h}" for h in blocks]
@@ -178,9 +196,14 @@ async def replay(
             if missing:
                 errs = await s.put_batch(missing, [payload] * len(missing))
                 put_fail += sum(e is not None for e in errs)
+        ssd_hits = s.ssd.counters.hits if s.ssd is not None else 0
+    if tmp is not None:
+        tmp.cleanup()
     return {
         "policy": policy,
         "capacity_blocks": capacity_blocks,
+        "ssd_blocks": ssd_blocks,
+        "ssd_hits": ssd_hits,
         "hit_ratio": hits / requested,
         "requested": requested,
         "put_failures": put_fail,
@@ -188,7 +211,13 @@ async def replay(
 
 
 async def bench_trace(
-    path: str, n: int, block: int, policies: list[str], fractions: list[float]
+    path: str,
+    n: int,
+    block: int,
+    policies: list[str],
+    fractions: list[float],
+    ssd_multiple: float = 0.0,
+    ssd_dir: str = "",
 ) -> list[dict[str, Any]]:
     trace = load_trace(path, n)
     distinct = len({h for r in trace for h in r})
@@ -197,13 +226,15 @@ async def bench_trace(
         cap = max(16, int(distinct * frac))
         for policy in policies:
             t0 = time.perf_counter()
-            r = await replay(trace, policy, cap, block)
+            ssd_blocks = int(cap * ssd_multiple)
+            r = await replay(trace, policy, cap, block, ssd_blocks, ssd_dir)
             r["fraction"] = frac
             r["distinct_blocks"] = distinct
             r["seconds"] = time.perf_counter() - t0
             rows.append(r)
             print(
-                f"capacity {frac:5.0%} ({cap} blocks)  {policy:>10}  hit {r['hit_ratio']:.3f}  "
+                f"capacity {frac:5.0%} ({cap} blocks)  ssd {ssd_blocks:6d} blocks  {policy:>10}  "
+                f"hit {r['hit_ratio']:.3f}  from ssd {r['ssd_hits'] / r['requested']:.3f}  "
                 f"put failures {r['put_failures']}  ({r['seconds']:.1f} s)",
                 flush=True,
             )
@@ -220,7 +251,13 @@ async def main(args: argparse.Namespace) -> None:
         out["latency"] = await bench_latency(args.sizes, args.count, args.ssd_dir)
     if "trace" in args.parts:
         out["trace"] = await bench_trace(
-            args.trace, args.requests, args.block, args.policies, args.fractions
+            args.trace,
+            args.requests,
+            args.block,
+            args.policies,
+            args.fractions,
+            args.ssd_multiple,
+            args.ssd_dir,
         )
     if args.json:
         await anyio.Path(args.json).write_text(json.dumps(out, indent=2))
@@ -237,5 +274,11 @@ if __name__ == "__main__":
     ap.add_argument("--block", type=int, default=4096)
     ap.add_argument("--policies", nargs="+", default=["lru", "fifo", "lfu", "sieve", "s3fifo"])
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.25, 0.5])
+    ap.add_argument(
+        "--ssd-multiple",
+        type=float,
+        default=0.0,
+        help="give the client an SSD tier of this many times the DRAM capacity (0: none)",
+    )
     ap.add_argument("--json", default="")
     trio.run(main, ap.parse_args())

@@ -139,6 +139,11 @@ def test_replaced_during_demotion_fails_the_demotion() -> None:
     fill(m, 10)
     m.evict(1, need=8 * KiB)
     t = m.fetch_tier_tasks("c", 1).demote[0]
+    # bytes being demoted count as freed: no further eviction until the owner confirms
+    with pytest.raises(NoAvailableHandleError, match="being demoted"):
+        m.upsert_start("c", t.key, 100, DEF, 2)
+    other = next(k for k in m.all_keys() if k != t.key and m.query_key(k).replicas)
+    m.remove(other, False, 2)
     m.upsert_start("c", t.key, 100, DEF, 2)
     m.upsert_end("c", t.key, 2)
     with pytest.raises(ObjectNotFoundError, match="gone"):

@@ -215,6 +215,7 @@ class _Version:
 class _Demote:
     client_id: str
     deadline: float
+    size: int
 
 
 @dataclass(slots=True)
@@ -293,6 +294,7 @@ class MasterState:
         self._used = 0
         self._capacity = 0
         self._next_vid = 0
+        self._demoting_bytes = 0
         self.misses = MissLedger()
         """How lost keys were lost; classifies every GetReplicaList miss."""
         self.tiers = {"dram": TierCounters(), "ssd": TierCounters()}
@@ -426,7 +428,7 @@ class MasterState:
                     ver.replicas = [r for r in ver.replicas if r.seg is not seg]
             ver = obj.readable
             if obj.demoting is not None and obj.demoting.client_id == seg.client_id:
-                obj.demoting = None  # its source extent went with the segment
+                self._clear_demoting(obj)  # its source extent went with the segment
                 if ver is not None and ver.replicas and obj.promoting is None:
                     self.policy.on_insert(key, ver.size)  # back under the DRAM policy
             if ver is not None and not ver.replicas:
@@ -545,9 +547,9 @@ class MasterState:
         now: float,
         obj: _Object | None,
     ) -> list[ReplicaDescriptor]:
-        if (
-            self._capacity
-            and self._used + size > self.config.eviction_high_watermark_ratio * self._capacity
+        if self._capacity and (
+            self._used - self._demoting_bytes + size
+            > self.config.eviction_high_watermark_ratio * self._capacity
         ):
             self.evict(now, need=size)
         replicas = self._allocate(size, config)
@@ -558,7 +560,8 @@ class MasterState:
                 self.stats.put_failures_no_space += 1
                 raise NoAvailableHandleError(
                     f"no mounted segment has {size} free bytes for {key!r} "
-                    f"({len(self._seg_list)} segments, {self._used}/{self._capacity} bytes used)"
+                    f"({len(self._seg_list)} segments, {self._used}/{self._capacity} bytes used, "
+                    f"{self._demoting_bytes} being demoted to SSD)"
                 )
         if obj is None:
             obj = self._objects[key] = _Object(key)
@@ -882,9 +885,9 @@ class MasterState:
         self._release_deferred(now)
         self._expire_soft_pins(now)
         self._expire_tier_moves(now)
-        if (
-            self._capacity
-            and self._used > self.config.eviction_high_watermark_ratio * self._capacity
+        if self._capacity and (
+            self._used - self._demoting_bytes
+            > self.config.eviction_high_watermark_ratio * self._capacity
         ):
             self.evict(now)
 
@@ -930,7 +933,11 @@ class MasterState:
             return 0
         wm = self.config.eviction_high_watermark_ratio
         ratio = self.config.eviction_ratio
-        target = max(int(ratio * cap), int(self._used - wm * cap + ratio * cap), need)
+        # Bytes being demoted come back when their owners confirm: count them as freed, or
+        # every put would push another victim into demotion.
+        pending = self._demoting_bytes
+        used = self._used - pending
+        target = max(int(ratio * cap), int(used - wm * cap + ratio * cap), need) - pending
         if target <= 0:
             return 0
         allow_soft = self.config.allow_evict_soft_pinned_objects
@@ -1003,7 +1010,8 @@ class MasterState:
         ver = obj.readable
         assert ver is not None
         cid = source.seg.client_id
-        obj.demoting = _Demote(cid, now + self.config.demote_timeout)
+        obj.demoting = _Demote(cid, now + self.config.demote_timeout, ver.size)
+        self._demoting_bytes += ver.size
         self._untrack(obj)
         self._clients[cid].demote_tasks.append(
             DemoteTask(
@@ -1039,7 +1047,7 @@ class MasterState:
         obj, ver = self._tier_object(client_id, key, vid)
         if obj.demoting is None or obj.demoting.client_id != client_id:
             raise IllegalClientError(f"no demotion of {key!r} to client {client_id} is in progress")
-        obj.demoting = None
+        self._clear_demoting(obj)
         client = self._touch_client(client_id, now)
         ver.disk.append(client_id)
         client.ssd_keys.add(key)
@@ -1157,12 +1165,17 @@ class MasterState:
 
     def _end_tier_moves(self, obj: _Object) -> None:
         """The readable version goes away: cancel its demotion, park its promotion's space."""
-        obj.demoting = None
+        self._clear_demoting(obj)
         p = obj.promoting
         if p is not None:
             obj.promoting = None
             # the promoter may still be writing: reuse only after the zombie release timeout
             self._deferred.append((p.started + self.config.put_start_release_timeout, p.replicas))
+
+    def _clear_demoting(self, obj: _Object) -> None:
+        if obj.demoting is not None:
+            self._demoting_bytes -= obj.demoting.size
+            obj.demoting = None
 
     def _forget_disk(self, key: str, ver: _Version) -> None:
         for cid in ver.disk:
@@ -1225,6 +1238,9 @@ class MasterState:
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if bookkeeping is inconsistent (tests)."""
+        assert self._demoting_bytes == sum(
+            o.demoting.size for o in self._objects.values() if o.demoting is not None
+        ), "demoting bytes"
         assert self._capacity == sum(s.segment.size for s in self._seg_list)
         assert self._used == sum(s.alloc.used for s in self._seg_list)
         extents: dict[int, list[tuple[int, int]]] = {}

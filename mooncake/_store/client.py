@@ -74,6 +74,7 @@ from mooncake.errors import (
     InvalidArgumentError,
     LeaseExpiredError,
     MooncakeError,
+    NoAvailableHandleError,
     NotRegisteredError,
     ObjectAlreadyExistsError,
     ObjectNotFoundError,
@@ -168,6 +169,7 @@ class Store:
         # SSD copies lost (evicted or corrupt) not yet reported: key -> (vid, policy, why)
         self._disk_evictions: dict[str, tuple[int, str, str]] = {}
         self._tg: anyio.abc.TaskGroup | None = None
+        self._tier_lock = anyio.Lock()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -241,22 +243,28 @@ class Store:
             self._ssd_vid[entry.key] = vid
 
     async def _tier_loop(self) -> None:
-        """Do the master's demotions, delete copies it no longer lists, report SSD evictions."""
-        params = rpc.ClientParams(client_id=self.client_id)
+        """Every ``TIER_POLL_S``: one :meth:`_tier_round`."""
         while True:
             try:
-                await self._report_disk_evictions()
-                tasks: st.TierTasks = await self.master.call("FetchTierTasks", params)
-                for d in tasks.drop:
-                    if self._ssd_vid.get(d.key) == d.vid:
-                        del self._ssd_vid[d.key]
-                        assert self.ssd is not None
-                        await self.ssd.remove(d.key)
-                for t in tasks.demote:
-                    await self._demote(t)
+                await self._tier_round()
             except MooncakeError as e:
                 log.warning("SSD tier round with the master failed: %s", e)
             await anyio.sleep(TIER_POLL_S)
+
+    async def _tier_round(self) -> None:
+        """Report SSD evictions, delete copies the master no longer lists, do its demotions."""
+        async with self._tier_lock:
+            await self._report_disk_evictions()
+            tasks: st.TierTasks = await self.master.call(
+                "FetchTierTasks", rpc.ClientParams(client_id=self.client_id)
+            )
+            for d in tasks.drop:
+                if self._ssd_vid.get(d.key) == d.vid:
+                    del self._ssd_vid[d.key]
+                    assert self.ssd is not None
+                    await self.ssd.remove(d.key)
+            for t in tasks.demote:
+                await self._demote(t)
 
     async def _report_disk_evictions(self) -> None:
         while self._disk_evictions:
@@ -681,6 +689,45 @@ class Store:
             del spans  # the exports stay alive until every write has finished
 
     async def _put_addrs(
+        self,
+        keys: Sequence[str],
+        addrs: Sequence[int],
+        sizes: Sequence[int],
+        config: Config,
+        *,
+        upsert: bool,
+        batch: bool,
+        copy: bool = False,
+    ) -> list[MooncakeError | None]:
+        """:meth:`_put_addrs_once`; with an SSD tier, keys refused for lack of space are retried
+        after doing the demotions the master has queued for this client (the space they hold
+        comes back only when the copies are confirmed), while that makes progress."""
+        errs = await self._put_addrs_once(
+            keys, addrs, sizes, config, upsert=upsert, batch=batch, copy=copy
+        )
+        if self.ssd is None:
+            return errs
+        while True:  # while rounds make progress (each places at least one key)
+            again = [i for i, e in enumerate(errs) if isinstance(e, NoAvailableHandleError)]
+            if not again:
+                break
+            await self._tier_round()
+            retried = await self._put_addrs_once(
+                [keys[i] for i in again],
+                [addrs[i] for i in again],
+                [sizes[i] for i in again],
+                config,
+                upsert=upsert,
+                batch=batch,
+                copy=copy,
+            )
+            for i, e in zip(again, retried, strict=True):
+                errs[i] = e
+            if all(isinstance(e, NoAvailableHandleError) for e in retried):
+                break
+        return errs
+
+    async def _put_addrs_once(
         self,
         keys: Sequence[str],
         addrs: Sequence[int],
