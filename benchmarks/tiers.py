@@ -94,53 +94,52 @@ async def bench_latency(sizes: list[int], count: int, ssd_dir: str) -> list[dict
         running_master(MasterConfig(seed=1)) as addr,
         open_store(addr, segment_size=seg, local_buffer_size=seg) as a,
     ):
-        if True:  # keeps the body's indentation stable
-            os.environ["MC_STORE_MEMCPY"] = "0"
-            try:
-                remote_cm = open_store(addr, segment_size=0, local_buffer_size=4 * biggest)
-                b: Store = await remote_cm.__aenter__()
-            finally:
-                os.environ.pop("MC_STORE_MEMCPY", None)
-            try:
-                for size in sizes:
-                    nkeys = max(1, min(16, (seg // 2) // max(size, 1) // 2))
-                    values = {f"o{size}-{i}": os.urandom(size) for i in range(nkeys)}
-                    for k, v in values.items():
-                        await a.put(k, v)
-                    keys = [f"o{size}-{i % nkeys}" for i in range(count)]
-                    await time_gets(a.get, keys[:nkeys], values)  # warm
-                    rows.append(
-                        {"tier": "dram-local", "size": size}
-                        | summarize(await time_gets(a.get, keys, values), size)
+        os.environ["MC_STORE_MEMCPY"] = "0"
+        try:
+            remote_cm = open_store(addr, segment_size=0, local_buffer_size=4 * biggest)
+            b: Store = await remote_cm.__aenter__()
+        finally:
+            os.environ.pop("MC_STORE_MEMCPY", None)
+        try:
+            for size in sizes:
+                nkeys = max(1, min(16, (seg // 2) // max(size, 1) // 2))
+                values = {f"o{size}-{i}": os.urandom(size) for i in range(nkeys)}
+                for k, v in values.items():
+                    await a.put(k, v)
+                keys = [f"o{size}-{i % nkeys}" for i in range(count)]
+                await time_gets(a.get, keys[:nkeys], values)  # warm
+                rows.append(
+                    {"tier": "dram-local", "size": size}
+                    | summarize(await time_gets(a.get, keys, values), size)
+                )
+                await time_gets(b.get, keys[:nkeys], values)
+                rows.append(
+                    {"tier": "dram-remote", "size": size}
+                    | summarize(await time_gets(b.get, keys, values), size)
+                )
+                for k in values:
+                    await a.remove(k, force=True)
+                for direct in (True, False):
+                    with tempfile.TemporaryDirectory(dir=ssd_dir) as d:
+                        async with open_ssd_tier(d, 1 << 34, direct_io=direct) as tier:
+                            for k, v in values.items():
+                                await tier.put(k, v)
+                            await time_gets(tier.get, keys[:nkeys], values)
+                            rows.append(
+                                {
+                                    "tier": "ssd-direct" if direct else "ssd-buffered",
+                                    "size": size,
+                                }
+                                | summarize(await time_gets(tier.get, keys, values), size)
+                            )
+                for r in rows[-4:]:
+                    print(
+                        f"{r['tier']:>13} {r['size']:>9} B  p50 {r['p50_us']:9.1f} us  "
+                        f"p99 {r['p99_us']:9.1f} us  {r['MBps']:9.1f} MB/s",
+                        flush=True,
                     )
-                    await time_gets(b.get, keys[:nkeys], values)
-                    rows.append(
-                        {"tier": "dram-remote", "size": size}
-                        | summarize(await time_gets(b.get, keys, values), size)
-                    )
-                    for k in values:
-                        await a.remove(k, force=True)
-                    for direct in (True, False):
-                        with tempfile.TemporaryDirectory(dir=ssd_dir) as d:
-                            async with open_ssd_tier(d, 1 << 34, direct_io=direct) as tier:
-                                for k, v in values.items():
-                                    await tier.put(k, v)
-                                await time_gets(tier.get, keys[:nkeys], values)
-                                rows.append(
-                                    {
-                                        "tier": "ssd-direct" if direct else "ssd-buffered",
-                                        "size": size,
-                                    }
-                                    | summarize(await time_gets(tier.get, keys, values), size)
-                                )
-                    for r in rows[-4:]:
-                        print(
-                            f"{r['tier']:>13} {r['size']:>9} B  p50 {r['p50_us']:9.1f} us  "
-                            f"p99 {r['p99_us']:9.1f} us  {r['MBps']:9.1f} MB/s",
-                            flush=True,
-                        )
-            finally:
-                await remote_cm.__aexit__(None, None, None)
+        finally:
+            await remote_cm.__aexit__(None, None, None)
     return rows
 
 

@@ -11,6 +11,10 @@ Whose fault it is follows trio's naming: ``*Refused`` / ``Invalid*`` is the call
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mooncake._core.misses import Miss
 
 
 class ErrorCode(enum.IntEnum):
@@ -160,8 +164,8 @@ class ObjectNotFoundError(StoreError):
     """No readable object of that key (never written, removed, evicted, or not yet PutEnd)."""
 
     code = ErrorCode.OBJECT_NOT_FOUND
-    miss: object = None
-    """Why, when the master said (a :class:`mooncake._core.misses.Miss`): reason, policy, tier."""
+    miss: Miss | None = None
+    """Why, when the master said: reason, policy, tier (:class:`mooncake._core.misses.Miss`)."""
 
 
 class ObjectAlreadyExistsError(StoreError):
