@@ -6,7 +6,9 @@ Part 1, ``latency``: ``--count`` gets of objects of each ``--sizes`` from
 * ``dram-remote``: a second client (no segment; ``MC_STORE_MEMCPY=0`` so it cannot map the
   first one's memory) reading over the transfer engine's TCP transport from the first;
 * ``ssd-direct`` / ``ssd-buffered``: the SSD tier (:mod:`mooncake._store.ssd`) in ``--ssd-dir``
-  with ``O_DIRECT`` (device reads) and with buffered I/O (page-cache reads once warm).
+  with ``O_DIRECT`` (device reads) and with buffered I/O (page-cache reads once warm);
+* ``ssd-store``: ``store.get`` of objects the master demoted to the client's SSD tier (RPC +
+  verified SSD read; ``O_DIRECT`` where supported, no promotion).
 
 One master (in-process, real sockets), both clients and the tier run in this process on trio.
 Latency per get is wall time from call to verified bytes; throughput is size / mean latency
@@ -143,6 +145,50 @@ async def bench_latency(sizes: list[int], count: int, ssd_dir: str) -> list[dict
     return rows
 
 
+async def bench_ssd_store(sizes: list[int], count: int, ssd_dir: str) -> list[dict[str, Any]]:
+    """Gets through the store of objects the master demoted to this client's SSD tier."""
+    rows: list[dict[str, Any]] = []
+    for size in sizes:
+        seg = max(4 * MIB, 8 * size)
+        with tempfile.TemporaryDirectory(dir=ssd_dir) as d:
+            async with (
+                running_master(MasterConfig(seed=1, default_kv_lease_ttl=0.01)) as addr,
+                open_store(
+                    addr,
+                    segment_size=seg,
+                    local_buffer_size=seg,
+                    ssd_path=d,
+                    ssd_capacity=1 << 34,
+                    promotion="never",
+                ) as s,
+            ):
+                n = 3 * seg // size  # three segments' worth: most end up on SSD
+                values = {f"o{size}-{i}": os.urandom(size) for i in range(min(n, 64))}
+                for i in range(n):
+                    k = f"o{size}-{i % len(values)}" if i < len(values) else f"f{size}-{i}"
+                    await s.put(k, values.get(k, values[f"o{size}-0"]))
+                on_ssd = []
+                for k in values:
+                    resp, _ = await s._query(k, for_read=False)
+                    if not resp.replicas and resp.disk_clients:
+                        on_ssd.append(k)
+                if not on_ssd:
+                    print(f"  ssd-store {size}: nothing was demoted", flush=True)
+                    continue
+                keys = [on_ssd[i % len(on_ssd)] for i in range(count)]
+                lat = await time_gets(s.get, keys, values)
+                row = {"tier": "ssd-store", "size": size} | summarize(lat, size)
+                assert s.ssd is not None
+                row["direct_io"] = s.ssd.direct_io
+                rows.append(row)
+                print(
+                    f"{row['tier']:>13} {size:>9} B  p50 {row['p50_us']:9.1f} us  "
+                    f"p99 {row['p99_us']:9.1f} us  {row['MBps']:9.1f} MB/s",
+                    flush=True,
+                )
+    return rows
+
+
 def load_trace(path: str, n: int) -> list[list[int]]:
     out = []
     with open(path) as f:
@@ -248,6 +294,7 @@ async def main(args: argparse.Namespace) -> None:
     }
     if "latency" in args.parts:
         out["latency"] = await bench_latency(args.sizes, args.count, args.ssd_dir)
+        out["latency"] += await bench_ssd_store(args.sizes, args.count, args.ssd_dir)
     if "trace" in args.parts:
         out["trace"] = await bench_trace(
             args.trace,
