@@ -278,3 +278,39 @@ async def test_without_ssd_evictions_are_attributed_to_the_policy() -> None:
             await s.get("never-put")
         m = ei.value.miss
         assert m is not None and m.reason is MissReason.NEVER_STORED
+
+
+async def test_metrics_export_misses_and_tier_counters(tmp_path: Path) -> None:
+    import httpx
+
+    cfg = MasterServerConfig(
+        rpc_port=0,
+        metrics_port=0,
+        sweep_interval=0.02,
+        state=MasterConfig(seed=1, default_kv_lease_ttl=0.05),
+    )
+    async with anyio.create_task_group() as tg:
+        server = await tg.start(serve_master, cfg)
+        async with open_store(
+            f"127.0.0.1:{server.rpc_port}",
+            segment_size=MiB,
+            ssd_path=str(tmp_path),
+            ssd_capacity=64 * MiB,
+            promotion="never",
+        ) as s:
+            keys = await fill_and_demote(s, 24)
+            await eventually(lambda: _any_on_ssd(s, keys), "a demotion")
+            with pytest.raises(ObjectNotFoundError):
+                await s.get("never-put")
+            async with httpx.AsyncClient() as http:
+                r = await http.get(f"http://127.0.0.1:{server.metrics_port}/metrics")
+            text = r.text
+            assert 'master_misses_total{policy="",reason="never_stored",tier=""} 1.0' in text
+            assert 'master_tier_demotions_total{tier="ssd"}' in text
+            line = next(
+                ln
+                for ln in text.splitlines()
+                if ln.startswith('master_tier_demotions_total{tier="ssd"}')
+            )
+            assert float(line.split()[-1]) >= 1
+        tg.cancel_scope.cancel()
