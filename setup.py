@@ -15,6 +15,8 @@ CFLAGS = ["-O3", "-fno-strict-aliasing"]
 
 extensions = [
     Extension("mooncake._fast._io", ["mooncake/_fast/_io.pyx"], extra_compile_args=CFLAGS),
+    # libcudart is dlopen()ed at run time: no CUDA headers or libraries at build time
+    Extension("mooncake._fast._cuda", ["mooncake/_fast/_cuda.pyx"], extra_compile_args=CFLAGS),
 ]
 
 setup(

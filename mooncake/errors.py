@@ -69,6 +69,10 @@ class NotSupportedError(MooncakeError):
     code = ErrorCode.NOT_SUPPORTED
 
 
+class NoGpuError(NotSupportedError):
+    """No usable GPU: the CUDA runtime is missing, sees no device, or the driver is too old."""
+
+
 class ClosedError(MooncakeError):
     """The engine, store or connection was closed by this process."""
 
@@ -137,6 +141,16 @@ class ProtocolError(MooncakeError):
     code = ErrorCode.RPC_FAIL
 
 
+class CudaError(MooncakeError):
+    """A CUDA runtime call failed; ``status`` is the ``cudaError_t`` value."""
+
+    code = ErrorCode.INTERNAL_ERROR
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 def to_code(exc: BaseException) -> int:
     """Map an exception to the published API's int return code (one table for all facades)."""
     if isinstance(exc, MooncakeError):
@@ -149,10 +163,12 @@ def to_code(exc: BaseException) -> int:
 __all__ = [
     "AddressOverlapError",
     "ClosedError",
+    "CudaError",
     "ErrorCode",
     "InvalidArgumentError",
     "MetadataError",
     "MooncakeError",
+    "NoGpuError",
     "NotRegisteredError",
     "NotSupportedError",
     "PeerDiedError",
