@@ -54,9 +54,7 @@ def device_of(location: str) -> int | None:
 def encode_ipc_handle(handle: bytes) -> str:
     """Serialize a 64-byte IPC handle as the published engine does (upper-case hex)."""
     if len(handle) != IPC_HANDLE_SIZE:
-        raise InvalidArgumentError(
-            f"IPC handle must be {IPC_HANDLE_SIZE} bytes, got {len(handle)}"
-        )
+        raise InvalidArgumentError(f"IPC handle must be {IPC_HANDLE_SIZE} bytes, got {len(handle)}")
     return handle.hex().upper()
 
 
@@ -97,7 +95,9 @@ def buffer_fields(handle: bytes, offset: int) -> dict[str, Any]:
     return out
 
 
-def device_buffer(name: str, addr: int, length: int, extra: Mapping[str, Any]) -> DeviceBuffer | None:
+def device_buffer(
+    name: str, addr: int, length: int, extra: Mapping[str, Any]
+) -> DeviceBuffer | None:
     """Decode a descriptor buffer entry as an IPC-reachable device buffer, or None if it is not one.
 
     A buffer is one when its name is a ``cuda:N`` location and it carries ``shm_name``; a

@@ -2,7 +2,8 @@
 """libcudart through dlopen and function pointers (see ``mooncake._fast.cuda``).
 
 No CUDA header is needed to build this: the few types and prototypes used are declared below
-(ABI of CUDA >= 11: ``cudaPointerAttributes`` starts with ``type``; ``cudaIpcMemHandle_t`` is 64
+(ABI of CUDA >= 11: ``cudaPointerAttributes`` starts with ``type`` and, since CUDA 13, ends
+with 8 reserved longs; ``cudaIpcMemHandle_t`` is 64
 opaque bytes passed by value). The library is opened when a ``DlopenRuntime`` is made, so importing
 this module never needs CUDA.
 
@@ -31,6 +32,7 @@ ctypedef struct cudaPointerAttributes:
     int device
     void *devicePointer
     void *hostPointer
+    long reserved[8]  # added in CUDA 13 (written by the runtime); harmless padding before
 
 ctypedef void (*cudaStreamCallback_t)(cudaStream_t, cudaError_t, void *) noexcept nogil
 ctypedef void (*cudaHostFn_t)(void *) noexcept nogil

@@ -172,12 +172,15 @@ class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * 64)]
 
 
-class _PointerAttributes(ctypes.Structure):  # CUDA >= 11 layout
+class _PointerAttributes(ctypes.Structure):
+    # CUDA >= 11 layout; CUDA 13 appended ``long reserved[8]``, which the runtime writes, so it
+    # is always allocated (harmless padding for CUDA 11/12).
     _fields_ = [
         ("type", ctypes.c_int),
         ("device", ctypes.c_int),
         ("devicePointer", ctypes.c_void_p),
         ("hostPointer", ctypes.c_void_p),
+        ("reserved", ctypes.c_long * 8),
     ]
 
 
@@ -192,12 +195,12 @@ def _write_status(fd: int, status: int) -> None:
         pass
 
 
-@_STREAM_CB
+@_STREAM_CB  # type: ignore[untyped-decorator]
 def _stream_cb(stream: int, status: int, user: int | None) -> None:
     _write_status(int(user or 0), int(status))
 
 
-@_HOST_FN
+@_HOST_FN  # type: ignore[untyped-decorator]
 def _host_fn(user: int | None) -> None:
     _write_status(int(user or 0), 0)
 
@@ -295,7 +298,9 @@ class CtypesRuntime:
 
     def pointer_get_attributes(self, ptr: int) -> tuple[int, int]:
         a = _PointerAttributes()
-        self._check(self._lib.cudaPointerGetAttributes(ctypes.byref(a), ptr), "cudaPointerGetAttributes")
+        self._check(
+            self._lib.cudaPointerGetAttributes(ctypes.byref(a), ptr), "cudaPointerGetAttributes"
+        )
         return a.type, a.device
 
     def mem_get_address_range(self, ptr: int) -> tuple[int, int]:
@@ -448,7 +453,9 @@ class CupyRuntime:
 
     def stream_create(self) -> int:
         return int(
-            self._call("cudaStreamCreateWithFlags", self._rt.streamCreateWithFlags, STREAM_NON_BLOCKING)
+            self._call(
+                "cudaStreamCreateWithFlags", self._rt.streamCreateWithFlags, STREAM_NON_BLOCKING
+            )
         )
 
     def stream_destroy(self, stream: int) -> None:
@@ -465,7 +472,9 @@ class CupyRuntime:
 
     def event_create(self) -> int:
         return int(
-            self._call("cudaEventCreateWithFlags", self._rt.eventCreateWithFlags, EVENT_DISABLE_TIMING)
+            self._call(
+                "cudaEventCreateWithFlags", self._rt.eventCreateWithFlags, EVENT_DISABLE_TIMING
+            )
         )
 
     def event_destroy(self, event: int) -> None:
@@ -537,7 +546,9 @@ def runtime() -> CudaRuntime:
         reasons: list[str] = []
         for backend in order:
             if backend not in ("dlopen", "ctypes", "cupy"):
-                raise NoGpuError(f"MOONCAKE_CUDA_BACKEND={backend!r}: expected dlopen, ctypes or cupy")
+                raise NoGpuError(
+                    f"MOONCAKE_CUDA_BACKEND={backend!r}: expected dlopen, ctypes or cupy"
+                )
             try:
                 rt = _load(backend)
                 n = rt.get_device_count()

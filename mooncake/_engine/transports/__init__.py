@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 #: name -> "module:Class"; modules are imported only when the transport is used
 TRANSPORTS: dict[str, str] = {
     "tcp": "mooncake._engine.transports.tcp:TcpTransport",
+    "cuda": "mooncake._engine.transports.cuda:CudaTransport",
 }
 
 
@@ -33,10 +34,20 @@ def make_transport(name: str, engine: Engine, **kwargs: Any) -> Transport:
 
 
 def default_transports() -> list[str]:
-    """Transports installed when the caller names none (``MC_FORCE_TCP=1``: only tcp)."""
+    """Transports installed when the caller names none.
+
+    ``tcp`` always; ``cuda`` when a usable GPU is found (``MC_DISABLE_CUDA=1`` skips the check);
+    ``MC_FORCE_TCP=1``: only tcp.
+    """
     if os.environ.get("MC_FORCE_TCP", "") not in ("", "0"):
         return ["tcp"]
-    return ["tcp"]
+    out = ["tcp"]
+    if os.environ.get("MC_DISABLE_CUDA", "") in ("", "0"):
+        from mooncake._fast import cuda
+
+        if cuda.is_available():
+            out.append("cuda")
+    return out
 
 
 __all__ = ["TRANSPORTS", "PeerInfo", "Transport", "default_transports", "make_transport"]

@@ -1,0 +1,312 @@
+"""The ``cuda`` transport: device memory of processes on one host, through CUDA IPC.
+
+Exporter: every registered ``cuda:N`` region publishes the IPC handle of its allocation in the
+buffer's ``shm_name`` (upper-case hex, as the published ``nvlink_intra`` transport does) plus
+``ipc_offset`` when the region starts inside its allocation (:mod:`mooncake._core.gpu`). The
+segment publishes ``cuda_host`` (kernel boot id) and ``cuda_process``.
+
+Importer: a peer buffer's handle is opened once (``cudaIpcOpenMemHandle``) and cached per peer
+(:class:`HandleCache`: LRU beyond ``MC_CUDA_MAX_OPEN_HANDLES``, never closing a mapping a copy is
+using); requests become ``cudaMemcpyAsync`` on the peer's stream for the device doing the copy (the
+local side's device, else the remote buffer's), and the batch completes through
+:class:`~mooncake._engine.cudaio.Completions`, never blocking the event loop. A peer in this very
+process (``cuda_process`` matches) needs no IPC: its pointers are ours.
+
+Reach: peers that publish our ``cuda_host``, and published ``nvlink_intra`` peers (which publish
+no host id; the import fails cleanly if they are elsewhere). Only device buffers that carry a handle
+are reachable (:meth:`CudaTransport.accepts`); host buffers of the same peer go to ``tcp``/``shm``.
+
+Device indices in ``cuda:N`` are the exporter's; importers open a handle on device N when they have
+one, so both processes should see the same devices (same ``CUDA_VISIBLE_DEVICES``).
+
+Cancellation: once enqueued, copies cannot be recalled; ``execute`` waits for them shielded, and a
+forgotten peer's mappings are closed only after its last in-flight batch returns.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from mooncake._core.descriptor import BufferDesc, SegmentDescriptor
+from mooncake._core.gpu import DeviceBuffer, buffer_fields, device_buffer, device_of
+from mooncake._core.memory import Region
+from mooncake._core.transfer import Opcode, TransferRequest, TransferResult, completed, failed
+from mooncake._engine.cudaio import StreamSet
+from mooncake._engine.transports.base import PeerInfo, Transport
+from mooncake._fast.cuda import CudaRuntime
+from mooncake.errors import CudaError, MooncakeError, ProtocolError, TransferError
+
+log = logging.getLogger("mooncake.cuda")
+
+DEFAULT_MAX_OPEN_HANDLES = 1024
+
+
+def host_id() -> str:
+    """Identity of this kernel boot: processes that share it share the GPUs (and IPC)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+_token: tuple[int, str] | None = None
+
+
+def process_token() -> str:
+    """A token unique to this process (renewed after fork)."""
+    global _token
+    pid = os.getpid()
+    if _token is None or _token[0] != pid:
+        _token = (pid, f"{pid}-{uuid.uuid4().hex[:16]}")
+    return _token[1]
+
+
+@dataclass(eq=False)
+class _Mapping:
+    ptr: int
+    users: int = 0
+
+
+class HandleCache:
+    """Opened IPC mappings of one peer, keyed by (allocation base, handle).
+
+    ``acquire`` opens a handle at most once while it stays cached; ``release`` ends one use.
+    Unused mappings beyond ``capacity`` are closed least-recently-used first; a mapping in use is
+    never closed (the cache may then exceed ``capacity`` until uses end).
+    """
+
+    def __init__(self, rt: CudaRuntime, capacity: int = DEFAULT_MAX_OPEN_HANDLES) -> None:
+        self.rt = rt
+        self.capacity = max(1, capacity)
+        self._maps: collections.OrderedDict[tuple[int, bytes], _Mapping] = collections.OrderedDict()
+        self.opens = 0
+        self.closes = 0
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def acquire(self, buf: DeviceBuffer) -> int:
+        """The local pointer of ``buf``'s allocation base (opened now or cached)."""
+        m = self._maps.get(buf.key)
+        if m is None:
+            self._evict(self.capacity - 1)
+            ndev = self.rt.get_device_count()
+            self.rt.set_device(buf.device if buf.device < ndev else 0)
+            m = _Mapping(self.rt.ipc_open_mem_handle(buf.handle))
+            self.opens += 1
+            self._maps[buf.key] = m
+        else:
+            self._maps.move_to_end(buf.key)
+        m.users += 1
+        return m.ptr
+
+    def release(self, buf: DeviceBuffer) -> None:
+        m = self._maps.get(buf.key)
+        if m is not None and m.users > 0:
+            m.users -= 1
+
+    def _close(self, key: tuple[int, bytes]) -> None:
+        m = self._maps.pop(key)
+        try:
+            self.rt.ipc_close_mem_handle(m.ptr)
+        except CudaError as e:
+            log.warning("closing an IPC mapping failed: %s", e)
+        self.closes += 1
+
+    def _evict(self, keep: int) -> None:
+        for key in [k for k, m in self._maps.items() if m.users == 0]:
+            if len(self._maps) <= keep:
+                break
+            self._close(key)
+
+    def prune(self, live: set[tuple[int, bytes]]) -> None:
+        """Close unused mappings whose buffer the peer no longer publishes."""
+        for key in [k for k, m in self._maps.items() if m.users == 0 and k not in live]:
+            self._close(key)
+
+    def close(self) -> None:
+        """Close every unused mapping (callers close only when nothing is in flight)."""
+        self._evict(0)
+
+
+class _PeerCuda:
+    """Per-peer state: the handle cache, one stream per device, in-flight batches."""
+
+    def __init__(self, rt: CudaRuntime, capacity: int) -> None:
+        self.cache = HandleCache(rt, capacity)
+        self.streams = StreamSet(rt)
+        self.inflight = 0
+        self.closed = False
+        self.descriptor: SegmentDescriptor | None = None
+
+    def close(self) -> None:
+        self.cache.close()
+        self.streams.close()
+
+
+class CudaTransport(Transport):
+    name = "cuda"
+    priority = 30
+    device_memory = True
+    wire_protocol = None  # the descriptor keeps "tcp" so published TCP peers still reach us
+
+    def __init__(self, engine: Any, *, max_open_handles: int | None = None) -> None:
+        super().__init__(engine)
+        env = os.environ.get("MC_CUDA_MAX_OPEN_HANDLES", "")
+        self.max_open_handles = max_open_handles or int(env or DEFAULT_MAX_OPEN_HANDLES)
+        self._host = host_id()
+        self._states: list[_PeerCuda] = []
+
+    @property
+    def rt(self) -> CudaRuntime:
+        rt: CudaRuntime = self.engine.cuda
+        return rt
+
+    async def start(self) -> None:
+        self.rt  # noqa: B018  (load the runtime now: NoGpuError at open, not at first transfer)
+
+    def descriptor_fields(self) -> dict[str, Any]:
+        return {"cuda_host": self._host, "cuda_process": process_token()}
+
+    def can_reach(self, peer: PeerInfo) -> bool:
+        d = peer.descriptor
+        host = d.extra.get("cuda_host")
+        if host is None:
+            return "nvlink_intra" in d.protocol.split(",")
+        return bool(host == self._host)
+
+    def accepts(self, peer: PeerInfo, buffer: BufferDesc) -> bool:
+        return device_of(buffer.name) is not None and "shm_name" in buffer.extra
+
+    async def on_register(self, region: Region) -> None:
+        if device_of(region.location) is None or not region.remote_accessible:
+            return
+        rt = self.rt
+        handle = rt.ipc_get_mem_handle(region.addr)
+        try:
+            base, _size = rt.mem_get_address_range(region.addr)
+        except CudaError as e:
+            # Without the allocation base we can only assume the region starts it, as the
+            # published engine always does.
+            log.warning("no allocation range for %#x (%s); assuming offset 0", region.addr, e)
+            base = region.addr
+        region.meta.setdefault("desc", {}).update(buffer_fields(handle, region.addr - base))
+
+    def _state(self, peer: PeerInfo) -> _PeerCuda:
+        st = peer.state.get(self.name)
+        if st is None or st.closed:
+            st = peer.state[self.name] = _PeerCuda(self.rt, self.max_open_handles)
+            self._states.append(st)
+        assert isinstance(st, _PeerCuda)
+        return st
+
+    def forget_peer(self, peer: PeerInfo) -> None:
+        st = peer.state.pop(self.name, None)
+        if isinstance(st, _PeerCuda):
+            st.closed = True
+            if st.inflight == 0:
+                self._drop(st)
+
+    def _drop(self, st: _PeerCuda) -> None:
+        st.close()
+        if st in self._states:
+            self._states.remove(st)
+
+    def _sync_descriptor(self, st: _PeerCuda, desc: SegmentDescriptor) -> None:
+        if st.descriptor is desc:
+            return
+        live = set()
+        for b in desc.buffers:
+            try:
+                db = device_buffer(b.name, b.addr, b.length, b.extra)
+            except ProtocolError:
+                continue
+            if db is not None:
+                live.add(db.key)
+        st.cache.prune(live)
+        st.descriptor = desc
+
+    async def execute(
+        self, peer: PeerInfo, requests: Sequence[TransferRequest]
+    ) -> list[TransferResult]:
+        rt = self.rt
+        st = self._state(peer)
+        self._sync_descriptor(st, peer.descriptor)
+        same_process = peer.descriptor.extra.get("cuda_process") == process_token()
+        registry = self.engine.registry
+        results: list[TransferResult | None] = [None] * len(requests)
+        on_stream: dict[int, list[int]] = {}
+        held: list[DeviceBuffer] = []
+        st.inflight += 1
+        try:
+            # Enqueue everything first (no awaits: set_device + enqueue stay together on this
+            # thread), then wait for each stream once.
+            for i, r in enumerate(requests):
+                try:
+                    buf = peer.descriptor.find_buffer(r.remote_addr, r.length)
+                    db = (
+                        device_buffer(buf.name, buf.addr, buf.length, buf.extra)
+                        if buf is not None
+                        else None
+                    )
+                    if db is None:
+                        raise TransferError(
+                            f"{peer.segment}: [{r.remote_addr:#x}, +{r.length}) is not in a "
+                            "device buffer with an IPC handle"
+                        )
+                    if same_process:
+                        remote = r.remote_addr
+                    else:
+                        remote = st.cache.acquire(db) + db.offset + (r.remote_addr - db.addr)
+                        held.append(db)
+                    local = registry.find(r.local_addr, r.length)
+                    ldev = device_of(local.location) if local is not None else None
+                    stream = st.streams.get(ldev if ldev is not None else db.device)
+                    if r.opcode is Opcode.READ:
+                        rt.memcpy_async(r.local_addr, remote, r.length, stream)
+                    else:
+                        rt.memcpy_async(remote, r.local_addr, r.length, stream)
+                    on_stream.setdefault(stream, []).append(i)
+                except MooncakeError as e:
+                    results[i] = failed(e)
+
+            async def wait(stream: int, idx: list[int]) -> None:
+                try:
+                    await self.engine.cuda_completions.wait(stream)
+                except CudaError as e:
+                    for i in idx:
+                        results[i] = failed(e)
+                    return
+                for i in idx:
+                    results[i] = completed(requests[i].length)
+
+            if len(on_stream) == 1:
+                ((s, idx),) = on_stream.items()
+                await wait(s, idx)
+            elif on_stream:
+                async with anyio.create_task_group() as tg:
+                    for s, idx in on_stream.items():
+                        tg.start_soon(wait, s, idx)
+        finally:
+            for db in held:
+                st.cache.release(db)
+            st.inflight -= 1
+            if st.closed and st.inflight == 0:
+                self._drop(st)
+        return [r if r is not None else failed(TransferError("not attempted")) for r in results]
+
+    async def aclose(self) -> None:
+        for st in list(self._states):
+            st.closed = True
+            if st.inflight == 0:
+                self._drop(st)
