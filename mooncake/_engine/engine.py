@@ -462,7 +462,7 @@ class Engine:
             check_range(addr, length, "register")
             owner: Any = obj
             if location in ("*", ""):
-                kind, dev = self.cuda.pointer_get_attributes(addr)
+                _, dev = self.cuda.pointer_get_attributes(addr)
                 location = f"cuda:{dev}"
         elif isinstance(obj, tuple):
             if len(obj) != 2:
@@ -870,6 +870,10 @@ async def open_engine(
 
         transports = default_transports()
     lanes = tcp_lanes or int(os.environ.get("MC_TCP_LANES_PER_PEER", "4") or 4)
+    if "cuda" in transports and cuda_runtime is None:
+        from mooncake._fast import cuda
+
+        cuda_runtime = cuda.runtime()  # NoGpuError here, plainly, not from inside the task group
     engine = Engine(
         hostname,
         metadata,

@@ -16,6 +16,12 @@ Reach: peers that publish our ``cuda_host``, and published ``nvlink_intra`` peer
 no host id; the import fails cleanly if they are elsewhere). Only device buffers that carry a handle
 are reachable (:meth:`CudaTransport.accepts`); host buffers of the same peer go to ``tcp``/``shm``.
 
+Staleness: like the published engine, an importer acts on its cached descriptor until a request
+misses it. A peer that frees a registered device buffer and registers a new allocation at the
+same address would leave importers copying through the old mapping, so exporters should not
+reuse an address for a new registration while peers may hold the old descriptor (allocate the new
+buffer before unregistering the old). A refresh closes mappings of buffers no longer published.
+
 Device indices in ``cuda:N`` are the exporter's; importers open a handle on device N when they have
 one, so both processes should see the same devices (same ``CUDA_VISIBLE_DEVICES``).
 
