@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
-from gpu_peer import DeviceMem  # noqa: E402
+from gpu_peer import DeviceMem  # type: ignore[import-not-found]  # noqa: E402
 
 from mooncake._core.transfer import TransferRequest  # noqa: E402
 from mooncake._engine.engine import open_engine  # noqa: E402

@@ -726,3 +726,45 @@ async def test_cuda_transport_two_processes(fake: FakeCudaRuntime, peer: Peer) -
         e.forget(seg)
         assert fake.live()["opened"] == 0  # forgetting the peer closes its mappings
         assert cudat._states == []
+
+
+@pytest.mark.anyio
+async def test_two_importers_in_one_process_share_a_mapping(
+    fake: FakeCudaRuntime, peer: Peer
+) -> None:
+    """CUDA maps a handle once per process: two engines importing the same buffer share it."""
+    async with (
+        open_engine("127.0.0.1", transports=["tcp", "cuda"], cuda_runtime=fake) as a,
+        open_engine("127.0.0.1", transports=["tcp", "cuda"], cuda_runtime=fake) as b,
+    ):
+        la = await a.allocate(4096, location="cuda:0")
+        lb = await b.allocate(4096, location="cuda:0")
+        view(la.addr, 4096)[:] = 1
+        view(lb.addr, 4096)[:] = 2
+        await a.write(peer.segment, la.addr, peer.info["addr"], 4096)
+        await b.write(peer.segment, lb.addr, peer.info["addr"] + 4096, 4096)
+        got = bytes.fromhex(peer.cmd(op="dump", which="main", offset=0, length=8192)["data_hex"])
+        assert got == b"\x01" * 4096 + b"\x02" * 4096
+        assert fake.ipc_opens == 1
+        a.forget(peer.segment)
+        assert fake.live()["opened"] == 1  # b still uses it
+        b.forget(peer.segment)
+        assert fake.live()["opened"] == 0
+
+
+@pytest.mark.anyio
+async def test_cuda_transport_large_pageable_host(
+    pair: tuple[Engine, Engine], fake: FakeCudaRuntime
+) -> None:
+    """Large copies from/to pageable host memory are issued off the event loop; bytes still land."""
+    a, b = pair
+    n = 1 << 20
+    host = await a.allocate(n)
+    dev = await b.allocate(n, location="cuda:0")
+    data = pattern(n, 9)
+    host.numpy()[:] = np.frombuffer(data, np.uint8)
+    await a.write(b.segment_name, host.addr, dev.addr, n)
+    assert bytes(view(dev.addr, n)) == data
+    host.numpy()[:] = 0
+    await a.read(b.segment_name, host.addr, dev.addr, n)
+    assert bytes(host.numpy()) == data

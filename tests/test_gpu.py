@@ -46,7 +46,11 @@ pytestmark = [
 ]
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
-from gpu_peer import device_view, gpu_pattern, host_pattern  # noqa: E402
+from gpu_peer import (  # type: ignore[import-not-found]  # noqa: E402
+    device_view,
+    gpu_pattern,
+    host_pattern,
+)
 
 ROOT = Path(__file__).parent.parent
 HELPER = Path(__file__).parent / "helpers" / "gpu_peer.py"

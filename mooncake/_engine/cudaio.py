@@ -29,7 +29,6 @@ import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
 
 import anyio
 
@@ -279,7 +278,3 @@ class Stager:
                 log.debug("free_host at close: %s", e)
         self._all.clear()
         self._idle.clear()
-
-
-def describe(rt: Any) -> str:
-    return str(getattr(rt, "backend", type(rt).__name__))

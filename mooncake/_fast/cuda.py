@@ -9,7 +9,8 @@ tried in this order by :func:`runtime`:
 ``cupy``    ``cupy.cuda.runtime`` (cupy wheels link the runtime statically, so this works where
             no ``libcudart.so`` is on the library path).
 
-``MOONCAKE_CUDA_BACKEND=dlopen|ctypes|cupy`` forces one. The package imports with none present;
+``MOONCAKE_CUDA_BACKEND=dlopen|ctypes|cupy`` forces one; ``MOONCAKE_NO_EXTENSIONS=1`` skips
+``dlopen`` as it skips every compiled module. The package imports with none present;
 :func:`runtime` then raises :class:`~mooncake.errors.NoGpuError` ("no usable GPU: ..."), as it does
 for a driver that is too old (``cudaErrorInsufficientDriver``) or no device.
 
@@ -542,7 +543,10 @@ def runtime() -> CudaRuntime:
         if _failure is not None:
             raise _failure
         forced = os.environ.get("MOONCAKE_CUDA_BACKEND", "")
-        order = [forced] if forced else ["dlopen", "ctypes", "cupy"]
+        no_ext = os.environ.get("MOONCAKE_NO_EXTENSIONS", "") not in ("", "0")
+        order = (
+            [forced] if forced else (["ctypes", "cupy"] if no_ext else ["dlopen", "ctypes", "cupy"])
+        )
         reasons: list[str] = []
         for backend in order:
             if backend not in ("dlopen", "ctypes", "cupy"):

@@ -77,6 +77,32 @@ def process_token() -> str:
     return _token[1]
 
 
+_opened: dict[tuple[int, bytes], list[int]] = {}
+
+
+def ipc_open(rt: CudaRuntime, handle: bytes) -> int:
+    """Open ``handle`` once per process: CUDA refuses (or double-maps) a second open, and several
+    engines or peer states of one process may import the same buffer. Reference-counted."""
+    key = (id(rt), handle)
+    entry = _opened.get(key)
+    if entry is None:
+        entry = _opened[key] = [rt.ipc_open_mem_handle(handle), 0]
+    entry[1] += 1
+    return entry[0]
+
+
+def ipc_close(rt: CudaRuntime, handle: bytes) -> None:
+    """Drop one reference taken by :func:`ipc_open`; the last one closes the mapping."""
+    key = (id(rt), handle)
+    entry = _opened.get(key)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] <= 0:
+        del _opened[key]
+        rt.ipc_close_mem_handle(entry[0])
+
+
 @dataclass(eq=False)
 class _Mapping:
     ptr: int
@@ -108,7 +134,7 @@ class HandleCache:
             self._evict(self.capacity - 1)
             ndev = self.rt.get_device_count()
             self.rt.set_device(buf.device if buf.device < ndev else 0)
-            m = _Mapping(self.rt.ipc_open_mem_handle(buf.handle))
+            m = _Mapping(ipc_open(self.rt, buf.handle))
             self.opens += 1
             self._maps[buf.key] = m
         else:
@@ -122,9 +148,9 @@ class HandleCache:
             m.users -= 1
 
     def _close(self, key: tuple[int, bytes]) -> None:
-        m = self._maps.pop(key)
+        self._maps.pop(key)
         try:
-            self.rt.ipc_close_mem_handle(m.ptr)
+            ipc_close(self.rt, key[1])
         except CudaError as e:
             log.warning("closing an IPC mapping failed: %s", e)
         self.closes += 1
@@ -158,6 +184,14 @@ class _PeerCuda:
     def close(self) -> None:
         self.cache.close()
         self.streams.close()
+
+
+PAGEABLE_THREAD_THRESHOLD = 256 << 10
+
+
+def _issue(rt: CudaRuntime, dev: int, dst: int, src: int, n: int, stream: int) -> None:
+    rt.set_device(dev)  # the current device is per thread
+    rt.memcpy_async(dst, src, n, stream)
 
 
 class CudaTransport(Transport):
@@ -198,7 +232,6 @@ class CudaTransport(Transport):
         if device_of(region.location) is None or not region.remote_accessible:
             return
         rt = self.rt
-        handle = rt.ipc_get_mem_handle(region.addr)
         try:
             base, _size = rt.mem_get_address_range(region.addr)
         except CudaError as e:
@@ -206,6 +239,8 @@ class CudaTransport(Transport):
             # published engine always does.
             log.warning("no allocation range for %#x (%s); assuming offset 0", region.addr, e)
             base = region.addr
+        # the handle of the allocation (cudaIpcGetMemHandle documents base pointers only)
+        handle = rt.ipc_get_mem_handle(base)
         region.meta.setdefault("desc", {}).update(buffer_fields(handle, region.addr - base))
 
     def _state(self, peer: PeerInfo) -> _PeerCuda:
@@ -253,6 +288,7 @@ class CudaTransport(Transport):
         results: list[TransferResult | None] = [None] * len(requests)
         on_stream: dict[int, list[int]] = {}
         held: list[DeviceBuffer] = []
+        pageable: list[tuple[int, int, int, int, int, int]] = []
         st.inflight += 1
         try:
             # Enqueue everything first (no awaits: set_device + enqueue stay together on this
@@ -277,14 +313,32 @@ class CudaTransport(Transport):
                         held.append(db)
                     local = registry.find(r.local_addr, r.length)
                     ldev = device_of(local.location) if local is not None else None
-                    stream = st.streams.get(ldev if ldev is not None else db.device)
-                    if r.opcode is Opcode.READ:
-                        rt.memcpy_async(r.local_addr, remote, r.length, stream)
-                    else:
-                        rt.memcpy_async(remote, r.local_addr, r.length, stream)
+                    dev = ldev if ldev is not None else db.device
+                    stream = st.streams.get(dev)
+                    dst, src = (
+                        (r.local_addr, remote)
+                        if r.opcode is Opcode.READ
+                        else (remote, r.local_addr)
+                    )
+                    if ldev is None and r.length >= PAGEABLE_THREAD_THRESHOLD:
+                        # cudaMemcpyAsync to/from pageable host memory returns only once the
+                        # bytes have moved: keep that wait off the event loop.
+                        pageable.append((i, dev, dst, src, r.length, stream))
+                        continue
+                    rt.memcpy_async(dst, src, r.length, stream)
                     on_stream.setdefault(stream, []).append(i)
                 except MooncakeError as e:
                     results[i] = failed(e)
+
+            if pageable:
+                with anyio.CancelScope(shield=True):  # started copies cannot be recalled
+                    for i, dev, dst, src, n, stream in pageable:
+                        try:
+                            await anyio.to_thread.run_sync(_issue, rt, dev, dst, src, n, stream)
+                        except MooncakeError as e:
+                            results[i] = failed(e)
+                            continue
+                        on_stream.setdefault(stream, []).append(i)
 
             async def wait(stream: int, idx: list[int]) -> None:
                 try:
