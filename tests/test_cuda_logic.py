@@ -187,7 +187,7 @@ def test_runtime_without_gpu_is_one_clear_error(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(cuda, "_failure", None)
     with pytest.raises(NoGpuError, match=r"^no usable GPU") as ei:
         cuda.runtime()
-    assert "dlopen" in str(ei.value) and "cupy" in str(ei.value)
+    assert "ctypes" in str(ei.value) and "cupy" in str(ei.value)  # every backend was tried
     assert cuda.loaded_runtime() is None
     assert "cuda" not in default_transports()
 
