@@ -768,3 +768,27 @@ async def test_cuda_transport_large_pageable_host(
     host.numpy()[:] = 0
     await a.read(b.segment_name, host.addr, dev.addr, n)
     assert bytes(host.numpy()) == data
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_asyncio_smoke(
+    fake: FakeCudaRuntime, monkeypatch: pytest.MonkeyPatch, anyio_backend: str
+) -> None:
+    """The eventfd bridge, the cuda transport and TCP staging under asyncio."""
+    monkeypatch.setenv("MC_CUDA_STAGING_CHUNK", "4096")
+    async with (
+        open_engine("127.0.0.1", transports=["tcp", "cuda"], cuda_runtime=fake) as a,
+        open_engine("127.0.0.1", transports=["tcp"], cuda_runtime=fake) as b,
+    ):
+        src = await a.allocate(10000, location="cuda:0")
+        view(src.addr, 10000)[:] = 6
+        rdev = await b.allocate(10000, location="cuda:0")
+        rhost = await b.allocate(10000)
+        await a.write(b.segment_name, src.addr, rhost.addr, 10000)  # staged over tcp
+        await a.write(b.segment_name, src.addr, rdev.addr, 10000)  # b has no handle: tcp
+        assert bytes(rhost.numpy()[:10000]) == b"\x06" * 10000
+        assert bytes(view(rdev.addr, 10000)) == b"\x06" * 10000
+        dst = await a.allocate(10000, location="cuda:0")
+        await a.write(a.segment_name, src.addr, dst.addr, 10000)  # local copy on a stream
+        assert bytes(view(dst.addr, 10000)) == b"\x06" * 10000

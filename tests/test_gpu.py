@@ -13,21 +13,26 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-cupy = pytest.importorskip("cupy", reason="cupy is not installed (GPU tests need cupy-cuda12x/13x)")
+with warnings.catch_warnings():  # cupy may warn at import (toolkit paths); not our concern
+    warnings.simplefilter("ignore")
+    cupy = pytest.importorskip(
+        "cupy", reason="cupy is not installed (GPU tests need cupy-cuda12x/13x)"
+    )
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from mooncake._core import gpu  # noqa: E402
-from mooncake._core.transfer import TransferRequest  # noqa: E402
-from mooncake._engine.engine import open_engine  # noqa: E402
-from mooncake._engine.transports import TRANSPORTS  # noqa: E402
-from mooncake._fast import cuda  # noqa: E402
+from mooncake._core import gpu
+from mooncake._core.transfer import TransferRequest
+from mooncake._engine.engine import open_engine
+from mooncake._engine.transports import TRANSPORTS
+from mooncake._fast import cuda
 
 
 def _gpu_usable() -> bool:
@@ -40,6 +45,10 @@ def _gpu_usable() -> bool:
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.anyio,
+    # cupy's own warnings (toolkit discovery, kernel cache) are not what these tests check
+    pytest.mark.filterwarnings("ignore::UserWarning:cupy"),
+    pytest.mark.filterwarnings("ignore::FutureWarning:cupy"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:cupy"),
     pytest.mark.skipif(
         not _gpu_usable(), reason="no usable GPU (cupy.cuda.is_available() is False)"
     ),

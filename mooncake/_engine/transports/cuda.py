@@ -35,6 +35,7 @@ import collections
 import logging
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,29 +79,33 @@ def process_token() -> str:
 
 
 _opened: dict[tuple[int, bytes], list[int]] = {}
+_opened_lock = threading.Lock()  # engines of one process may run on different loop threads
 
 
 def ipc_open(rt: CudaRuntime, handle: bytes) -> int:
     """Open ``handle`` once per process: CUDA refuses (or double-maps) a second open, and several
     engines or peer states of one process may import the same buffer. Reference-counted."""
     key = (id(rt), handle)
-    entry = _opened.get(key)
-    if entry is None:
-        entry = _opened[key] = [rt.ipc_open_mem_handle(handle), 0]
-    entry[1] += 1
-    return entry[0]
+    with _opened_lock:
+        entry = _opened.get(key)
+        if entry is None:
+            entry = _opened[key] = [rt.ipc_open_mem_handle(handle), 0]
+        entry[1] += 1
+        return entry[0]
 
 
 def ipc_close(rt: CudaRuntime, handle: bytes) -> None:
     """Drop one reference taken by :func:`ipc_open`; the last one closes the mapping."""
     key = (id(rt), handle)
-    entry = _opened.get(key)
-    if entry is None:
-        return
-    entry[1] -= 1
-    if entry[1] <= 0:
+    with _opened_lock:
+        entry = _opened.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
         del _opened[key]
-        rt.ipc_close_mem_handle(entry[0])
+    rt.ipc_close_mem_handle(entry[0])
 
 
 @dataclass(eq=False)
@@ -232,6 +237,9 @@ class CudaTransport(Transport):
         if device_of(region.location) is None or not region.remote_accessible:
             return
         rt = self.rt
+        dev = device_of(region.location)
+        assert dev is not None
+        rt.set_device(dev)  # the driver query below needs this device's context current
         try:
             base, _size = rt.mem_get_address_range(region.addr)
         except CudaError as e:
