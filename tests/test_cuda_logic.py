@@ -21,7 +21,7 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mooncake._core import gpu
@@ -792,3 +792,68 @@ async def test_asyncio_smoke(
         dst = await a.allocate(10000, location="cuda:0")
         await a.write(a.segment_name, src.addr, dst.addr, 10000)  # local copy on a stream
         assert bytes(view(dst.addr, 10000)) == b"\x06" * 10000
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 20000), st.sampled_from([None, 0, 1]), st.booleans()),
+        max_size=30,
+    ),
+    st.integers(256, 9000),
+)
+@settings(deadline=None)
+def test_stager_plan_covers_every_byte_once(
+    reqs: list[tuple[int, int | None, bool]], chunk: int
+) -> None:
+    stager = Stager(FakeCudaRuntime(), Completions(FakeCudaRuntime()), chunk=chunk, depth=1)
+    requests = [
+        (TransferRequest.write if w else TransferRequest.read)(1 << 20, 1 << 30, n)
+        for n, _, w in reqs
+    ]
+    devices = [d for _, d, _ in reqs]
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for dev, op, pieces in stager.plan(requests, devices):
+        used = []
+        for i, off, n, b in pieces:
+            assert devices[i] == dev and requests[i].opcode is op
+            assert 0 < n and b + n <= chunk  # fits its chunk
+            used.append((b, b + n))
+            covered.setdefault(i, []).append((off, off + n))
+        used.sort()
+        assert all(a[1] <= b[0] for a, b in zip(used, used[1:], strict=False))  # disjoint
+    for i, (n, dev, _) in enumerate(reqs):
+        if dev is None:
+            assert i not in covered
+        else:
+            spans = sorted(covered[i])
+            assert spans[0][0] == 0 and spans[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+
+
+@pytest.mark.anyio
+async def test_stager_packs_small_requests(fake: FakeCudaRuntime) -> None:
+    """100 blocks of 1000 bytes through 4 KiB chunks: one host-transport call per chunk."""
+    from mooncake._core.transfer import completed
+    from mooncake._fast import memcpy_at
+
+    stager = Stager(fake, Completions(fake), chunk=4096, depth=2)
+    dev = fake.malloc(100_000)
+    data = pattern(100_000, 5)
+    view(dev, 100_000)[:] = np.frombuffer(data, np.uint8)
+    remote = bytearray(100_000)
+    raddr = int(np.frombuffer(remote, np.uint8).ctypes.data)
+    calls = 0
+
+    async def execute(reqs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        for r in reqs:
+            memcpy_at(r.remote_addr, r.local_addr, r.length)
+        return [completed(r.length) for r in reqs]
+
+    reqs = [TransferRequest.write(dev + k * 1000, raddr + k * 1000, 1000) for k in range(100)]
+    out = await stager.run(execute, reqs, [0] * 100)
+    assert all(r.ok for r in out)
+    assert bytes(remote) == data
+    assert calls == 25  # 4 blocks of 1000 (at 1024-aligned offsets) per 4 KiB chunk
+    stager.close()

@@ -206,10 +206,57 @@ class Stager:
 
     async def copy(self, dst: int, src: int, n: int, device: int) -> None:
         """Copy ``n`` bytes (either side device or host) on ``device``'s staging stream; await it."""
+        await self.copy_many([(dst, src, n)], device)
+
+    async def copy_many(self, copies: Sequence[tuple[int, int, int]], device: int) -> None:
+        """Enqueue every ``(dst, src, n)`` on ``device``'s staging stream, then await them once.
+
+        An enqueue failure still waits for the copies already enqueued before raising.
+        """
         stream = self.streams.get(device)
-        self.rt.memcpy_async(dst, src, n, stream)
+        err: MooncakeError | None = None
+        for dst, src, n in copies:
+            try:
+                self.rt.memcpy_async(dst, src, n, stream)
+            except MooncakeError as e:
+                err = e
+                break
+            self.staged_bytes += n
         await self.completions.wait(stream)
-        self.staged_bytes += n
+        if err is not None:
+            raise err
+
+    def plan(
+        self, requests: Sequence[TransferRequest], devices: Sequence[int | None]
+    ) -> list[tuple[int, Opcode, list[tuple[int, int, int, int]]]]:
+        """Pack the device requests into jobs of at most one chunk each.
+
+        A job is ``(device, opcode, pieces)``, a piece ``(request index, offset in the request,
+        length, offset in the chunk)``. Requests larger than a chunk are split; smaller ones
+        share a chunk (in order, at 256-byte aligned offsets) with others of the same device and
+        opcode, so a batch of many small KV blocks costs one host-transport call per chunk, not
+        one per block.
+        """
+        jobs: list[tuple[int, Opcode, list[tuple[int, int, int, int]]]] = []
+        open_jobs: dict[tuple[int, Opcode], tuple[list[tuple[int, int, int, int]], list[int]]] = {}
+        for i, dev in enumerate(devices):
+            if dev is None:
+                continue
+            r = requests[i]
+            key = (dev, r.opcode)
+            for off in range(0, r.length, self.chunk):
+                n = min(self.chunk, r.length - off)
+                cur = open_jobs.get(key)
+                if cur is not None and cur[1][0] + n > self.chunk:
+                    cur = None
+                if cur is None:
+                    pieces: list[tuple[int, int, int, int]] = []
+                    cur = open_jobs[key] = (pieces, [0])
+                    jobs.append((dev, r.opcode, pieces))
+                pieces, fill = cur
+                pieces.append((i, off, n, fill[0]))
+                fill[0] += (n + 255) & ~255
+        return jobs
 
     async def run(
         self,
@@ -220,9 +267,10 @@ class Stager:
         """Run ``requests`` through a host-only transport's ``execute``.
 
         ``devices[i]`` is the CUDA device of request i's local memory, or None for host memory
-        (passed through unchanged, in one ``execute`` call). Device requests are split into
-        chunks; each chunk borrows a pinned buffer, so at most ``depth`` are in flight and they
-        pipeline. A request fails with the first error of any of its chunks.
+        (passed through unchanged, in one ``execute`` call). Device requests are packed into
+        chunk-sized jobs (:meth:`plan`); each job borrows a pinned chunk, so at most ``depth``
+        are in flight and they pipeline (the device copy of one job overlaps the transfer of
+        another). A request fails with the first error of any of its pieces.
         """
         results: list[TransferResult | None] = [None] * len(requests)
         errors: dict[int, MooncakeError] = {}
@@ -233,34 +281,50 @@ class Stager:
             for i, res in zip(direct, out, strict=True):
                 results[i] = res
 
-        async def run_chunk(i: int, off: int, n: int, device: int) -> None:
-            r = requests[i]
-            if i in errors:
-                return
-            try:
-                async with self.buffer() as buf:
-                    if r.opcode is Opcode.WRITE:
-                        await self.copy(buf, r.local_addr + off, n, device)
-                        (res,) = await execute([TransferRequest.write(buf, r.remote_addr + off, n)])
+        def fail(i: int, e: MooncakeError) -> None:
+            errors.setdefault(i, e)
+
+        async def run_job(device: int, op: Opcode, pieces: list[tuple[int, int, int, int]]) -> None:
+            async with self.buffer() as buf:
+                try:
+                    if op is Opcode.WRITE:
+                        await self.copy_many(
+                            [(buf + b, requests[i].local_addr + o, n) for i, o, n, b in pieces],
+                            device,
+                        )
+                        out = await execute(
+                            [
+                                TransferRequest.write(buf + b, requests[i].remote_addr + o, n)
+                                for i, o, n, b in pieces
+                            ]
+                        )
+                        for (i, *_), res in zip(pieces, out, strict=True):
+                            if not res.ok:
+                                fail(i, res.error or TransferError("staged piece failed"))
                     else:
-                        (res,) = await execute([TransferRequest.read(buf, r.remote_addr + off, n)])
-                        if res.ok:
-                            await self.copy(r.local_addr + off, buf, n, device)
-            except MooncakeError as e:
-                errors.setdefault(i, e)
-                return
-            if not res.ok:
-                errors.setdefault(i, res.error or TransferError("staged chunk failed"))
+                        out = await execute(
+                            [
+                                TransferRequest.read(buf + b, requests[i].remote_addr + o, n)
+                                for i, o, n, b in pieces
+                            ]
+                        )
+                        landed = []
+                        for (i, o, n, b), res in zip(pieces, out, strict=True):
+                            if res.ok:
+                                landed.append((requests[i].local_addr + o, buf + b, n))
+                            else:
+                                fail(i, res.error or TransferError("staged piece failed"))
+                        if landed:
+                            await self.copy_many(landed, device)
+                except MooncakeError as e:
+                    for i, *_ in pieces:
+                        fail(i, e)
 
         async with anyio.create_task_group() as tg:
             if direct:
                 tg.start_soon(run_direct)
-            for i, dev in enumerate(devices):
-                if dev is None:
-                    continue
-                length = requests[i].length
-                for off in range(0, length, self.chunk):
-                    tg.start_soon(run_chunk, i, off, min(self.chunk, length - off), dev)
+            for device, op, pieces in self.plan(requests, devices):
+                tg.start_soon(run_job, device, op, pieces)
         for i, dev in enumerate(devices):
             if dev is not None:
                 err = errors.get(i)
