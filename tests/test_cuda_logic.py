@@ -9,6 +9,7 @@ can show (real IPC, real DMA, speed) is in ``tests/test_gpu.py``, skipped here.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -816,18 +817,18 @@ def test_stager_plan_covers_every_byte_once(
         used = []
         for i, off, n, b in pieces:
             assert devices[i] == dev and requests[i].opcode is op
-            assert 0 < n and b + n <= chunk  # fits its chunk
+            assert n > 0 and b + n <= chunk  # fits its chunk
             used.append((b, b + n))
             covered.setdefault(i, []).append((off, off + n))
         used.sort()
-        assert all(a[1] <= b[0] for a, b in zip(used, used[1:], strict=False))  # disjoint
-    for i, (n, dev, _) in enumerate(reqs):
-        if dev is None:
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(used))  # disjoint
+    for i, (n, want, _) in enumerate(reqs):
+        if want is None:
             assert i not in covered
         else:
             spans = sorted(covered[i])
             assert spans[0][0] == 0 and spans[-1][1] == n
-            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
 
 
 @pytest.mark.anyio
