@@ -12,7 +12,9 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-_SUBCOMMANDS: list[str] = []
+_SUBCOMMANDS: list[str] = [
+    "demo",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

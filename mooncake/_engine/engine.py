@@ -74,6 +74,7 @@ from mooncake.errors import (
     NotSupportedError,
     PeerDiedError,
     PeerUnreachableError,
+    RegistrationError,
     RemoteAccessError,
     TransferError,
 )
@@ -259,7 +260,6 @@ class Engine:
         self._cuda = cuda_runtime
         self._completions: Completions | None = None
         self._stager: Stager | None = None
-        self._released = anyio.Event()
         self._closed = False
         self._desc_cache: dict[str, Any] | None = None
 
@@ -271,7 +271,7 @@ class Engine:
         self.handshake.handlers[FrameType.METADATA] = self._on_metadata
         self.handshake.handlers[FrameType.NOTIFY] = self._on_notify
         self.handshake.handlers[FrameType.PROBE] = self._on_probe
-        self.rpc_port = await self.task_group.start(
+        self.rpc_port: int = await self.task_group.start(
             self.handshake.serve, self.bind_host, self._rpc_port_req
         )
         if self.metadata.p2p:
@@ -312,7 +312,9 @@ class Engine:
                 try:
                     buf._mmap.close()
                 except BufferError:
-                    log.warning("engine buffer %r still exported at close; leaving it mapped", buf)
+                    # still viewed (e.g. a numpy array the caller holds): the mapping goes
+                    # away with its last view instead of under it
+                    pass
             self._buffers.clear()
             if self._stager is not None:
                 self._stager.close()
@@ -507,10 +509,12 @@ class Engine:
         else:
             addr = buffer_address(obj, writable=False)[0]
         region = self.registry.get(addr)
+        if region.closing:
+            raise RegistrationError(f"region at {addr:#x} is already being unregistered")
         region.closing = True
         while region.users:
-            self._released = anyio.Event()
-            await self._released.wait()
+            released = region.meta["released"] = anyio.Event()
+            await released.wait()
         for t in self.transports:
             await t.on_unregister(region)
         self.registry.remove(addr)
@@ -531,7 +535,9 @@ class Engine:
     def release_region(self, region: Region) -> None:
         region.users -= 1
         if region.users == 0 and region.closing:
-            self._released.set()
+            released = region.meta.get("released")
+            if released is not None:
+                released.set()
 
     async def allocate(self, length: int, *, location: str = "cpu:0") -> Any:
         """Allocate ``length`` bytes, register them and return the allocation.
@@ -638,12 +644,16 @@ class Engine:
             return []
         if segment == self.segment_name:
             return await self._local(reqs)
-        peer = await self.peer(segment)
-        uncovered = [
-            r for r in reqs if peer.descriptor.find_buffer(r.remote_addr, r.length) is None
-        ]
-        if uncovered:  # the peer may have registered more since we cached its descriptor
-            peer = await self.peer(segment, refresh=True)
+        try:
+            peer = await self.peer(segment)
+            if any(peer.descriptor.find_buffer(r.remote_addr, r.length) is None for r in reqs):
+                # the peer may have registered more since we cached its descriptor
+                peer = await self.peer(segment, refresh=True)
+        except InvalidArgumentError:
+            raise
+        except MooncakeError as e:  # unreachable, unknown or malformed: every request fails
+            self.forget(segment)
+            return [failed(e) for _ in reqs]
         results: list[TransferResult | None] = [None] * len(reqs)
         send_idx = []
         for i, r in enumerate(reqs):
