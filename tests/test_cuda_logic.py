@@ -858,3 +858,55 @@ async def test_stager_packs_small_requests(fake: FakeCudaRuntime) -> None:
     assert bytes(remote) == data
     assert calls == 25  # 4 blocks of 1000 (at 1024-aligned offsets) per 4 KiB chunk
     stager.close()
+
+
+@pytest.mark.anyio
+async def test_tcp_server_device_write_failure_drops_connection(fake: FakeCudaRuntime) -> None:
+    async with (
+        open_engine("127.0.0.1", transports=["tcp"]) as a,
+        open_engine("127.0.0.1", transports=["tcp"], cuda_runtime=fake) as b,
+    ):
+        lhost = await a.allocate(4096)
+        rdev = await b.allocate(4096, location="cuda:0")
+        fake.fail_next_copy(700)  # the server's host->device copy
+        (r,) = await a.transfer(
+            b.segment_name, [TransferRequest.write(lhost.addr, rdev.addr, 4096)]
+        )
+        assert not r.ok
+        lhost.numpy()[:] = 8
+        await a.write(b.segment_name, lhost.addr, rdev.addr, 4096)
+        assert bytes(view(rdev.addr, 4096)) == b"\x08" * 4096
+        assert b.staging.server_pool.in_use == 0  # every chunk came back
+
+
+@pytest.mark.anyio
+async def test_staging_towards_each_other_does_not_deadlock(
+    fake: FakeCudaRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two engines staging device writes at each other with one pinned chunk each: a client job
+    holds its chunk until the peer's server answers, so servers draw from a pool of their own."""
+    monkeypatch.setenv("MC_CUDA_STAGING_CHUNK", "4096")
+    monkeypatch.setenv("MC_CUDA_STAGING_DEPTH", "1")
+    n = 16 * 4096
+    async with (
+        open_engine("127.0.0.1", transports=["tcp"], cuda_runtime=fake) as a,
+        open_engine("127.0.0.1", transports=["tcp"], cuda_runtime=fake) as b,
+    ):
+        da, db = (
+            await a.allocate(2 * n, location="cuda:0"),
+            await b.allocate(2 * n, location="cuda:0"),
+        )
+        view(da.addr, n)[:] = 1
+        view(db.addr, n)[:] = 2
+
+        async def push(src: Engine, dst: Engine, s: int, d: int) -> None:
+            reqs = [TransferRequest.write(s + k * 4096, d + n + k * 4096, 4096) for k in range(16)]
+            assert all(r.ok for r in await src.transfer(dst.segment_name, reqs))
+
+        with anyio.fail_after(60):  # a deadlock would hang here
+            async with anyio.create_task_group() as tg:
+                for _ in range(3):
+                    tg.start_soon(push, a, b, da.addr, db.addr)
+                    tg.start_soon(push, b, a, db.addr, da.addr)
+        assert bytes(view(db.addr + n, n)) == b"\x01" * n
+        assert bytes(view(da.addr + n, n)) == b"\x02" * n

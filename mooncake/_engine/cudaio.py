@@ -15,11 +15,12 @@ copy cannot be recalled once enqueued, so the memory it touches must stay valid 
 (the transport contract in ``transports/base.py``).
 
 :class:`Stager` moves bytes between device memory and transports that only handle host memory
-(``tcp``, ``shm``): through a small pool of pinned host chunks, one chunk per in-flight step, so a
+(``tcp``, ``shm``): through small pools of pinned host chunks, one chunk per in-flight step, so a
 large request is pipelined (the device->host copy of one chunk overlaps the send of the previous
-one) with bounded memory. It serves both ends: the client side (:meth:`Stager.run`: a batch whose
-local side is device memory) and a server receiving into or sending from device memory
-(:meth:`Stager.buffer` + :meth:`Stager.copy`).
+one) with bounded memory, and small requests share chunks. It serves both ends: the client side
+(:meth:`Stager.run`: a batch whose local side is device memory) and a server receiving into or
+sending from device memory (:meth:`Stager.serve_write` / :meth:`Stager.serve_read`), each side
+with its own pool (see ``Stager.__init__`` for why).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 
@@ -162,6 +164,62 @@ class StreamSet:
 
 
 Executor = Callable[[Sequence[TransferRequest]], Awaitable[list[TransferResult]]]
+Recv = Callable[[int, int], Awaitable[None]]
+Send = Callable[[int, int, bool], Awaitable[None]]
+
+
+class PinnedPool:
+    """``depth`` pinned host chunks of ``chunk`` bytes, allocated on first use."""
+
+    def __init__(self, rt: CudaRuntime, chunk: int, depth: int) -> None:
+        self.rt = rt
+        self.chunk = chunk
+        self.depth = depth
+        self._idle: collections.deque[int] = collections.deque()
+        self._all: list[int] = []
+        self._slots = anyio.Semaphore(depth)
+        self.closed = False
+
+    async def acquire(self) -> int:
+        """A chunk's address (waits while all are in use); give it back with :meth:`release`."""
+        await self._slots.acquire()
+        try:
+            if self.closed:
+                raise CudaError("pinned pool is closed")
+            if self._idle:
+                return self._idle.pop()
+            buf = self.rt.host_alloc(self.chunk)
+            self._all.append(buf)
+            return buf
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def release(self, buf: int) -> None:
+        self._idle.append(buf)
+        self._slots.release()
+
+    @asynccontextmanager
+    async def buffer(self) -> AsyncIterator[int]:
+        buf = await self.acquire()
+        try:
+            yield buf
+        finally:
+            self.release(buf)
+
+    @property
+    def in_use(self) -> int:
+        return self.depth - self._slots.value
+
+    def close(self) -> None:
+        self.closed = True
+        for buf in self._all:
+            try:
+                self.rt.free_host(buf)
+            except CudaError as e:
+                log.debug("free_host at close: %s", e)
+        self._all.clear()
+        self._idle.clear()
 
 
 class Stager:
@@ -182,27 +240,16 @@ class Stager:
         if self.chunk <= 0 or self.depth <= 0:
             raise InvalidArgumentError("staging chunk and depth must be positive")
         self.streams = StreamSet(rt)
-        self._idle: collections.deque[int] = collections.deque()
-        self._all: list[int] = []
-        self._slots = anyio.Semaphore(self.depth)
-        self.closed = False
+        # Two pools: a client job holds its chunk until the peer answers, and the peer's server
+        # may need a chunk to answer; with one shared pool, two engines staging towards each
+        # other could each hold every chunk and wait for the other forever.
+        self.pool = PinnedPool(rt, self.chunk, self.depth)
+        self.server_pool = PinnedPool(rt, self.chunk, self.depth)
         self.staged_bytes = 0
 
-    @asynccontextmanager
-    async def buffer(self) -> AsyncIterator[int]:
-        """Borrow one pinned chunk of ``self.chunk`` bytes (waits while all are in use)."""
-        async with self._slots:
-            if self.closed:
-                raise CudaError("stager is closed")
-            if self._idle:
-                buf = self._idle.pop()
-            else:
-                buf = self.rt.host_alloc(self.chunk)
-                self._all.append(buf)
-            try:
-                yield buf
-            finally:
-                self._idle.append(buf)
+    def buffer(self) -> Any:
+        """Borrow one client-side pinned chunk (``async with stager.buffer() as addr``)."""
+        return self.pool.buffer()
 
     async def copy(self, dst: int, src: int, n: int, device: int) -> None:
         """Copy ``n`` bytes (either side device or host) on ``device``'s staging stream; await it."""
@@ -277,7 +324,10 @@ class Stager:
         direct = [i for i, d in enumerate(devices) if d is None]
 
         async def run_direct() -> None:
-            out = await execute([requests[i] for i in direct])
+            try:
+                out = await execute([requests[i] for i in direct])
+            except MooncakeError as e:  # the batch could not be attempted: each request fails
+                out = [failed(e)] * len(direct)
             for i, res in zip(direct, out, strict=True):
                 results[i] = res
 
@@ -333,12 +383,102 @@ class Stager:
 
     def close(self) -> None:
         """Free the pinned chunks and streams (call once nothing is in flight)."""
-        self.closed = True
         self.streams.close()
-        for buf in self._all:
+        self.pool.close()
+        self.server_pool.close()
+
+    # -- serving a host-transport request on a device region ------------------------------
+
+    async def serve_write(self, recv_into: Recv, addr: int, size: int, device: int) -> None:
+        """Receive ``size`` bytes for device ``addr`` chunk by chunk (``await recv_into(buf, n)``).
+
+        The host->device copy of one chunk overlaps the receive of the next (up to ``depth``
+        chunks in flight). Returns once every byte is on the device.
+        """
+        pool = self.server_pool
+        errors: list[BaseException] = []
+
+        async def land(buf: int, dst: int, n: int) -> None:
             try:
-                self.rt.free_host(buf)
-            except CudaError as e:
-                log.debug("free_host at close: %s", e)
-        self._all.clear()
-        self._idle.clear()
+                await self.copy(dst, buf, n, device)
+            except (MooncakeError, OSError) as e:
+                errors.append(e)
+                tg.cancel_scope.cancel()
+            finally:
+                pool.release(buf)
+
+        # Failures are collected and re-raised alone (not as an exception group) so the
+        # server's per-connection handler sees the error types it expects.
+        async with anyio.create_task_group() as tg:
+            off = 0
+            while off < size and not errors:
+                n = min(self.chunk, size - off)
+                buf = await pool.acquire()
+                try:
+                    await recv_into(buf, n)
+                except (MooncakeError, OSError) as e:
+                    pool.release(buf)
+                    errors.append(e)
+                    break
+                except BaseException:
+                    pool.release(buf)
+                    raise
+                tg.start_soon(land, buf, addr + off, n)
+                off += n
+        if errors:
+            raise errors[0]
+
+    async def serve_read(self, send_from: Send, addr: int, size: int, device: int) -> None:
+        """Send ``size`` bytes of device ``addr`` chunk by chunk (``await send_from(buf, n, first)``).
+
+        The device->host copy of the next chunk overlaps the send of the current one.
+        """
+        pool = self.server_pool
+        errors: list[BaseException] = []
+        tx, rx = anyio.create_memory_object_stream[tuple[int, int]](self.depth)
+
+        async def produce() -> None:
+            with tx:
+                off = 0
+                while off < size:
+                    n = min(self.chunk, size - off)
+                    buf = await pool.acquire()
+                    try:
+                        await self.copy(buf, addr + off, n, device)
+                        await tx.send((buf, n))
+                    except (MooncakeError, OSError) as e:
+                        pool.release(buf)
+                        errors.append(e)
+                        return  # closing tx ends the consumer's loop
+                    except anyio.BrokenResourceError:  # the consumer is gone (it failed)
+                        pool.release(buf)
+                        return
+                    except BaseException:
+                        pool.release(buf)
+                        raise
+                    off += n
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(produce)
+            first = True
+            try:
+                async for buf, n in rx:
+                    try:
+                        await send_from(buf, n, first)
+                    except (MooncakeError, OSError) as e:
+                        errors.append(e)
+                        tg.cancel_scope.cancel()
+                        break
+                    finally:
+                        pool.release(buf)
+                    first = False
+            finally:
+                while True:  # chunks the producer queued behind a failed send
+                    try:
+                        buf, _ = rx.receive_nowait()
+                    except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                        break
+                    pool.release(buf)
+                rx.close()
+        if errors:
+            raise errors[0]

@@ -676,7 +676,7 @@ class Engine:
                 elif routes:
                     async with anyio.create_task_group() as tg:
                         for t, idx in routes.items():
-                            tg.start_soon(self._execute, t, peer, reqs, idx, results)
+                            tg.start_soon(self._execute_part, t, peer, reqs, idx, results)
             finally:
                 for region in regions:
                     self.release_region(region)
@@ -718,6 +718,22 @@ class Engine:
             else:
                 routes.setdefault(t, []).append(i)
         return routes
+
+    async def _execute_part(
+        self,
+        t: Transport,
+        peer: PeerInfo,
+        reqs: list[TransferRequest],
+        idx: list[int],
+        results: list[TransferResult | None],
+    ) -> None:
+        """One transport's share of a batch split over several: a batch-level failure of that
+        transport fails its requests only (and never leaves as an exception group)."""
+        try:
+            await self._execute(t, peer, reqs, idx, results)
+        except MooncakeError as e:
+            for i in idx:
+                results[i] = failed(e)
 
     async def _execute(
         self,

@@ -351,7 +351,7 @@ class CudaTransport(Transport):
             async def wait(stream: int, idx: list[int]) -> None:
                 try:
                     await self.engine.cuda_completions.wait(stream)
-                except CudaError as e:
+                except MooncakeError as e:
                     for i in idx:
                         results[i] = failed(e)
                     return

@@ -205,29 +205,22 @@ class TcpTransport(Transport):
         """
         stager = self.engine.staging
         if hdr.opcode is Opcode.WRITE:
-            off = 0
-            while off < hdr.size:
-                n = min(stager.chunk, hdr.size - off)
-                async with stager.buffer() as buf:
-                    await _sockio.recv_into_addr(sock, buf, n, "write payload")
-                    await stager.copy(hdr.addr + off, buf, n, device)
-                off += n
+
+            async def recv_into(buf: int, n: int) -> None:
+                await _sockio.recv_into_addr(sock, buf, n, "write payload")
+
+            await stager.serve_write(recv_into, hdr.addr, hdr.size, device)
             if hdr.v2:
                 await self._send(sock, tcpwire.encode_status(tcpwire.Status.OK))
             return
-        off = 0
-        first = True
-        while off < hdr.size:
-            n = min(stager.chunk, hdr.size - off)
-            async with stager.buffer() as buf:
-                await stager.copy(buf, hdr.addr + off, n, device)
-                addrs, lens = [buf], [n]
-                if first and hdr.v2:
-                    addrs.insert(0, _STATUS_OK.addr)
-                    lens.insert(0, 8)
-                first = False
-                await _sockio.send_addrs(sock, addrs, lens, "read payload")
-            off += n
+
+        async def send_from(buf: int, n: int, first: bool) -> None:
+            if first and hdr.v2:
+                await _sockio.send_addrs(sock, [_STATUS_OK.addr, buf], [8, n], "read payload")
+            else:
+                await _sockio.send_addrs(sock, [buf], [n], "read payload")
+
+        await stager.serve_read(send_from, hdr.addr, hdr.size, device)
 
     async def _send(self, sock: socket.socket, data: bytes) -> None:
         scratch = _sockio.Scratch(len(data))
