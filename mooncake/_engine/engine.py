@@ -44,7 +44,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import anyio
 import anyio.abc
@@ -539,7 +539,11 @@ class Engine:
             if released is not None:
                 released.set()
 
-    async def allocate(self, length: int, *, location: str = "cpu:0") -> Any:
+    @overload
+    async def allocate(self, length: int) -> Buffer: ...
+    @overload
+    async def allocate(self, length: int, *, location: str) -> Buffer | DeviceMemory: ...
+    async def allocate(self, length: int, *, location: str = "cpu:0") -> Buffer | DeviceMemory:
         """Allocate ``length`` bytes, register them and return the allocation.
 
         Host (``cpu:N``): page-aligned, pre-faulted :class:`Buffer`. Device (``cuda:N``):
