@@ -285,3 +285,43 @@ async def test_staged_device_host(peer: GpuPeer, transport: str, size: int) -> N
         await e.read(peer.segment, ldev.addr, peer.info["host"], size)
         assert bool(cupy.array_equal(lv, gpu_pattern(cupy, size, 33)))
         assert e.staging.staged_bytes == 2 * size
+
+
+async def test_thread_completion_mode(peer: GpuPeer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other completion bridge (cudaEventSynchronize in a worker thread) moves bytes too."""
+    monkeypatch.setenv("MC_CUDA_COMPLETION", "thread")
+    size = 16 << 20
+    async with open_engine("127.0.0.1", transports=["tcp", "cuda"]) as e:
+        assert e.cuda_completions.mode == "thread"
+        local = await e.allocate(size, location="cuda:0")
+        lv = device_view(cupy, local.addr, size, local)
+        lv[:] = gpu_pattern(cupy, size, 41)
+        cupy.cuda.Device(0).synchronize()
+        await e.write(peer.segment, local.addr, peer.info["dev"], size)
+        assert peer.cmd(op="check", which="dev", offset=0, length=size, seed=41)["equal"]
+
+
+def test_gpu_found_by_default() -> None:
+    from mooncake._engine.transports import default_transports
+
+    assert cuda.is_available()
+    assert "cuda" in default_transports()
+
+
+async def test_many_small_blocks_ipc_and_staged(peer: GpuPeer) -> None:
+    """A KV-cache-like batch: 512 blocks of 16 KiB, over IPC and staged over tcp (packed)."""
+    block, count = 16 << 10, 512
+    size = block * count
+    async with open_engine("127.0.0.1", transports=["tcp", "cuda"]) as e:
+        local = await e.allocate(size, location="cuda:0")
+        lv = device_view(cupy, local.addr, size, local)
+        for transport, seed in (("cuda", 51), ("tcp", 52)):
+            lv[:] = gpu_pattern(cupy, size, seed)
+            cupy.cuda.Device(0).synchronize()
+            reqs = [
+                TransferRequest.write(local.addr + k * block, peer.info["dev"] + k * block, block)
+                for k in range(count)
+            ]
+            res = await e.transfer(peer.segment, reqs, transport=transport)
+            assert all(r.ok for r in res), [r.error for r in res if not r.ok][:3]
+            assert peer.cmd(op="check", which="dev", offset=0, length=size, seed=seed)["equal"]
