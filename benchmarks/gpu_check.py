@@ -12,6 +12,7 @@ peer's bytes against the pattern written. Rows:
   tcp   dev->dev     loopback TCP, both ends staging through pinned chunks
   tcp   dev->host    loopback TCP, this side staging
   shm   dev->host    (when the shm transport is in the tree) this side staging
+  cuda/tcp 512x16K   one batch of 512 blocks of 16 KiB (KV-cache-like), dev->dev
 
 plus the machine's own limits measured with cupy in this process (device memcpy, pinned
 H2D/D2H), and the completion bridge: 4 KiB IPC writes one at a time, ``eventfd`` vs ``thread``.
@@ -197,6 +198,42 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         }
                         rows.append(row)
                         print(fmt_row(row), flush=True)
+            # a KV-cache-like batch: 512 blocks of 16 KiB in one transfer call
+            block, count = 16 * KiB, 512
+            if block * count <= max_size:
+                for transport in ("cuda", "tcp"):
+                    seed += 1
+                    mem.fill(0, block * count, seed)
+                    reqs = [
+                        TransferRequest.write(
+                            local.addr + k * block, peer.info["dev"] + k * block, block
+                        )
+                        for k in range(count)
+                    ]
+
+                    async def batch(reqs: list[TransferRequest] = reqs, t: str = transport) -> None:
+                        res = await e.transfer(seg, reqs, transport=t)
+                        if not all(r.ok for r in res):
+                            raise RuntimeError(
+                                f"{t} batch: {[r.error for r in res if not r.ok][:2]}"
+                            )
+
+                    reps, el = await timed(batch, args.seconds)
+                    ok = peer.cmd(
+                        op="check", which="dev", offset=0, length=block * count, seed=seed
+                    )["equal"]
+                    row = {
+                        "transport": transport,
+                        "path": "512x16K",
+                        "op": "write",
+                        "size": block * count,
+                        "reps": reps,
+                        "GBps": reps * block * count / el / 1e9,
+                        "us_per_op": el / reps * 1e6,
+                        "verified": ok,
+                    }
+                    rows.append(row)
+                    print(fmt_row(row), flush=True)
         # the completion bridge, both ways: small IPC writes one at a time
         bridge = []
         for mode in ("eventfd", "thread"):

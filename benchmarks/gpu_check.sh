@@ -56,6 +56,9 @@ timeout 200 $PY -m pytest tests/test_gpu.py -q -rs -p no:cacheprovider 2>&1 | te
 tests_rc=${PIPESTATUS[0]}
 say "tests rc=$tests_rc"
 
+say "completion bridge"
+timeout 60 $PY benchmarks/cuda_bridge.py 2>&1 | tee "$LOGDIR/bridge.txt"
+
 say "throughput"
 timeout 150 $PY benchmarks/gpu_check.py --seconds 0.2 ${OUT:+--out "$OUT"} 2>&1 | tee "$LOGDIR/bench.txt"
 bench_rc=${PIPESTATUS[0]}
