@@ -624,6 +624,10 @@ async def test_tcp_staging_both_ends(
         # a staged its device side of 3 requests, b the device side of the 2 that reached rdev
         assert a.staging.staged_bytes == 3 * length and b.staging.staged_bytes == 2 * length
         assert a.staging.chunk == 4096
+        assert a.staging.pool.in_use == 0 and b.staging.server_pool.in_use == 0
+    # closing the engines released everything they took from the runtime
+    assert a.cuda_completions.live_fds == 0 and b.cuda_completions.live_fds == 0
+    assert fake.live() == {"device": 0, "host": 0, "opened": 0, "streams": 0}
 
 
 @pytest.mark.anyio
@@ -727,6 +731,7 @@ async def test_cuda_transport_two_processes(fake: FakeCudaRuntime, peer: Peer) -
         e.forget(seg)
         assert fake.live()["opened"] == 0  # forgetting the peer closes its mappings
         assert cudat._states == []
+    assert fake.live() == {"device": 0, "host": 0, "opened": 0, "streams": 0}
 
 
 @pytest.mark.anyio

@@ -372,8 +372,8 @@ class FakeCudaRuntime:
                 os.close(mem.fd)
 
     def live(self) -> dict[str, int]:
-        """Counts of live allocations by kind (tests check these balance)."""
-        out = {"device": 0, "host": 0, "opened": 0}
+        """Counts of live allocations by kind and of streams (tests check these balance)."""
+        out = {"device": 0, "host": 0, "opened": 0, "streams": len(self._streams)}
         with self._lock:
             for m in self._mems:
                 key = "opened" if m.opened else ("device" if m.kind == MEMORY_DEVICE else "host")
