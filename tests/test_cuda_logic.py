@@ -915,3 +915,49 @@ async def test_staging_towards_each_other_does_not_deadlock(
                     tg.start_soon(push, b, a, db.addr, da.addr)
         assert bytes(view(db.addr + n, n)) == b"\x01" * n
         assert bytes(view(da.addr + n, n)) == b"\x02" * n
+
+
+@pytest.mark.anyio
+async def test_pin_host_memory_opt_in(
+    fake: FakeCudaRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MC_CUDA_PIN_HOST=1: host regions are page-locked while registered, unlocked after; a
+    registration that fails on a later transport is rolled back on the cuda transport too."""
+    from mooncake._engine.transports.base import Transport
+
+    monkeypatch.setenv("MC_CUDA_PIN_HOST", "1")
+    async with (
+        open_engine("127.0.0.1", transports=["tcp", "cuda"], cuda_runtime=fake) as a,
+        open_engine("127.0.0.1", transports=["tcp", "cuda"], cuda_runtime=fake) as b,
+    ):
+        n = 1 << 20
+        host = await a.allocate(n)
+        assert fake.host_registers == 1 and host.region.meta["cuda_pinned"]
+        assert fake.pointer_get_attributes(host.addr)[0] == cuda.MEMORY_HOST
+        dev = await b.allocate(n, location="cuda:0")
+        host.numpy()[:] = 3
+        await a.write(b.segment_name, host.addr, dev.addr, n)  # pinned: issued inline
+        assert bytes(view(dev.addr, n)) == b"\x03" * n
+        await a.unregister(host)
+        assert fake.live()["host"] == 0
+
+        class Refuses(Transport):
+            name = "refuses"
+
+            def can_reach(self, peer: Any) -> bool:
+                return False
+
+            async def execute(self, peer: Any, requests: Any) -> Any:
+                raise AssertionError
+
+            async def on_register(self, region: Any) -> None:
+                raise InvalidArgumentError("refused")
+
+        a.transports.append(Refuses(a))
+        with pytest.raises(InvalidArgumentError, match="refused"):
+            await a.register(bytearray(8192))
+        assert fake.live()["host"] == 0 and len(a.registry) == 0
+        a.transports.pop()
+        await a.register(bytearray(4096))  # left registered: unpinned when the engine closes
+        assert fake.live()["host"] == 1
+    assert fake.live()["host"] == 0

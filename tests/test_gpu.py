@@ -325,3 +325,23 @@ async def test_many_small_blocks_ipc_and_staged(peer: GpuPeer) -> None:
             res = await e.transfer(peer.segment, reqs, transport=transport)
             assert all(r.ok for r in res), [r.error for r in res if not r.ok][:3]
             assert peer.cmd(op="check", which="dev", offset=0, length=size, seed=seed)["equal"]
+
+
+@pytest.mark.parametrize("pin", [False, True], ids=["pageable", "pinned"])
+async def test_host_to_peer_device_over_ipc(
+    peer: GpuPeer, monkeypatch: pytest.MonkeyPatch, pin: bool
+) -> None:
+    """Local host memory <-> the peer's GPU over CUDA IPC, pageable or page-locked."""
+    monkeypatch.setenv("MC_CUDA_PIN_HOST", "1" if pin else "0")
+    size = 64 << 20
+    async with open_engine("127.0.0.1", transports=["tcp", "cuda"]) as e:
+        host = await e.allocate(size)
+        assert bool(host.region.meta.get("cuda_pinned")) is pin
+        if pin:
+            assert e.cuda.pointer_get_attributes(host.addr)[0] == cuda.MEMORY_HOST
+        host.numpy()[:] = host_pattern(size, 61)
+        await e.write(peer.segment, host.addr, peer.info["dev"], size)
+        assert peer.cmd(op="check", which="dev", offset=0, length=size, seed=61)["equal"]
+        host.numpy()[:] = 0
+        await e.read(peer.segment, host.addr, peer.info["dev"], size)
+        assert np.array_equal(host.numpy()[:size], host_pattern(size, 61))

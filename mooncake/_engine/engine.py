@@ -485,10 +485,19 @@ class Engine:
         if location.startswith("cuda"):
             self._check_device_range(addr, length, location)
         region = self.registry.add(Region(addr, length, location, owner, remote_accessible))
+        done: list[Transport] = []
         try:
             for t in self.transports:
                 await t.on_register(region)
+                done.append(t)
         except BaseException:
+            # roll back on the transports that took it (they may hold pins, exports...)
+            with anyio.CancelScope(shield=True):
+                for t in reversed(done):
+                    try:
+                        await t.on_unregister(region)
+                    except MooncakeError as e:
+                        log.warning("rolling back registration on %s: %s", t.name, e)
             self.registry.remove(addr)
             raise
         await self._publish()

@@ -44,6 +44,7 @@ ctypedef cudaError_t (*fn_ptrp_size_uint)(void **, size_t, unsigned int) noexcep
 ctypedef cudaError_t (*fn_ptr)(void *) noexcept nogil
 ctypedef cudaError_t (*fn_ptrp_uint)(void **, unsigned int) noexcept nogil
 ctypedef cudaError_t (*fn_memset)(void *, int, size_t) noexcept nogil
+ctypedef cudaError_t (*fn_host_register)(void *, size_t, unsigned int) noexcept nogil
 ctypedef cudaError_t (*fn_attr)(cudaPointerAttributes *, const void *) noexcept nogil
 ctypedef cudaError_t (*fn_ipc_get)(cudaIpcMemHandle_t *, void *) noexcept nogil
 ctypedef cudaError_t (*fn_ipc_open)(void **, cudaIpcMemHandle_t, unsigned int) noexcept nogil
@@ -92,6 +93,8 @@ cdef class DlopenRuntime:
     cdef fn_ptrp_size_uint _host_alloc
     cdef fn_ptr _free_host
     cdef fn_memset _memset
+    cdef fn_host_register _host_register
+    cdef fn_ptr _host_unregister
     cdef fn_attr _attrs
     cdef fn_ipc_get _ipc_get
     cdef fn_ipc_open _ipc_open
@@ -129,6 +132,8 @@ cdef class DlopenRuntime:
         self._host_alloc = <fn_ptrp_size_uint>_sym(lib, b"cudaHostAlloc", True)
         self._free_host = <fn_ptr>_sym(lib, b"cudaFreeHost", True)
         self._memset = <fn_memset>_sym(lib, b"cudaMemset", True)
+        self._host_register = <fn_host_register>_sym(lib, b"cudaHostRegister", True)
+        self._host_unregister = <fn_ptr>_sym(lib, b"cudaHostUnregister", True)
         self._attrs = <fn_attr>_sym(lib, b"cudaPointerGetAttributes", True)
         self._ipc_get = <fn_ipc_get>_sym(lib, b"cudaIpcGetMemHandle", True)
         self._ipc_open = <fn_ipc_open>_sym(lib, b"cudaIpcOpenMemHandle", True)
@@ -204,6 +209,18 @@ cdef class DlopenRuntime:
         with nogil:
             st = self._memset(<void *>ptr, value, n)
         self._check(st, "cudaMemset")
+
+    def host_register(self, uintptr_t ptr, size_t n):
+        cdef cudaError_t st
+        with nogil:
+            st = self._host_register(<void *>ptr, n, HOST_ALLOC_PORTABLE)
+        self._check(st, f"cudaHostRegister({n})")
+
+    def host_unregister(self, uintptr_t ptr):
+        cdef cudaError_t st
+        with nogil:
+            st = self._host_unregister(<void *>ptr)
+        self._check(st, "cudaHostUnregister")
 
     def pointer_get_attributes(self, uintptr_t ptr):
         cdef cudaPointerAttributes a

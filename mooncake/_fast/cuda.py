@@ -52,6 +52,8 @@ MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from unified address
 STREAM_NON_BLOCKING = 1
 EVENT_DISABLE_TIMING = 2
 HOST_ALLOC_PORTABLE = 1
+HOST_REGISTER_PORTABLE = 1
+ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 IPC_LAZY_ENABLE_PEER_ACCESS = 1
 # cudaMemoryType
 MEMORY_UNREGISTERED = 0
@@ -76,6 +78,11 @@ class CudaRuntime(Protocol):
     def host_alloc(self, n: int) -> int: ...
     def free_host(self, ptr: int) -> None: ...
     def memset(self, ptr: int, value: int, n: int) -> None: ...
+    def host_register(self, ptr: int, n: int) -> None:
+        """Page-lock existing host memory (``cudaHostRegister``, portable)."""
+        ...
+
+    def host_unregister(self, ptr: int) -> None: ...
     def pointer_get_attributes(self, ptr: int) -> tuple[int, int]:
         """``(cudaMemoryType, device)`` of ``ptr``; ``(0, -1)`` for plain host memory."""
         ...
@@ -231,6 +238,8 @@ class CtypesRuntime:
             "cudaHostAlloc": [P(c_void_p), c_size_t, c_uint],
             "cudaFreeHost": [c_void_p],
             "cudaMemset": [c_void_p, c_int, c_size_t],
+            "cudaHostRegister": [c_void_p, c_size_t, c_uint],
+            "cudaHostUnregister": [c_void_p],
             "cudaPointerGetAttributes": [P(_PointerAttributes), c_void_p],
             "cudaIpcGetMemHandle": [P(_IpcHandle), c_void_p],
             "cudaIpcOpenMemHandle": [P(c_void_p), _IpcHandle, c_uint],
@@ -296,6 +305,14 @@ class CtypesRuntime:
 
     def memset(self, ptr: int, value: int, n: int) -> None:
         self._check(self._lib.cudaMemset(ptr, value, n), "cudaMemset")
+
+    def host_register(self, ptr: int, n: int) -> None:
+        self._check(
+            self._lib.cudaHostRegister(ptr, n, HOST_REGISTER_PORTABLE), f"cudaHostRegister({n})"
+        )
+
+    def host_unregister(self, ptr: int) -> None:
+        self._check(self._lib.cudaHostUnregister(ptr), "cudaHostUnregister")
 
     def pointer_get_attributes(self, ptr: int) -> tuple[int, int]:
         a = _PointerAttributes()
@@ -425,6 +442,12 @@ class CupyRuntime:
 
     def memset(self, ptr: int, value: int, n: int) -> None:
         self._call("cudaMemset", self._rt.memset, ptr, value, n)
+
+    def host_register(self, ptr: int, n: int) -> None:
+        self._call(f"cudaHostRegister({n})", self._rt.hostRegister, ptr, n, HOST_REGISTER_PORTABLE)
+
+    def host_unregister(self, ptr: int) -> None:
+        self._call("cudaHostUnregister", self._rt.hostUnregister, ptr)
 
     def pointer_get_attributes(self, ptr: int) -> tuple[int, int]:
         a = self._call("cudaPointerGetAttributes", self._rt.pointerGetAttributes, ptr)

@@ -61,9 +61,10 @@ class _Mem:
     size: int
     kind: int  # MEMORY_DEVICE / MEMORY_HOST
     device: int
-    mm: mmap.mmap
+    mm: mmap.mmap | None  # None: cudaHostRegister'ed memory we do not own
     fd: int = -1  # memfd of an allocation we own (-1: host or opened mapping)
     opened: bool = False  # mapping of another process's allocation
+    registered: bool = False  # cudaHostRegister'ed, not cudaHostAlloc'ed
 
 
 def _addr_of(mm: mmap.mmap) -> int:
@@ -119,6 +120,7 @@ class FakeCudaRuntime:
         self.copies = 0
         self.streams_created = 0
         self.notifies = 0
+        self.host_registers = 0
 
     # -- devices -------------------------------------------------------------------------
 
@@ -174,6 +176,7 @@ class FakeCudaRuntime:
 
     def free(self, ptr: int) -> None:
         mem = self._remove(ptr, opened=False, kind=MEMORY_DEVICE)
+        assert mem.mm is not None
         mem.mm.close()
         os.close(mem.fd)
 
@@ -186,7 +189,24 @@ class FakeCudaRuntime:
         return mem.base
 
     def free_host(self, ptr: int) -> None:
-        self._remove(ptr, kind=MEMORY_HOST).mm.close()
+        mem = self._remove(ptr, kind=MEMORY_HOST)
+        if mem.mm is None:
+            raise CudaError("fake cudaFreeHost: memory was cudaHostRegister'ed", INVALID_VALUE)
+        mem.mm.close()
+
+    def host_register(self, ptr: int, n: int) -> None:
+        """Page-lock existing memory: recorded as pinned host memory (the bytes stay where they are)."""
+        if n <= 0:
+            raise CudaError("fake cudaHostRegister: size must be positive", INVALID_VALUE)
+        if self._find(ptr) is not None or self._find(ptr + n - 1) is not None:
+            raise CudaError("fake cudaHostRegister: already registered", 712)
+        self._add(_Mem(ptr, n, MEMORY_HOST, self.get_device(), None, registered=True))
+        self.host_registers += 1
+
+    def host_unregister(self, ptr: int) -> None:
+        mem = self._remove(ptr, kind=MEMORY_HOST)
+        if not mem.registered:
+            raise CudaError("fake cudaHostUnregister: not cudaHostRegister'ed", INVALID_VALUE)
 
     def memset(self, ptr: int, value: int, n: int) -> None:
         self._check_range(ptr, n, "cudaMemset")
@@ -244,7 +264,9 @@ class FakeCudaRuntime:
         return mem.base
 
     def ipc_close_mem_handle(self, ptr: int) -> None:
-        self._remove(ptr, opened=True).mm.close()
+        mem = self._remove(ptr, opened=True)
+        assert mem.mm is not None
+        mem.mm.close()
         self.ipc_closes += 1
 
     # -- streams, copies, events -----------------------------------------------------------
@@ -365,7 +387,8 @@ class FakeCudaRuntime:
             mems, self._mems, self._starts = self._mems, [], []
         for mem in mems:
             try:
-                mem.mm.close()
+                if mem.mm is not None:
+                    mem.mm.close()
             except BufferError:
                 pass
             if mem.fd >= 0:
@@ -377,7 +400,7 @@ class FakeCudaRuntime:
         with self._lock:
             for m in self._mems:
                 key = "opened" if m.opened else ("device" if m.kind == MEMORY_DEVICE else "host")
-                out[key] += 1
+                out[key] += 1  # "host": cudaHostAlloc'ed and cudaHostRegister'ed
         return out
 
 

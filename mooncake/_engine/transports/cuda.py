@@ -205,10 +205,19 @@ class CudaTransport(Transport):
     device_memory = True
     wire_protocol = None  # the descriptor keeps "tcp" so published TCP peers still reach us
 
-    def __init__(self, engine: Any, *, max_open_handles: int | None = None) -> None:
+    def __init__(
+        self, engine: Any, *, max_open_handles: int | None = None, pin_host: bool | None = None
+    ) -> None:
         super().__init__(engine)
         env = os.environ.get("MC_CUDA_MAX_OPEN_HANDLES", "")
         self.max_open_handles = max_open_handles or int(env or DEFAULT_MAX_OPEN_HANDLES)
+        #: page-lock registered host memory (MC_CUDA_PIN_HOST=1; off by default: pinning a large
+        #: store segment takes time and counts against the memlock limit)
+        self.pin_host = (
+            pin_host
+            if pin_host is not None
+            else os.environ.get("MC_CUDA_PIN_HOST", "") not in ("", "0")
+        )
         self._host = host_id()
         self._states: list[_PeerCuda] = []
 
@@ -234,7 +243,11 @@ class CudaTransport(Transport):
         return device_of(buffer.name) is not None and "shm_name" in buffer.extra
 
     async def on_register(self, region: Region) -> None:
-        if device_of(region.location) is None or not region.remote_accessible:
+        if device_of(region.location) is None:
+            if self.pin_host:
+                await self._pin(region)
+            return
+        if not region.remote_accessible:
             return
         rt = self.rt
         dev = device_of(region.location)
@@ -250,6 +263,36 @@ class CudaTransport(Transport):
         # the handle of the allocation (cudaIpcGetMemHandle documents base pointers only)
         handle = rt.ipc_get_mem_handle(base)
         region.meta.setdefault("desc", {}).update(buffer_fields(handle, region.addr - base))
+
+    async def _pin(self, region: Region) -> None:
+        """Page-lock a host region so copies with peers' GPUs are DMA, not staged by the driver.
+
+        Locking many pages takes time (a worker thread does it); failure (memlock limits,
+        unsupported mappings) leaves the region pageable, which still works, more slowly.
+        """
+        rt = self.rt
+
+        def pin() -> None:
+            rt.set_device(0)  # cudaHostRegister needs a context on this thread
+            rt.host_register(region.addr, region.length)
+
+        try:
+            await anyio.to_thread.run_sync(pin)
+        except MooncakeError as e:
+            log.warning("cannot pin [%#x, +%d): %s", region.addr, region.length, e)
+            return
+        region.meta["cuda_pinned"] = True
+
+    async def on_unregister(self, region: Region) -> None:
+        if region.meta.pop("cuda_pinned", False):
+            rt = self.rt
+
+            def unpin() -> None:
+                rt.set_device(0)
+                rt.host_unregister(region.addr)
+
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(unpin)
 
     def _state(self, peer: PeerInfo) -> _PeerCuda:
         st = peer.state.get(self.name)
@@ -328,7 +371,8 @@ class CudaTransport(Transport):
                         if r.opcode is Opcode.READ
                         else (remote, r.local_addr)
                     )
-                    if ldev is None and r.length >= PAGEABLE_THREAD_THRESHOLD:
+                    pinned = local is not None and local.meta.get("cuda_pinned", False)
+                    if ldev is None and not pinned and r.length >= PAGEABLE_THREAD_THRESHOLD:
                         # cudaMemcpyAsync to/from pageable host memory returns only once the
                         # bytes have moved: keep that wait off the event loop.
                         pageable.append((i, dev, dst, src, r.length, stream))
@@ -378,3 +422,9 @@ class CudaTransport(Transport):
             st.closed = True
             if st.inflight == 0:
                 self._drop(st)
+        for region in self.engine.registry.regions():
+            if region.meta.pop("cuda_pinned", False):
+                try:
+                    self.rt.host_unregister(region.addr)
+                except MooncakeError as e:
+                    log.warning("unpinning [%#x, +%d) at close: %s", region.addr, region.length, e)
