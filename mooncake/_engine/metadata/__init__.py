@@ -68,12 +68,18 @@ async def open_kv(conn: str, *, lease_ttl: int | None = None) -> AsyncIterator[K
     """A connected key-value client for ``conn`` (its lease, if any, revoked on exit)."""
     kv = make_kv(conn, lease_ttl=lease_ttl)
     try:
-        async with anyio.create_task_group() as tg:
-            await kv.open(tg)
-            try:
-                yield kv
-            finally:
-                tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                await kv.open(tg)
+                try:
+                    yield kv
+                finally:
+                    tg.cancel_scope.cancel()
+        except BaseExceptionGroup as eg:
+            # only the body or a background task can fail here: surface a lone error as itself
+            if len(eg.exceptions) == 1:
+                raise eg.exceptions[0] from None
+            raise
     finally:
         with anyio.CancelScope(shield=True):
             await kv.aclose()

@@ -1,0 +1,1 @@
+"""Harnesses users run against their own deployments and code (conformance suites)."""
