@@ -114,7 +114,7 @@ class EtcdMember:
             "--initial-cluster-state",
             state,
             "--initial-cluster-token",
-            f"mc-test-{os.getpid()}-{self.client_port}",
+            f"mc-test-{os.getpid()}-{self.data_dir.parent.name}",
             "--heartbeat-interval",
             "50",
             "--election-timeout",
@@ -184,7 +184,11 @@ def etcd_cluster(
             m.start(initial)
         for m in cluster.members:
             assert m.proc is not None
-            _wait(m.healthy, f"etcd member {m.name}", m.proc, m.log)
+            try:
+                _wait(m.healthy, f"etcd member {m.name}", m.proc, m.log)
+            except RuntimeError as e:
+                tail = m.log.read_text(errors="replace")[-3000:] if m.log else ""
+                raise RuntimeError(f"{e}\n{tail}") from None
         yield cluster
     finally:
         for m in cluster.members:

@@ -643,17 +643,25 @@ async def open_engine(
         tcp_lanes=lanes,
         segment_name=segment_name,
     )
+    start_error: MooncakeError | None = None
     try:
         async with anyio.create_task_group() as tg:
             engine.task_group = tg
             try:
-                await engine._start()
-                yield engine
+                try:
+                    await engine._start()
+                except MooncakeError as e:
+                    # raised as itself below, not wrapped in the task group's ExceptionGroup
+                    start_error = e
+                else:
+                    yield engine
             finally:
                 engine._closed = True
                 with anyio.CancelScope(shield=True):
                     await engine._unpublish()
                 tg.cancel_scope.cancel()
+        if start_error is not None:
+            raise start_error
     finally:
         # every task (servers, submitted batches) has ended: release what they used
         await engine._aclose()
