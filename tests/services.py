@@ -246,7 +246,9 @@ def redis_server(host: str = "127.0.0.1") -> Iterator[str]:
 
 def python_env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = str(ROOT) + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+    )
     return env
 
 
@@ -264,7 +266,7 @@ def http_metadata_server(host: str = "127.0.0.1", netns: str | None = None) -> I
         "--port",
         "0",
     ]
-    log = tempfile.TemporaryFile()
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in finally)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=python_env(), cwd=ROOT)
     try:
         assert proc.stdout is not None

@@ -65,11 +65,11 @@ def test_watch_updates_and_drops_cached_peer(etcd1: services.EtcdCluster) -> Non
                 assert peer.descriptor.find_buffer(b2.addr, 4096) is not None
                 await b.unregister(b2)
                 with anyio.fail_after(10):
-                    while a._peers["w-b"].descriptor.find_buffer(b2.addr, 4096) is not None:
+                    while a._peers["w-b"].descriptor.find_buffer(b2.addr, 4096) is not None:  # noqa: ASYNC110 (polls another process)
                         await anyio.sleep(0.02)
                 assert a._peers["w-b"].descriptor.find_buffer(b1.addr, 4096) is not None
             with anyio.fail_after(10):
-                while "w-b" in a._peers:
+                while "w-b" in a._peers:  # noqa: ASYNC110 (polls another process)
                     await anyio.sleep(0.02)
             assert a.metadata.watch_events >= 2
 
@@ -94,7 +94,7 @@ def test_lost_lease_is_replaced_and_keys_rewritten(etcd1: services.EtcdCluster) 
             await kv.call("/v3/lease/revoke", {"ID": old})
             assert await kv.get(layout.ram("lease-a")) is None
             with anyio.fail_after(20):
-                while await kv.get(layout.ram("lease-a")) is None:
+                while await kv.get(layout.ram("lease-a")) is None:  # noqa: ASYNC110 (polls another process)
                     await anyio.sleep(0.1)
             assert ekv.lease_id != old and ekv.leases_granted == 2
             assert await kv.get(layout.rpc_meta("lease-a")) is not None
@@ -119,7 +119,7 @@ def test_engine_survives_killing_members_of_a_3_member_cluster() -> None:
     (2 of 3) remains. Publishing, lookups, leases and transfers carry on through the others."""
     with services.etcd_cluster(3) as cluster:
         # a dead address first in the list: the engines start through failover already
-        conn = "etcd://127.0.0.1:%d;" % services.free_port() + cluster.conn.removeprefix("etcd://")
+        conn = f"etcd://127.0.0.1:{services.free_port()};" + cluster.conn.removeprefix("etcd://")
 
         async def main() -> None:
             layout = KeyLayout()

@@ -32,8 +32,10 @@ Body = Callable[[str, HttpMetadataServer], Awaitable[None]]
 
 def run_with_server(body: Body, **kw: int) -> None:
     async def main() -> None:
-        server = HttpMetadataServer(MetadataStore(**{k: v for k, v in kw.items() if k == "max_total_bytes"}),
-                                    **{k: v for k, v in kw.items() if k != "max_total_bytes"})
+        server = HttpMetadataServer(
+            MetadataStore(**{k: v for k, v in kw.items() if k == "max_total_bytes"}),
+            **{k: v for k, v in kw.items() if k != "max_total_bytes"},
+        )
         async with trio.open_nursery() as n:
             host, port = await n.start(partial(server.serve, "127.0.0.1", 0))
             await body(f"http://{host}:{port}/metadata", server)
@@ -59,9 +61,10 @@ async def raw(url: str, data: bytes, *, read: bool = True) -> bytes:
                 if b"\r\n\r\n" in out:
                     head, _, rest = out.partition(b"\r\n\r\n")
                     for line in head.split(b"\r\n"):
-                        if line.lower().startswith(b"content-length:"):
-                            if len(rest) >= int(line.split(b":")[1]):
-                                return out
+                        if line.lower().startswith(b"content-length:") and len(rest) >= int(
+                            line.split(b":")[1]
+                        ):
+                            return out
 
 
 def test_protocol() -> None:
@@ -75,13 +78,17 @@ def test_protocol() -> None:
             assert (r.status_code, r.content) == (200, b'{"a": 1}')
             assert r.headers["content-type"] == "application/json"
             # rpc_meta: a second PUT of an existing key is refused, as Mooncake's servers do
-            assert (await c.put(url, params={"key": "mooncake/rpc_meta/x"}, content=b"{}")).status_code == 200
+            assert (
+                await c.put(url, params={"key": "mooncake/rpc_meta/x"}, content=b"{}")
+            ).status_code == 200
             r = await c.put(url, params={"key": "mooncake/rpc_meta/x"}, content=b"{}")
             assert r.status_code == 400 and b"Duplicate" in r.content
             r = await c.put(url, params={"key": "k"}, content=b"{not json")
             assert r.status_code == 400 and b"not valid JSON" in r.content
             assert (await c.get(url)).status_code == 400  # no key
-            assert (await c.get(url.replace("/metadata", "/other"), params={"key": "k"})).status_code == 404
+            assert (
+                await c.get(url.replace("/metadata", "/other"), params={"key": "k"})
+            ).status_code == 404
             assert (await c.post(url, params={"key": "k"}, content=b"{}")).status_code == 405
             assert (await c.delete(url, params={"key": "mooncake/ram/x"})).status_code == 200
             assert (await c.delete(url, params={"key": "mooncake/ram/x"})).status_code == 404
@@ -113,14 +120,14 @@ def test_bounds_body_connections_store() -> None:
         # connections beyond the bound get 503 and are closed; the others are unaffected
         held = [await anyio.connect_tcp("127.0.0.1", httpx.URL(url).port or 0) for _ in range(3)]
         with anyio.fail_after(10):
-            while server.active < 3:
+            while server.active < 3:  # noqa: ASYNC110 (polls another process)
                 await anyio.sleep(0.01)
         reply = await raw(url, b"GET /metadata?key=k0 HTTP/1.1\r\nHost: x\r\n\r\n")
         assert reply.startswith(b"HTTP/1.1 503")
         for s in held:
             await s.aclose()
         with anyio.fail_after(10):
-            while server.active:
+            while server.active:  # noqa: ASYNC110 (polls another process)
                 await anyio.sleep(0.01)
         reply = await raw(url, b"GET /metadata?key=k0 HTTP/1.1\r\nHost: x\r\n\r\n")
         assert reply.startswith(b"HTTP/1.1 200")
@@ -216,7 +223,9 @@ def test_bad_reply_not_cached_then_good_one_used() -> None:
             right = server.store.get(keys.ram("good"))
             assert right is not None
             server.store.put(keys.ram("good"), b"\xff\xfe{garbage")
-            with pytest.raises(MetadataError, match=r"key mooncake/ram/good: value is not valid JSON"):
+            with pytest.raises(
+                MetadataError, match=r"key mooncake/ram/good: value is not valid JSON"
+            ):
                 await me.peer("good")
             assert "good" not in me._peers
             server.store.put(keys.ram("good"), right)
@@ -233,14 +242,19 @@ def test_segment_name_clash_live_and_stale() -> None:
     async def body(url: str, server: HttpMetadataServer) -> None:
         keys = KeyLayout()
         async with mooncake.open_engine("127.0.0.1", url, segment_name="dup") as first:
-            with pytest.raises(SegmentExistsError, match=rf"live engine at 127.0.0.1:{first.rpc_port}"):
+            with pytest.raises(
+                SegmentExistsError, match=rf"live engine at 127.0.0.1:{first.rpc_port}"
+            ):
                 async with mooncake.open_engine("127.0.0.1", url, segment_name="dup"):
                     pass
             # the failed start removed nothing of the live engine's
             assert server.store.get(keys.ram("dup")) is not None
         # a stale entry (its engine is gone without unpublishing) is replaced
         dead = services.free_port()
-        server.store.put(keys.rpc_meta("stale"), json.dumps({"ip_or_host_name": "127.0.0.1", "rpc_port": dead}).encode())
+        server.store.put(
+            keys.rpc_meta("stale"),
+            json.dumps({"ip_or_host_name": "127.0.0.1", "rpc_port": dead}).encode(),
+        )
         async with mooncake.open_engine("127.0.0.1", url, segment_name="stale") as e:
             rpc = json.loads(server.store.get(keys.rpc_meta("stale")) or b"{}")
             assert rpc["rpc_port"] == e.rpc_port
@@ -264,7 +278,11 @@ def test_server_binds_loopback_by_default() -> None:
         probe.settimeout(1)
         try:
             # no interface but loopback has it: connecting to a non-loopback local address fails
-            addrs = [a for a in socket.gethostbyname_ex(socket.gethostname())[2] if not a.startswith("127.")]
+            addrs = [
+                a
+                for a in socket.gethostbyname_ex(socket.gethostname())[2]
+                if not a.startswith("127.")
+            ]
             if addrs:
                 assert probe.connect_ex((addrs[0], httpx.URL(url).port or 0)) != 0
         finally:

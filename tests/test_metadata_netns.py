@@ -86,7 +86,20 @@ def lab() -> Iterator[Lab]:
         for i, role in enumerate(("A", "B"), start=1):
             port = f"p{role}"
             # created directly inside the namespaces: nothing appears in the root namespace
-            _ip("link", "add", "eth0", "netns", lb.ns[role], "type", "veth", "peer", "name", port, "netns", s)
+            _ip(
+                "link",
+                "add",
+                "eth0",
+                "netns",
+                lb.ns[role],
+                "type",
+                "veth",
+                "peer",
+                "name",
+                port,
+                "netns",
+                s,
+            )
             _ip("-n", s, "link", "set", port, "master", "br0")
             _ip("-n", s, "link", "set", port, "up")
             _ip("-n", lb.ns[role], "addr", "add", f"{SUBNET}.{i}/24", "dev", "eth0")
@@ -109,9 +122,18 @@ class Host:
         self._buf = b""
         self.proc = subprocess.Popen(
             [
-                "ip", "netns", "exec", lb.ns[role], sys.executable, str(HELPER),
-                "--hostname", lb.addr[role], "--metadata", metadata,
-                "--segment-name", f"host{role}",
+                "ip",
+                "netns",
+                "exec",
+                lb.ns[role],
+                sys.executable,
+                str(HELPER),
+                "--hostname",
+                lb.addr[role],
+                "--metadata",
+                metadata,
+                "--segment-name",
+                f"host{role}",
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -192,11 +214,15 @@ def test_engines_in_namespaces_discover_each_other_and_move_bytes(kind: str) -> 
         src_b = b.call(op="alloc", size=n, seed=1)
         src_a = a.call(op="alloc", size=n, seed=2)
         dst_a = a.call(op="alloc", size=n, seed=3)
-        r = a.call(op="read", segment=b.segment, local=dst_a["addr"], remote=src_b["addr"], length=n)
+        r = a.call(
+            op="read", segment=b.segment, local=dst_a["addr"], remote=src_b["addr"], length=n
+        )
         assert r["ok"], r
         assert a.call(op="sha", addr=dst_a["addr"], length=n)["sha"] == src_b["sha"]
         # the other direction, B initiating a write into A
-        r = b.call(op="write", segment=a.segment, local=src_b["addr"], remote=src_a["addr"], length=n)
+        r = b.call(
+            op="write", segment=a.segment, local=src_b["addr"], remote=src_a["addr"], length=n
+        )
         assert r["ok"], r
         assert a.call(op="sha", addr=src_a["addr"], length=n)["sha"] == src_b["sha"]
 
@@ -223,7 +249,9 @@ def test_cut_link_fails_transfer_then_recovers() -> None:
         # back up: the same engine reaches B again (fresh lookup and connection) with good bytes
         deadline = time.monotonic() + 60
         while True:
-            r = a.call(op="read", segment=b.segment, local=dst["addr"], remote=src["addr"], length=n)
+            r = a.call(
+                op="read", segment=b.segment, local=dst["addr"], remote=src["addr"], length=n
+            )
             if r["ok"] or time.monotonic() > deadline:
                 break
             time.sleep(0.5)

@@ -164,7 +164,11 @@ async def check_bad_descriptors(conn: str) -> None:
         (desc([{"addr": "0x1000", "length": 1}]), good_rpc, "'addr'"),
         (desc([], name="someone-else"), good_rpc, "names segment"),
         (desc([{"addr": 4096, "length": 1}]), b'{"rpc_port": 9}', "ip_or_host_name"),
-        (desc([{"addr": 4096, "length": 1}]), b'{"ip_or_host_name": "h", "rpc_port": 70000}', "rpc_port"),
+        (
+            desc([{"addr": 4096, "length": 1}]),
+            b'{"ip_or_host_name": "h", "rpc_port": 70000}',
+            "rpc_port",
+        ),
     ]
     async with open_kv(conn) as kv, open_engine("127.0.0.1", conn, segment_name=f"{seg}-me") as me:
         tried = 0
@@ -220,7 +224,7 @@ async def check_dead_engine_keys_vanish(conn: str, lease_ttl: int = 2) -> None:
             os.kill(proc.pid, signal.SIGKILL)
             await anyio.to_thread.run_sync(proc.wait)
             with anyio.fail_after(lease_ttl * 4 + 10):
-                while await kv.get(layout.ram(seg)) is not None:
+                while await kv.get(layout.ram(seg)) is not None:  # noqa: ASYNC110 (polls another process)
                     await anyio.sleep(0.25)
             assert await kv.get(layout.rpc_meta(seg)) is None, "rpc_meta outlived the lease"
         finally:

@@ -53,9 +53,7 @@ async def one(engine: Engine, cmd: dict[str, Any]) -> tuple[bool, str, str]:
 
 
 async def main(args: argparse.Namespace) -> None:
-    async with open_engine(
-        args.hostname, args.metadata, segment_name=args.segment_name
-    ) as engine:
+    async with open_engine(args.hostname, args.metadata, segment_name=args.segment_name) as engine:
         out({"ready": engine.segment_name, "rpc_port": engine.rpc_port})
         bufs: list[Buffer] = []
         while True:

@@ -12,6 +12,7 @@ Key layout for the key-value backends (prefix ``mooncake/`` plus an optional clu
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -20,16 +21,19 @@ import anyio
 from mooncake._engine.metadata.base import MetadataBackend, SegmentRecord, parse_metadata
 from mooncake._engine.metadata.kv import KeyLayout, KVMetadata, KVStore
 
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
 __all__ = [
     "KVMetadata",
     "KVStore",
     "KeyLayout",
     "MetadataBackend",
     "SegmentRecord",
+    "make_kv",
     "open_backend",
     "open_kv",
     "parse_metadata",
-    "make_kv",
 ]
 
 

@@ -30,7 +30,7 @@ import abc
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -116,7 +116,7 @@ class KVStore(abc.ABC):
     #: ``watch`` is implemented
     watches: bool = False
     #: called (in the background) after a lost lease was replaced: re-write leased keys
-    on_lease_lost: Callable[[], Awaitable[None]] | None = None
+    on_lease_lost: Callable[[], Coroutine[Any, Any, None]] | None = None
 
     @abc.abstractmethod
     def describe(self) -> str:
@@ -282,8 +282,7 @@ class KVMetadata(MetadataBackend):
         raw = await self.kv.get(ram_key)
         if raw is None:
             raise SegmentNotFoundError(
-                f"segment {segment!r} is not published in {self.kv.describe()} "
-                f"(no key {ram_key})"
+                f"segment {segment!r} is not published in {self.kv.describe()} (no key {ram_key})"
             )
         rpc = await self.kv.get(rpc_key)
         if rpc is None:
