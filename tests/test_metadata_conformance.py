@@ -45,3 +45,14 @@ def test_conformance(backend: str, check: Check, request: pytest.FixtureRequest)
         trio.run(check.run, conn)
     except Unsupported as e:
         pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("name", ["put_get_delete", "engine_republish"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_conformance_under_asyncio(backend: str, name: str, request: pytest.FixtureRequest) -> None:
+    """The same client code runs on asyncio (httpx and anyio sockets, no trio)."""
+    import asyncio
+
+    conn = request.getfixturevalue(backend)
+    check = next(c for c in CHECKS if c.name == name)
+    asyncio.run(check.run(conn))
