@@ -258,8 +258,8 @@ def http_metadata_server(host: str = "127.0.0.1", netns: str | None = None) -> I
     cmd = [
         *_netns_prefix(netns),
         sys.executable,
-        "-c",
-        "import sys; from mooncake._cli import main; sys.exit(main())",
+        "-m",
+        "mooncake",
         "metadata-server",
         "--host",
         host,

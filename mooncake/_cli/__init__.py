@@ -12,7 +12,10 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-_SUBCOMMANDS: list[str] = ["metadata_server"]
+_SUBCOMMANDS: list[str] = [
+    "demo",
+    "metadata_server",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
