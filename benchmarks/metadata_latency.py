@@ -24,9 +24,9 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import mooncake  # noqa: E402
-from mooncake._engine.metadata import open_kv  # noqa: E402
-from mooncake._engine.metadata.kv import KeyLayout  # noqa: E402
+import mooncake
+from mooncake._engine.metadata import open_kv
+from mooncake._engine.metadata.kv import KeyLayout
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -94,7 +94,9 @@ def main() -> None:
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"{'backend':<44} {'register p50/p99 us':>22} {'lookup p50/p99 us':>20} {'get p50/p99 us':>18}")
+    print(
+        f"{'backend':<44} {'register p50/p99 us':>22} {'lookup p50/p99 us':>20} {'get p50/p99 us':>18}"
+    )
     for r in results:
         cols = [f"{r[k]['p50_us']:.0f}/{r[k]['p99_us']:.0f}" for k in ("register", "lookup", "get")]
         print(f"{r['conn']:<44} {cols[0]:>22} {cols[1]:>20} {cols[2]:>18}")

@@ -63,6 +63,7 @@ from mooncake.errors import (
     NotSupportedError,
     PeerDiedError,
     PeerUnreachableError,
+    RegistrationError,
     RemoteAccessError,
     TransferError,
 )
