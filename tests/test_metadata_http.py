@@ -289,3 +289,14 @@ def test_server_binds_loopback_by_default() -> None:
             probe.close()
 
     run_with_server(body)
+
+
+def test_key_layout() -> None:
+    k = KeyLayout("")
+    assert k.ram("10.0.0.1:1234") == "mooncake/ram/10.0.0.1:1234"
+    assert k.rpc_meta("node") == "mooncake/rpc_meta/node"
+    assert k.ram("nvmeof/disk0") == "mooncake/nvmeof/disk0"  # names with '/' map as in Mooncake
+    assert k.segment_of_ram("mooncake/ram/node") == "node"
+    assert k.segment_of_ram("mooncake/rpc_meta/node") is None
+    c = KeyLayout("/c1/")
+    assert c.ram("n") == "mooncake/c1/ram/n" and c.rpc_meta("n") == "mooncake/c1/rpc_meta/n"

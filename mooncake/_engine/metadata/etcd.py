@@ -171,9 +171,8 @@ class EtcdKV(KVStore):
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         task_status.started()
-        period = max(self.lease_ttl / 3, 0.2)
         while True:
-            await anyio.sleep(period)
+            await anyio.sleep(max(self.lease_ttl / 3, 0.2))
             lid = self.lease_id
             if lid is None:
                 return

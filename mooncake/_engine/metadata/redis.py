@@ -183,9 +183,9 @@ class RedisKV(KVStore):
         tg.start_soon(self._renew_loop)
 
     async def _renew_loop(self) -> None:
-        ms = self.lease_ttl * 1000
         while True:
             await anyio.sleep(max(self.lease_ttl / 3, 0.2))
+            ms = self.lease_ttl * 1000
             lost = False
             for key in list(self._leased):
                 try:
