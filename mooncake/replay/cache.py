@@ -14,28 +14,16 @@ Nothing is protected from that trim: a request bigger than the cache evicts its 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Hashable, Sequence
 
+from mooncake._core.policies import EvictionPolicy
 from mooncake.errors import InvalidArgumentError
-
-
-class EvictionPolicy(Protocol):
-    """The part of :class:`mooncake._core.policies.base.EvictionPolicy` the replay drives."""
-
-    def on_insert(self, key: int, size: int, *, parent: int | None = None, now: float) -> None: ...
-
-    def on_access(self, key: int, now: float) -> None: ...
-
-    def on_remove(self, key: int) -> None: ...
-
-    def victims(self, nbytes: int, can_evict: Callable[[int], bool]) -> list[int]: ...
 
 
 PolicyFactory = Callable[[], EvictionPolicy]
 
 
-def _always(_key: int) -> bool:
+def _always(_key: Hashable) -> bool:
     return True
 
 
@@ -102,7 +90,8 @@ class BlockCache:
         victims = policy.victims(nblocks, _always)
         resident = self._resident
         for key in victims:
-            if key not in resident:
+            if key not in resident:  # a policy bug, not the trace's
+
                 raise RuntimeError(f"eviction policy returned {key!r}, which is not resident")
             resident.remove(key)
             policy.on_remove(key)
