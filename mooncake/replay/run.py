@@ -21,8 +21,19 @@ from mooncake.replay.model import KVModel, PrefillModel
 from mooncake.replay.sim import STRATEGIES, HitRateSim, MaxHitSim, Router, ScheduleSim
 from mooncake.replay.trace import TraceRequest
 
-#: Capacity sweep (blocks) of the paper's Fig. 9 form; 5,859 blocks = 3M tokens.
-DEFAULT_CAPACITIES: tuple[int, ...] = (1000, 2000, 5000, 5859, 10000, 20000, 50000, 97656)
+#: Capacity sweep (blocks) of the paper's Fig. 9 form; 5,859 blocks = 3M tokens, 58,590 = 10 x
+#: 3M tokens (REFERENCE's 10-instance pool), 97,656 = 50M tokens.
+DEFAULT_CAPACITIES: tuple[int, ...] = (
+    1000,
+    2000,
+    5000,
+    5859,
+    10000,
+    20000,
+    50000,
+    58590,
+    97656,
+)
 
 
 def policy_factory(name: str) -> PolicyFactory:
