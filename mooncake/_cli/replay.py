@@ -276,7 +276,8 @@ def _print_report(doc: dict[str, Any]) -> None:
             "KV read TiB",
             "KV written TiB",
         ):
-            tab.add_column(col, justify="right" if col not in ("scope", "policy") else "left")
+            left = col in ("scope", "policy")
+            tab.add_column(col, justify="left" if left else "right", no_wrap=left)
         for c in doc["caches"]:
             scope = c["scope"] if c["scope"] == "global" else f"{c['instances']}xlocal"
             tab.add_row(
@@ -310,7 +311,8 @@ def _print_report(doc: dict[str, Any]) -> None:
             "prefill s/req",
             "KV moved TiB",
         ):
-            tab.add_column(col, justify="left" if col == "strategy" else "right")
+            left = col == "strategy"
+            tab.add_column(col, justify="left" if left else "right", no_wrap=left)
         for s in doc["schedules"]:
             tab.add_row(
                 s["strategy"],

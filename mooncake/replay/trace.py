@@ -83,8 +83,6 @@ def _check(
     ts = line.timestamp
     if not math.isfinite(ts) or ts < 0:
         return f"timestamp must be a finite number >= 0, got {ts!r}"
-    if ts < last_ts:
-        return f"timestamp {ts:g} ms is earlier than the previous request's {last_ts:g} ms"
     if line.input_length < 0:
         return f"input_length must be >= 0, got {line.input_length}"
     if line.output_length < 0:
@@ -98,6 +96,8 @@ def _check(
         )
     if len(set(ids)) != len(ids):
         return "hash_ids repeats an id within one request"
+    if ts < last_ts:
+        return f"timestamp {ts:g} ms is earlier than the previous request's {last_ts:g} ms"
     parent: int | None = None
     for pos, key in enumerate(ids):
         seen = parents.get(key, parent)
