@@ -88,7 +88,9 @@ def test_time_going_back_and_prefix_tree_violation_are_bad_lines() -> None:
     with pytest.raises(TraceFormatError, match=r":3: timestamp 4 ms is earlier than .* 5 ms"):
         list(iter_trace([GOOD[0], GOOD[1], _line(4, 10, [8])]))
     # id 2 followed 0 on line 2; on line 3 it follows 1
-    with pytest.raises(TraceFormatError, match=r":3: hash_ids\[2\] = 2 follows 1 here but followed 0"):
+    with pytest.raises(
+        TraceFormatError, match=r":3: hash_ids\[2\] = 2 follows 1 here but followed 0"
+    ):
         list(iter_trace([GOOD[0], GOOD[1], _line(6, 1500, [0, 1, 2])]))
 
 
@@ -141,7 +143,9 @@ class _RecordingPolicy:
         self.inner = make_policy("lru")
         self.calls: list[tuple[object, ...]] = []
 
-    def on_insert(self, key: int, size: int, *, parent: int | None = None, now: float = 0.0) -> None:
+    def on_insert(
+        self, key: int, size: int, *, parent: int | None = None, now: float = 0.0
+    ) -> None:
         self.calls.append(("insert", key, size, parent, now))
         self.inner.on_insert(key, size, parent=parent, now=now)
 
@@ -248,7 +252,9 @@ def test_hit_rate_sim_matches_an_ordered_dict_lru() -> None:
         assert sim.hits == want
         t = sim.totals
         assert t.hit_blocks == sum(want)
-        assert t.hit_tokens == sum(min(512 * k, r.input_length) for k, r in zip(want, reqs))
+        assert t.hit_tokens == sum(
+            min(512 * k, r.input_length) for k, r in zip(want, reqs, strict=True)
+        )
 
 
 def test_local_caches_split_the_capacity_and_route_round_robin() -> None:
@@ -320,7 +326,9 @@ def test_global_cache_aware_transfers_when_the_holder_is_busy() -> None:
     lines = [
         _line(0, 40 * 512, prefix),  # instance 0 computes the prefix
         _line(1, 100 * 512, big),  # instance 1 gets a long job
-        _line(3000, 200 * 512, list(range(1000, 1200))),  # instance 0 (idle again) gets a longer one
+        _line(
+            3000, 200 * 512, list(range(1000, 1200))
+        ),  # instance 0 (idle again) gets a longer one
         _line(10_000, 41 * 512, [*prefix, 7777]),  # the prefix holder is busy, instance 1 is not
     ]
     glob = _schedule("global_cache_aware", lines, instances=2, capacity=1000)
@@ -386,11 +394,25 @@ def trace_file(tmp_path: Path) -> Path:
     return p
 
 
-def test_cli_json_and_csv(trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_json_and_csv(
+    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out_csv = tmp_path / "req.csv"
     rc = main(
-        ["replay", str(trace_file), "--json", "--json-requests", "--capacities", "2,100",
-         "--instances", "2", "--instance-capacity", "4", "--csv", str(out_csv)]
+        [
+            "replay",
+            str(trace_file),
+            "--json",
+            "--json-requests",
+            "--capacities",
+            "2,100",
+            "--instances",
+            "2",
+            "--instance-capacity",
+            "4",
+            "--csv",
+            str(out_csv),
+        ]
     )
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
@@ -400,8 +422,15 @@ def test_cli_json_and_csv(trace_file: Path, tmp_path: Path, capsys: pytest.Captu
     assert len(doc["requests"]["rows"]) == 4
     with out_csv.open() as f:
         rows = list(csv.reader(f))
-    assert rows[0][:7] == ["index", "line", "timestamp_ms", "input_length", "output_length",
-                           "blocks", "max_hit_blocks"]
+    assert rows[0][:7] == [
+        "index",
+        "line",
+        "timestamp_ms",
+        "input_length",
+        "output_length",
+        "blocks",
+        "max_hit_blocks",
+    ]
     assert len(rows) == 5
     assert [int(r[6]) for r in rows[1:]] == [0, 1, 2, 0]
     assert math.isfinite(float(rows[1][-1]))  # ttft of the last strategy
@@ -413,7 +442,9 @@ def test_cli_bad_trace_names_the_line(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["replay", str(p), "--no-progress", "--strategies", "none"]) == 2
     err = capsys.readouterr().err
     assert "bad.jsonl:2:" in err and "needs ceil(2000/512) = 4" in err
-    rc = main(["replay", str(p), "--json", "--skip-bad", "--strategies", "none", "--capacities", "5"])
+    rc = main(
+        ["replay", str(p), "--json", "--skip-bad", "--strategies", "none", "--capacities", "5"]
+    )
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["skipped_lines"]["count"] == 1
@@ -421,17 +452,34 @@ def test_cli_bad_trace_names_the_line(tmp_path: Path, capsys: pytest.CaptureFixt
     assert doc["trace"]["requests"] == 1
 
 
-def test_cli_missing_file_and_bad_policy(tmp_path: Path, trace_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_missing_file_and_bad_policy(
+    tmp_path: Path, trace_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["replay", str(tmp_path / "nope.jsonl"), "--no-progress"]) == 2
     assert "cannot read trace" in capsys.readouterr().err
     assert main(["replay", str(trace_file), "--no-progress", "--policies", "belady"]) == 2
     assert "unknown eviction policy 'belady'" in capsys.readouterr().err
 
 
-def test_cli_tables_and_plots(trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_tables_and_plots(
+    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     pytest.importorskip("matplotlib", reason="plots need matplotlib (extra 'plot')")
-    rc = main(["replay", str(trace_file), "--no-progress", "--capacities", "2,100",
-               "--instances", "2", "--instance-capacity", "4", "--plots", str(tmp_path / "img")])
+    rc = main(
+        [
+            "replay",
+            str(trace_file),
+            "--no-progress",
+            "--capacities",
+            "2,100",
+            "--instances",
+            "2",
+            "--instance-capacity",
+            "4",
+            "--plots",
+            str(tmp_path / "img"),
+        ]
+    )
     assert rc == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "theoretical max hit (infinite cache): block-weighted 37.50%" in out

@@ -19,7 +19,6 @@ from collections.abc import Callable, Hashable, Sequence
 from mooncake._core.policies import EvictionPolicy
 from mooncake.errors import InvalidArgumentError
 
-
 PolicyFactory = Callable[[], EvictionPolicy]
 
 
@@ -91,7 +90,6 @@ class BlockCache:
         resident = self._resident
         for key in victims:
             if key not in resident:  # a policy bug, not the trace's
-
                 raise RuntimeError(f"eviction policy returned {key!r}, which is not resident")
             resident.remove(key)
             policy.on_remove(key)

@@ -26,9 +26,7 @@ try:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise NotSupportedError(
-        "plots need matplotlib: pip install 'mooncake-py[plot]'"
-    ) from exc
+    raise NotSupportedError("plots need matplotlib: pip install 'mooncake-py[plot]'") from exc
 
 _WEIGHTS = {"token": "token_hit_rate", "block": "block_hit_rate"}
 
@@ -45,7 +43,9 @@ def _title(report: dict[str, Any], what: str) -> str:
     return f"{what} - {name}" if name else what
 
 
-def plot_hit_rate(report: dict[str, Any], path: str | os.PathLike[str], *, weight: str = "token") -> None:
+def plot_hit_rate(
+    report: dict[str, Any], path: str | os.PathLike[str], *, weight: str = "token"
+) -> None:
     """Hit rate (``weight``: ``token`` or ``block``) against global capacity, one line per
     policy, with the infinite-cache maximum as a dashed line."""
     key = _WEIGHTS[weight]
@@ -59,11 +59,20 @@ def plot_hit_rate(report: dict[str, Any], path: str | os.PathLike[str], *, weigh
     for n, (policy, pts) in enumerate(by_policy.items()):
         pts.sort()
         ax.plot(
-            [p[0] for p in pts], [p[1] for p in pts], marker=markers[n % len(markers)],
-            label=policy.upper() if len(policy) <= 4 else policy, linewidth=1.6, markersize=5,
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            marker=markers[n % len(markers)],
+            label=policy.upper() if len(policy) <= 4 else policy,
+            linewidth=1.6,
+            markersize=5,
         )
-    ax.axhline(100 * report["max"][key], color="black", linestyle="--", linewidth=1.2,
-               label=f"theoretical max ({100 * report['max'][key]:.1f}%)")
+    ax.axhline(
+        100 * report["max"][key],
+        color="black",
+        linestyle="--",
+        linewidth=1.2,
+        label=f"theoretical max ({100 * report['max'][key]:.1f}%)",
+    )
     ax.set_xscale("log")
     ax.set_xlabel(f"cache capacity (blocks of {bt} tokens, log scale)")
     ax.set_ylabel(f"{weight}-weighted hit rate (%)")
@@ -77,14 +86,24 @@ def plot_hit_rate(report: dict[str, Any], path: str | os.PathLike[str], *, weigh
 
 
 def plot_global_local(
-    report: dict[str, Any], path: str | os.PathLike[str], *, policy: str = "lru", weight: str = "token"
+    report: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    policy: str = "lru",
+    weight: str = "token",
 ) -> None:
     """Grouped bars per total capacity: one global pool vs ``N`` local caches (``policy``)."""
     key = _WEIGHTS[weight]
-    glob = {c["capacity_blocks"]: 100 * c[key] for c in report["caches"]
-            if c["scope"] == "global" and c["policy"] == policy}
-    loc = {c["capacity_blocks"]: 100 * c[key] for c in report["caches"]
-           if c["scope"] == "local" and c["policy"] == policy}
+    glob = {
+        c["capacity_blocks"]: 100 * c[key]
+        for c in report["caches"]
+        if c["scope"] == "global" and c["policy"] == policy
+    }
+    loc = {
+        c["capacity_blocks"]: 100 * c[key]
+        for c in report["caches"]
+        if c["scope"] == "local" and c["policy"] == policy
+    }
     caps = sorted(set(glob) & set(loc))
     n_inst = report["config"]["instances"]
     bt = report["config"]["kv"]["block_tokens"]
@@ -92,12 +111,21 @@ def plot_global_local(
     xs = range(len(caps))
     w = 0.38
     b1 = ax.bar([x - w / 2 for x in xs], [glob[c] for c in caps], w, label="global pool")
-    b2 = ax.bar([x + w / 2 for x in xs], [loc[c] for c in caps], w,
-                label=f"{n_inst} local caches ({report['config']['local_router']})")
+    b2 = ax.bar(
+        [x + w / 2 for x in xs],
+        [loc[c] for c in caps],
+        w,
+        label=f"{n_inst} local caches ({report['config']['local_router']})",
+    )
     for bars in (b1, b2):
         ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=1)
-    ax.axhline(100 * report["max"][key], color="black", linestyle="--", linewidth=1.2,
-               label="theoretical max")
+    ax.axhline(
+        100 * report["max"][key],
+        color="black",
+        linestyle="--",
+        linewidth=1.2,
+        label="theoretical max",
+    )
     ax.set_xticks(list(xs))
     ax.set_xticklabels([f"{c}\n({_tokens_label(c, bt)} tok)" for c in caps], fontsize=7)
     ax.set_xlabel("total cache capacity (blocks)")
@@ -128,7 +156,8 @@ def plot_ttft(report: dict[str, Any], path: str | os.PathLike[str]) -> None:
     ax.set_ylabel("TTFT (s, modelled)")
     ax.set_xlabel(
         f"{cfg['instances']} prefill instances x {cfg['instance_capacity']} blocks "
-        f"({cfg['schedule_policy'].upper()})", fontsize=8,
+        f"({cfg['schedule_policy'].upper()})",
+        fontsize=8,
     )
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
@@ -138,7 +167,9 @@ def plot_ttft(report: dict[str, Any], path: str | os.PathLike[str]) -> None:
     plt.close(fig)
 
 
-def write_plots(report: dict[str, Any], directory: str | os.PathLike[str], *, prefix: str = "") -> list[str]:
+def write_plots(
+    report: dict[str, Any], directory: str | os.PathLike[str], *, prefix: str = ""
+) -> list[str]:
     """Write every plot the report has data for into ``directory``; return the paths."""
     os.makedirs(directory, exist_ok=True)
     out: list[str] = []
