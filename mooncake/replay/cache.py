@@ -65,24 +65,34 @@ class BlockCache:
             if key in resident:
                 on_access(key, now)
 
-    def admit(self, ids: Sequence[int], now: float) -> None:
-        """Touch or insert every block of ``ids`` in order, then trim to capacity."""
+    def admit(self, ids: Sequence[int], now: float) -> int:
+        """Touch or insert every block of ``ids`` in order, then trim to capacity.
+
+        Returns the request's hit: the resident prefix length *before* the admission (the same
+        as :meth:`prefix_hit` just before; computed in the same pass).
+        """
         resident = self._resident
         policy = self._policy
         on_access = policy.on_access
         on_insert = policy.on_insert
         parent: int | None = None
-        for key in ids:
+        hit = -1
+        inserted = 0
+        for pos, key in enumerate(ids):
             if key in resident:
                 on_access(key, now)
             else:
+                if hit < 0:
+                    hit = pos
                 on_insert(key, 1, parent=parent, now=now)
                 resident.add(key)
-                self.inserted += 1
+                inserted += 1
             parent = key
+        self.inserted += inserted
         over = len(resident) - self.capacity
         if over > 0:
             self._evict(over)
+        return len(ids) if hit < 0 else hit
 
     def _evict(self, nblocks: int) -> None:
         policy = self._policy

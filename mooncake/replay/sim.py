@@ -174,10 +174,8 @@ class HitRateSim:
             self._next = (self._next + 1) % len(caches)
         else:
             cache = caches[self._rng.randrange(len(caches))]
-        ids = req.hash_ids
-        k = cache.prefix_hit(ids)
         before = cache.inserted
-        cache.admit(ids, req.time_s)
+        k = cache.admit(req.hash_ids, req.time_s)
         self.totals.inserted_blocks += cache.inserted - before
         self.totals.add(req, k, self._kv.block_tokens, self._model)
         self.hits.append(k)
