@@ -402,15 +402,17 @@ def check_policy(
     oracle: Oracle | None = None,
     max_examples: int = 100,
     stateful_step_count: int = 50,
+    derandomize: bool = False,
     settings_: settings | None = None,
 ) -> None:
     """Property-test the policy that ``policy_factory()`` builds (a class works).
 
     Runs ``max_examples`` random sequences of up to ``stateful_step_count`` steps and raises
-    on the first violation of the contract (see the module docstring), after hypothesis has
-    shrunk it to a minimal sequence of steps, which the error carries. ``oracle(model,
-    nbytes)`` adds a policy-specific exact check; ``settings_`` overrides every hypothesis
-    setting (for example a database or ``derandomize=True``).
+    ``AssertionError`` on the first violation of the contract (see the module docstring),
+    after hypothesis has shrunk it to a minimal sequence of steps: the error's ``__notes__``
+    (printed by pytest) list them as ``state.insert(...)`` calls. ``oracle(model, nbytes)``
+    adds a policy-specific exact check (:func:`lru_oracle` ...). ``derandomize=True`` makes
+    the run repeatable; ``settings_`` replaces every hypothesis setting.
     """
     machine = type(
         f"{getattr(policy_factory, '__name__', 'Policy')}Machine",
@@ -425,6 +427,8 @@ def check_policy(
             max_examples=max_examples,
             stateful_step_count=stateful_step_count,
             deadline=None,
+            derandomize=derandomize,
             suppress_health_check=[HealthCheck.too_slow],
+            report_multiple_bugs=False,
         )
     run_state_machine_as_test(machine, settings=settings_)

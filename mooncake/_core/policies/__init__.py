@@ -10,7 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from mooncake._core.policies.base import CanEvict, EvictionPolicy, Key, Pin, select_victims
+from mooncake._core.policies.fifo import FIFOPolicy
+from mooncake._core.policies.lfu import LFUPolicy
 from mooncake._core.policies.lru import LRUPolicy
+from mooncake._core.policies.prefix import PrefixLRUPolicy
+from mooncake._core.policies.s3fifo import S3FIFOPolicy
+from mooncake._core.policies.sieve import SIEVEPolicy
 from mooncake.errors import InvalidArgumentError
 
 __all__ = [
@@ -18,16 +23,24 @@ __all__ = [
     "POLICIES",
     "CanEvict",
     "EvictionPolicy",
+    "FIFOPolicy",
     "Key",
+    "LFUPolicy",
     "LRUPolicy",
     "Pin",
+    "PrefixLRUPolicy",
+    "S3FIFOPolicy",
+    "SIEVEPolicy",
     "make_policy",
     "select_victims",
 ]
 
 DEFAULT_POLICY = "lru"
 
-POLICIES: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (LRUPolicy,)}
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    cls.name: cls
+    for cls in (LRUPolicy, LFUPolicy, FIFOPolicy, SIEVEPolicy, S3FIFOPolicy, PrefixLRUPolicy)
+}
 """Shipped policies by name."""
 
 
