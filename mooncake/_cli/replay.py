@@ -37,6 +37,14 @@ def _name_list(text: str) -> tuple[str, ...]:
     return tuple(v.strip().lower() for v in text.split(",") if v.strip())
 
 
+def _policies(names: tuple[str, ...] | None, every: list[str]) -> tuple[str, ...]:
+    if names is None or names == ("all",):
+        return tuple(every)
+    if names == ("none",):
+        return ()
+    return names
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "replay",
@@ -49,7 +57,8 @@ def register(subparsers: Any) -> None:
         "--policies",
         type=_name_list,
         default=None,
-        help="comma-separated eviction policies (default: every shipped policy)",
+        help="comma-separated eviction policies of the global-pool sweep "
+        "(default or 'all': every shipped policy)",
     )
     p.add_argument(
         "--capacities",
@@ -76,7 +85,11 @@ def register(subparsers: Any) -> None:
         "--schedule-policy", default="lru", help="eviction policy of the instances (default lru)"
     )
     p.add_argument(
-        "--no-local", action="store_true", help="skip the N-local-caches runs of the sweep"
+        "--local-policies",
+        type=_name_list,
+        default=("lru",),
+        help="policies of the N-local-caches runs of the sweep (default lru; 'all' for every "
+        "shipped policy, 'none' to skip)",
     )
     p.add_argument(
         "--local-router",
@@ -121,39 +134,63 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _lines_with_progress(f: IO[bytes], size: int, enabled: bool) -> Iterator[bytes]:
-    if not enabled:
-        yield from f
-        return
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+class _Progress:
+    """Two rich progress bars on stderr: reading the trace (bytes), then simulating
+    (simulator x request steps)."""
 
-    with Progress(
-        TextColumn("[bold]replay"),
-        BarColumn(),
-        DownloadColumn(),
-        TextColumn("{task.fields[requests]} requests"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=_stderr_console(),
-        transient=True,
-    ) as progress:
-        task = progress.add_task("replay", total=size or None, requests=0)
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._progress: Any = None
+        self._read: Any = None
+        self._sim: Any = None
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("{task.description:<9}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[unit]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=_stderr_console(),
+                transient=True,
+            )
+            self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(None, None, None)
+
+    def lines(self, f: IO[bytes], size: int) -> Iterator[bytes]:
+        if self._progress is None:
+            yield from f
+            return
+        task = self._progress.add_task("read", total=size or None, unit="bytes")
         done = 0
-        n = 0
-        for line in f:
+        for n, line in enumerate(f, 1):
             done += len(line)
-            n += 1
             if n % 512 == 0:
-                progress.update(task, completed=done, requests=n)
+                self._progress.update(task, completed=done)
             yield line
-        progress.update(task, completed=done, requests=n)
+        self._progress.update(task, completed=done)
+
+    def simulate(self, done: int, total: int) -> None:
+        if self._progress is None:
+            return
+        if self._sim is None:
+            self._sim = self._progress.add_task("simulate", total=total, unit="sim x requests")
+        self._progress.update(self._sim, completed=done)
 
 
 def _stderr_console() -> Any:
@@ -171,9 +208,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         strategies = () if args.strategies == ("none",) else tuple(args.strategies)
         cfg = ReplayConfig(
-            policies=tuple(args.policies) if args.policies else tuple(available_policies()),
+            policies=_policies(args.policies, available_policies()),
+            local_policies=_policies(args.local_policies, available_policies()),
             capacities=args.capacities if args.capacities is not None else DEFAULT_CAPACITIES,
-            local=not args.no_local,
             instances=args.instances,
             local_router=args.local_router,
             strategies=strategies,
@@ -189,17 +226,19 @@ def run(args: argparse.Namespace) -> int:
             model=PrefillModel(),
         )
         stats = TraceStats()
-        with open(args.trace, "rb") as f:
+        with (
+            _Progress(not args.no_progress and not args.json) as prog,
+            open(args.trace, "rb") as f,
+        ):
             size = os.fstat(f.fileno()).st_size
-            lines = _lines_with_progress(f, size, not args.no_progress and not args.json)
             requests = iter_trace(
-                lines,
+                prog.lines(f, size),
                 source=args.trace,
                 block_tokens=args.block_tokens,
                 skip_bad=args.skip_bad,
                 stats=stats,
             )
-            report = replay(requests, cfg)
+            report = replay(requests, cfg, progress=prog.simulate)
     except OSError as exc:
         err.print(f"[red]error:[/] cannot read trace: {exc}")
         return 2

@@ -148,6 +148,7 @@ class HitRateSim:
             raise InvalidArgumentError(f"scope must be 'global' or 'local', got {scope!r}")
         if router not in ("round_robin", "random"):
             raise InvalidArgumentError(f"router must be round_robin or random, got {router!r}")
+        self._released_evicted = 0
         self.policy = policy
         self.capacity = capacity
         self.scope: Scope = scope
@@ -167,6 +168,8 @@ class HitRateSim:
 
     def feed(self, req: TraceRequest) -> None:
         caches = self._caches
+        if not caches:
+            raise RuntimeError(f"{self.name}: fed after release()")
         if len(caches) == 1:
             cache = caches[0]
         elif self.router == "round_robin":
@@ -180,6 +183,12 @@ class HitRateSim:
         self.totals.add(req, k, self._kv.block_tokens, self._model)
         self.hits.append(k)
 
+    def release(self) -> None:
+        """Drop the caches (and their policy objects) once the trace is done; the outcome
+        columns and sums stay. Feeding afterwards is an error."""
+        self._released_evicted += sum(c.evicted for c in self._caches)
+        self._caches = []
+
     def summary(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -188,7 +197,7 @@ class HitRateSim:
             "instances": self.instances if self.scope == "local" else 1,
             "capacity_blocks": self.capacity,
             "router": self.router if self.scope == "local" else None,
-            "evicted_blocks": sum(c.evicted for c in self._caches),
+            "evicted_blocks": self._released_evicted + sum(c.evicted for c in self._caches),
             **self.totals.summary(self._kv),
         }
 
@@ -313,7 +322,13 @@ class ScheduleSim:
         _, i, k, moved, src = choice
         return i, k, moved, src
 
+    def release(self) -> None:
+        """Drop the instances' caches once the trace is done (outcomes stay)."""
+        self._caches = []
+
     def feed(self, req: TraceRequest) -> None:
+        if not self._caches:
+            raise RuntimeError(f"{self.name}: fed after release()")
         t = req.time_s
         i, k, moved, src = self._pick(req, t)
         ids = req.hash_ids
