@@ -129,7 +129,11 @@ def register(subparsers: Any) -> None:
         help="with --json: include the per-request outcome table",
     )
     p.add_argument("--csv", metavar="PATH", help="write the per-request outcome table as CSV")
-    p.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
+    p.add_argument(
+        "--plots",
+        metavar="DIR",
+        help="write PNG plots into DIR (TRACESTEM_hit_rate.png, _global_vs_local.png, _ttft.png)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -258,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plots:
         from mooncake.replay.plots import write_plots
 
-        plots = write_plots(doc, args.plots)
+        stem = os.path.basename(args.trace).split(".")[0]
+        plots = write_plots(doc, args.plots, prefix=f"{stem}_")
     if args.json:
         json.dump(doc, sys.stdout, indent=1)
         sys.stdout.write("\n")

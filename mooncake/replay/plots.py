@@ -29,6 +29,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise NotSupportedError("plots need matplotlib: pip install 'mooncake-py[plot]'") from exc
 
 _WEIGHTS = {"token": "token_hit_rate", "block": "block_hit_rate"}
+_LABELS = {"s3fifo": "S3-FIFO", "prefix-lru": "prefix-LRU"}
+
+
+def _label(policy: str) -> str:
+    return _LABELS.get(policy, policy.upper())
 
 
 def _tokens_label(blocks: float, block_tokens: int) -> str:
@@ -56,13 +61,16 @@ def plot_hit_rate(
         if c["scope"] == "global":
             by_policy.setdefault(c["policy"], []).append((c["capacity_blocks"], 100 * c[key]))
     markers = "osD^vP*X"
+    styles = ("-", "--", "-.", ":")
     for n, (policy, pts) in enumerate(by_policy.items()):
         pts.sort()
         ax.plot(
             [p[0] for p in pts],
             [p[1] for p in pts],
             marker=markers[n % len(markers)],
-            label=policy.upper() if len(policy) <= 4 else policy,
+            linestyle=styles[n % len(styles)],
+            markerfacecolor="none" if n % 2 else None,
+            label=_label(policy),
             linewidth=1.6,
             markersize=5,
         )
@@ -133,7 +141,7 @@ def plot_global_local(
     ax.set_ylim(0, 100 * report["max"][key] * 1.3 + 1)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", ncols=3)
-    ax.set_title(_title(report, f"Global pool vs local caches ({policy.upper()})"))
+    ax.set_title(_title(report, f"Global pool vs local caches ({_label(policy)})"))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -156,7 +164,7 @@ def plot_ttft(report: dict[str, Any], path: str | os.PathLike[str]) -> None:
     ax.set_ylabel("TTFT (s, modelled)")
     ax.set_xlabel(
         f"{cfg['instances']} prefill instances x {cfg['instance_capacity']} blocks "
-        f"({cfg['schedule_policy'].upper()})",
+        f"({_label(cfg['schedule_policy'])})",
         fontsize=8,
     )
     ax.grid(True, axis="y", alpha=0.3)
