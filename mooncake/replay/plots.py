@@ -123,10 +123,16 @@ def plot_global_local(
         [x + w / 2 for x in xs],
         [loc[c] for c in caps],
         w,
-        label=f"{n_inst} local caches ({report['config']['local_router']})",
+        label=f"{n_inst} local caches of C/{n_inst} ({report['config']['local_router']})",
     )
     for bars in (b1, b2):
-        ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=1)
+        ax.bar_label(
+            bars,
+            fmt="%.1f",
+            fontsize=7,
+            padding=1,
+            bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.3, "alpha": 0.8},
+        )
     ax.axhline(
         100 * report["max"][key],
         color="black",

@@ -161,7 +161,15 @@ def iter_trace(
         index += 1
 
 
-def load_trace(path: str, **kwargs: object) -> list[TraceRequest]:
+def load_trace(
+    path: str,
+    *,
+    block_tokens: int = BLOCK_TOKENS,
+    skip_bad: bool = False,
+    stats: TraceStats | None = None,
+) -> list[TraceRequest]:
     """Read a whole trace file into a list (tests and small traces; the CLI streams)."""
     with open(path, "rb") as f:
-        return list(iter_trace(f, source=path, **kwargs))  # type: ignore[arg-type]
+        return list(
+            iter_trace(f, source=path, block_tokens=block_tokens, skip_bad=skip_bad, stats=stats)
+        )
