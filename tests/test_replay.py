@@ -469,7 +469,6 @@ def test_cli_tables_and_plots(
         [
             "replay",
             str(trace_file),
-            "--no-progress",
             "--capacities",
             "2,100",
             "--instances",

@@ -19,8 +19,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from mooncake.errors import MooncakeError
-
-_STRATEGIES = ("random", "round_robin", "load_balance", "local_cache_aware", "global_cache_aware")
+from mooncake.replay.sim import STRATEGIES as _STRATEGIES
 
 
 def _int_list(text: str) -> tuple[int, ...]:
