@@ -450,6 +450,10 @@ def test_cli_bad_trace_names_the_line(tmp_path: Path, capsys: pytest.CaptureFixt
     assert doc["skipped_lines"]["count"] == 1
     assert doc["skipped_lines"]["first"][0][0] == 2
     assert doc["trace"]["requests"] == 1
+    only_bad = tmp_path / "only_bad.jsonl"
+    only_bad.write_text('{"x": 1}\n\n')
+    assert main(["replay", str(only_bad), "--skip-bad", "--no-progress"]) == 2
+    assert "no valid requests (1 bad line(s) skipped, 1 blank)" in capsys.readouterr().err
 
 
 def test_cli_missing_file_and_bad_policy(

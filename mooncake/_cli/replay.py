@@ -249,6 +249,13 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"[red]error:[/] {exc}", markup=True, highlight=False)
         return 2
 
+    if report.trace.requests == 0:
+        err.print(
+            f"[red]error:[/] {args.trace}: no valid requests "
+            f"({stats.skipped} bad line(s) skipped, {stats.blank} blank)",
+            highlight=False,
+        )
+        return 2
     doc = report.to_dict(requests=args.json and args.json_requests)
     doc["trace_name"] = os.path.basename(args.trace)
     doc["skipped_lines"] = {"count": stats.skipped, "first": stats.skip_reasons}
