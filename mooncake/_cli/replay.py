@@ -196,6 +196,11 @@ class _Progress:
         self._progress.update(self._sim, completed=done)
 
 
+def _say(message: str) -> None:
+    """Plain lines on stderr (never wrapped: paths and line numbers stay greppable)."""
+    print(message, file=sys.stderr)
+
+
 def _stderr_console() -> Any:
     from rich.console import Console
 
@@ -207,7 +212,6 @@ def run(args: argparse.Namespace) -> int:
     from mooncake.replay.run import DEFAULT_CAPACITIES, ReplayConfig, available_policies, replay
     from mooncake.replay.trace import TraceStats, iter_trace
 
-    err = _stderr_console()
     try:
         strategies = () if args.strategies == ("none",) else tuple(args.strategies)
         cfg = ReplayConfig(
@@ -243,17 +247,16 @@ def run(args: argparse.Namespace) -> int:
             )
             report = replay(requests, cfg, progress=prog.simulate)
     except OSError as exc:
-        err.print(f"[red]error:[/] cannot read trace: {exc}")
+        _say(f"error: cannot read trace: {exc}")
         return 2
     except MooncakeError as exc:
-        err.print(f"[red]error:[/] {exc}", markup=True, highlight=False)
+        _say(f"error: {exc}")
         return 2
 
     if report.trace.requests == 0:
-        err.print(
-            f"[red]error:[/] {args.trace}: no valid requests "
-            f"({stats.skipped} bad line(s) skipped, {stats.blank} blank)",
-            highlight=False,
+        _say(
+            f"error: {args.trace}: no valid requests "
+            f"({stats.skipped} bad line(s) skipped, {stats.blank} blank)"
         )
         return 2
     doc = report.to_dict(requests=args.json and args.json_requests)
@@ -276,13 +279,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_report(doc)
         if stats.skipped:
-            err.print(f"[yellow]skipped {stats.skipped} bad line(s)[/]; first:")
+            _say(f"skipped {stats.skipped} bad line(s); first:")
             for line_no, reason in stats.skip_reasons[:5]:
-                err.print(f"  line {line_no}: {reason}", markup=False, highlight=False)
+                _say(f"  line {line_no}: {reason}")
         for p in plots:
-            err.print(f"wrote {p}")
+            _say(f"wrote {p}")
         if args.csv:
-            err.print(f"wrote {args.csv}")
+            _say(f"wrote {args.csv}")
     return 0
 
 
