@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 
 _SUBCOMMANDS: list[str] = [
+    "demo",
+    "metadata_server",
     "replay",
 ]
 
