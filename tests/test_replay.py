@@ -490,3 +490,19 @@ def test_cli_tables_and_plots(
     for name in ("t_hit_rate.png", "t_global_vs_local.png", "t_ttft.png"):
         png = tmp_path / "img" / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_replay_drives_the_registry_policy_classes() -> None:
+    """The sweep's caches hold the master's policy objects (``make_policy``), one per cache."""
+    from mooncake._core.policies import POLICIES
+    from mooncake.replay.run import policy_factory
+
+    for name, cls in POLICIES.items():
+        a, b = policy_factory(name)(), policy_factory(name)()
+        assert type(a) is cls and a is not b
+    cfg = ReplayConfig(policies=tuple(POLICIES), capacities=(3,), instances=2)
+    rep = replay(_reqs(GOOD), cfg)
+    assert {(s.scope, s.policy) for s in rep.caches} == {
+        *(("global", p) for p in POLICIES),
+        ("local", "lru"),
+    }
