@@ -487,6 +487,7 @@ def test_cli_tables_and_plots(
     out = " ".join(capsys.readouterr().out.split())
     assert "theoretical max hit (infinite cache): block-weighted 37.50%" in out
     assert "global_cache_aware" in out
+    assert "Global pool vs 2 local caches of C/2" in out
     for name in ("t_hit_rate.png", "t_global_vs_local.png", "t_ttft.png"):
         png = tmp_path / "img" / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name

@@ -297,6 +297,20 @@ def _tib(x: float) -> str:
     return f"{x / 2**40:.2f}"
 
 
+def _global_local_pairs(doc: dict[str, Any]) -> list[tuple[str, int, float, float]]:
+    """(policy, capacity, global token hit, local token hit) where both were run."""
+    glob = {
+        (c["policy"], c["capacity_blocks"]): c["token_hit_rate"]
+        for c in doc["caches"]
+        if c["scope"] == "global"
+    }
+    return [
+        (c["policy"], c["capacity_blocks"], glob[key], c["token_hit_rate"])
+        for c in doc["caches"]
+        if c["scope"] == "local" and (key := (c["policy"], c["capacity_blocks"])) in glob
+    ]
+
+
 def _print_report(doc: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -346,6 +360,16 @@ def _print_report(doc: dict[str, Any]) -> None:
                 _tib(c["kv_bytes_read"]),
                 _tib(c["kv_bytes_written"]),
             )
+        con.print(tab)
+    pairs = _global_local_pairs(doc)
+    if pairs:
+        n_inst = doc["config"]["instances"]
+        tab = Table(title=f"Global pool vs {n_inst} local caches of C/{n_inst} (token-weighted)")
+        for col in ("policy", "C (blocks)", "global", "local", "global/local"):
+            tab.add_column(col, justify="left" if col == "policy" else "right")
+        for policy, cap, g, loc in pairs:
+            ratio = f"{g / loc:.2f}x" if loc else "-"
+            tab.add_row(policy, str(cap), _pct(g), _pct(loc), ratio)
         con.print(tab)
     if doc["schedules"]:
         cfg = doc["config"]
