@@ -11,7 +11,13 @@ from __future__ import annotations
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from mooncake._core.master import MasterConfig, MasterState
 from mooncake._core.store_types import (
@@ -296,7 +302,7 @@ def test_remove_by_regex_and_batch_forms() -> None:
 # -- stateful ---------------------------------------------------------------------------------
 
 CLIENTS = ["c0", "c1", "c2"]
-KEYS = [f"k{i}" for i in range(8)]
+KEYS = [f"k{i}" for i in range(48)]
 TTL = 10.0
 LEASE = 5.0
 
@@ -322,15 +328,18 @@ class MasterMachine(RuleBasedStateMachine):
         self.lease: dict[str, float] = {}
         self.hard: set[str] = set()
         self.seg_owner: dict[str, str] = {}
+        self.killed: set[str] = set()
+        self._cfg_hard: dict[str, bool] = {}
 
     # -- actions ---------------------------------------------------------------------------
 
-    @rule(client=st.sampled_from(CLIENTS), size=st.sampled_from([4096, 16384, 65536]))
+    @rule(client=st.sampled_from(CLIENTS), size=st.sampled_from([4096, 8192, 16384]))
     def mount(self, client: str, size: int) -> None:
         self.nseg += 1
         s = Segment(id=f"s{self.nseg}", name=f"h:{self.nseg}", base=self.nseg << 32, size=size)
         self.m.mount_segment(client, s, self.now)
         self.alive[client] = True
+        self.killed.discard(client)
         self.seg_owner[s.name] = client
 
     @rule(client=st.sampled_from(CLIENTS))
@@ -343,7 +352,7 @@ class MasterMachine(RuleBasedStateMachine):
     @rule(
         client=st.sampled_from(CLIENTS),
         key=st.sampled_from(KEYS),
-        size=st.integers(1, 9000),
+        size=st.integers(1, 6000),
         n=st.integers(1, 3),
         hard=st.booleans(),
         upsert=st.booleans(),
@@ -368,13 +377,33 @@ class MasterMachine(RuleBasedStateMachine):
         assert all(r.length == size and r.status == ReplicaStatus.PROCESSING for r in reps)
         self.pending[key] = (client, size, [(r.segment_name, r.addr) for r in reps], self.now)
         self.hard.discard(key) if not hard else None
-        self._cfg_hard = getattr(self, "_cfg_hard", {})
         self._cfg_hard[key] = hard
+
+    @rule(
+        client=st.sampled_from(CLIENTS),
+        batch=st.lists(
+            st.tuples(st.sampled_from(KEYS), st.integers(1, 6000)), min_size=1, max_size=6
+        ),
+        hard=st.booleans(),
+    )
+    def put(self, client: str, batch: list[tuple[str, int]], hard: bool) -> None:
+        """Whole puts (start + end), the common case that fills segments and forces eviction."""
+        for key, size in batch:
+            self.start(client, key, size, 1, hard and size < 1000, False)
+            if key in self.pending and self.pending[key][0] == client:
+                self._finish_key(key, revoke=False)
+
+    @precondition(lambda self: self.readable)
+    @rule(data=st.data())
+    def get_existing(self, data: st.DataObject) -> None:
+        self.get(data.draw(st.sampled_from(sorted(self.readable))))
 
     @precondition(lambda self: self.pending)
     @rule(data=st.data(), revoke=st.booleans())
     def finish(self, data: st.DataObject, revoke: bool) -> None:
-        key = data.draw(st.sampled_from(sorted(self.pending)))
+        self._finish_key(data.draw(st.sampled_from(sorted(self.pending))), revoke)
+
+    def _finish_key(self, key: str, revoke: bool) -> None:
         client, size, reps, _ = self.pending[key]
         # the master may have dropped dead segments' replicas: model that
         live_reps = [r for r in reps if self._seg_alive(r[0])]
@@ -422,14 +451,24 @@ class MasterMachine(RuleBasedStateMachine):
         del self.readable[key]
         self.hard.discard(key)
 
-    @rule(dt=st.sampled_from([0.5, 2.0, 4.0, 11.0]), keep=st.sets(st.sampled_from(CLIENTS)))
-    def advance(self, dt: float, keep: set[str]) -> None:
-        """Time passes; clients in ``keep`` ping along the way, the others may expire."""
+    @initialize(sizes=st.lists(st.sampled_from([4096, 8192, 16384]), min_size=3, max_size=3))
+    def mount_all(self, sizes: list[int]) -> None:
+        for client, size in zip(CLIENTS, sizes, strict=True):
+            self.mount(client, size)
+
+    @rule(client=st.sampled_from(CLIENTS))
+    def kill(self, client: str) -> None:
+        """The client stops pinging (crashed); it expires client_ttl later."""
+        self.killed.add(client)
+
+    @rule(dt=st.sampled_from([0.5, 2.0, 4.0, 11.0]))
+    def advance(self, dt: float) -> None:
+        """Time passes; live clients ping along the way, killed ones expire after client_ttl."""
         steps = 4
         for _ in range(steps):
             self.now += dt / steps
-            for c in keep:
-                if self.m.has_client(c):
+            for c in CLIENTS:
+                if c not in self.killed and self.m.has_client(c):
                     self.m.ping(c, self.now)
             before = set(self.m.all_keys())
             self.m.sweep(self.now)
@@ -472,4 +511,4 @@ class MasterMachine(RuleBasedStateMachine):
 
 
 TestMasterMachine = MasterMachine.TestCase
-TestMasterMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestMasterMachine.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)

@@ -89,6 +89,7 @@ __all__ = ["ALLOCATION_STRATEGIES", "MasterConfig", "MasterState", "MasterStats"
 
 ALLOCATION_STRATEGIES = ("random", "free_ratio_first")
 MAX_KEY_LENGTH = 1 << 20
+_EVICT_RETRIES = 4
 
 
 @dataclass
@@ -249,6 +250,7 @@ class MasterState:
         self._clients: dict[str, _Client] = {}
         self._deferred: list[_Deferred] = []
         self._soft_pinned: set[str] = set()
+        self._writing: set[str] = set()  # keys that had a pending write (pruned by sweep)
         self._used = 0
         self._capacity = 0
 
@@ -267,7 +269,7 @@ class MasterState:
     @property
     def object_count(self) -> int:
         """Objects with a readable version."""
-        return sum(1 for o in self._objects.values() if o.readable is not None)
+        return len(self.policy)  # the policy tracks exactly the readable objects
 
     @property
     def client_count(self) -> int:
@@ -481,19 +483,25 @@ class MasterState:
         ):
             self.evict(now, need=size)
         replicas = self._allocate(size, config)
-        if not replicas:
-            self.evict(now, need=max(size, int(self.config.eviction_ratio * self._capacity)))
+        # Eviction frees bytes anywhere, but the object needs one contiguous extent: retry with
+        # growing targets while eviction makes progress.
+        need = max(size, int(self.config.eviction_ratio * self._capacity))
+        for _ in range(_EVICT_RETRIES):
+            if replicas or not self.evict(now, need=need):
+                break
             replicas = self._allocate(size, config)
-            if not replicas:
-                self.stats.put_failures_no_space += 1
-                raise NoAvailableHandleError(
-                    f"no mounted segment has {size} free bytes for {key!r} "
-                    f"({len(self._seg_list)} segments, {self._used}/{self._capacity} bytes used)"
-                )
+            need *= 2
+        if not replicas:
+            self.stats.put_failures_no_space += 1
+            raise NoAvailableHandleError(
+                f"no mounted segment has {size} free bytes for {key!r} "
+                f"({len(self._seg_list)} segments, {self._used}/{self._capacity} bytes used)"
+            )
         if obj is None:
             obj = self._objects[key] = _Object(key)
         version = _Version(size, replicas)
         obj.pending = _Pending(client_id, version, now, config)
+        self._writing.add(key)
         for r in replicas:
             r.seg.keys.add(key)
         self.stats.puts_started += 1
@@ -664,9 +672,7 @@ class MasterState:
         out: list[Item[GetReplicaListResponse]] = []
         for key in keys:
             try:
-                out.append(
-                    Item(code=0, value=self.get_replica_list(key, now, for_read=for_read))
-                )
+                out.append(Item(code=0, value=self.get_replica_list(key, now, for_read=for_read)))
             except MooncakeError as e:
                 out.append(Item(code=int(e.code)))
         return out
@@ -803,9 +809,13 @@ class MasterState:
 
     def _release_zombies(self, now: float) -> None:
         limit = self.config.put_start_release_timeout
-        for key, obj in list(self._objects.items()):
-            p = obj.pending
-            if p is not None and now - p.started >= limit:
+        for key in list(self._writing):
+            obj = self._objects.get(key)
+            p = obj.pending if obj is not None else None
+            if obj is None or p is None:
+                self._writing.discard(key)  # ended, revoked or dropped since
+            elif now - p.started >= limit:
+                self._writing.discard(key)
                 obj.pending = None
                 self._unlink(key, p.version)
                 self._free_version(p.version)
