@@ -234,6 +234,18 @@ def test_soft_pinned_evicted_last_and_pin_expires() -> None:
     assert "soft" not in m.all_keys()
 
 
+def test_object_larger_than_every_segment_refused_without_evicting() -> None:
+    m = master()
+    m.mount_segment("c", seg(0, size=64 * 4096), 0)
+    m.mount_segment("c", seg(1, size=64 * 4096), 0)
+    for i in range(100):
+        put(m, "c", f"k{i}", 4096, 0)
+    before = set(m.all_keys())
+    with pytest.raises(NoAvailableHandleError, match="larger than every mounted segment"):
+        m.put_start("c", "huge", 64 * 4096 + 1, DEF, 1)
+    assert set(m.all_keys()) == before
+
+
 def test_hard_pinned_fill_then_no_space() -> None:
     m = master()
     m.mount_segment("c", seg(0, size=8 * 4096), 0)

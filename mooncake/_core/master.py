@@ -477,10 +477,15 @@ class MasterState:
         now: float,
         obj: _Object | None,
     ) -> list[ReplicaDescriptor]:
-        if (
-            self._capacity
-            and self._used + size > self.config.eviction_high_watermark_ratio * self._capacity
-        ):
+        # Objects are not striped: one larger than every segment can never fit, and evicting
+        # for it would only empty the cache.
+        if not any(seg.alloc.size >= size for seg in self._seg_list):
+            self.stats.put_failures_no_space += 1
+            raise NoAvailableHandleError(
+                f"object {key!r} of {size} bytes is larger than every mounted segment "
+                f"({len(self._seg_list)} segments)"
+            )
+        if self._used + size > self.config.eviction_high_watermark_ratio * self._capacity:
             self.evict(now, need=size)
         replicas = self._allocate(size, config)
         # Eviction frees bytes anywhere, but the object needs one contiguous extent: retry with
