@@ -249,6 +249,19 @@ def test_metrics_and_health() -> None:
                 r = await http.get(f"{base}/query_key", params={"key": "nope"})
                 assert r.status_code == 404 and r.json()["error_code"] == -704
                 assert (await http.get(f"{base}/nope")).status_code == 404
+                assert (await http.post(f"{base}/metrics", content=b"x")).status_code == 405
+            # garbage on the HTTP port costs only that connection
+            bad = await anyio.connect_tcp("127.0.0.1", server.metrics_port)
+            async with bad:
+                await bad.send(b"\x00\x01 not http at all\r\n\r\n")
+                with anyio.fail_after(5):
+                    try:
+                        while await bad.receive():
+                            pass
+                    except (anyio.EndOfStream, anyio.BrokenResourceError):
+                        pass
+            async with httpx.AsyncClient() as http:
+                assert (await http.get(f"{base}/health")).status_code == 200
 
     run_trio(main, mock=False)
 
