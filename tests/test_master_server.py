@@ -21,7 +21,7 @@ import trio.testing
 from mooncake._cli.master import parse_duration, parse_gflags
 from mooncake._core import rpc
 from mooncake._core.master import MasterConfig
-from mooncake._core.store_types import ClientStatus, ReplicateConfig, Segment
+from mooncake._core.store_types import ClientStatus, ReplicateConfig, Segment, TaskStatus
 from mooncake._store.master import MasterServer, MasterServerConfig, serve_master
 from mooncake.errors import (
     InvalidArgumentError,
@@ -251,6 +251,7 @@ def test_metrics_and_health() -> None:
                 assert (await http.get(f"{base}/nope")).status_code == 404
                 assert (await http.post(f"{base}/metrics", content=b"x")).status_code == 405
             # garbage on the HTTP port costs only that connection
+            assert server.metrics_port is not None
             bad = await anyio.connect_tcp("127.0.0.1", server.metrics_port)
             async with bad:
                 await bad.send(b"\x00\x01 not http at all\r\n\r\n")
@@ -465,3 +466,27 @@ def test_unknown_eviction_policy_is_refused() -> None:
     )
     assert r.returncode == 2
     assert b"clairvoyant" in r.stderr
+
+
+def test_copy_task_over_the_wire() -> None:
+    async def main() -> None:
+        async with running_master() as server, client(server) as c:
+            await c.call("MountSegment", rpc.MountSegmentParams(client_id="a", segment=seg(0)))
+            await c.call("MountSegment", rpc.MountSegmentParams(client_id="b", segment=seg(1)))
+            cfg = ReplicateConfig(preferred_segments=[seg(0).name])
+            await c.call(
+                "PutStart", rpc.PutStartParams(client_id="a", key="k", size=64, config=cfg)
+            )
+            await c.call("PutEnd", rpc.KeyClientParams(client_id="a", key="k"))
+            tid = await c.call("CreateCopyTask", rpc.CopyTaskParams(key="k", targets=[seg(1).name]))
+            (task,) = await c.call("FetchTasks", rpc.ClientParams(client_id="a"))
+            assert task.id == tid and task.targets == [seg(1).name]
+            start = await c.call("TaskStart", rpc.TaskParams(client_id="a", task_id=tid))
+            assert start.size == 64 and start.targets[0].segment_name == seg(1).name
+            await c.call("TaskEnd", rpc.TaskParams(client_id="a", task_id=tid))
+            info = await c.call("QueryTask", rpc.TaskIdParams(task_id=tid))
+            assert info.status == TaskStatus.SUCCESS
+            got = await c.call("GetReplicaList", rpc.KeyParams(key="k"))
+            assert len(got.replicas) == 2
+
+    run_trio(main)

@@ -26,6 +26,8 @@ from mooncake._core.store_types import (
     ReplicateConfig,
     Segment,
     SoftPinAction,
+    TaskStatus,
+    TaskType,
 )
 from mooncake.errors import (
     IllegalClientError,
@@ -34,9 +36,12 @@ from mooncake.errors import (
     NoAvailableHandleError,
     ObjectAlreadyExistsError,
     ObjectHasLeaseError,
+    ObjectHasReplicationTaskError,
     ObjectNotFoundError,
+    ReplicaNotFoundError,
     ReplicaNotReadyError,
     SegmentAlreadyExistsError,
+    SegmentNotFoundError,
 )
 
 MiB = 1 << 20
@@ -341,6 +346,7 @@ class MasterMachine(RuleBasedStateMachine):
         self.hard: set[str] = set()
         self.seg_owner: dict[str, str] = {}
         self.killed: set[str] = set()
+        self.inflight: set[str] = set()  # keys with a replica task in flight
         self._cfg_hard: dict[str, bool] = {}
 
     # -- actions ---------------------------------------------------------------------------
@@ -381,6 +387,9 @@ class MasterMachine(RuleBasedStateMachine):
             )
             return
         except NoAvailableHandleError:
+            return
+        except ObjectHasReplicationTaskError:
+            assert upsert and key in self.inflight
             return
         finally:
             self._reconcile(before)
@@ -430,6 +439,57 @@ class MasterMachine(RuleBasedStateMachine):
                 self.hard.discard(key)
         del self.pending[key]
 
+    @precondition(lambda self: self.readable)
+    @rule(
+        data=st.data(),
+        move=st.booleans(),
+        outcome=st.sampled_from(["end", "revoke", "leave"]),
+    )
+    def replica_task(self, data: st.DataObject, move: bool, outcome: str) -> None:
+        """Copy or move a replica; the executor ends, revokes or abandons the task."""
+        key = data.draw(st.sampled_from(sorted(self.readable)))
+        names = sorted({s.segment.name for s in self.m.all_segments()})
+        target = data.draw(st.sampled_from(names))
+        have = [r.segment_name for r in self.m.query_key(key).replicas]
+        try:
+            if move:
+                tid = self.m.create_move_task(key, have[0], target, self.now)
+            else:
+                tid = self.m.create_copy_task(key, [target], self.now)
+        except ObjectHasReplicationTaskError:
+            assert key in self.inflight
+            return
+        except ReplicaNotReadyError:
+            assert key in self.pending
+            return
+        except SegmentNotFoundError:
+            assert target in have
+            return
+        assert key not in self.inflight
+        self.inflight.add(key)
+        executor = self.m.query_task(tid).executor
+        assert [t.id for t in self.m.fetch_tasks(executor, self.now)] == [tid]
+        try:
+            start = self.m.task_start(executor, tid, self.now)
+        except NoAvailableHandleError:
+            self.inflight.discard(key)
+            assert self.m.query_task(tid).status == TaskStatus.FAILED
+            return
+        assert start.size == self.readable[key][0]
+        assert start.targets[0].segment_name == target
+        if outcome == "end":
+            self.m.task_end(executor, tid, self.now)
+            size, _ = self.readable[key]
+            got = self.m.query_key(key).replicas
+            self.readable[key] = (size, [(r.segment_name, r.addr) for r in got])
+            assert (start.targets[0].segment_name, start.targets[0].addr) in self.readable[key][1]
+            if move:
+                assert start.source.segment_name not in [r.segment_name for r in got]
+            self.inflight.discard(key)
+        elif outcome == "revoke":
+            self.m.task_revoke(executor, tid, "", self.now)
+            self.inflight.discard(key)
+
     @rule(key=st.sampled_from(KEYS))
     def get(self, key: str) -> None:
         try:
@@ -455,10 +515,14 @@ class MasterMachine(RuleBasedStateMachine):
         except ReplicaNotReadyError:
             assert key in self.pending
             return
+        except ObjectHasReplicationTaskError:
+            assert key in self.inflight
+            return
         except ObjectNotFoundError:
             assert key not in self.readable
             return
         assert key in self.readable
+        assert key not in self.inflight
         assert force or self.lease.get(key, 0) <= self.now
         del self.readable[key]
         self.hard.discard(key)
@@ -496,6 +560,10 @@ class MasterMachine(RuleBasedStateMachine):
 
     def _reconcile(self, before: set[str]) -> None:
         """Keys the master dropped on its own (eviction, client expiry) must be droppable."""
+        for key in list(self.inflight):
+            obj = self.m._objects.get(key)
+            if obj is None or obj.task is None:  # failed on the master's side
+                self.inflight.discard(key)
         after = set(self.m.all_keys())
         for key in before - after:
             if key not in self.readable:
@@ -524,3 +592,91 @@ class MasterMachine(RuleBasedStateMachine):
 
 TestMasterMachine = MasterMachine.TestCase
 TestMasterMachine.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
+
+
+# -- replica tasks ----------------------------------------------------------------------------
+
+
+def _two_segments() -> MasterState:
+    m = master()
+    m.mount_segment("a", seg(0), 0)
+    m.mount_segment("b", seg(1), 0)
+    put(m, "a", "k", 1000, 0, ReplicateConfig(preferred_segments=[seg(0).name]))
+    return m
+
+
+def test_copy_task_adds_a_replica() -> None:
+    m = _two_segments()
+    tid = m.create_copy_task("k", [seg(1).name], 1)
+    assert m.query_task(tid).status == TaskStatus.PENDING
+    assert m.fetch_tasks("b", 1) == []  # the source's owner executes
+    (t,) = m.fetch_tasks("a", 1)
+    assert t.id == tid and t.type == TaskType.REPLICA_COPY and t.status == TaskStatus.PROCESSING
+    with pytest.raises(ObjectHasReplicationTaskError):
+        m.remove("k", True, 1)
+    start = m.task_start("a", tid, 1)
+    assert start.size == 1000 and start.source.segment_name == seg(0).name
+    assert [r.segment_name for r in start.targets] == [seg(1).name]
+    assert len(m.get_replica_list("k", 2).replicas) == 1  # not readable there yet
+    m.check_invariants()
+    m.task_end("a", tid, 2)
+    assert m.query_task(tid).status == TaskStatus.SUCCESS
+    names = sorted(r.segment_name for r in m.get_replica_list("k", 2).replicas)
+    assert names == sorted([seg(0).name, seg(1).name])
+    m.check_invariants()
+    m.remove("k", True, 3)
+    assert m.used_bytes == 0
+
+
+def test_move_task_moves_the_replica() -> None:
+    m = _two_segments()
+    tid = m.create_move_task("k", seg(0).name, seg(1).name, 1)
+    m.fetch_tasks("a", 1)
+    m.task_start("a", tid, 1)
+    m.task_end("a", tid, 1)
+    assert [r.segment_name for r in m.get_replica_list("k", 30).replicas] == [seg(1).name]
+    m.ping("a", 30)
+    m.ping("b", 30)
+    m.sweep(30)
+    assert m.used_bytes == 1024
+    m.check_invariants()
+
+
+def test_task_errors_and_failures() -> None:
+    m = _two_segments()
+    with pytest.raises(ObjectNotFoundError):
+        m.create_copy_task("nope", [seg(1).name], 0)
+    with pytest.raises(SegmentNotFoundError):
+        m.create_copy_task("k", [seg(0).name], 0)  # already holds a replica
+    with pytest.raises(ReplicaNotFoundError):
+        m.create_move_task("k", seg(1).name, seg(0).name, 0)
+    tid = m.create_copy_task("k", [seg(1).name], 0)
+    with pytest.raises(ObjectHasReplicationTaskError):
+        m.create_copy_task("k", [seg(1).name], 0)
+    with pytest.raises(IllegalClientError):
+        m.task_start("b", tid, 0)
+    m.task_start("a", tid, 0)
+    m.task_revoke("a", tid, "transfer failed", 0)
+    info = m.query_task(tid)
+    assert info.status == TaskStatus.FAILED and info.message == "transfer failed"
+    assert m.used_bytes == 1024
+    with pytest.raises(InvalidWriteError):
+        m.task_end("a", tid, 0)
+    # the target's owner dies mid-task: the task fails, the object keeps its replica
+    tid = m.create_copy_task("k", [seg(1).name], 0)
+    m.task_start("a", tid, 0)
+    for t in range(1, 13):
+        m.ping("a", t)
+        m.sweep(t)
+    assert m.query_task(tid).status == TaskStatus.FAILED
+    assert len(m.get_replica_list("k", 13).replicas) == 1
+    m.check_invariants()
+    # an executor that never fetches: the task times out
+    m2 = _two_segments()
+    tid = m2.create_copy_task("k", [seg(1).name], 0)
+    for t in range(1, 302, 5):
+        m2.ping("a", t)
+        m2.ping("b", t)
+        m2.sweep(t)
+    assert m2.query_task(tid).status == TaskStatus.FAILED
+    m2.remove("k", True, 302)

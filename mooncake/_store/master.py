@@ -128,6 +128,13 @@ def _handlers() -> dict[str, Handler]:
         "QueryKey": lambda s, p, now: s.query_key(p.key),
         "GetAllKeys": lambda s, p, now: s.all_keys(),
         "GetAllSegments": lambda s, p, now: s.all_segments(),
+        "CreateCopyTask": lambda s, p, now: s.create_copy_task(p.key, p.targets, now),
+        "CreateMoveTask": lambda s, p, now: s.create_move_task(p.key, p.source, p.target, now),
+        "QueryTask": lambda s, p, now: s.query_task(p.task_id),
+        "FetchTasks": lambda s, p, now: s.fetch_tasks(p.client_id, now),
+        "TaskStart": lambda s, p, now: s.task_start(p.client_id, p.task_id, now),
+        "TaskEnd": lambda s, p, now: s.task_end(p.client_id, p.task_id, now),
+        "TaskRevoke": lambda s, p, now: s.task_revoke(p.client_id, p.task_id, p.message, now),
     }
 
 
