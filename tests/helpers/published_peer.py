@@ -19,6 +19,7 @@ import json
 import sys
 
 import numpy as np
+
 from mooncake.engine import TransferEngine  # the published wheel
 
 
