@@ -146,7 +146,10 @@ def bench_rpc(port: int, seconds: float, depth: int, batch: int) -> dict[str, fl
     def put_pipe(i: int) -> int:
         keys = [f"{tag}-p{i}-{j}" for j in range(depth)]
         c.send_many(
-            [("PutStart", rpc.PutStartParams(client_id="bench", key=k, size=SIZE, config=CFG)) for k in keys]
+            [
+                ("PutStart", rpc.PutStartParams(client_id="bench", key=k, size=SIZE, config=CFG))
+                for k in keys
+            ]
         )
         c.recv(depth, "PutStart")
         c.send_many([("PutEnd", rpc.KeyClientParams(client_id="bench", key=k)) for k in keys])
@@ -158,7 +161,10 @@ def bench_rpc(port: int, seconds: float, depth: int, batch: int) -> dict[str, fl
 
     def get_pipe(i: int) -> int:
         c.send_many(
-            [("GetReplicaList", rpc.KeyParams(key=f"{tag}-q{(i * depth + j) % nkeys}")) for j in range(depth)]
+            [
+                ("GetReplicaList", rpc.KeyParams(key=f"{tag}-q{(i * depth + j) % nkeys}"))
+                for j in range(depth)
+            ]
         )
         c.recv(depth, "GetReplicaList")
         return depth
