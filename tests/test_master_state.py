@@ -263,6 +263,15 @@ def test_hard_pinned_fill_then_no_space() -> None:
     put(m, "c", "x", 4096, 0)
 
 
+def test_upsert_during_anothers_write_is_not_ready() -> None:
+    m = master()
+    m.mount_segment("c", seg(0), 0)
+    m.put_start("c", "k", 100, DEF, 0)
+    with pytest.raises(ReplicaNotReadyError):
+        m.upsert_start("d", "k", 100, DEF, 1)
+    m.upsert_start("d", "k", 100, DEF, 31)  # the first write is a zombie by now
+
+
 def test_zombie_put_preempted_after_discard_timeout_and_released_later() -> None:
     m = master(put_start_discard_timeout=30, put_start_release_timeout=600)
     m.mount_segment("c", seg(0), 0)
@@ -382,9 +391,13 @@ class MasterMachine(RuleBasedStateMachine):
         try:
             reps = fn(client, key, size, cfg, self.now)
         except ObjectAlreadyExistsError:
-            assert (key in self.readable and not upsert) or (
+            assert not upsert
+            assert key in self.readable or (
                 key in self.pending and self.now - self.pending[key][3] < 3.0
             )
+            return
+        except ReplicaNotReadyError:
+            assert upsert and key in self.pending and self.now - self.pending[key][3] < 3.0
             return
         except NoAvailableHandleError:
             return

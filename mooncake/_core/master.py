@@ -476,7 +476,11 @@ class MasterState:
     def upsert_start(
         self, client_id: str, key: str, size: int, config: ReplicateConfig, now: float
     ) -> list[ReplicaDescriptor]:
-        """Like :meth:`put_start`, but a readable ``key`` gets a new version at :meth:`put_end`."""
+        """Like :meth:`put_start`, but a readable ``key`` gets a new version at :meth:`put_end`.
+
+        ``REPLICA_IS_NOT_READY`` while another (non-zombie) write of ``key`` is in progress,
+        ``OBJECT_HAS_REPLICATION_TASK`` while a copy/move of it is.
+        """
         _check_client_id(client_id)
         _check_key(key)
         self._check_put(size, config)
@@ -486,7 +490,7 @@ class MasterState:
                 raise ObjectHasReplicationTaskError(
                     f"object {key!r} has task {obj.task.id} in flight"
                 )
-            self._preempt_pending(obj, now)
+            self._preempt_pending(obj, now, upsert=True)
         return self._start_write(client_id, key, size, config, now, obj)
 
     def _check_put(self, size: int, config: ReplicateConfig) -> None:
@@ -504,11 +508,13 @@ class MasterState:
                     f"soft_pin_ttl_ms must be >= 0, got {config.soft_pin_ttl_ms}"
                 )
 
-    def _preempt_pending(self, obj: _Object, now: float) -> None:
+    def _preempt_pending(self, obj: _Object, now: float, *, upsert: bool = False) -> None:
         pending = obj.pending
         if pending is None:
             return
         if now - pending.started < self.config.put_start_discard_timeout:
+            if upsert:  # not "exists": the upsert did not happen, the caller must not assume it did
+                raise ReplicaNotReadyError(f"object {obj.key!r} is being written; retry later")
             raise ObjectAlreadyExistsError(f"object {obj.key!r} is being written")
         # zombie: the writer may still be writing, so its space waits for the release timeout
         obj.pending = None
