@@ -251,6 +251,21 @@ def test_object_larger_than_every_segment_refused_without_evicting() -> None:
     assert set(m.all_keys()) == before
 
 
+def test_upsert_preserves_or_disables_soft_pin() -> None:
+    m = master()
+    m.mount_segment("c", seg(0), 0)
+    pin = ReplicateConfig(soft_pin_action=SoftPinAction.ENABLE, soft_pin_ttl_ms=100_000)
+    put(m, "c", "k", 100, 0, pin)
+    deadline = m.query_key("k").soft_pin_deadline
+    assert deadline == 100.0
+    m.upsert_start("c", "k", 200, DEF, 1)  # PRESERVE by default
+    m.upsert_end("c", "k", 1)
+    assert m.query_key("k").soft_pin_deadline == deadline
+    m.upsert_start("c", "k", 300, ReplicateConfig(soft_pin_action=SoftPinAction.DISABLE), 2)
+    m.upsert_end("c", "k", 2)
+    assert m.query_key("k").soft_pin_deadline is None
+
+
 def test_hard_pinned_fill_then_no_space() -> None:
     m = master()
     m.mount_segment("c", seg(0, size=8 * 4096), 0)

@@ -616,8 +616,13 @@ class MasterState:
         obj.writer = client_id
         cfg = pending.config
         obj.hard_pinned = cfg.with_hard_pin
+        kept = obj.soft_pin_deadline if old is not None else None
         obj.soft_pin_deadline = None
-        if cfg.soft_pinned():
+        if not cfg.soft_pinned() and cfg.soft_pin_action == SoftPinAction.PRESERVE:
+            # an upsert keeps the soft pin its key had (Mooncake's PRESERVE)
+            if kept is not None and kept > now:
+                obj.soft_pin_deadline = kept
+        elif cfg.soft_pinned():
             ttl = (
                 cfg.soft_pin_ttl_ms / 1000.0
                 if cfg.soft_pin_ttl_ms is not None
