@@ -95,6 +95,31 @@ class RegionBusyError(RegistrationError):
     """The region is in use by in-flight transfers and cannot be unregistered yet."""
 
 
+# -- RDMA verbs ------------------------------------------------------------------------------
+
+
+class VerbsUnavailableError(NotSupportedError):
+    """libibverbs (or the provider named by ``MOONCAKE_IBVERBS``) cannot be loaded or has no device."""
+
+
+class VerbsError(MooncakeError):
+    """A libibverbs call failed. ``errno`` is the code the library returned; ``what`` the call.
+
+    ``posted`` is set by ``ibv_post_send`` failures: how many work requests of the batch were
+    posted before the one refused (those will complete normally).
+    """
+
+    code = ErrorCode.INTERNAL_ERROR
+
+    def __init__(self, errno: int, what: str, posted: int = 0) -> None:
+        import os
+
+        self.errno = errno
+        self.what = what
+        self.posted = posted
+        super().__init__(f"{what} failed: [errno {errno}] {os.strerror(errno) if errno else 'unknown'}")
+
+
 # -- metadata / discovery ---------------------------------------------------------------------
 
 
@@ -163,5 +188,7 @@ __all__ = [
     "RemoteAccessError",
     "SegmentNotFoundError",
     "TransferError",
+    "VerbsError",
+    "VerbsUnavailableError",
     "to_code",
 ]
