@@ -24,7 +24,7 @@ from mooncake._fast._verbs_pd cimport PD
 from mooncake._fast._verbs_cq cimport CQ
 from mooncake._fast._verbs_mr cimport MR
 from mooncake._fast._verbs_lib cimport Resource, check_rc, ibv, live_add, raise_errno, LIVE_QP
-from mooncake.errors import InvalidArgumentError, NotRegisteredError, VerbsError
+from mooncake.errors import ClosedError, InvalidArgumentError, NotRegisteredError, VerbsError
 
 OP_WRITE = 0  # IBV_WR_RDMA_WRITE
 OP_READ = 4   # IBV_WR_RDMA_READ
@@ -207,8 +207,10 @@ cdef class QP(Resource):
             mr = <MR?>mrs[i]
             laddr = local_addrs[i]
             length = lengths[i]
-            if mr._closed or mr.pd is not self.pd:
-                raise InvalidArgumentError(f"WR {i}: MR is closed or in another PD")
+            if mr._closed:
+                raise ClosedError(f"WR {i}: its MR is closed")
+            if mr.pd is not self.pd:
+                raise InvalidArgumentError(f"WR {i}: its MR belongs to another PD than the QP")
             if length == 0 or length > 0x80000000 or laddr < mr.addr or laddr + length > mr.addr + mr.length:
                 raise NotRegisteredError(
                     f"WR {i}: local [{laddr:#x}, +{length}) not inside MR "
