@@ -16,6 +16,7 @@ import enum
 import struct
 from dataclasses import dataclass
 
+from mooncake._core.transfer import Opcode
 from mooncake.errors import ProtocolError
 
 HEADER = struct.Struct("<QQB7x")
@@ -26,11 +27,6 @@ STATUS_MAGIC = 0x4D435456_00000000
 STATUS_MAGIC_MASK = 0xFFFFFFFF_00000000
 V2_FLAG = 0x80
 PROTO_VERSION = 2
-
-
-class Opcode(enum.IntEnum):
-    READ = 0
-    WRITE = 1
 
 
 class Status(enum.IntEnum):

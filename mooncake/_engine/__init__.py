@@ -1,0 +1,1 @@
+"""Async drivers (anyio): the engine, its transports and metadata backends."""

@@ -1,0 +1,644 @@
+"""The async Transfer Engine.
+
+::
+
+    async with open_engine("127.0.0.1") as engine:          # P2P metadata, TCP transport
+        buf = await engine.allocate(1 << 20)                 # registered, pre-faulted
+        await engine.write("127.0.0.1:15123", buf.addr, remote_addr, 4096)
+
+An engine is one *segment*: it owns a handshake (RPC) server, one server per transport, and the
+registry of local memory peers may touch, all in one task group that ``open_engine`` closes.
+Its segment name is ``host:rpc_port`` in P2P mode (as in Mooncake).
+
+Memory: ``register`` accepts numpy arrays, any writable C-contiguous buffer export, or an
+``(addr, length)`` pair; the exporting object is kept alive (and so cannot be resized or freed)
+until ``unregister``. Overlapping or empty ranges are refused. ``unregister`` waits until no
+transfer uses the region.
+
+Transfers: ``transfer(segment, requests)`` returns one :class:`TransferResult` per request.
+Arguments that are wrong regardless of the peer (local ranges not registered, bad types) raise
+before anything moves; outcomes that depend on the peer (its buffers, its liveness) come back
+per request. ``read``/``write`` are single-request shortcuts that raise on failure.
+
+Cancellation: cancelling ``transfer`` returns only once no transport can still touch the local
+memory of its requests; connections used by the cancelled batch are closed, and any subset of
+its bytes may have moved.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import mmap
+import os
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.abc
+import numpy as np
+
+from mooncake import _fast
+from mooncake._core.descriptor import BufferDesc, SegmentDescriptor, now_timestamp
+from mooncake._core.handshake import Frame, FrameType
+from mooncake._core.memory import MemoryRegistry, Region, check_range
+from mooncake._core.transfer import (
+    Opcode,
+    TransferRequest,
+    TransferResult,
+    TransferStatus,
+    completed,
+    failed,
+)
+from mooncake._engine.handshake import HandshakeServer
+from mooncake._engine.metadata import MetadataBackend, open_backend
+from mooncake._engine.transports.base import PeerInfo, Transport
+from mooncake.errors import (
+    ClosedError,
+    InvalidArgumentError,
+    MooncakeError,
+    NotSupportedError,
+    PeerDiedError,
+    PeerUnreachableError,
+    RemoteAccessError,
+    TransferError,
+)
+
+log = logging.getLogger("mooncake.engine")
+
+MAX_NOTIFIES = 4096
+
+
+@dataclass(frozen=True)
+class Notify:
+    """A notification received from a peer (``TransferNotify``)."""
+
+    name: str
+    msg: str
+
+
+def buffer_address(obj: Any, *, writable: bool = True) -> tuple[int, int, memoryview]:
+    """Address and byte length of a C-contiguous buffer export, and the export that pins it."""
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"expected a buffer (numpy array, bytearray, mmap...) or (addr, length), "
+            f"got {type(obj).__name__}"
+        ) from None
+    if not mv.c_contiguous:
+        raise InvalidArgumentError("buffer must be C-contiguous")
+    if writable and mv.readonly:
+        raise InvalidArgumentError("buffer is read-only; peers could not write into it")
+    flat = mv.cast("B") if mv.nbytes else mv
+    if mv.nbytes == 0:
+        raise InvalidArgumentError("buffer is empty")
+    arr = np.frombuffer(flat, dtype=np.uint8)
+    return int(arr.ctypes.data), mv.nbytes, mv
+
+
+class Buffer:
+    """Engine-allocated, registered, pre-faulted memory (``engine.allocate``)."""
+
+    def __init__(self, mm: mmap.mmap, region: Region) -> None:
+        self._mmap = mm
+        self.region = region
+        self.addr = region.addr
+        self.length = region.length
+
+    @property
+    def view(self) -> memoryview:
+        return memoryview(self._mmap)
+
+    def numpy(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        return np.frombuffer(self._mmap, dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __repr__(self) -> str:
+        return f"<Buffer {self.addr:#x} +{self.length}>"
+
+
+class TransferHandle:
+    """A submitted batch: await :meth:`wait` or poll :attr:`status`."""
+
+    def __init__(self, n: int) -> None:
+        self._done = anyio.Event()
+        self.results: list[TransferResult] | None = None
+        self.error: BaseException | None = None
+        self.n = n
+        self._scope: anyio.CancelScope | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def status(self) -> TransferStatus:
+        if not self._done.is_set():
+            return TransferStatus.PENDING
+        if self.results is not None and all(r.ok for r in self.results):
+            return TransferStatus.COMPLETED
+        if self.results is None and self.error is None:
+            return TransferStatus.CANCELED
+        return TransferStatus.FAILED
+
+    async def wait(self) -> list[TransferResult]:
+        await self._done.wait()
+        if self.error is not None:
+            raise self.error
+        if self.results is None:
+            return [TransferResult(TransferStatus.CANCELED)] * self.n
+        return self.results
+
+    def cancel(self) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+
+
+class Engine:
+    """One segment. Create with :func:`open_engine`."""
+
+    task_group: anyio.abc.TaskGroup
+
+    def __init__(
+        self,
+        hostname: str,
+        metadata: str,
+        *,
+        rpc_port: int,
+        bind_host: str | None,
+        transports: Sequence[str],
+        tcp_lanes: int,
+    ) -> None:
+        host, _, port = hostname.rpartition(":") if hostname.count(":") == 1 else (hostname, "", "")
+        if port and not port.isdigit():
+            raise InvalidArgumentError(f"bad port in local hostname {hostname!r}")
+        self.hostname = host or hostname
+        self._rpc_port_req = rpc_port or (int(port) if port else 0)
+        self.bind_host = bind_host or self.hostname
+        self.metadata_conn = metadata
+        self.metadata: MetadataBackend = open_backend(metadata)
+        self.registry = MemoryRegistry()
+        self.handshake = HandshakeServer()
+        self.segment_name = ""
+        self._transport_names = tuple(transports)
+        self._tcp_lanes = tcp_lanes
+        self.transports: list[Transport] = []
+        self._peers: dict[str, PeerInfo] = {}
+        self._peer_locks: dict[str, anyio.Lock] = collections.defaultdict(anyio.Lock)
+        self._notifies: collections.deque[Notify] = collections.deque(maxlen=MAX_NOTIFIES)
+        self._buffers: dict[int, Buffer] = {}
+        self._released = anyio.Event()
+        self._closed = False
+        self._desc_cache: dict[str, Any] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        from mooncake._engine.transports import make_transport
+
+        self.handshake.handlers[FrameType.METADATA] = self._on_metadata
+        self.handshake.handlers[FrameType.NOTIFY] = self._on_notify
+        self.handshake.handlers[FrameType.PROBE] = self._on_probe
+        self.rpc_port: int = await self.task_group.start(
+            self.handshake.serve, self.bind_host, self._rpc_port_req
+        )
+        if self.metadata.p2p:
+            self.segment_name = f"{self.hostname}:{self.rpc_port}"
+        else:
+            self.segment_name = self.hostname if not self._rpc_port_req else f"{self.hostname}"
+        for name in self._transport_names:
+            t = make_transport(name, self)
+            await t.start()
+            self.transports.append(t)
+        self.transports.sort(key=lambda t: -t.priority)
+        await self.metadata.start(self)
+        await self._publish()
+        log.info(
+            "engine %s up (transports: %s)", self.segment_name, [t.name for t in self.transports]
+        )
+
+    async def _unpublish(self) -> None:
+        if not self.segment_name:
+            return
+        try:
+            await self.metadata.unpublish(self.segment_name)
+        except MooncakeError as e:
+            log.warning("unpublishing %s failed: %s", self.segment_name, e)
+
+    async def _aclose(self) -> None:
+        """Release everything; runs after every engine task has ended."""
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            await self.metadata.aclose()
+            for peer in self._peers.values():
+                for t in self.transports:
+                    t.forget_peer(peer)
+            for t in self.transports:
+                await t.aclose()
+            for buf in list(self._buffers.values()):
+                self.registry.remove(buf.addr)
+                try:
+                    buf._mmap.close()
+                except BufferError:
+                    # still viewed (e.g. a numpy array the caller holds): the mapping goes
+                    # away with its last view instead of under it
+                    pass
+            self._buffers.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("engine is closed")
+
+    # -- descriptor -----------------------------------------------------------------------
+
+    def descriptor(self) -> SegmentDescriptor:
+        """This segment's current descriptor (what peers see)."""
+        protocol = next((t.wire_protocol for t in self.transports if t.wire_protocol), "tcp")
+        fields: dict[str, Any] = {}
+        for t in reversed(self.transports):
+            fields.update(t.descriptor_fields())
+        buffers = tuple(
+            BufferDesc(r.location, r.addr, r.length, r.meta.get("desc", {}))
+            for r in self.registry.regions()
+            if r.remote_accessible
+        )
+        known = {"tcp_data_host", "tcp_data_port", "tcp_proto_version"}
+        return SegmentDescriptor(
+            name=self.segment_name,
+            protocol=protocol,
+            buffers=buffers,
+            tcp_data_host=str(fields.get("tcp_data_host", "")),
+            tcp_data_port=int(fields.get("tcp_data_port", 0)),
+            tcp_proto_version=int(fields.get("tcp_proto_version", 2)),
+            timestamp=now_timestamp(),
+            extra={k: v for k, v in fields.items() if k not in known},
+        )
+
+    def descriptor_json(self) -> dict[str, Any]:
+        if self._desc_cache is None:
+            self._desc_cache = self.descriptor().to_json()
+        return self._desc_cache
+
+    async def _publish(self) -> None:
+        self._desc_cache = None
+        if not self.metadata.p2p:
+            await self.metadata.publish(
+                self.segment_name, self.descriptor_json(), self.hostname, self.rpc_port
+            )
+
+    # -- handshake handlers ---------------------------------------------------------------
+
+    async def _on_metadata(self, frame: Frame) -> Any:
+        return self.descriptor_json()
+
+    async def _on_notify(self, frame: Frame) -> Any:
+        obj = frame.json()
+        if isinstance(obj, dict):
+            self._notifies.append(Notify(str(obj.get("name", "")), str(obj.get("notify_msg", ""))))
+        return {"name": "", "notify_msg": "success"}
+
+    async def _on_probe(self, frame: Frame) -> Any:
+        return {"status": "success"}
+
+    # -- memory ---------------------------------------------------------------------------
+
+    async def register(
+        self,
+        obj: Any,
+        *,
+        location: str = "cpu:0",
+        remote_accessible: bool = True,
+    ) -> Region:
+        """Register a buffer or an ``(addr, length)`` pair; returns its :class:`Region`."""
+        self._check_open()
+        if isinstance(obj, tuple):
+            if len(obj) != 2:
+                raise InvalidArgumentError("expected (addr, length)")
+            addr, length = obj
+            check_range(addr, length, "register")
+            owner: Any = None
+        else:
+            addr, length, owner = buffer_address(obj, writable=remote_accessible)
+        if location in ("*", ""):
+            location = "cpu:0"
+        region = self.registry.add(Region(addr, length, location, owner, remote_accessible))
+        try:
+            for t in self.transports:
+                await t.on_register(region)
+        except BaseException:
+            self.registry.remove(addr)
+            raise
+        await self._publish()
+        return region
+
+    async def unregister(self, obj: Any) -> None:
+        """Unregister by start address, region, buffer or the registered object itself.
+
+        Waits until in-flight transfers touching the region are done; new ones are refused
+        from the moment this is called.
+        """
+        if isinstance(obj, (Region, Buffer)):
+            addr = obj.addr
+        elif isinstance(obj, int):
+            addr = obj
+        else:
+            addr = buffer_address(obj, writable=False)[0]
+        region = self.registry.get(addr)
+        region.closing = True
+        while region.users:
+            self._released = anyio.Event()
+            await self._released.wait()
+        for t in self.transports:
+            await t.on_unregister(region)
+        self.registry.remove(addr)
+        region.owner = None
+        buf = self._buffers.pop(addr, None)
+        if buf is not None:
+            buf._mmap.close()
+        await self._publish()
+
+    def acquire_region(self, addr: int, length: int, what: str = "local") -> Region:
+        region = self.registry.require(addr, length, what)
+        region.users += 1
+        return region
+
+    def release_region(self, region: Region) -> None:
+        region.users -= 1
+        if region.users == 0 and region.closing:
+            self._released.set()
+
+    async def allocate(self, length: int, *, location: str = "cpu:0") -> Buffer:
+        """Allocate ``length`` bytes of page-aligned memory, pre-fault it and register it."""
+        self._check_open()
+        if length <= 0:
+            raise InvalidArgumentError(f"allocate: length must be positive, got {length}")
+        size = math.ceil(length / mmap.PAGESIZE) * mmap.PAGESIZE
+        mm = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        addr = int(np.frombuffer(mm, dtype=np.uint8).ctypes.data)
+        await anyio.to_thread.run_sync(_fast.prefault, addr, size)
+        region = await self.register((addr, size), location=location)
+        region.owner = mm
+        buf = Buffer(mm, region)
+        self._buffers[addr] = buf
+        return buf
+
+    # -- peers ----------------------------------------------------------------------------
+
+    async def peer(self, segment: str, *, refresh: bool = False) -> PeerInfo:
+        """The (cached) descriptor and connection state of ``segment``."""
+        self._check_open()
+        peer = self._peers.get(segment)
+        if peer is not None and not refresh:
+            return peer
+        async with self._peer_locks[segment]:
+            peer = self._peers.get(segment)
+            if peer is not None and not refresh:
+                return peer
+            rec = await self.metadata.lookup(segment, self.descriptor_json())
+            if peer is None:
+                peer = PeerInfo(segment, rec.descriptor, rec.rpc_host, rec.rpc_port)
+                self._peers[segment] = peer
+            else:
+                peer.descriptor = rec.descriptor
+                peer.rpc_host, peer.rpc_port = rec.rpc_host, rec.rpc_port
+            return peer
+
+    def forget(self, segment: str) -> None:
+        """Drop the cached descriptor and connections of ``segment``."""
+        peer = self._peers.pop(segment, None)
+        if peer is not None:
+            for t in self.transports:
+                t.forget_peer(peer)
+
+    def _pick(self, peer: PeerInfo, name: str | None) -> Transport:
+        if name:
+            for t in self.transports:
+                if t.name == name:
+                    if not t.can_reach(peer):
+                        raise NotSupportedError(f"transport {name!r} cannot reach {peer.segment}")
+                    return t
+            raise NotSupportedError(
+                f"transport {name!r} is not installed (have {[t.name for t in self.transports]})"
+            )
+        for t in self.transports:
+            if t.can_reach(peer):
+                return t
+        raise NotSupportedError(f"no installed transport reaches {peer.segment}")
+
+    # -- transfers ------------------------------------------------------------------------
+
+    def _validate(self, requests: Iterable[TransferRequest]) -> list[TransferRequest]:
+        out = []
+        for i, r in enumerate(requests):
+            if not isinstance(r, TransferRequest):
+                raise InvalidArgumentError(
+                    f"requests[{i}] is {type(r).__name__}, not TransferRequest"
+                )
+            check_range(r.local_addr, r.length, f"requests[{i}] local")
+            check_range(r.remote_addr, r.length, f"requests[{i}] remote")
+            self.registry.require(r.local_addr, r.length, f"requests[{i}] local")
+            out.append(r)
+        return out
+
+    async def transfer(
+        self,
+        segment: str,
+        requests: Sequence[TransferRequest],
+        *,
+        transport: str | None = None,
+    ) -> list[TransferResult]:
+        """Run a batch against ``segment``; one result per request, in order."""
+        self._check_open()
+        reqs = self._validate(requests)
+        if not reqs:
+            return []
+        if segment == self.segment_name:
+            return await self._local(reqs)
+        peer = await self.peer(segment)
+        uncovered = [
+            r for r in reqs if peer.descriptor.find_buffer(r.remote_addr, r.length) is None
+        ]
+        if uncovered:  # the peer may have registered more since we cached its descriptor
+            peer = await self.peer(segment, refresh=True)
+        results: list[TransferResult | None] = [None] * len(reqs)
+        send_idx = []
+        for i, r in enumerate(reqs):
+            if peer.descriptor.find_buffer(r.remote_addr, r.length) is None:
+                results[i] = failed(
+                    RemoteAccessError(
+                        f"{segment}: [{r.remote_addr:#x}, +{r.length}) is not inside one "
+                        "of its registered buffers"
+                    )
+                )
+            else:
+                send_idx.append(i)
+        if send_idx:
+            t = self._pick(peer, transport)
+            regions = [self.acquire_region(reqs[i].local_addr, reqs[i].length) for i in send_idx]
+            try:
+                out = await t.execute(peer, [reqs[i] for i in send_idx])
+            finally:
+                for region in regions:
+                    self.release_region(region)
+            for i, res in zip(send_idx, out, strict=True):
+                results[i] = res
+                if isinstance(res.error, (PeerDiedError, PeerUnreachableError)):
+                    self.forget(segment)
+        return [r if r is not None else failed(TransferError("not attempted")) for r in results]
+
+    async def _local(self, reqs: list[TransferRequest]) -> list[TransferResult]:
+        results = []
+        for r in reqs:
+            remote = self.registry.find(r.remote_addr, r.length)
+            if remote is None or not remote.remote_accessible:
+                results.append(
+                    failed(RemoteAccessError(f"[{r.remote_addr:#x}, +{r.length}) not registered"))
+                )
+                continue
+            src, dst = (
+                (r.remote_addr, r.local_addr)
+                if r.opcode is Opcode.READ
+                else (
+                    r.local_addr,
+                    r.remote_addr,
+                )
+            )
+            if r.length >= (1 << 20):
+                await anyio.to_thread.run_sync(_fast.memcpy_at, dst, src, r.length)
+            else:
+                _fast.memcpy_at(dst, src, r.length)
+            results.append(completed(r.length))
+        return results
+
+    def submit(
+        self, segment: str, requests: Sequence[TransferRequest], *, transport: str | None = None
+    ) -> TransferHandle:
+        """Start a batch in the engine's task group; the handle reports its outcome."""
+        self._check_open()
+        reqs = self._validate(requests)
+        handle = TransferHandle(len(reqs))
+
+        async def run() -> None:
+            with anyio.CancelScope() as scope:
+                handle._scope = scope
+                try:
+                    handle.results = await self.transfer(segment, reqs, transport=transport)
+                except MooncakeError as e:
+                    handle.error = e
+            handle._done.set()
+
+        self.task_group.start_soon(run)
+        return handle
+
+    async def read(
+        self, segment: str, local: Any, remote_addr: int, length: int | None = None
+    ) -> None:
+        """Read ``length`` bytes at the peer's ``remote_addr`` into ``local``; raises on failure."""
+        await self._one(segment, Opcode.READ, local, remote_addr, length)
+
+    async def write(
+        self, segment: str, local: Any, remote_addr: int, length: int | None = None
+    ) -> None:
+        """Write ``length`` bytes of ``local`` to the peer's ``remote_addr``; raises on failure."""
+        await self._one(segment, Opcode.WRITE, local, remote_addr, length)
+
+    async def _one(
+        self, segment: str, op: Opcode, local: Any, remote_addr: int, length: int | None
+    ) -> None:
+        if isinstance(local, int):
+            addr = local
+            if length is None:
+                raise InvalidArgumentError("length is required with an integer local address")
+        elif isinstance(local, Buffer):
+            addr, n = local.addr, local.length
+            length = n if length is None else length
+        else:
+            addr, n, _ = buffer_address(local, writable=op is Opcode.READ)
+            length = n if length is None else length
+        (res,) = await self.transfer(segment, [TransferRequest(op, addr, remote_addr, length)])
+        if not res.ok:
+            assert res.error is not None
+            raise res.error
+
+    # -- notifications / probe ------------------------------------------------------------
+
+    async def notify(self, segment: str, name: str, msg: str) -> None:
+        """Send a notification to ``segment`` (handshake type 2)."""
+        from mooncake._engine import handshake
+
+        peer = await self.peer(segment)
+        await handshake.request(
+            peer.rpc_host, peer.rpc_port, FrameType.NOTIFY, {"name": name, "notify_msg": msg}
+        )
+
+    def get_notifies(self) -> list[Notify]:
+        """Notifications received since the last call (at most the newest 4096 are kept)."""
+        out = list(self._notifies)
+        self._notifies.clear()
+        return out
+
+    async def probe(self, segment: str) -> bool:
+        """Whether ``segment``'s handshake port answers a probe."""
+        from mooncake._engine import handshake
+        from mooncake._engine.metadata.p2p import split_segment
+
+        try:
+            peer = self._peers.get(segment)
+            host, port = (peer.rpc_host, peer.rpc_port) if peer else split_segment(segment)
+            reply = await handshake.request(host, port, FrameType.PROBE, {})
+            obj = reply.json()
+            return isinstance(obj, dict) and obj.get("status") == "success"
+        except MooncakeError:
+            return False
+
+
+@asynccontextmanager
+async def open_engine(
+    hostname: str = "127.0.0.1",
+    metadata: str = "P2PHANDSHAKE",
+    *,
+    rpc_port: int = 0,
+    bind_host: str | None = None,
+    transports: Sequence[str] | None = None,
+    tcp_lanes: int | None = None,
+) -> AsyncIterator[Engine]:
+    """Start an engine and yield it; everything it started stops when the block exits.
+
+    ``hostname`` is the address peers use to reach this engine and, unless ``bind_host`` says
+    otherwise, the address its servers bind (loopback by default, never all interfaces
+    unasked). ``metadata`` takes Mooncake's connection strings. ``transports`` defaults to
+    every transport usable here (``MC_FORCE_TCP=1`` keeps only ``tcp``).
+    """
+    if transports is None:
+        from mooncake._engine.transports import default_transports
+
+        transports = default_transports()
+    lanes = tcp_lanes or int(os.environ.get("MC_TCP_LANES_PER_PEER", "4") or 4)
+    engine = Engine(
+        hostname,
+        metadata,
+        rpc_port=rpc_port,
+        bind_host=bind_host,
+        transports=transports,
+        tcp_lanes=lanes,
+    )
+    try:
+        async with anyio.create_task_group() as tg:
+            engine.task_group = tg
+            try:
+                await engine._start()
+                yield engine
+            finally:
+                engine._closed = True
+                with anyio.CancelScope(shield=True):
+                    await engine._unpublish()
+                tg.cancel_scope.cancel()
+    finally:
+        # every task (servers, submitted batches) has ended: release what they used
+        await engine._aclose()

@@ -1,0 +1,90 @@
+"""The transport interface: what the engine needs from TCP, shm, RDMA and CUDA alike.
+
+A transport
+
+* says which peers it can reach (``can_reach``, from the peer's descriptor),
+* contributes fields to this engine's segment descriptor (``descriptor_fields``),
+* registers memory its own way (``on_register`` / ``on_unregister``: an MR per NIC, a memfd
+  export, an IPC handle...), and
+* executes a batch of requests against one peer (``execute``), returning one result per request.
+
+Contract for ``execute``: requests are already validated (local ranges registered and pinned by
+the engine for the duration of the call, remote ranges inside the peer's descriptor). It must
+not return, even when cancelled, while the transport or the peer may still touch the local
+memory of any request: a transport with posted work it cannot recall (RDMA WRs, CUDA copies)
+shields the wait for those completions. Failures of individual requests are results, not
+exceptions; an exception means the batch as a whole could not be attempted.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from mooncake._core.descriptor import SegmentDescriptor
+from mooncake._core.memory import Region
+from mooncake._core.transfer import TransferRequest, TransferResult
+
+if TYPE_CHECKING:
+    from mooncake._engine.engine import Engine
+
+
+@dataclass(eq=False)
+class PeerInfo:
+    """What the engine knows about one remote segment (cached, refreshed on a miss)."""
+
+    segment: str
+    descriptor: SegmentDescriptor
+    rpc_host: str
+    rpc_port: int
+    # transport-private state (connections, mapped segments, endpoints), keyed by transport name
+    state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def data_host(self) -> str:
+        return self.descriptor.tcp_data_host or self.rpc_host
+
+
+class Transport(abc.ABC):
+    """Base class of every transport. One instance per engine."""
+
+    #: short name used in ``transport=`` overrides and logs
+    name: ClassVar[str]
+    #: higher wins when several transports reach a peer
+    priority: ClassVar[int] = 0
+    #: the descriptor ``protocol`` this transport answers to for published-Mooncake peers
+    wire_protocol: ClassVar[str | None] = None
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def start(self) -> None:
+        """Start servers/tasks in ``self.engine.task_group``; return once ready."""
+
+    def descriptor_fields(self) -> dict[str, Any]:
+        """Fields merged into this engine's segment descriptor."""
+        return {}
+
+    @abc.abstractmethod
+    def can_reach(self, peer: PeerInfo) -> bool:
+        """Whether this transport can move bytes to/from ``peer``."""
+
+    async def on_register(self, region: Region) -> None:
+        """Called after a region is added to the registry (before it is published)."""
+
+    async def on_unregister(self, region: Region) -> None:
+        """Called once no transfer uses ``region`` any more, before it is dropped."""
+
+    @abc.abstractmethod
+    async def execute(
+        self, peer: PeerInfo, requests: Sequence[TransferRequest]
+    ) -> list[TransferResult]:
+        """Run ``requests`` against ``peer``; one result per request, in order."""
+
+    def forget_peer(self, peer: PeerInfo) -> None:
+        """Drop cached per-peer state (connections...) without waiting."""
+
+    async def aclose(self) -> None:
+        """Release everything; called once when the engine closes."""
