@@ -460,12 +460,16 @@ class Engine:
             return []
         if segment == self.segment_name:
             return await self._local(reqs)
-        peer = await self.peer(segment)
-        uncovered = [
-            r for r in reqs if peer.descriptor.find_buffer(r.remote_addr, r.length) is None
-        ]
-        if uncovered:  # the peer may have registered more since we cached its descriptor
-            peer = await self.peer(segment, refresh=True)
+        try:
+            peer = await self.peer(segment)
+            if any(peer.descriptor.find_buffer(r.remote_addr, r.length) is None for r in reqs):
+                # the peer may have registered more since we cached its descriptor
+                peer = await self.peer(segment, refresh=True)
+        except InvalidArgumentError:
+            raise
+        except MooncakeError as e:  # unreachable, unknown or malformed: every request fails
+            self.forget(segment)
+            return [failed(e) for _ in reqs]
         results: list[TransferResult | None] = [None] * len(reqs)
         send_idx = []
         for i, r in enumerate(reqs):
