@@ -117,7 +117,9 @@ class VerbsError(MooncakeError):
         self.errno = errno
         self.what = what
         self.posted = posted
-        super().__init__(f"{what} failed: [errno {errno}] {os.strerror(errno) if errno else 'unknown'}")
+        super().__init__(
+            f"{what} failed: [errno {errno}] {os.strerror(errno) if errno else 'unknown'}"
+        )
 
 
 # -- metadata / discovery ---------------------------------------------------------------------

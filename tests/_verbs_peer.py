@@ -39,8 +39,16 @@ def main() -> None:
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
-    out({"qpn": qp.qp_num, "lid": port["lid"], "gid": gid.hex(), "addr": mr.addr,
-         "rkey": mr.rkey, "length": length})
+    out(
+        {
+            "qpn": qp.qp_num,
+            "lid": port["lid"],
+            "gid": gid.hex(),
+            "addr": mr.addr,
+            "rkey": mr.rkey,
+            "length": length,
+        }
+    )
     peer = json.loads(sys.stdin.readline())
     qp.to_init()
     qp.to_rtr(peer["qpn"], peer["lid"], bytes.fromhex(peer["gid"]), sgid_index=gid_index)

@@ -3,6 +3,7 @@ and topology discovery from a fake sysfs tree."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from pathlib import Path
@@ -49,7 +50,7 @@ def test_slices_tile_the_range_and_respect_cuts(
     assert pos == length
     pieces = sorted({c for c in cuts if 0 < c < length} | {0, length})
     # exactly Mooncake's count per piece: full slices, the tail merged when small enough
-    for lo, hi in zip(pieces, pieces[1:], strict=False):
+    for lo, hi in itertools.pairwise(pieces):
         n = hi - lo
         inside = [s for s in out if lo <= s[0] < hi]
         expect = 1 if n <= slice_size + frag else -(-(n - slice_size - frag) // slice_size) + 1
@@ -101,13 +102,19 @@ def test_connection_round_trips(qps: list[int], lid: int | None, gid: bytes | No
 def test_connection_from_older_engines_and_rejections() -> None:
     # the published engine's encoder: no lid/gid fields
     c = decode_connection(
-        {"local_nic_path": "h:1@mlx5_0", "peer_nic_path": "g:2@mlx5_1", "qp_num": [7, 8],
-         "reply_msg": ""}
+        {
+            "local_nic_path": "h:1@mlx5_0",
+            "peer_nic_path": "g:2@mlx5_1",
+            "qp_num": [7, 8],
+            "reply_msg": "",
+        }
     )
     assert c.lid is None and c.gid is None and c.qp_num == (7, 8)
-    r = decode_connection({"local_nic_path": "", "peer_nic_path": "", "qp_num": [],
-                           "reply_msg": "no such device"})
+    r = decode_connection(
+        {"local_nic_path": "", "peer_nic_path": "", "qp_num": [], "reply_msg": "no such device"}
+    )
     assert r.reply_msg == "no such device"
+    bad: object
     for bad in (
         [],
         {"local_nic_path": "h:1@d", "peer_nic_path": "g:2@e", "qp_num": []},
@@ -123,13 +130,30 @@ def test_connection_from_older_engines_and_rejections() -> None:
             decode_connection(bad)
 
 
-@given(st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
-    lambda c: st.lists(c, max_size=4) | st.dictionaries(
-        st.sampled_from(["local_nic_path", "peer_nic_path", "qp_num", "reply_msg", "local_lid",
-                         "local_gid", "x"]), c, max_size=6),
-    max_leaves=12,
-))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+        lambda c: (
+            st.lists(c, max_size=4)
+            | st.dictionaries(
+                st.sampled_from(
+                    [
+                        "local_nic_path",
+                        "peer_nic_path",
+                        "qp_num",
+                        "reply_msg",
+                        "local_lid",
+                        "local_gid",
+                        "x",
+                    ]
+                ),
+                c,
+                max_size=6,
+            )
+        ),
+        max_leaves=12,
+    )
+)
 def test_connection_decoder_parses_or_raises_protocol_error(obj: object) -> None:
     try:
         decode_connection(obj)
@@ -137,11 +161,22 @@ def test_connection_decoder_parses_or_raises_protocol_error(obj: object) -> None
         pass
 
 
-def _desc(devices: object, matrix: object = None, rkeys: object = (1, 2)) -> SegmentDescriptor:
+def _desc(
+    devices: object, matrix: object = None, rkeys: tuple[int, ...] = (1, 2)
+) -> SegmentDescriptor:
     obj = {
-        "name": "h:1", "protocol": "rdma", "devices": devices,
-        "buffers": [{"name": "cpu:0", "addr": 4096, "length": 4096, "rkey": list(rkeys),  # type: ignore[call-overload]
-                     "lkey": list(rkeys)}],  # type: ignore[call-overload]
+        "name": "h:1",
+        "protocol": "rdma",
+        "devices": devices,
+        "buffers": [
+            {
+                "name": "cpu:0",
+                "addr": 4096,
+                "length": 4096,
+                "rkey": list(rkeys),
+                "lkey": list(rkeys),
+            }
+        ],
     }
     if matrix is not None:
         obj["priority_matrix"] = matrix
@@ -149,8 +184,10 @@ def _desc(devices: object, matrix: object = None, rkeys: object = (1, 2)) -> Seg
 
 
 def test_descriptor_rdma_fields() -> None:
-    devs = [{"name": "mlx5_0", "lid": 3, "gid": format_gid(bytes(range(16)))},
-            {"name": "mlx5_1", "lid": 4, "gid": format_gid(bytes(16))}]
+    devs = [
+        {"name": "mlx5_0", "lid": 3, "gid": format_gid(bytes(range(16)))},
+        {"name": "mlx5_1", "lid": 4, "gid": format_gid(bytes(16))},
+    ]
     d = _desc(devs, {"cpu:0": [["mlx5_1"], ["mlx5_0"]]})
     seg = decode_rdma_segment(d)
     assert seg is not None
@@ -163,7 +200,7 @@ def test_descriptor_rdma_fields() -> None:
         _desc([]),
         _desc([{"lid": 1}]),
         _desc([{"name": "a", "lid": 70000}]),
-        _desc(devs + [devs[0]]),
+        _desc([*devs, devs[0]]),
         _desc(devs, {"cpu:0": [["nope"], []]}),
         _desc(devs, {"cpu:0": "x"}),
     ):
@@ -242,7 +279,9 @@ def test_topology_from_sysfs(tmp_path: Path) -> None:
     assert m.entries["cuda:0"][0] == (0,) and m.entries["cuda:1"][0] == (1,)
     assert m.entries["*"] == ((0, 1, 2), ())
     assert json.loads(json.dumps(m.to_json(["mlx5_0", "mlx5_1", "soft9"])))["cpu:1"] == [
-        ["mlx5_1", "soft9"], ["mlx5_0"]]
+        ["mlx5_1", "soft9"],
+        ["mlx5_0"],
+    ]
 
 
 def test_custom_topology_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -55,7 +55,10 @@ class RdmaPeer:
     def __init__(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.helpers.rdma_peer", str(PEER_SIZE)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=clean_env(**env),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=clean_env(**env),
             cwd=str(ROOT),
         )
         info = self._read()
@@ -121,7 +124,9 @@ def _t(engine: mooncake.Engine) -> Any:
 
 
 @pytest.mark.parametrize("size", [1, 4095, 65536 + 16384, 65536 + 16385, (3 << 20) + 5])
-async def test_write_then_read_verified(engine: mooncake.Engine, rpeer: RdmaPeer, size: int) -> None:
+async def test_write_then_read_verified(
+    engine: mooncake.Engine, rpeer: RdmaPeer, size: int
+) -> None:
     buf = await engine.allocate(PEER_SIZE)
     arr = buf.numpy()
     arr[:size] = pattern(size, size)
@@ -193,7 +198,9 @@ async def test_peer_death_fails_the_transfer_without_hanging(
     assert not t._inflight
 
 
-async def test_failed_slices_retry_on_the_other_nic(engine: mooncake.Engine, rpeer: RdmaPeer) -> None:
+async def test_failed_slices_retry_on_the_other_nic(
+    engine: mooncake.Engine, rpeer: RdmaPeer
+) -> None:
     buf = await engine.allocate(2 << 20)
     buf.numpy()[:] = pattern(9, 2 << 20)
     verbs.soft_inject_fault("soft0", verbs.WC_RETRY_EXC_ERR, 3)
@@ -219,9 +226,7 @@ async def test_nic_down_pauses_its_rails_and_traffic_moves(
             await engine.write(rpeer.segment, buf.addr, rpeer.addr, 4 << 20)
         t = _t(engine)
         paused = t.rails.paused_rails(anyio.current_time())
-        assert paused and all(
-            li == 0 or path.endswith("@soft0") for li, path in paused
-        ), paused
+        assert paused and all(li == 0 or path.endswith("@soft0") for li, path in paused), paused
         before = verbs.soft_wr_count("soft0")
         await engine.write(rpeer.segment, buf.addr, rpeer.addr, 4 << 20)
         # paused rails are skipped: nothing more is even tried through soft0's rails

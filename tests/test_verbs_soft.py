@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -59,11 +60,18 @@ class Peer:
     """The passive side in a child process."""
 
     def __init__(self, fabric: Path, length: int = 1 << 20, device: str = "soft0") -> None:
-        env = dict(os.environ, PYTHONPATH=str(ROOT), MC_SOFTVERBS_FABRIC=str(fabric),
-                   MC_VERBS_TEST_DEVICE=device)
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(ROOT),
+            MC_SOFTVERBS_FABRIC=str(fabric),
+            MC_VERBS_TEST_DEVICE=device,
+        )
         self.proc = subprocess.Popen(
-            [sys.executable, str(PEER), str(length)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, env=env, text=True,
+            [sys.executable, str(PEER), str(length)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
         )
         self.info = self.recv()
 
@@ -114,8 +122,11 @@ class Side:
         self.wc = v.WcBatch(32)
 
     def endpoint(self) -> dict[str, Any]:
-        return {"qpn": self.qp.qp_num, "lid": self.ctx.query_port()["lid"],
-                "gid": self.ctx.query_gid().hex()}
+        return {
+            "qpn": self.qp.qp_num,
+            "lid": self.ctx.query_port()["lid"],
+            "gid": self.ctx.query_gid().hex(),
+        }
 
     def connect(self, peer: dict[str, Any]) -> None:
         self.qp.to_init()
@@ -136,11 +147,25 @@ class Side:
             got += [(self.wc.cookies[i], self.wc.status[i], self.wc.byte_len[i]) for i in range(n)]
         return got
 
-    def post(self, op: int, offs: list[int], lens: list[int], raddrs: list[int], rkey: int,
-             cookies: list[int] | None = None) -> int:
+    def post(
+        self,
+        op: int,
+        offs: list[int],
+        lens: list[int],
+        raddrs: list[int],
+        rkey: int,
+        cookies: list[int] | None = None,
+    ) -> int:
         n = len(offs)
-        return self.qp.post(op, [self.mr] * n, [self.mr.addr + o for o in offs], lens, raddrs,
-                            [rkey] * n, cookies if cookies is not None else list(range(n)))
+        return self.qp.post(  # type: ignore[no-any-return]
+            op,
+            [self.mr] * n,
+            [self.mr.addr + o for o in offs],
+            lens,
+            raddrs,
+            [rkey] * n,
+            cookies if cookies is not None else list(range(n)),
+        )
 
     def close(self) -> None:
         self.ctx.close()
@@ -185,8 +210,17 @@ def test_two_processes_write_then_read_byte_for_byte(pair: tuple[Side, Peer]) ->
     offs = [i << 16 for i in range(16)]
     remote = offs[:]
     rng.shuffle(remote)
-    assert side.post(v.OP_WRITE, offs, [1 << 16] * 16, [base + r for r in remote], rkey,
-                     cookies=[1000 + i for i in range(16)]) == 16
+    assert (
+        side.post(
+            v.OP_WRITE,
+            offs,
+            [1 << 16] * 16,
+            [base + r for r in remote],
+            rkey,
+            cookies=[1000 + i for i in range(16)],
+        )
+        == 16
+    )
     done = side.reap(16)
     assert sorted(c for c, _, _ in done) == [1000 + i for i in range(16)]
     assert {s for _, s, _ in done} == {v.WC_SUCCESS}
@@ -198,9 +232,10 @@ def test_two_processes_write_then_read_byte_for_byte(pair: tuple[Side, Peer]) ->
     expect = random.Random(99).randbytes(len(side.buf))
     side.buf[:] = bytes(len(side.buf))
     cuts = [0, 1, 4096, 4096 + 65539, 300_000, 700_000, 1 << 20]
-    spans = [(a, b - a) for a, b in zip(cuts, cuts[1:], strict=False)]
-    assert side.post(v.OP_READ, [o for o, _ in spans], [n for _, n in spans],
-                     [base + o for o, _ in spans], rkey) == len(spans)
+    spans = [(a, b - a) for a, b in itertools.pairwise(cuts)]
+    assert side.post(
+        v.OP_READ, [o for o, _ in spans], [n for _, n in spans], [base + o for o, _ in spans], rkey
+    ) == len(spans)
     done = side.reap(len(spans))
     assert [s for _, s, _ in done] == [v.WC_SUCCESS] * len(spans)
     assert sorted(b for _, _, b in done) == sorted(n for _, n in spans)
@@ -235,8 +270,11 @@ def test_peer_death_gives_retry_exceeded_then_flush(pair: tuple[Side, Peer]) -> 
     assert side.reap(1) == [(1, v.WC_SUCCESS, 4096)]
     peer.kill()
     side.post(v.OP_WRITE, [0, 4096, 8192], [4096] * 3, [base] * 3, rkey, cookies=[2, 3, 4])
-    assert side.reap(3) == [(2, v.WC_RETRY_EXC_ERR, 0), (3, v.WC_WR_FLUSH_ERR, 0),
-                            (4, v.WC_WR_FLUSH_ERR, 0)]
+    assert side.reap(3) == [
+        (2, v.WC_RETRY_EXC_ERR, 0),
+        (3, v.WC_WR_FLUSH_ERR, 0),
+        (4, v.WC_WR_FLUSH_ERR, 0),
+    ]
 
 
 def _pair(dev: str) -> tuple[Side, Side]:
@@ -301,7 +339,9 @@ def test_post_errors_release_their_slots(soft_fabric: Path) -> None:
         s.close()
 
 
-def test_loopback_qp_and_roce_addressing(soft_fabric: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_loopback_qp_and_roce_addressing(
+    soft_fabric: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("MC_SOFTVERBS_LINK_LAYER", "ethernet")
     s = Side("soft0")
     try:

@@ -125,7 +125,9 @@ def decode_connection(obj: Any) -> ConnectionInfo:
         if isinstance(q, bool) or not isinstance(q, int) or not 0 < q < (1 << 24):
             raise ProtocolError(f"connection handshake: QP number {q!r} outside (0, 2^24)")
     lid = obj.get("local_lid")
-    if lid is not None and (isinstance(lid, bool) or not isinstance(lid, int) or not 0 <= lid < 65536):
+    if lid is not None and (
+        isinstance(lid, bool) or not isinstance(lid, int) or not 0 <= lid < 65536
+    ):
         raise ProtocolError(f"connection handshake: local_lid {lid!r} outside [0, 65535]")
     gid_text = obj.get("local_gid")
     gid = parse_gid(gid_text, "connection handshake local_gid") if gid_text else None

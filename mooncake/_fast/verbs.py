@@ -23,7 +23,7 @@ AVAILABLE: bool
 UNAVAILABLE_REASON: str = ""
 
 try:
-    from mooncake._fast._verbs_cq import WC_STATUS_NAMES, CompChannel, CQ, WcBatch
+    from mooncake._fast._verbs_cq import CQ, WC_STATUS_NAMES, CompChannel, WcBatch
     from mooncake._fast._verbs_device import Context, get_device_list
     from mooncake._fast._verbs_lib import (
         DEFAULT_LIBRARY,
@@ -80,6 +80,45 @@ def wc_status_name(status: int) -> str:
     """``IBV_WC_<NAME>`` of a completion status."""
     names: dict[int, str] = WC_STATUS_NAMES if AVAILABLE else {}
     return "IBV_WC_" + names.get(status, f"STATUS_{status}")
+
+
+__all__ = [
+    "ACCESS_DEFAULT",
+    "ACCESS_LOCAL_WRITE",
+    "ACCESS_REMOTE_READ",
+    "ACCESS_REMOTE_WRITE",
+    "AVAILABLE",
+    "CQ",
+    "DEFAULT_LIBRARY",
+    "MR",
+    "MTU_BYTES",
+    "OP_READ",
+    "OP_WRITE",
+    "PD",
+    "QP",
+    "QPS_ERR",
+    "QPS_INIT",
+    "QPS_RESET",
+    "QPS_RTR",
+    "QPS_RTS",
+    "UNAVAILABLE_REASON",
+    "WC_STATUS_NAMES",
+    "CompChannel",
+    "Context",
+    "WcBatch",
+    "configured_path",
+    "get_device_list",
+    "is_soft_provider",
+    "live_objects",
+    "load",
+    "loaded_path",
+    "provider_live_objects",
+    "soft_inject_fault",
+    "soft_provider_path",
+    "soft_set_port_state",
+    "soft_wr_count",
+    "wc_status_name",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -57,8 +57,12 @@ async def serve(size: int) -> None:
             else:
                 out = {"ok": False, "error": f"unknown op {op!r}"}
             print(json.dumps(out), flush=True)
-    print(json.dumps({"ok": True, "live": verbs.live_objects(),
-                      "provider": verbs.provider_live_objects()}), flush=True)
+    print(
+        json.dumps(
+            {"ok": True, "live": verbs.live_objects(), "provider": verbs.provider_live_objects()}
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -355,7 +355,9 @@ class RdmaTransport(Transport):
     def descriptor_fields(self) -> dict[str, Any]:
         names = [n.name for n in self.nics]
         return {
-            "devices": [{"name": n.name, "lid": n.lid, "gid": format_gid(n.gid)} for n in self.nics],
+            "devices": [
+                {"name": n.name, "lid": n.lid, "gid": format_gid(n.gid)} for n in self.nics
+            ],
             "priority_matrix": self.matrix.to_json(names),
         }
 
@@ -536,8 +538,9 @@ class RdmaTransport(Transport):
             raise
         return qps
 
-    def _connect_qps(self, nic: _Nic, qps: list[Any], remote: ConnectionInfo, lid: int,
-                     gid: bytes) -> None:
+    def _connect_qps(
+        self, nic: _Nic, qps: list[Any], remote: ConnectionInfo, lid: int, gid: bytes
+    ) -> None:
         for q, rq in zip(qps, remote.qp_num, strict=True):
             q.to_rtr(
                 rq,
@@ -802,9 +805,9 @@ class RdmaTransport(Transport):
     async def _dispatch(self, peer: PeerInfo, batch: _Batch) -> None:
         seg = self._segment(peer)
         if seg is None:
-            err = NotSupportedError(f"{peer.segment} publishes no RDMA devices")
+            unsupported = NotSupportedError(f"{peer.segment} publishes no RDMA devices")
             for s in batch.pending:
-                batch.finish_slice(s, err)
+                batch.finish_slice(s, unsupported)
             batch.pending.clear()
             return
         now = anyio.current_time()
@@ -846,7 +849,9 @@ class RdmaTransport(Transport):
                 rail = (li, nic_path(peer.segment, seg.devices[pi].name))
                 self.rails.record_error(rail, anyio.current_time())
                 self.stats["connect_errors"] += 1
-                err = e if isinstance(e, TransferError) else PeerUnreachableError(str(e))
+                err: MooncakeError = (
+                    e if isinstance(e, TransferError) else PeerUnreachableError(str(e))
+                )
                 for s, _ in items:
                     self._retry(s, err)
                 continue

@@ -31,7 +31,7 @@ class NicInfo:
 def _read_int(path: str, default: int) -> int:
     try:
         with open(path) as f:
-            return int(f.read().strip() or default, 0)
+            return int(f.read().strip() or str(default), 0)
     except (OSError, ValueError):
         return default
 
