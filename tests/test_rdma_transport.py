@@ -290,3 +290,38 @@ async def test_descriptor_carries_mooncake_rdma_fields(engine: mooncake.Engine) 
     (b,) = d["buffers"]
     assert b["addr"] == buf.addr and len(b["rkey"]) == len(b["lkey"]) == len(DEVICES)
     assert set(d["priority_matrix"]) >= {"cpu:0", "*"}
+
+
+@soft_only
+async def test_cancel_during_a_stalled_transfer_flushes_and_returns(
+    engine: mooncake.Engine, rpeer: RdmaPeer
+) -> None:
+    buf = await engine.allocate(1 << 20)
+    await engine.write(rpeer.segment, buf.addr, rpeer.addr, 4096)  # endpoints up
+    t = _t(engine)
+    for d in DEVICES:
+        verbs.soft_set_stall(d, True)
+    try:
+        async with anyio.create_task_group() as tg:
+
+            async def run() -> None:
+                await engine.transfer(rpeer.segment, [R.write(buf.addr, rpeer.addr, 1 << 20)])
+
+            tg.start_soon(run)
+            while not t._inflight:  # wait until WRs are posted (and swallowed)
+                await anyio.sleep(0)
+            (region,) = engine.registry.regions()
+            assert sum(mr.inflight for mr in region.meta["rdma_mrs"]) == len(t._inflight)
+            tg.cancel_scope.cancel()
+        # returned only after every posted WR was flushed and reaped
+        assert not t._inflight
+        assert all(mr.inflight == 0 for mr in region.meta["rdma_mrs"])
+        assert t.stats["wc_IBV_WC_WR_FLUSH_ERR"] >= 1
+    finally:
+        for d in DEVICES:
+            verbs.soft_set_stall(d, False)
+    buf.numpy()[:] = pattern(3, 1 << 20)
+    await engine.write(rpeer.segment, buf.addr, rpeer.addr, 1 << 20)  # fresh endpoints work
+    assert (await rpeer.cmd(op="digest", offset=0, length=1 << 20))["digest"] == digest(
+        pattern(3, 1 << 20)
+    )

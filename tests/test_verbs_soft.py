@@ -436,3 +436,22 @@ def test_unclosed_objects_warn_when_collected(soft_fabric: Path) -> None:
     with pytest.warns(ResourceWarning, match="unclosed verbs Context"):
         del ctx
         gc.collect()
+
+
+@soft_only
+def test_stalled_wrs_stay_in_flight_until_the_qp_errors(soft_fabric: Path) -> None:
+    a, b = _pair("soft1")
+    try:
+        v.soft_set_stall("soft1", True)
+        a.post(v.OP_WRITE, [0, 8], [8, 8], [b.mr.addr] * 2, b.mr.rkey, cookies=[1, 2])
+        assert a.cq.poll(a.wc) == 0
+        assert a.mr.inflight == 2 and a.qp.slots_free == 64 - 2
+        with pytest.raises(RegionBusyError):
+            a.mr.close()  # the NIC may still read it: the buffer stays pinned
+        a.qp.to_error()
+        assert a.reap(2) == [(1, v.WC_WR_FLUSH_ERR, 0), (2, v.WC_WR_FLUSH_ERR, 0)]
+        assert a.mr.inflight == 0 and a.qp.slots_free == 64
+    finally:
+        v.soft_set_stall("soft1", False)
+        a.close()
+        b.close()

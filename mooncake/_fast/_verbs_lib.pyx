@@ -31,10 +31,12 @@ ctypedef int (*mcsv_live_objects_t)(int *out, int n) noexcept nogil
 ctypedef int (*mcsv_inject_fault_t)(const char *dev, int status, int count) noexcept nogil
 ctypedef int (*mcsv_set_port_state_t)(const char *dev, int state) noexcept nogil
 ctypedef long long (*mcsv_wr_count_t)(const char *dev) noexcept nogil
+ctypedef int (*mcsv_set_stall_t)(const char *dev, int on) noexcept nogil
 cdef mcsv_live_objects_t _mcsv_live_objects = NULL
 cdef mcsv_inject_fault_t _mcsv_inject_fault = NULL
 cdef mcsv_set_port_state_t _mcsv_set_port_state = NULL
 cdef mcsv_wr_count_t _mcsv_wr_count = NULL
+cdef mcsv_set_stall_t _mcsv_set_stall = NULL
 
 
 def soft_provider_path():
@@ -74,6 +76,7 @@ def load(path=None):
     """
     global _handle, _loaded_path
     global _mcsv_live_objects, _mcsv_inject_fault, _mcsv_set_port_state, _mcsv_wr_count
+    global _mcsv_set_stall
     want = configured_path() if path is None else ("" + path)
     if want == "soft":
         want = SOFT_PROVIDER
@@ -121,6 +124,7 @@ def load(path=None):
     _mcsv_inject_fault = <mcsv_inject_fault_t>dlsym(h, b"mcsv_inject_fault")
     _mcsv_set_port_state = <mcsv_set_port_state_t>dlsym(h, b"mcsv_set_port_state")
     _mcsv_wr_count = <mcsv_wr_count_t>dlsym(h, b"mcsv_wr_count")
+    _mcsv_set_stall = <mcsv_set_stall_t>dlsym(h, b"mcsv_set_stall")
     _handle = h
     return _loaded_path
 
@@ -248,3 +252,13 @@ cdef class Resource:
 
     def close(self):
         raise NotImplementedError
+
+
+def soft_set_stall(str device, bint on):
+    """Soft provider: WRs through ``device`` are accepted but never complete (until their QP
+    goes to ERR and flushes them), or resume normal service."""
+    _require_soft()
+    cdef bytes b = device.encode()
+    rc = _mcsv_set_stall(b, 1 if on else 0)
+    if rc < 0:
+        raise VerbsError(-rc, "mcsv_set_stall")

@@ -36,6 +36,7 @@ try:
         soft_inject_fault,
         soft_provider_path,
         soft_set_port_state,
+        soft_set_stall,
         soft_wr_count,
     )
     from mooncake._fast._verbs_mr import (
@@ -116,6 +117,7 @@ __all__ = [
     "soft_inject_fault",
     "soft_provider_path",
     "soft_set_port_state",
+    "soft_set_stall",
     "soft_wr_count",
     "wc_status_name",
 ]

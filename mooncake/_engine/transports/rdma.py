@@ -749,9 +749,14 @@ class RdmaTransport(Transport):
                 log.error("rdma: %d WRs never completed; destroying their QPs", batch.outstanding)
                 for ep in batch.endpoints:
                     ep.close()
-                for cookie, s in list(self._inflight.items()):
-                    if s.batch is batch:
+                    self._draining.discard(ep)
+                # destroying a QP drops its completions: settle those WRs here, for this batch
+                # and any other one that shared the endpoints (they retry elsewhere)
+                for cookie, sl in list(self._inflight.items()):
+                    if sl.endpoint is not None and sl.endpoint.closed:
                         del self._inflight[cookie]
+                        self._complete(sl, verbs.WC_WR_FLUSH_ERR)
+                batch.pending.clear()
 
     async def _refresh(self, peer: PeerInfo, batch: _Batch) -> PeerInfo:
         """Re-read the peer's descriptor after a remote access error and re-aim the slices."""

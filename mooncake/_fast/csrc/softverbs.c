@@ -51,7 +51,7 @@
 #define EXPORT __attribute__((visibility("default")))
 
 #define SV_MAGIC 0x5653434dU /* "MCSV" */
-#define SV_VERSION 2U
+#define SV_VERSION 3U
 #define SV_MAX_DEV 16
 #define SV_MAX_QP 4096
 #define SV_MAX_MR 16384
@@ -70,6 +70,8 @@ struct sv_dev_shared {
     int32_t port_state;   /* MCV_PORT_ACTIVE or MCV_PORT_DOWN */
     int32_t fault_status; /* completion status for injected faults */
     int32_t fault_count;  /* how many more WRs through this device fail */
+    int32_t stalled;      /* WRs through this device are accepted but never complete */
+    int32_t pad;
     uint64_t wr_count;    /* WRs executed through this device (either end) */
 };
 
@@ -311,6 +313,9 @@ struct sv_qp {
     int dest_dev;
     uint32_t access;
     uint64_t pd_id;
+    uint64_t *stall_ids; /* WRs swallowed by a stalled device: flushed on ERR, dropped on RESET */
+    int *stall_ops;
+    uint32_t nstall;
 };
 
 /* ---- device list / context -------------------------------------------------------------- */
@@ -795,7 +800,16 @@ EXPORT struct mcv_qp *ibv_create_qp(struct mcv_pd *ibpd, struct mcv_qp_init_attr
         return NULL;
     }
     struct sv_qp *qp = calloc(1, sizeof *qp);
-    if (!qp) {
+    if (qp) {
+        qp->stall_ids = calloc(attr->cap.max_send_wr, sizeof *qp->stall_ids);
+        qp->stall_ops = calloc(attr->cap.max_send_wr, sizeof *qp->stall_ops);
+    }
+    if (!qp || !qp->stall_ids || !qp->stall_ops) {
+        if (qp) {
+            free(qp->stall_ids);
+            free(qp->stall_ops);
+        }
+        free(qp);
         errno = ENOMEM;
         return NULL;
     }
@@ -811,6 +825,8 @@ EXPORT struct mcv_qp *ibv_create_qp(struct mcv_pd *ibpd, struct mcv_qp_init_attr
     }
     if (slot < 0) {
         fab_unlock();
+        free(qp->stall_ids);
+        free(qp->stall_ops);
         free(qp);
         errno = ENOMEM;
         return NULL;
@@ -851,9 +867,23 @@ EXPORT struct mcv_qp *ibv_create_qp(struct mcv_pd *ibpd, struct mcv_qp_init_attr
     return &qp->ibv;
 }
 
+static void cq_push(struct sv_cq *cq, struct sv_qp *qp, uint64_t wr_id, int status, int opcode,
+                    uint32_t byte_len, uint32_t retire);
+
 static void qp_set_state(struct sv_qp *qp, int state) {
     qp->ibv.state = state;
     g_fab->qps[qp->slot].state = state;
+    if (state == MCV_QPS_ERR) {
+        /* swallowed WRs come back flushed, as everything outstanding does on a real RNIC */
+        for (uint32_t i = 0; i < qp->nstall; i++)
+            cq_push((struct sv_cq *)qp->ibv.send_cq, qp, qp->stall_ids[i], MCV_WC_WR_FLUSH_ERR,
+                    qp->stall_ops[i], 0, 1);
+        qp->nstall = 0;
+    } else if (state == MCV_QPS_RESET) {
+        __atomic_sub_fetch(&qp->outstanding, qp->nstall + qp->pending_retire, __ATOMIC_SEQ_CST);
+        qp->nstall = 0;
+        qp->pending_retire = 0;
+    }
 }
 
 /* Resolve the device an address vector points at; fabric lock held. */
@@ -991,6 +1021,8 @@ EXPORT int ibv_destroy_qp(struct mcv_qp *ibqp) {
     pthread_mutex_destroy(&qp->lock);
     pthread_mutex_destroy(&qp->ibv.mutex);
     pthread_cond_destroy(&qp->ibv.cond);
+    free(qp->stall_ids);
+    free(qp->stall_ops);
     free(qp);
     atomic_fetch_sub(&g_live[LIVE_QP], 1);
     return 0;
@@ -1159,6 +1191,14 @@ static int sv_post_send(struct mcv_qp *ibqp, struct mcv_send_wr *wr, struct mcv_
             qp->pending_retire = 0;
             continue;
         }
+        if (g_fab->devs[qp->dev].stalled ||
+            (qp->dest_dev >= 0 && g_fab->devs[qp->dest_dev].stalled)) {
+            qp->pending_retire--; /* retired by its own flush completion */
+            qp->stall_ids[qp->nstall] = wr->wr_id;
+            qp->stall_ops[qp->nstall] = opc;
+            qp->nstall++;
+            continue;
+        }
         uint32_t byte_len = 0;
         int st = execute(qp, wr, &byte_len);
         if (st != MCV_WC_SUCCESS) {
@@ -1232,6 +1272,25 @@ EXPORT int mcsv_set_port_state(const char *dev, int state) {
     int slot = dev_slot(dev);
     if (slot >= 0)
         g_fab->devs[slot].port_state = state;
+    fab_unlock();
+    pthread_mutex_lock(&g_lock);
+    fabric_put();
+    pthread_mutex_unlock(&g_lock);
+    return slot < 0 ? -ENOSPC : 0;
+}
+
+/* Stall ``dev``: WRs through it are accepted and never complete until their QP goes to ERR
+ * (a hung link or device); 0 resumes. */
+EXPORT int mcsv_set_stall(const char *dev, int on) {
+    pthread_mutex_lock(&g_lock);
+    int err = fabric_get();
+    pthread_mutex_unlock(&g_lock);
+    if (err)
+        return -err;
+    fab_lock();
+    int slot = dev_slot(dev);
+    if (slot >= 0)
+        g_fab->devs[slot].stalled = on;
     fab_unlock();
     pthread_mutex_lock(&g_lock);
     fabric_put();
