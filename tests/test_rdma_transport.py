@@ -294,11 +294,19 @@ async def test_descriptor_carries_mooncake_rdma_fields(engine: mooncake.Engine) 
 
 @soft_only
 async def test_cancel_during_a_stalled_transfer_flushes_and_returns(
-    engine: mooncake.Engine, rpeer: RdmaPeer
+    engine: mooncake.Engine, rpeer: RdmaPeer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     buf = await engine.allocate(1 << 20)
     await engine.write(rpeer.segment, buf.addr, rpeer.addr, 4096)  # endpoints up
     t = _t(engine)
+    posted = anyio.Event()
+    real_post = t._post
+
+    def spy(*args: Any) -> None:
+        real_post(*args)
+        posted.set()
+
+    monkeypatch.setattr(t, "_post", spy)
     for d in DEVICES:
         verbs.soft_set_stall(d, True)
     try:
@@ -308,8 +316,8 @@ async def test_cancel_during_a_stalled_transfer_flushes_and_returns(
                 await engine.transfer(rpeer.segment, [R.write(buf.addr, rpeer.addr, 1 << 20)])
 
             tg.start_soon(run)
-            while not t._inflight:  # wait until WRs are posted (and swallowed)
-                await anyio.sleep(0)
+            await posted.wait()  # WRs are posted (and swallowed by the stalled NICs)
+            assert t._inflight
             (region,) = engine.registry.regions()
             assert sum(mr.inflight for mr in region.meta["rdma_mrs"]) == len(t._inflight)
             tg.cancel_scope.cancel()
