@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.lowlevel
 
+from mooncake._core.descriptor import BufferDesc
 from mooncake._core.handshake import Frame, FrameType
 from mooncake._core.memory import Region
 from mooncake._core.rdma import (
@@ -241,6 +242,7 @@ class _Slice:
     __slots__ = (
         "access_retry",
         "batch",
+        "buf",
         "buf_location",
         "endpoint",
         "length",
@@ -261,10 +263,12 @@ class _Slice:
         local: int,
         remote: int,
         length: int,
-        loc: str,
+        buf: BufferDesc,
         region: Region,
     ) -> None:
         self.batch = batch
+        self.buf = buf
+        self.buf_location = buf.name
         self.mrs: list[Any] = region.meta["rdma_mrs"]
         self.location = region.location
         self.req = req
@@ -272,7 +276,6 @@ class _Slice:
         self.local_addr = local
         self.remote_addr = remote
         self.length = length
-        self.buf_location = loc
         self.retry = 0
         self.access_retry = 0
         self.endpoint: _Endpoint | None = None
@@ -686,9 +689,7 @@ class RdmaTransport(Transport):
             op = verbs.OP_READ if r.opcode is Opcode.READ else verbs.OP_WRITE
             for off, n in split_lengths(r.length, self.cfg.slice_size, frag):
                 out.append(
-                    _Slice(
-                        batch, i, op, r.local_addr + off, r.remote_addr + off, n, buf.name, region
-                    )
+                    _Slice(batch, i, op, r.local_addr + off, r.remote_addr + off, n, buf, region)
                 )
                 batch.remaining[i] += 1
         return out
@@ -779,33 +780,78 @@ class RdmaTransport(Transport):
                     ),
                 )
             else:
+                s.buf = buf
                 s.buf_location = buf.name
                 keep.append(s)
         batch.pending = keep
         return peer
 
-    def _choose(
-        self, s: _Slice, peer: PeerInfo, seg: RdmaSegment, location: str, now: float
-    ) -> tuple[_Nic, int] | None:
-        """Local NIC and peer device index for ``s`` (None: every rail is down or paused)."""
+    def _rail_options(
+        self,
+        location: str,
+        buf_location: str,
+        retry: int,
+        peer: PeerInfo,
+        seg: RdmaSegment,
+        now: float,
+    ) -> list[tuple[int, list[int]]]:
+        """For one (memory location, target location, retry): the usable local NICs in the
+        order ``selectDevice`` tries them, each with its candidate peer devices (on a first try
+        the usable preferred ones, one is drawn per slice; on retries the one rotation picks)."""
         active = [n.index for n in self.nics if n.active]
+        out: list[tuple[int, list[int]]] = []
         tried: set[int] = set()
+        pref, avail = seg.matrix.candidates(buf_location)
         while len(tried) < len(active):
             li = self.matrix.select(
-                location, s.retry, self._rng, [a for a in active if a not in tried]
+                location, retry, self._rng, [a for a in active if a not in tried]
             )
             if li is None:
-                return None
+                break
             tried.add(li)
-            usable = [
+            ok = {
                 d
                 for d, dev in enumerate(seg.devices)
                 if not self.rails.paused((li, nic_path(peer.segment, dev.name)), now)
-            ]
-            pi = seg.matrix.select(s.buf_location, s.retry, self._rng, usable)
-            if pi is not None:
-                return self.nics[li], pi
-        return None
+            }
+            if retry == 0:
+                choices = [d for d in pref if d in ok] or [d for d in avail if d in ok]
+            else:
+                pi = seg.matrix.select(buf_location, retry, self._rng, ok)
+                choices = [] if pi is None else [pi]
+            if choices:
+                out.append((li, choices))
+        if retry == 0:  # first tries spray over the preferred local NICs only, if any is usable
+            pref_local = self.matrix.candidates(location)[0]
+            out = [o for o in out if o[0] in pref_local] or out
+        return out
+
+    def _choose(
+        self,
+        s: _Slice,
+        peer: PeerInfo,
+        seg: RdmaSegment,
+        now: float,
+        memo: dict[tuple[str, str, int], list[tuple[int, list[int]]]],
+    ) -> tuple[int, int] | None:
+        """Local NIC index and peer device index for ``s`` (None: every rail down or paused).
+
+        First tries spray at random over the preferred local NICs and their usable preferred
+        peer NICs (``selectDevice`` with retry 0); retries rotate deterministically."""
+        key = (s.location, s.buf_location, s.retry)
+        opts = memo.get(key)
+        if opts is None:
+            opts = memo[key] = self._rail_options(
+                s.location, s.buf_location, s.retry, peer, seg, now
+            )
+        if not opts:
+            return None
+        if s.retry == 0:
+            rnd = self._rng.random
+            li, choices = opts[int(rnd() * len(opts))]
+            return li, choices[int(rnd() * len(choices))]
+        li, choices = opts[0]
+        return li, choices[0]
 
     async def _dispatch(self, peer: PeerInfo, batch: _Batch) -> None:
         seg = self._segment(peer)
@@ -817,21 +863,15 @@ class RdmaTransport(Transport):
             return
         now = anyio.current_time()
         groups: dict[tuple[int, int, int], list[tuple[_Slice, int]]] = {}
+        memo: dict[tuple[str, str, int], list[tuple[int, list[int]]]] = {}
+        rkeys: dict[tuple[int, int], int] = {}
         while batch.pending:
             s = batch.pending.popleft()
             if batch.errors[s.req] is not None:
                 batch.remaining[s.req] -= 1  # its request already failed: drop the rest
                 continue
-            buf = peer.descriptor.find_buffer(s.remote_addr, s.length)
-            if buf is None:
-                batch.finish_slice(
-                    s,
-                    RemoteAccessError(
-                        f"{peer.segment}: [{s.remote_addr:#x}, +{s.length}) is not registered"
-                    ),
-                )
-                continue
-            pick = self._choose(s, peer, seg, s.location, now)
+            buf = s.buf
+            pick = self._choose(s, peer, seg, now, memo)
             if pick is None:
                 batch.finish_slice(
                     s,
@@ -840,12 +880,16 @@ class RdmaTransport(Transport):
                     ),
                 )
                 continue
-            try:
-                rkey = seg.rkey(buf, pick[1], f"{peer.segment} buffer")
-            except ProtocolError as e:
-                batch.finish_slice(s, e)
-                continue
-            groups.setdefault((pick[0].index, pick[1], s.opcode), []).append((s, rkey))
+            rk = rkeys.get((id(buf), pick[1]))
+            if rk is None:
+                try:
+                    rk = rkeys[(id(buf), pick[1])] = seg.rkey(
+                        buf, pick[1], f"{peer.segment} buffer"
+                    )
+                except ProtocolError as e:
+                    batch.finish_slice(s, e)
+                    continue
+            groups.setdefault((pick[0], pick[1], s.opcode), []).append((s, rk))
         for (li, pi, op), items in groups.items():
             nic = self.nics[li]
             try:
