@@ -39,7 +39,8 @@ soft_provider = Extension(
     [f"{CSRC}/softverbs.c"],
     include_dirs=[CSRC],
     extra_compile_args=["-O2", "-fvisibility=hidden", "-Wall"],
-    extra_link_args=["-lpthread"],
+    extra_link_args=["-lpthread", f"-Wl,--version-script={CSRC}/softverbs.map"],
+    depends=[f"{CSRC}/softverbs.map", f"{CSRC}/mc_verbs_abi.h"],
 )
 
 

@@ -265,6 +265,7 @@ struct sv_context {
     struct mcv_context ibv;
     struct mcv_device *dev_copy;
     int slot;
+    int async_wfd;
 };
 
 struct sv_pd {
@@ -421,8 +422,21 @@ EXPORT struct mcv_context *ibv_open_device(struct mcv_device *device) {
     c->ibv.ops.req_notify_cq = sv_req_notify_cq;
     c->ibv.ops.post_send = sv_post_send;
     c->ibv.ops.post_recv = sv_post_recv;
+    /* an fd that pollers may watch; the provider never raises async events on it */
+    int afd[2];
+    if (pipe2(afd, O_CLOEXEC | O_NONBLOCK) != 0) {
+        int e = errno;
+        pthread_mutex_lock(&g_lock);
+        fabric_put();
+        pthread_mutex_unlock(&g_lock);
+        free(c->dev_copy);
+        free(c);
+        errno = e;
+        return NULL;
+    }
+    c->async_wfd = afd[1];
     c->ibv.cmd_fd = -1;
-    c->ibv.async_fd = -1;
+    c->ibv.async_fd = afd[0];
     c->ibv.num_comp_vectors = 1;
     pthread_mutex_init(&c->ibv.mutex, NULL);
     atomic_fetch_add(&g_live[LIVE_CTX], 1);
@@ -432,6 +446,8 @@ EXPORT struct mcv_context *ibv_open_device(struct mcv_device *device) {
 EXPORT int ibv_close_device(struct mcv_context *context) {
     struct sv_context *c = (struct sv_context *)context;
     pthread_mutex_destroy(&c->ibv.mutex);
+    close(c->ibv.async_fd);
+    close(c->async_wfd);
     free(c->dev_copy);
     free(c);
     pthread_mutex_lock(&g_lock);
@@ -1222,6 +1238,55 @@ static int sv_post_recv(struct mcv_qp *qp, struct mcv_recv_wr *wr, struct mcv_re
     if (bad)
         *bad = wr;
     return wr ? EOPNOTSUPP : 0; /* mooncake uses one-sided verbs only */
+}
+
+/* The rest of the libibverbs surface other engines link against (the published Mooncake
+ * engine among them), so this library can stand in for libibverbs.so.1 for them too. */
+EXPORT int ibv_fork_init(void) { return 0; }
+
+struct mcv_async_event {
+    void *element;
+    int event_type;
+};
+
+EXPORT int ibv_get_async_event(struct mcv_context *context, struct mcv_async_event *event) {
+    /* no async events are ever raised: behave like a blocking read that never returns data
+     * (the fd is non-blocking, so a poller sees EAGAIN) */
+    char b;
+    (void)event;
+    ssize_t r = read(context->async_fd, &b, 1);
+    (void)r;
+    errno = EAGAIN;
+    return -1;
+}
+
+struct mcv_gid_entry {
+    union mcv_gid gid;
+    uint32_t gid_index;
+    uint32_t port_num;
+    uint32_t gid_type; /* IBV_GID_TYPE_IB 0, ROCE_V1 1, ROCE_V2 2 */
+    uint32_t ndev_ifindex;
+};
+
+EXPORT int _ibv_query_gid_ex(struct mcv_context *context, uint32_t port, uint32_t index,
+                             struct mcv_gid_entry *entry, uint32_t flags, size_t entry_size) {
+    (void)flags;
+    if (entry_size < sizeof *entry)
+        return EINVAL;
+    if (ibv_query_gid(context, (uint8_t)port, (int)index, &entry->gid) != 0)
+        return ENODATA;
+    entry->gid_index = index;
+    entry->port_num = port;
+    entry->gid_type = link_is_ethernet() ? 2 : 0;
+    entry->ndev_ifindex = 0;
+    return 0;
+}
+
+EXPORT void ibv_ack_async_event(struct mcv_async_event *event) { (void)event; }
+
+EXPORT const char *ibv_event_type_str(int event) {
+    (void)event;
+    return "unknown async event";
 }
 
 EXPORT const char *ibv_wc_status_str(int status) {
