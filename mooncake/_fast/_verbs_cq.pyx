@@ -13,7 +13,6 @@ by :meth:`CQ.poll` or the QP is destroyed (after which the NIC no longer touches
 """
 
 import array
-import os
 import warnings
 
 from cpython.mem cimport PyMem_Calloc, PyMem_Free

@@ -9,7 +9,7 @@ from libc.string cimport memset
 from libc.stdint cimport uint8_t
 from mooncake._fast._ibv cimport *
 from mooncake._fast._verbs_lib cimport Resource, check_rc, ibv, live_add, raise_errno, LIVE_CONTEXT
-from mooncake.errors import InvalidArgumentError, VerbsError, VerbsUnavailableError
+from mooncake.errors import InvalidArgumentError, VerbsUnavailableError
 
 PORT_STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
 LINK_LAYERS = {0: "UNSPECIFIED", 1: "INFINIBAND", 2: "ETHERNET"}
@@ -24,7 +24,7 @@ def get_device_list():
     cdef IbvApi *api = ibv()
     cdef int n = 0
     cdef mcv_device **lst
-    errno = 0
+    errno = 0  # no-cython-lint: clear the C errno, so a stale value is not reported
     with nogil:
         lst = api.get_device_list(&n)
     if lst == NULL:

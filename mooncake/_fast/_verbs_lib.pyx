@@ -12,7 +12,6 @@ import os
 import weakref
 
 from libc.errno cimport errno
-from libc.stdint cimport uintptr_t
 from posix.dlfcn cimport dlopen, dlsym, dlerror, RTLD_NOW, RTLD_LOCAL
 
 from mooncake._fast._ibv cimport *
