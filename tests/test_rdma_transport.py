@@ -174,9 +174,11 @@ async def test_stale_rkey_refreshes_descriptor_and_succeeds(
     buf = await engine.allocate(1 << 20)
     buf.numpy()[:] = pattern(1, 1 << 20)
     await engine.write(rpeer.segment, buf.addr, rpeer.addr, 1 << 20)
+    connects = _t(engine).stats["connects"]
     await rpeer.cmd(op="rekey")  # same memory, new MRs: our cached rkeys are stale
     await engine.write(rpeer.segment, buf.addr, rpeer.addr, 1 << 20)
     assert _t(engine).stats["wc_IBV_WC_REM_ACCESS_ERR"] >= 1
+    assert _t(engine).stats["connects"] > connects  # the errored endpoint was re-established
     assert (await rpeer.cmd(op="digest", offset=0, length=1 << 20))["digest"] == digest(
         pattern(1, 1 << 20)
     )
