@@ -335,3 +335,43 @@ async def test_cancel_during_a_stalled_transfer_flushes_and_returns(
     assert (await rpeer.cmd(op="digest", offset=0, length=1 << 20))["digest"] == digest(
         pattern(3, 1 << 20)
     )
+
+
+async def test_refused_posts_move_to_a_fresh_endpoint(
+    engine: mooncake.Engine, rpeer: RdmaPeer
+) -> None:
+    buf = await engine.allocate(1 << 20)
+    buf.numpy()[:] = pattern(41, 1 << 20)
+    await engine.write(rpeer.segment, buf.addr, rpeer.addr, 4096)
+    t = _t(engine)
+    for ep in list(t._active.values()):
+        for qp in ep.qps:
+            qp.reset()  # behind the transport's back: the device refuses posts on these QPs
+    connects = t.stats["connects"]
+    await engine.write(rpeer.segment, buf.addr, rpeer.addr, 1 << 20)
+    assert t.stats["connects"] > connects
+    assert (await rpeer.cmd(op="digest", offset=0, length=1 << 20))["digest"] == digest(
+        pattern(41, 1 << 20)
+    )
+
+
+async def test_tiny_queues_throttle_posting_without_losing_slices(
+    fabric: dict[str, str], rpeer: RdmaPeer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for k, val in {
+        "MC_MAX_WR": "2",
+        "MC_MAX_CQE_PER_CTX": "3",
+        "MC_NUM_QP_PER_EP": "1",
+        "MC_SLICE_SIZE": "4096",
+    }.items():
+        monkeypatch.setenv(k, val)
+    async with mooncake.open_engine(transports=["rdma"]) as engine:
+        buf = await engine.allocate(1 << 20)
+        buf.numpy()[:] = pattern(42, 1 << 20)
+        reqs = [R.write(buf.addr + (i << 18), rpeer.addr + (i << 18), 1 << 18) for i in range(4)]
+        res = await engine.transfer(rpeer.segment, reqs)
+        assert all(r.ok for r in res)
+        assert _t(engine).stats["posted"] == 256  # 1 MiB in 4 KiB slices, <= 3 in flight per NIC
+    assert (await rpeer.cmd(op="digest", offset=0, length=1 << 20))["digest"] == digest(
+        pattern(42, 1 << 20)
+    )

@@ -908,7 +908,10 @@ class RdmaTransport(Transport):
             self._post(ep, op, items, batch)
 
     def _post(self, ep: _Endpoint, op: int, items: list[tuple[_Slice, int]], batch: _Batch) -> None:
-        """Post as many of ``items`` as the QPs take now, spread evenly; requeue the rest."""
+        """Post as many of ``items`` as the QPs take now, spread evenly; requeue the rest.
+
+        Slices left over for lack of send-queue room wait for completions on this NIC; slices
+        the device refused count as a failed try and go to another endpoint."""
         i = 0
         nq = len(ep.qps)
         for k in range(nq):
@@ -926,6 +929,7 @@ class RdmaTransport(Transport):
                 mrs.append(s.mrs[ep.nic.index])
                 s.endpoint = ep
                 self._inflight[c] = s
+            refused: MooncakeError | None = None
             try:
                 posted = qp.post(
                     op,
@@ -936,19 +940,21 @@ class RdmaTransport(Transport):
                     [rk for _, rk in chunk],
                     cookies,
                 )
-            except (VerbsError, MooncakeError) as e:
-                posted = getattr(e, "posted", 0)
+            except MooncakeError as e:
+                posted = e.posted if isinstance(e, VerbsError) else 0
+                refused = e
                 self._retire(ep)
                 log.warning("rdma: posting on %s -> %s failed: %s", ep.nic.name, ep.peer_path, e)
             for c, (s, _) in zip(cookies[posted:], chunk[posted:], strict=True):
                 del self._inflight[c]
                 s.endpoint = None
-                batch.pending.append(s)
+                assert refused is not None
+                self._retry(s, TransferError(f"{ep.nic.name} -> {ep.peer_path}: {refused}"))
             batch.outstanding += posted
             self.stats["posted"] += posted
             i += n
         ep.next = (ep.next + 1) % nq
-        if i < len(items):
-            batch.blocked.add(ep.nic)
+        if i < len(items) and not ep.broken:
+            batch.blocked.add(ep.nic)  # no room: wait until this NIC reaps completions
         for s, _ in items[i:]:
             batch.pending.append(s)
