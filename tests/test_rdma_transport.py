@@ -375,3 +375,14 @@ async def test_tiny_queues_throttle_posting_without_losing_slices(
     assert (await rpeer.cmd(op="digest", offset=0, length=1 << 20))["digest"] == digest(
         pattern(42, 1 << 20)
     )
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_asyncio_smoke(fabric: dict[str, str], rpeer: RdmaPeer) -> None:
+    async with mooncake.open_engine(transports=["rdma"]) as engine:
+        buf = await engine.allocate(1 << 20)
+        buf.numpy()[:] = pattern(51, 1 << 20)
+        await engine.write(rpeer.segment, buf.addr, rpeer.addr, 1 << 20)
+        await rpeer.cmd(op="fill", offset=0, length=1 << 20, seed=52)
+        await engine.read(rpeer.segment, buf.addr, rpeer.addr, 1 << 20)
+        assert digest(buf.numpy()) == digest(pattern(52, 1 << 20))
