@@ -137,6 +137,12 @@ class MetadataError(MooncakeError):
     code = ErrorCode.RPC_FAIL
 
 
+class SegmentExistsError(MooncakeError):
+    """Another live engine already publishes a segment of that name."""
+
+    code = ErrorCode.SEGMENT_ALREADY_EXISTS
+
+
 # -- the other side ---------------------------------------------------------------------------
 
 
@@ -188,6 +194,7 @@ __all__ = [
     "RegionBusyError",
     "RegistrationError",
     "RemoteAccessError",
+    "SegmentExistsError",
     "SegmentNotFoundError",
     "TransferError",
     "VerbsError",

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 _SUBCOMMANDS: list[str] = [
     "demo",
+    "metadata_server",
 ]
 
 
