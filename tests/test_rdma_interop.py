@@ -105,13 +105,17 @@ class PublishedRdma:
                 f.close()
 
 
-@pytest.fixture
-def published(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[PublishedRdma]:
+@pytest.fixture(params=["infiniband", "ethernet"])
+def published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Iterator[PublishedRdma]:
+    """The published engine on one fake NIC, as an InfiniBand port (LID routing) and as a
+    RoCE-like one (LID 0, GRH with the GID required)."""
     fabric = str(tmp_path / "fabric")
     monkeypatch.setenv("MOONCAKE_IBVERBS", "soft")
     monkeypatch.setenv("MC_SOFTVERBS_FABRIC", fabric)
     monkeypatch.setenv("MC_SOFTVERBS_DEVICES", "soft0")
-    monkeypatch.delenv("MC_SOFTVERBS_LINK_LAYER", raising=False)
+    monkeypatch.setenv("MC_SOFTVERBS_LINK_LAYER", request.param)
     verbs.load(verbs.soft_provider_path())
     p = PublishedRdma(tmp_path, fabric)
     try:
