@@ -386,3 +386,25 @@ async def test_asyncio_smoke(fabric: dict[str, str], rpeer: RdmaPeer) -> None:
         await rpeer.cmd(op="fill", offset=0, length=1 << 20, seed=52)
         await engine.read(rpeer.segment, buf.addr, rpeer.addr, 1 << 20)
         assert digest(buf.numpy()) == digest(pattern(52, 1 << 20))
+
+
+async def test_concurrent_batches_share_endpoints(engine: mooncake.Engine, rpeer: RdmaPeer) -> None:
+    buf = await engine.allocate(PEER_SIZE)
+    arr = buf.numpy()
+    arr[:] = pattern(61, PEER_SIZE)
+    part = PEER_SIZE // 8
+    results: list[Any] = [None] * 8
+
+    async def one(i: int) -> None:
+        off = i * part
+        results[i] = await engine.transfer(
+            rpeer.segment, [R.write(buf.addr + off, rpeer.addr + off, part)]
+        )
+
+    async with anyio.create_task_group() as tg:  # all connect at once: one handshake per rail
+        for i in range(8):
+            tg.start_soon(one, i)
+    assert all(r[0].ok for r in results)
+    t = _t(engine)
+    assert t.stats["connects"] <= len(DEVICES) ** 2
+    assert (await rpeer.cmd(op="digest", offset=0, length=PEER_SIZE))["digest"] == digest(arr)
