@@ -353,4 +353,39 @@ def test_real_libibverbs_without_kernel_support_reports_why() -> None:
     assert res.returncode == 0, res.stderr
     if res.stdout.startswith("DEVICES"):
         pytest.skip(f"this host has RDMA support: {res.stdout.strip()}")
-    assert res.stdout.startswith("ERR ibv_get_device_list failed: [errno")
+    # the library's own errno (ENOSYS without kernel support), not a made-up one
+    assert res.stdout.startswith("ERR ibv_get_device_list failed: [errno 38]"), res.stdout
+
+
+def test_engine_with_rdma_on_a_host_without_rdma_fails_clearly() -> None:
+    res = _run(
+        """
+        import anyio, mooncake
+        from mooncake._fast import verbs
+        from mooncake._engine.transports import default_transports
+        from mooncake.errors import VerbsUnavailableError
+        if not verbs.AVAILABLE:
+            raise SystemExit(3)
+        print('DEFAULT', default_transports())
+        async def main():
+            async with mooncake.open_engine(transports=['rdma']):
+                pass
+        try:
+            anyio.run(main, backend='trio')
+        except VerbsUnavailableError as e:
+            print('ERR', e)
+        except BaseExceptionGroup as eg:
+            (e,) = eg.exceptions
+            print('ERR', type(e).__name__, e)
+        """,
+        MOONCAKE_IBVERBS="",
+    )
+    if res.returncode == 3:
+        pytest.skip("verbs extensions not built")
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    if Path("/sys/class/infiniband").exists():
+        pytest.skip("this host has RDMA devices")
+    assert lines[0] == "DEFAULT ['tcp']"
+    assert lines[1].startswith("ERR"), lines
+    assert "ibv_get_device_list failed: [errno 38]" in lines[1] or "cannot load" in lines[1]

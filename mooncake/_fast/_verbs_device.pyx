@@ -11,6 +11,14 @@ from mooncake._fast._ibv cimport *
 from mooncake._fast._verbs_lib cimport Resource, check_rc, ibv, live_add, raise_errno, LIVE_CONTEXT
 from mooncake.errors import InvalidArgumentError, VerbsUnavailableError
 
+cdef extern from *:
+    """
+    #include <errno.h>
+    static void mc_clear_errno(void) { errno = 0; }
+    """
+    void mc_clear_errno() nogil
+
+
 PORT_STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
 LINK_LAYERS = {0: "UNSPECIFIED", 1: "INFINIBAND", 2: "ETHERNET"}
 
@@ -24,7 +32,7 @@ def get_device_list():
     cdef IbvApi *api = ibv()
     cdef int n = 0
     cdef mcv_device **lst
-    errno = 0  # no-cython-lint: clear the C errno, so a stale value is not reported
+    mc_clear_errno()  # so a stale errno is never reported as this call's
     with nogil:
         lst = api.get_device_list(&n)
     if lst == NULL:
