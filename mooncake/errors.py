@@ -164,6 +164,10 @@ class PeerDiedError(TransferError):
     """The peer closed or reset the connection while a transfer was in flight."""
 
 
+class TransferTimeoutError(TransferError):
+    """Posted work did not complete within the configured limit (``MC_SLICE_TIMEOUT``)."""
+
+
 class ProtocolError(MooncakeError):
     """Bytes from a peer violate the wire protocol (bad frame, bad length, bad JSON)."""
 
@@ -197,6 +201,7 @@ __all__ = [
     "SegmentExistsError",
     "SegmentNotFoundError",
     "TransferError",
+    "TransferTimeoutError",
     "VerbsError",
     "VerbsUnavailableError",
     "to_code",

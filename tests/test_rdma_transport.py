@@ -23,7 +23,13 @@ import mooncake
 from mooncake._cli._peer import digest, pattern
 from mooncake._core.rdma import split_lengths
 from mooncake._core.transfer import TransferRequest, TransferStatus
-from mooncake.errors import PeerDiedError, PeerUnreachableError, RemoteAccessError, TransferError
+from mooncake.errors import (
+    PeerDiedError,
+    PeerUnreachableError,
+    RemoteAccessError,
+    TransferError,
+    TransferTimeoutError,
+)
 from tests.conftest import ROOT, clean_env
 
 verbs = pytest.importorskip("mooncake._fast.verbs")
@@ -408,3 +414,25 @@ async def test_concurrent_batches_share_endpoints(engine: mooncake.Engine, rpeer
     t = _t(engine)
     assert t.stats["connects"] <= len(DEVICES) ** 2
     assert (await rpeer.cmd(op="digest", offset=0, length=PEER_SIZE))["digest"] == digest(arr)
+
+
+@soft_only
+async def test_slice_timeout_fails_a_hung_transfer_with_timeout(
+    fabric: dict[str, str], rpeer: RdmaPeer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MC_SLICE_TIMEOUT", "0.2")
+    async with mooncake.open_engine(transports=["rdma"]) as engine:
+        buf = await engine.allocate(1 << 20)
+        await engine.write(rpeer.segment, buf.addr, rpeer.addr, 4096)
+        for d in DEVICES:
+            verbs.soft_set_stall(d, True)
+        try:
+            (res,) = await engine.transfer(rpeer.segment, [R.write(buf.addr, rpeer.addr, 1 << 20)])
+        finally:
+            for d in DEVICES:
+                verbs.soft_set_stall(d, False)
+        assert res.status is TransferStatus.TIMEOUT
+        assert isinstance(res.error, TransferTimeoutError)
+        t = _t(engine)
+        assert not t._inflight and t.stats["timeouts"] >= 1
+        await engine.write(rpeer.segment, buf.addr, rpeer.addr, 1 << 20)  # and it recovers

@@ -61,7 +61,14 @@ from mooncake._core.rdma import (
     split_lengths,
     split_nic_path,
 )
-from mooncake._core.transfer import Opcode, TransferRequest, TransferResult, completed, failed
+from mooncake._core.transfer import (
+    Opcode,
+    TransferRequest,
+    TransferResult,
+    TransferStatus,
+    completed,
+    failed,
+)
 from mooncake._engine.transports.base import PeerInfo, Transport
 from mooncake._engine.transports.rdma_topology import discover
 from mooncake._fast import verbs
@@ -74,6 +81,7 @@ from mooncake.errors import (
     ProtocolError,
     RemoteAccessError,
     TransferError,
+    TransferTimeoutError,
     VerbsError,
     VerbsUnavailableError,
 )
@@ -137,6 +145,7 @@ class RdmaConfig:
     rail_pause_s: float = field(
         default_factory=lambda: _env_float("MC_RDMA_RAIL_PAUSE_SECONDS", DEFAULT_RAIL_PAUSE_S)
     )
+    slice_timeout: float = field(default_factory=lambda: _env_float("MC_SLICE_TIMEOUT", 0.0))
     sysfs: str = "/sys"
     seed: int | None = None
 
@@ -295,6 +304,7 @@ class _Batch:
         self.progress = anyio.Event()
         self.endpoints: set[_Endpoint] = set()
         self.blocked: set[_Nic] = set()
+        self.timed_out: set[int] = set()
 
     def poke(self) -> None:
         self.progress.set()
@@ -715,7 +725,13 @@ class RdmaTransport(Transport):
                     batch.blocked.clear()
                     await self._dispatch(peer, batch)
                 if batch.outstanding:
-                    await self._wait_progress(batch)
+                    if self.cfg.slice_timeout > 0:
+                        with anyio.move_on_after(self.cfg.slice_timeout) as waited:
+                            await self._wait_progress(batch)
+                        if waited.cancelled_caught:
+                            self._time_out(batch)
+                    else:
+                        await self._wait_progress(batch)
                 elif batch.blocked:
                     # send queues full of other batches' WRs: wait for their completions
                     await next(iter(batch.blocked)).slots_freed.wait()
@@ -727,13 +743,31 @@ class RdmaTransport(Transport):
         results = []
         for i, r in enumerate(requests):
             err = batch.errors[i]
-            if err is not None:
+            if err is not None and i in batch.timed_out:
+                results.append(TransferResult(TransferStatus.TIMEOUT, batch.moved[i], err))
+            elif err is not None:
                 results.append(failed(err))
             elif batch.moved[i] != r.length:
                 results.append(failed(TransferError(f"moved {batch.moved[i]} of {r.length} bytes")))
             else:
                 results.append(completed(r.length))
         return results
+
+    def _time_out(self, batch: _Batch) -> None:
+        """No completion for ``MC_SLICE_TIMEOUT`` s: fail the requests with WRs in flight and
+        flush their QPs (the flushed WRs then finish those requests instead of retrying)."""
+        waiting = {s.req for s in self._inflight.values() if s.batch is batch}
+        for req in waiting:
+            if batch.errors[req] is None:
+                batch.errors[req] = TransferTimeoutError(
+                    f"no completion within MC_SLICE_TIMEOUT={self.cfg.slice_timeout:g} s"
+                )
+            batch.timed_out.add(req)
+        for ep in list(batch.endpoints):
+            if ep.inflight:
+                self._retire(ep)
+                ep.to_error()
+        self.stats["timeouts"] += len(waiting)
 
     async def _wait_progress(self, batch: _Batch) -> None:
         if not batch.progress.is_set():
