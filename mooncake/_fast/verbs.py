@@ -11,18 +11,22 @@ and closes children first; ``__dealloc__`` never raises; an unclosed object warn
 (``ResourceWarning``) when collected; :func:`live_objects` counts what is open. An MR keeps its
 buffer exported; every posted WR keeps its MR alive until its completion is reaped.
 
-There is no pure-Python twin: without the compiled modules :data:`AVAILABLE` is False and
-:data:`UNAVAILABLE_REASON` says why; the RDMA transport then refuses to start.
+There is no pure-Python twin: without the compiled modules (or with
+``MOONCAKE_NO_EXTENSIONS=1``) :data:`AVAILABLE` is False and :data:`UNAVAILABLE_REASON` says
+why; the RDMA transport then refuses to start.
 """
 
 from __future__ import annotations
 
+import os as _os
 from typing import Any
 
 AVAILABLE: bool
 UNAVAILABLE_REASON: str = ""
 
 try:
+    if _os.environ.get("MOONCAKE_NO_EXTENSIONS", "") not in ("", "0"):
+        raise ImportError("MOONCAKE_NO_EXTENSIONS is set")
     from mooncake._fast._verbs_cq import CQ, WC_STATUS_NAMES, CompChannel, WcBatch
     from mooncake._fast._verbs_device import Context, get_device_list
     from mooncake._fast._verbs_lib import (
@@ -62,7 +66,7 @@ try:
     AVAILABLE = True
 except ImportError as e:  # extensions not built
     AVAILABLE = False
-    UNAVAILABLE_REASON = f"the verbs extensions are not built ({e})"
+    UNAVAILABLE_REASON = f"the verbs extensions are not available ({e})"
 
 # ibv_wc_status values the transport classifies
 WC_SUCCESS = 0
