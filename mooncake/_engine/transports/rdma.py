@@ -102,7 +102,6 @@ _ACCESS_STATUSES = frozenset(
     )
 )
 POLL_BATCH = 64
-MAX_PASSIVE_EP_PER_CTX = 65536  # MC_MAX_EP_PER_CTX
 CANCEL_GRACE_S = 10.0
 
 
@@ -145,6 +144,7 @@ class RdmaConfig:
     rail_pause_s: float = field(
         default_factory=lambda: _env_float("MC_RDMA_RAIL_PAUSE_SECONDS", DEFAULT_RAIL_PAUSE_S)
     )
+    max_ep_per_ctx: int = field(default_factory=lambda: _env_int("MC_MAX_EP_PER_CTX", 65536))
     slice_timeout: float = field(default_factory=lambda: _env_float("MC_SLICE_TIMEOUT", 0.0))
     sysfs: str = "/sys"
     seed: int | None = None
@@ -666,7 +666,7 @@ class RdmaTransport(Transport):
         if old is not None:
             old.close()  # the peer re-established: its side of the old QPs is gone
         self._passive[key] = _Endpoint(nic, info.local_nic_path, qps)
-        while len(self._passive) > MAX_PASSIVE_EP_PER_CTX * max(len(self.nics), 1):
+        while len(self._passive) > self.cfg.max_ep_per_ctx * max(len(self.nics), 1):
             _, ep = self._passive.popitem(last=False)
             ep.close()
         self.stats["accepts"] += 1
