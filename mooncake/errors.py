@@ -105,6 +105,33 @@ class RegionBusyError(RegistrationError):
     """The region is in use by in-flight transfers and cannot be unregistered yet."""
 
 
+# -- RDMA verbs ------------------------------------------------------------------------------
+
+
+class VerbsUnavailableError(NotSupportedError):
+    """libibverbs (or the provider named by ``MOONCAKE_IBVERBS``) cannot be loaded or has no device."""
+
+
+class VerbsError(MooncakeError):
+    """A libibverbs call failed. ``errno`` is the code the library returned; ``what`` the call.
+
+    ``posted`` is set by ``ibv_post_send`` failures: how many work requests of the batch were
+    posted before the one refused (those will complete normally).
+    """
+
+    code = ErrorCode.INTERNAL_ERROR
+
+    def __init__(self, errno: int, what: str, posted: int = 0) -> None:
+        import os
+
+        self.errno = errno
+        self.what = what
+        self.posted = posted
+        super().__init__(
+            f"{what} failed: [errno {errno}] {os.strerror(errno) if errno else 'unknown'}"
+        )
+
+
 # -- metadata / discovery ---------------------------------------------------------------------
 
 
@@ -145,6 +172,10 @@ class PeerUnreachableError(TransferError):
 
 class PeerDiedError(TransferError):
     """The peer closed or reset the connection while a transfer was in flight."""
+
+
+class TransferTimeoutError(TransferError):
+    """Posted work did not complete within the configured limit (``MC_SLICE_TIMEOUT``)."""
 
 
 class ProtocolError(MooncakeError):
@@ -369,7 +400,10 @@ __all__ = [
     "StoreError",
     "TraceFormatError",
     "TransferError",
+    "TransferTimeoutError",
     "UnavailableError",
+    "VerbsError",
+    "VerbsUnavailableError",
     "error_from_code",
     "to_code",
 ]
