@@ -85,6 +85,7 @@ def _failure(factory: Callable[[], EvictionPolicy], **kwargs: object) -> tuple[s
     # test modules' imports shift it), so give the search room to find each bug.
     kwargs.setdefault("max_examples", 500)
     with pytest.raises(AssertionError) as info:
+        kwargs.setdefault("max_examples", 1000)
         check_policy(factory, derandomize=True, **kwargs)  # type: ignore[arg-type]
     notes = getattr(info.value, "__notes__", [])
     steps = [

@@ -14,6 +14,9 @@ from collections.abc import Sequence
 
 _SUBCOMMANDS: list[str] = [
     "demo",
+    "master",
+    "metadata_server",
+    "replay",
 ]
 
 

@@ -236,6 +236,7 @@ class Engine:
         bind_host: str | None,
         transports: Sequence[str],
         tcp_lanes: int,
+        segment_name: str | None = None,
         cuda_runtime: CudaRuntime | None = None,
     ) -> None:
         host, _, port = hostname.rpartition(":") if hostname.count(":") == 1 else (hostname, "", "")
@@ -246,6 +247,14 @@ class Engine:
         self.bind_host = bind_host or self.hostname
         self.metadata_conn = metadata
         self.metadata: MetadataBackend = open_backend(metadata)
+        if segment_name is not None and self.metadata.p2p:
+            raise InvalidArgumentError(
+                "segment_name is only for metadata services; P2P segment names are host:rpc_port"
+            )
+        if segment_name is not None and not segment_name.strip():
+            raise InvalidArgumentError("segment_name must be non-empty")
+        # Non-P2P (as in Mooncake): the segment name is the local server name as given.
+        self._given_name = segment_name or hostname
         self.registry = MemoryRegistry()
         self.handshake = HandshakeServer()
         self.segment_name = ""
@@ -277,7 +286,7 @@ class Engine:
         if self.metadata.p2p:
             self.segment_name = f"{self.hostname}:{self.rpc_port}"
         else:
-            self.segment_name = self.hostname if not self._rpc_port_req else f"{self.hostname}"
+            self.segment_name = self._given_name
         for name in self._transport_names:
             t = make_transport(name, self)
             await t.start()
@@ -876,6 +885,8 @@ class Engine:
 
         try:
             peer = self._peers.get(segment)
+            if peer is None and not self.metadata.p2p:
+                peer = await self.peer(segment)
             host, port = (peer.rpc_host, peer.rpc_port) if peer else split_segment(segment)
             reply = await handshake.request(host, port, FrameType.PROBE, {})
             obj = reply.json()
@@ -893,6 +904,7 @@ async def open_engine(
     bind_host: str | None = None,
     transports: Sequence[str] | None = None,
     tcp_lanes: int | None = None,
+    segment_name: str | None = None,
     cuda_runtime: CudaRuntime | None = None,
 ) -> AsyncIterator[Engine]:
     """Start an engine and yield it; everything it started stops when the block exits.
@@ -900,9 +912,13 @@ async def open_engine(
     ``hostname`` is the address peers use to reach this engine and, unless ``bind_host`` says
     otherwise, the address its servers bind (loopback by default, never all interfaces
     unasked). ``metadata`` takes Mooncake's connection strings. ``transports`` defaults to
-    every transport usable here (``MC_FORCE_TCP=1`` keeps only ``tcp``). ``cuda_runtime``
-    replaces the process-wide CUDA runtime for this engine (an object implementing
-    :class:`mooncake._fast.cuda.CudaRuntime`; tests pass a fake).
+    every transport usable here (``MC_FORCE_TCP=1`` keeps only ``tcp``).
+
+    With a metadata service (``http://``, ``etcd://``, ``redis://``) the segment name is
+    ``segment_name`` if given, else ``hostname`` exactly as given (Mooncake's
+    ``local_server_name``); its handshake address is published under ``rpc_meta``.
+    ``cuda_runtime`` replaces the process-wide CUDA runtime for this engine (an object
+    implementing :class:`mooncake._fast.cuda.CudaRuntime`; tests pass a fake).
     """
     if transports is None:
         from mooncake._engine.transports import default_transports
@@ -920,19 +936,28 @@ async def open_engine(
         bind_host=bind_host,
         transports=transports,
         tcp_lanes=lanes,
+        segment_name=segment_name,
         cuda_runtime=cuda_runtime,
     )
+    start_error: MooncakeError | None = None
     try:
         async with anyio.create_task_group() as tg:
             engine.task_group = tg
             try:
-                await engine._start()
-                yield engine
+                try:
+                    await engine._start()
+                except MooncakeError as e:
+                    # raised as itself below, not wrapped in the task group's ExceptionGroup
+                    start_error = e
+                else:
+                    yield engine
             finally:
                 engine._closed = True
                 with anyio.CancelScope(shield=True):
                     await engine._unpublish()
                 tg.cancel_scope.cancel()
+        if start_error is not None:
+            raise start_error
     finally:
         # every task (servers, submitted batches) has ended: release what they used
         await engine._aclose()
