@@ -625,6 +625,11 @@ async def test_tcp_staging_both_ends(
         assert a.staging.staged_bytes == 3 * length and b.staging.staged_bytes == 2 * length
         assert a.staging.chunk == 4096
         assert a.staging.pool.in_use == 0 and b.staging.server_pool.in_use == 0
+        # staging chunks are registered local-only memory: never published
+        chunks = a.staging.pool.chunks
+        assert chunks and all(not a.registry.find(c, 1).remote_accessible for c in chunks)  # type: ignore[union-attr]
+        published = {buf["addr"] for buf in a.descriptor().to_json()["buffers"]}
+        assert published.isdisjoint(chunks)
     # closing the engines released everything they took from the runtime
     assert a.cuda_completions.live_fds == 0 and b.cuda_completions.live_fds == 0
     assert fake.live() == {"device": 0, "host": 0, "opened": 0, "streams": 0}

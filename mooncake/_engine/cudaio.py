@@ -168,13 +168,24 @@ Recv = Callable[[int, int], Awaitable[None]]
 Send = Callable[[int, int, bool], Awaitable[None]]
 
 
-class PinnedPool:
-    """``depth`` pinned host chunks of ``chunk`` bytes, allocated on first use."""
+ChunkHook = Callable[[int, int], Awaitable[None]]
 
-    def __init__(self, rt: CudaRuntime, chunk: int, depth: int) -> None:
+
+class PinnedPool:
+    """``depth`` pinned host chunks of ``chunk`` bytes, allocated on first use.
+
+    ``on_new(addr, length)`` runs once per chunk after allocating it (the engine registers it as
+    local-only memory, so transports that need registered local memory, such as RDMA with its
+    memory regions, can move staged bytes); if it fails, the chunk is freed and the error raised.
+    """
+
+    def __init__(
+        self, rt: CudaRuntime, chunk: int, depth: int, on_new: ChunkHook | None = None
+    ) -> None:
         self.rt = rt
         self.chunk = chunk
         self.depth = depth
+        self._on_new = on_new
         self._idle: collections.deque[int] = collections.deque()
         self._all: list[int] = []
         self._slots = anyio.Semaphore(depth)
@@ -189,6 +200,12 @@ class PinnedPool:
             if self._idle:
                 return self._idle.pop()
             buf = self.rt.host_alloc(self.chunk)
+            if self._on_new is not None:
+                try:
+                    await self._on_new(buf, self.chunk)
+                except BaseException:
+                    self.rt.free_host(buf)
+                    raise
             self._all.append(buf)
             return buf
         except BaseException:
@@ -211,6 +228,11 @@ class PinnedPool:
     def in_use(self) -> int:
         return self.depth - self._slots.value
 
+    @property
+    def chunks(self) -> list[int]:
+        """Addresses of every chunk allocated so far."""
+        return list(self._all)
+
     def close(self) -> None:
         self.closed = True
         for buf in self._all:
@@ -232,6 +254,7 @@ class Stager:
         *,
         chunk: int | None = None,
         depth: int | None = None,
+        on_new_chunk: ChunkHook | None = None,
     ) -> None:
         self.rt = rt
         self.completions = completions
@@ -243,8 +266,8 @@ class Stager:
         # Two pools: a client job holds its chunk until the peer answers, and the peer's server
         # may need a chunk to answer; with one shared pool, two engines staging towards each
         # other could each hold every chunk and wait for the other forever.
-        self.pool = PinnedPool(rt, self.chunk, self.depth)
-        self.server_pool = PinnedPool(rt, self.chunk, self.depth)
+        self.pool = PinnedPool(rt, self.chunk, self.depth, on_new_chunk)
+        self.server_pool = PinnedPool(rt, self.chunk, self.depth, on_new_chunk)
         self.staged_bytes = 0
 
     def buffer(self) -> Any:

@@ -326,6 +326,10 @@ class Engine:
                     pass
             self._buffers.clear()
             if self._stager is not None:
+                for pool in (self._stager.pool, self._stager.server_pool):
+                    for chunk in pool.chunks:
+                        if self.registry.find(chunk, 1) is not None:
+                            self.registry.remove(chunk)
                 self._stager.close()
             if self._completions is not None:
                 self._completions.close()
@@ -367,8 +371,15 @@ class Engine:
         if self._stager is None:
             from mooncake._engine.cudaio import Stager
 
-            self._stager = Stager(self.cuda, self.cuda_completions)
+            self._stager = Stager(
+                self.cuda, self.cuda_completions, on_new_chunk=self._register_staging_chunk
+            )
         return self._stager
+
+    async def _register_staging_chunk(self, addr: int, length: int) -> None:
+        # Local-only registered memory like any other: every transport sees it (an RDMA
+        # transport registers a memory region for it), peers never do.
+        await self.register((addr, length), location="cpu:0", remote_accessible=False)
 
     def _check_device_range(self, addr: int, length: int, location: str) -> None:
         from mooncake._fast.cuda import MEMORY_DEVICE, MEMORY_MANAGED

@@ -271,6 +271,10 @@ class CudaTransport(Transport):
         unsupported mappings) leaves the region pageable, which still works, more slowly.
         """
         rt = self.rt
+        from mooncake._fast.cuda import MEMORY_HOST
+
+        if rt.pointer_get_attributes(region.addr)[0] == MEMORY_HOST:
+            return  # already page-locked (cudaHostAlloc: the staging chunks)
 
         def pin() -> None:
             rt.set_device(0)  # cudaHostRegister needs a context on this thread
