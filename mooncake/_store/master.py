@@ -401,4 +401,5 @@ async def serve_master(
             f"{config.metrics_host}:{server.metrics_port}" if server.metrics_port else "off",
         )
         task_status.started(server)
-        await listener.serve(server.serve_connection)
+        async with listener:  # closed on cancellation too
+            await listener.serve(server.serve_connection)
