@@ -15,7 +15,6 @@ forms.
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,9 +41,18 @@ _NOT_SUPPORTED = int(ErrorCode.NOT_SUPPORTED)
 _DEFAULT_SIZE = 16 << 20
 
 # enum members at module level, as the published module has them
-UNKNOWN, KVCACHE, TENSOR, WEIGHT, SAMPLE, ACTIVATION, GRADIENT, OPTIMIZER_STATE, METADATA, GENERAL = (
-    ObjectDataType
-)
+(
+    UNKNOWN,
+    KVCACHE,
+    TENSOR,
+    WEIGHT,
+    SAMPLE,
+    ACTIVATION,
+    GRADIENT,
+    OPTIMIZER_STATE,
+    METADATA,
+    GENERAL,
+) = ObjectDataType
 UNDEFINED, INITIALIZED, PROCESSING, COMPLETE, REMOVED, FAILED = ReplicaStatus
 
 
@@ -64,7 +72,7 @@ class BufferHandle:
         return int(self._data.nbytes)
 
     def __buffer__(self, flags: int) -> memoryview:
-        return memoryview(self._data)
+        return memoryview(self._data.data)
 
     def __bytes__(self) -> bytes:
         return self._data.tobytes()
@@ -116,8 +124,12 @@ def _setup_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]
         "master": str(cfg.get("master_server_addr", "127.0.0.1:50051")),
         "hostname": hostname,
         "metadata": str(cfg["metadata_server"]),
-        "segment_size": parse_size(cfg.get("global_segment_size", _DEFAULT_SIZE), "global_segment_size"),
-        "local_buffer_size": parse_size(cfg.get("local_buffer_size", _DEFAULT_SIZE), "local_buffer_size"),
+        "segment_size": parse_size(
+            cfg.get("global_segment_size", _DEFAULT_SIZE), "global_segment_size"
+        ),
+        "local_buffer_size": parse_size(
+            cfg.get("local_buffer_size", _DEFAULT_SIZE), "local_buffer_size"
+        ),
         "protocol": str(cfg.get("protocol", "tcp") or "tcp"),
     }
 
@@ -224,7 +236,10 @@ class MooncakeDistributedStore:
 
     @staticmethod
     def _codes(results: Sequence[Any]) -> list[int]:
-        return [to_code(r) if isinstance(r, BaseException) else (r if isinstance(r, int) else 0) for r in results]
+        return [
+            to_code(r) if isinstance(r, BaseException) else (r if isinstance(r, int) else 0)
+            for r in results
+        ]
 
     # -- info -----------------------------------------------------------------------------
 
@@ -279,13 +294,17 @@ class MooncakeDistributedStore:
                 return to_code(r)
         return 0
 
-    def put_batch(self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None) -> int:
+    def put_batch(
+        self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None
+    ) -> int:
         try:
             return self._batch_rc(self._s.put_batch, keys, values, config)
         except Exception as e:
             return to_code(e)
 
-    def upsert_batch(self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None) -> int:
+    def upsert_batch(
+        self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None
+    ) -> int:
         try:
             return self._batch_rc(self._s.upsert_batch, keys, values, config)
         except Exception as e:
@@ -377,20 +396,28 @@ class MooncakeDistributedStore:
         except Exception as e:
             return to_code(e)
 
-    def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
+    def put_from(
+        self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None
+    ) -> int:
         try:
             return self._rc(self._s.put_from, key, buffer_ptr, size, config)
         except Exception as e:
             return to_code(e)
 
-    def upsert_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
+    def upsert_from(
+        self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None
+    ) -> int:
         try:
             return self._rc(self._s.upsert_from, key, buffer_ptr, size, config)
         except Exception as e:
             return to_code(e)
 
     def batch_put_from(
-        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: ReplicateConfig | None = None
+        self,
+        keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        config: ReplicateConfig | None = None,
     ) -> list[int]:
         try:
             return self._codes(self._call(self._s.batch_put_from, keys, buffer_ptrs, sizes, config))
@@ -398,10 +425,16 @@ class MooncakeDistributedStore:
             return [to_code(e)] * max(len(keys), len(buffer_ptrs), len(sizes))
 
     def batch_upsert_from(
-        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: ReplicateConfig | None = None
+        self,
+        keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        config: ReplicateConfig | None = None,
     ) -> list[int]:
         try:
-            return self._codes(self._call(self._s.batch_upsert_from, keys, buffer_ptrs, sizes, config))
+            return self._codes(
+                self._call(self._s.batch_upsert_from, keys, buffer_ptrs, sizes, config)
+            )
         except Exception as e:
             return [to_code(e)] * max(len(keys), len(buffer_ptrs), len(sizes))
 
@@ -412,7 +445,9 @@ class MooncakeDistributedStore:
         except Exception as e:
             return to_code(e)
 
-    def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
+    def batch_get_into(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[int]:
         try:
             return self._codes(self._call(self._s.batch_get_into, keys, buffer_ptrs, sizes))
         except Exception as e:
@@ -470,12 +505,24 @@ class MooncakeDistributedStore:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
-        if "tensor" in name or "session" in name or name in (
-            "get_into_ranges", "create_copy_task", "create_move_task", "query_task",
-            "mount_segment", "allocate_and_mount_segment", "alloc_from_mem_pool",
-            "batch_replica_clear", "batch_get_into_multi_buffer_ranges",
-            "batch_put_from_multi_buffer_ranges",
+        if (
+            "tensor" in name
+            or "session" in name
+            or name
+            in (
+                "get_into_ranges",
+                "create_copy_task",
+                "create_move_task",
+                "query_task",
+                "mount_segment",
+                "allocate_and_mount_segment",
+                "alloc_from_mem_pool",
+                "batch_replica_clear",
+                "batch_get_into_multi_buffer_ranges",
+                "batch_put_from_multi_buffer_ranges",
+            )
         ):
+
             def unsupported(*args: Any, **kwargs: Any) -> int:
                 return self._unsupported(name)
 

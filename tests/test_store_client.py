@@ -51,9 +51,11 @@ def test_put_get_between_two_clients(memcpy: str, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("MC_STORE_MEMCPY", memcpy)
 
     async def main() -> None:
-        async with master() as addr, mooncake.open_store(
-            addr, segment_size=8 * MIB, local_buffer_size=8 * MIB
-        ) as a, mooncake.open_store(addr, segment_size=8 * MIB, local_buffer_size=8 * MIB) as b:
+        async with (
+            master() as addr,
+            mooncake.open_store(addr, segment_size=8 * MIB, local_buffer_size=8 * MIB) as a,
+            mooncake.open_store(addr, segment_size=8 * MIB, local_buffer_size=8 * MIB) as b,
+        ):
             on_b = ReplicateConfig()
             on_b.preferred_segment = b.segment_name
             on_a = ReplicateConfig()
@@ -73,24 +75,29 @@ def test_put_get_between_two_clients(memcpy: str, monkeypatch: pytest.MonkeyPatc
             dst = await a.engine.allocate(4 * MIB)
             src.numpy()[:] = np.frombuffer(pattern(4 * MIB, 9), dtype=np.uint8)
             keys = [f"z{i}" for i in range(32)]
-            res = await a.batch_put_from(keys, [src.addr + i * 4096 for i in range(32)], [4096] * 32, on_b)
+            res = await a.batch_put_from(
+                keys, [src.addr + i * 4096 for i in range(32)], [4096] * 32, on_b
+            )
             assert res == [None] * 32
-            got = await a.batch_get_into(keys, [dst.addr + i * 4096 for i in range(32)], [4096] * 32)
+            got = await a.batch_get_into(
+                keys, [dst.addr + i * 4096 for i in range(32)], [4096] * 32
+            )
             assert got == [4096] * 32
             assert bytes(dst.view[: 32 * 4096]) == bytes(src.view[: 32 * 4096])
-            vals = await b.get_batch(keys + ["missing"])
+            vals = await b.get_batch([*keys, "missing"])
             assert vals[:32] == [bytes(src.view[i * 4096 : (i + 1) * 4096]) for i in range(32)]
             assert isinstance(vals[32], ObjectNotFoundError)
-            assert await b.batch_exists(keys[:2] + ["missing"]) == [1, 1, 0]
+            assert await b.batch_exists([*keys[:2], "missing"]) == [1, 1, 0]
 
     run(main)
 
 
 def test_semantics_of_the_published_store() -> None:
     async def main() -> None:
-        async with master() as addr, mooncake.open_store(
-            addr, segment_size=4 * MIB, local_buffer_size=1 * MIB
-        ) as s:
+        async with (
+            master() as addr,
+            mooncake.open_store(addr, segment_size=4 * MIB, local_buffer_size=1 * MIB) as s,
+        ):
             await s.put("k", b"A" * 100)
             await s.put("k", b"B" * 50)  # existing key: a silent no-op
             assert await s.get("k") == b"A" * 100
@@ -138,9 +145,10 @@ def test_read_finishing_after_its_window_fails_closed(monkeypatch: pytest.Monkey
     monkeypatch.setattr(client_mod, "_memcpy_many", copy_then_stall)
 
     async def main() -> None:
-        async with master(client_ttl=1000.0) as addr, mooncake.open_store(
-            addr, segment_size=4 * MIB, local_buffer_size=MIB
-        ) as s:
+        async with (
+            master(client_ttl=1000.0) as addr,
+            mooncake.open_store(addr, segment_size=4 * MIB, local_buffer_size=MIB) as s,
+        ):
             v = pattern(65536)
             await s.put("k", v)
             dst = await s.engine.allocate(65536)
@@ -169,9 +177,10 @@ def test_cancelled_put_is_revoked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(client_mod, "_memcpy_many", maybe_stall)
 
     async def main() -> None:
-        async with master() as addr, mooncake.open_store(
-            addr, segment_size=4 * MIB, local_buffer_size=MIB
-        ) as s:
+        async with (
+            master() as addr,
+            mooncake.open_store(addr, segment_size=4 * MIB, local_buffer_size=MIB) as s,
+        ):
             with anyio.move_on_after(0.2) as scope:
                 await s.put("k", b"v" * 1000)
             assert scope.cancelled_caught
@@ -185,9 +194,10 @@ def test_cancelled_put_is_revoked(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_asyncio_backend_smoke() -> None:
     async def main() -> None:
-        async with master() as addr, mooncake.open_store(
-            addr, segment_size=4 * MIB, local_buffer_size=MIB
-        ) as s:
+        async with (
+            master() as addr,
+            mooncake.open_store(addr, segment_size=4 * MIB, local_buffer_size=MIB) as s,
+        ):
             await s.put("k", b"hello")
             assert await s.get("k") == b"hello"
             assert await s.health() == 0

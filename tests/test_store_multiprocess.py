@@ -44,9 +44,16 @@ def clients(master: Master) -> Iterator[list[Client]]:
             c.stop()
 
 
-def local_store(address: str, segment_mib: int = 32, buffer_mib: int = 32) -> MooncakeDistributedStore:
+def local_store(
+    address: str, segment_mib: int = 32, buffer_mib: int = 32
+) -> MooncakeDistributedStore:
     s = MooncakeDistributedStore()
-    assert s.setup("127.0.0.1", "P2PHANDSHAKE", segment_mib * MIB, buffer_mib * MIB, "tcp", "", address) == 0
+    assert (
+        s.setup(
+            "127.0.0.1", "P2PHANDSHAKE", segment_mib * MIB, buffer_mib * MIB, "tcp", "", address
+        )
+        == 0
+    )
     return s
 
 
@@ -84,14 +91,21 @@ def test_three_clients_exchange_verified_bytes(master: Master, clients: list[Cli
                     assert sha(me.get(key)) == sha(value(i, n)), key
                     for reader in (a, b):
                         assert reader.cmd("digest", key=key) == {"len": n, "sha": sha(value(i, n))}
-                    assert me.get_replica_desc(key)[0].get_memory_descriptor().buffer_descriptor.transport_endpoint == seg
+                    assert (
+                        me.get_replica_desc(key)[0]
+                        .get_memory_descriptor()
+                        .buffer_descriptor.transport_endpoint
+                        == seg
+                    )
         for i, n in enumerate(sizes):
             assert b.cmd("digest", key=f"me-{i}") == {"len": n, "sha": sha(value(i, n))}
     finally:
         me.close()
 
 
-def test_replicas_on_distinct_segments_survive_a_sigkill(master: Master, clients: list[Client]) -> None:
+def test_replicas_on_distinct_segments_survive_a_sigkill(
+    master: Master, clients: list[Client]
+) -> None:
     a, b = clients
     me = local_store(master.address)
     try:
@@ -109,16 +123,19 @@ def test_replicas_on_distinct_segments_survive_a_sigkill(master: Master, clients
         a.kill()
         for i, k in enumerate(keys):  # before and after the master notices
             assert me.get(k) == value(i, 100_000 + i)
-        wait_until(lambda: all(
-            len(me.get_replica_desc(k)) == 1 for k in keys
-        ), "the master to drop the dead client's replicas")
+        wait_until(
+            lambda: all(len(me.get_replica_desc(k)) == 1 for k in keys),
+            "the master to drop the dead client's replicas",
+        )
         for i, k in enumerate(keys):
             assert b.cmd("digest", key=k) == {"len": 100_000 + i, "sha": sha(value(i, 100_000 + i))}
     finally:
         me.close()
 
 
-def test_client_killed_mid_put_leaves_nothing_readable(master: Master, clients: list[Client]) -> None:
+def test_client_killed_mid_put_leaves_nothing_readable(
+    master: Master, clients: list[Client]
+) -> None:
     a, b = clients
     me = local_store(master.address)
     try:
@@ -134,14 +151,18 @@ def test_client_killed_mid_put_leaves_nothing_readable(master: Master, clients: 
             victim.stop()
         assert me.is_exist("half") == 0
         assert me.get("half") == b""
-        wait_until(lambda: me.put("half", b"whole", ReplicateConfig()) == 0 and me.get("half") == b"whole",
-                   "the key to become writable again (writer expired)")
+        wait_until(
+            lambda: me.put("half", b"whole", ReplicateConfig()) == 0 and me.get("half") == b"whole",
+            "the key to become writable again (writer expired)",
+        )
         assert b.cmd("digest", key="half") == {"len": 5, "sha": sha(b"whole")}
     finally:
         me.close()
 
 
-def test_reads_of_a_dead_clients_keys_fail_then_the_keys_are_gone(master: Master, clients: list[Client]) -> None:
+def test_reads_of_a_dead_clients_keys_fail_then_the_keys_are_gone(
+    master: Master, clients: list[Client]
+) -> None:
     a, b = clients
     me = local_store(master.address)
     buf = np.zeros(MIB, dtype=np.uint8)
@@ -155,8 +176,12 @@ def test_reads_of_a_dead_clients_keys_fail_then_the_keys_are_gone(master: Master
         # the master still lists them (client TTL not over): the read itself must fail
         rcs = [me.get_into(k, buf.ctypes.data, buf.nbytes) for k in keys]
         assert set(rcs) <= {TRANSFER_FAIL, NOT_FOUND} and TRANSFER_FAIL in rcs, rcs
-        wait_until(lambda: me.batch_is_exist(keys) == [0] * len(keys), "the dead client's keys to go")
-        assert [me.get_into(k, buf.ctypes.data, buf.nbytes) for k in keys] == [NOT_FOUND] * len(keys)
+        wait_until(
+            lambda: me.batch_is_exist(keys) == [0] * len(keys), "the dead client's keys to go"
+        )
+        assert [me.get_into(k, buf.ctypes.data, buf.nbytes) for k in keys] == [NOT_FOUND] * len(
+            keys
+        )
         # the survivors' segments still take new objects
         assert me.put("after", b"x" * 1000) == 0
         assert b.cmd("digest", key="after") == {"len": 1000, "sha": sha(b"x" * 1000)}
@@ -174,7 +199,7 @@ def test_full_store_evicts_under_the_watermark_and_puts_succeed(master: Master) 
         assert [me.put_from(k, src.ctypes.data, MIB) for k in keys] == [0] * 48
         alive = [k for k, e in zip(keys, me.batch_is_exist(keys), strict=True) if e == 1]
         assert 0 < len(alive) * MIB <= 0.9 * 16 * MIB
-        assert alive == keys[-len(alive):]  # oldest evicted first
+        assert alive == keys[-len(alive) :]  # oldest evicted first
         assert me.get(alive[-1]) == src.tobytes()
     finally:
         me.unregister_buffer(src.ctypes.data)

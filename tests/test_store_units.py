@@ -21,7 +21,9 @@ from mooncake.store import MooncakeDistributedStore, SoftPinAction
     cap=hs.integers(0, 1 << 16),
     ops=hs.lists(hs.tuples(hs.booleans(), hs.integers(1, 5000)), max_size=80),
 )
-def test_range_allocator_never_overlaps_and_coalesces(cap: int, ops: list[tuple[bool, int]]) -> None:
+def test_range_allocator_never_overlaps_and_coalesces(
+    cap: int, ops: list[tuple[bool, int]]
+) -> None:
     a = RangeAllocator(cap, align=64)
     live: dict[int, int] = {}
     for is_alloc, n in ops:
@@ -30,7 +32,7 @@ def test_range_allocator_never_overlaps_and_coalesces(cap: int, ops: list[tuple[
             if off is None:
                 continue
             end = off + ((n + 63) & ~63)
-            assert off % 64 == 0 and 0 <= off and end <= a.capacity
+            assert off % 64 == 0 and off >= 0 and end <= a.capacity
             assert all(end <= o or o + m <= off for o, m in live.items())
             live[off] = end - off
         else:
@@ -70,7 +72,9 @@ def test_loop_thread_calls_submits_raises_and_closes() -> None:
             lt.call(boom)
         # many threads at once
         out: list[int] = []
-        ts = [threading.Thread(target=lambda i=i: out.append(lt.call(add, i, 0))) for i in range(16)]
+        ts = [
+            threading.Thread(target=lambda i=i: out.append(lt.call(add, i, 0))) for i in range(16)
+        ]
         for t in ts:
             t.start()
         for t in ts:
@@ -114,7 +118,12 @@ def test_replicate_config_matches_the_published_shape() -> None:
     c.soft_pin_action = SoftPinAction.ENABLE
     w = to_wire(c)
     assert isinstance(w, st.ReplicateConfig)
-    assert (w.replica_num, w.with_hard_pin, w.preferred(), w.soft_pinned()) == (2, True, ["h:1"], True)
+    assert (w.replica_num, w.with_hard_pin, w.preferred(), w.soft_pinned()) == (
+        2,
+        True,
+        ["h:1"],
+        True,
+    )
     c.replica_num = 0
     with pytest.raises(InvalidArgumentError, match="replica_num"):
         to_wire(c)
@@ -133,8 +142,16 @@ def test_facade_before_setup_and_with_bad_setup_arguments() -> None:
     assert s.get("k") == b""
     assert s.batch_is_exist(["a", "b"]) == [s.is_exist("a")] * 2
     assert s.setup({"local_hostname": "127.0.0.1"}) == -600  # metadata_server missing
-    assert s.setup({"local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
-                    "global_segment_size": "10%"}) == -600
+    assert (
+        s.setup(
+            {
+                "local_hostname": "127.0.0.1",
+                "metadata_server": "P2PHANDSHAKE",
+                "global_segment_size": "10%",
+            }
+        )
+        == -600
+    )
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", 1 << 20, 1 << 20, "tcp", "", "nonsense") == -600
     assert s.put_tensor("k", None) == -1012  # published, not provided here
     assert s.close() == 0

@@ -64,7 +64,6 @@ from mooncake._store.config import ReplicateConfig, to_wire
 from mooncake._store.master_conn import MasterConnection
 from mooncake._store.shm import MappedPeer, SharedSegment, ShmPeers, ShmServer
 from mooncake.errors import (
-    BufferOverflowError,
     ClosedError,
     InvalidArgumentError,
     LeaseExpiredError,
@@ -185,7 +184,8 @@ class Store:
                 protocol="tcp",
             )
             await self.master.call(
-                "MountSegment", rpc.MountSegmentParams(client_id=self.client_id, segment=self.mounted)
+                "MountSegment",
+                rpc.MountSegmentParams(client_id=self.client_id, segment=self.mounted),
             )
         tg.start_soon(self._heartbeat)
 
@@ -249,7 +249,9 @@ class Store:
 
     def _require_local(self, addr: int, length: int, what: str) -> None:
         if isinstance(addr, bool) or not isinstance(addr, int) or addr <= 0:
-            raise InvalidArgumentError(f"{what}: buffer address must be a positive int, got {addr!r}")
+            raise InvalidArgumentError(
+                f"{what}: buffer address must be a positive int, got {addr!r}"
+            )
         if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
             raise InvalidArgumentError(f"{what}: size must be a positive int, got {length!r}")
         if self.engine.registry.find(addr, length) is None:
@@ -296,7 +298,9 @@ class Store:
                 base, size = self.segment.addr, self.segment.size
                 addr = op.replica.addr
                 if addr < base or addr + op.length > base + size:
-                    op.error = TransferError(f"replica [{addr:#x}, +{op.length}) outside own segment")
+                    op.error = TransferError(
+                        f"replica [{addr:#x}, +{op.length}) outside own segment"
+                    )
                     continue
                 remote_local = addr
             else:
@@ -329,10 +333,10 @@ class Store:
                 for p in peers.values():
                     p.users -= 1
             # the fence for same-host copies: the owner must have outlived the copy
-            for op, p in copy_ops:
-                if p is not None and not p.alive():
+            for op, mp in copy_ops:
+                if mp is not None and not mp.alive():
                     op.error = PeerDiedError(
-                        f"{p.segment}: its owner died while the {'write' if op.write else 'read'} "
+                        f"{mp.segment}: its owner died while the {'write' if op.write else 'read'} "
                         "was in flight"
                     )
             for p in peers.values():
@@ -354,8 +358,10 @@ class Store:
             return
         for op, res in zip(ops, results, strict=True):
             if not res.ok:
-                op.error = res.error if isinstance(res.error, TransferError) else TransferError(
-                    str(res.error)
+                op.error = (
+                    res.error
+                    if isinstance(res.error, TransferError)
+                    else TransferError(str(res.error))
                 )
 
     # -- put ------------------------------------------------------------------------------
@@ -431,8 +437,12 @@ class Store:
                 out[i] = e
         if good:
             res = await self._put_addrs(
-                [keys[i] for i in good], [addrs[i] for i in good], [sizes[i] for i in good],
-                config, upsert=upsert, batch=True,
+                [keys[i] for i in good],
+                [addrs[i] for i in good],
+                [sizes[i] for i in good],
+                config,
+                upsert=upsert,
+                batch=True,
             )
             for i, r in zip(good, res, strict=True):
                 out[i] = r
@@ -587,9 +597,9 @@ class Store:
         # -- end / revoke
         failed = [out[i] is not None for i in range(len(keys))]
         end_errs = await self._finish(prefix, keys, started, failed, batch)
-        for i, e in end_errs.items():
+        for i, end_err in end_errs.items():
             if out[i] is None:
-                out[i] = e
+                out[i] = end_err
         return out
 
     async def _resolve(self, segments: Any) -> None:
@@ -689,7 +699,9 @@ class Store:
             return resp.size
         return resp.replicas[0].length if resp.replicas else 0
 
-    async def _read_one(self, resp: st.GetReplicaListResponse, local: int, n: int, deadline: float) -> None:
+    async def _read_one(
+        self, resp: st.GetReplicaListResponse, local: int, n: int, deadline: float
+    ) -> None:
         """Read ``n`` bytes of the object into ``local``, trying replicas in order; fenced."""
         order = self._order(resp.replicas)
         if not order:
@@ -719,7 +731,9 @@ class Store:
         order = self._order(resp.replicas)
         if order and self._is_copyable(order[0].segment_name):
             r = order[0]
-            peer = None if r.segment_name == self.segment_name else self._route_cached(r.segment_name)
+            peer = (
+                None if r.segment_name == self.segment_name else self._route_cached(r.segment_name)
+            )
             src = r.addr if peer is None else peer.local(r.addr, n)
             if peer is not None:
                 peer.users += 1
@@ -789,10 +803,8 @@ class Store:
             for i, r in enumerate(resps):
                 if isinstance(r, MooncakeError):
                     out[i] = r
-                elif errs[i] is not None:
-                    e = errs[i]
-                    assert e is not None
-                    out[i] = e
+                elif (read_err := errs[i]) is not None:
+                    out[i] = read_err
                 else:
                     out[i] = ctypes.string_at(addrs[i], sizes[i])
         finally:
@@ -842,8 +854,8 @@ class Store:
         for i, r in enumerate(resps):
             if isinstance(r, MooncakeError):
                 continue
-            e = errs[i]
-            out[i] = e if e is not None else lens[i]
+            read_err = errs[i]
+            out[i] = read_err if read_err is not None else lens[i]
         return out
 
     async def _read_many(
@@ -926,7 +938,9 @@ class Store:
             return {}
         resps, _ = await self._batch_query(keys, for_read=False)
         return {
-            k: list(r.replicas) for k, r in zip(keys, resps, strict=True) if not isinstance(r, MooncakeError)
+            k: list(r.replicas)
+            for k, r in zip(keys, resps, strict=True)
+            if not isinstance(r, MooncakeError)
         }
 
     async def remove(self, key: str, *, force: bool = False) -> None:
@@ -944,7 +958,9 @@ class Store:
 
     async def remove_by_regex(self, pattern: str, *, force: bool = False) -> int:
         self._check_open()
-        n: int = await self.master.call("RemoveByRegex", rpc.RegexParams(regex=pattern, force=force))
+        n: int = await self.master.call(
+            "RemoveByRegex", rpc.RegexParams(regex=pattern, force=force)
+        )
         return n
 
     async def remove_all(self, *, force: bool = False) -> int:

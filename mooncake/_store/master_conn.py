@@ -145,7 +145,9 @@ class MasterConnection:
             except BlockingIOError:
                 n = 0
             except OSError as e:
-                self._fail(RpcError(f"master connection lost ({errno.errorcode.get(e.errno or 0, e)})"))
+                self._fail(
+                    RpcError(f"master connection lost ({errno.errorcode.get(e.errno or 0, e)})")
+                )
                 raise RpcError(f"cannot send to the master at {self.address}: {e}") from None
             if n == len(frame):
                 return

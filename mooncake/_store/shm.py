@@ -100,7 +100,11 @@ class ShmServer:
         except OSError as e:
             sock.close()
             # someone on this host already serves that name: stay network-only
-            log.warning("shm: cannot listen as %r (%s); same-host peers use the network", self.segment_name, e)
+            log.warning(
+                "shm: cannot listen as %r (%s); same-host peers use the network",
+                self.segment_name,
+                e,
+            )
             task_status.started("")
             return
         sock.listen(128)
@@ -159,7 +163,9 @@ class MappedPeer:
 
     __slots__ = ("base", "dead", "delta", "mm", "segment", "size", "sock", "users")
 
-    def __init__(self, segment: str, sock: socket.socket, mm: mmap.mmap, base: int, size: int) -> None:
+    def __init__(
+        self, segment: str, sock: socket.socket, mm: mmap.mmap, base: int, size: int
+    ) -> None:
         self.segment = segment
         self.sock = sock
         self.mm = mm
