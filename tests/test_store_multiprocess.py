@@ -222,3 +222,55 @@ def test_hard_pinned_full_store_answers_no_available_handle(master: Master) -> N
     finally:
         me.unregister_buffer(src.ctypes.data)
         me.close()
+
+
+def test_clients_remount_after_a_master_restart() -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    m1 = Master("--rpc-port", str(port))
+    a = Client(m1.address, 16)
+    me = local_store(m1.address)
+    try:
+        assert me.put("before", b"1" * 100) == 0
+        m1.proc.kill()
+        m1.proc.wait()
+        assert me.get("before") == b""  # the master (and its metadata) is gone
+        m2 = Master("--rpc-port", str(port))
+        try:
+            assert m2.address == m1.address
+            on_a = ReplicateConfig()
+            on_a.preferred_segment = a.hostname
+
+            tries = iter(range(10**6))
+            landed: list[str] = []
+
+            def a_is_back() -> bool:
+                key = f"after-{next(tries)}"
+                if me.put(key, b"2" * 100, on_a) != 0:
+                    return False
+                desc = me.get_replica_desc(key)
+                if (
+                    desc[0].get_memory_descriptor().buffer_descriptor.transport_endpoint
+                    != a.hostname
+                ):
+                    return False  # preference is best effort: a's segment not mounted yet
+                landed.append(key)
+                return True
+
+            # heartbeats get NEED_REMOUNT from the new master and remount both segments
+            wait_until(a_is_back, "the client to remount its segment at the new master")
+            assert a.cmd("digest", key=landed[0]) == {"len": 100, "sha": sha(b"2" * 100)}
+            assert (
+                me.is_exist("before") == 0
+            )  # lost with the old master's metadata, not resurrected
+        finally:
+            me.close()
+            a.stop()
+            m2.stop()
+    finally:
+        me.close()
+        a.stop()
+        m1.stop()
