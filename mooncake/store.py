@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ import numpy as np
 
 from mooncake._core.store_types import ObjectDataType, ReplicaStatus, SoftPinAction
 from mooncake._store._bridge import LoopThread
-from mooncake._store.client import Store, open_store
+from mooncake._store.client import Store, _check_key, _value_addr, open_store
 from mooncake._store.config import (
     Descriptor,
     DiskDescriptor,
@@ -33,6 +34,7 @@ from mooncake._store.config import (
     ReplicateConfig,
     parse_size,
 )
+from mooncake._store.fastpath import FAST_MAX, FastPath
 from mooncake.errors import ErrorCode, InvalidArgumentError, MooncakeError, to_code
 
 log = logging.getLogger("mooncake.store")
@@ -142,6 +144,7 @@ class MooncakeDistributedStore:
         self._store: Store | None = None
         self._life: concurrent.futures.Future[None] | None = None
         self._stop: anyio.Event | None = None
+        self._fast: FastPath | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -179,6 +182,8 @@ class MooncakeDistributedStore:
             self._life = None
             return to_code(e)
         self._loop = loop
+        if os.environ.get("MC_STORE_SYNC_FASTPATH", "1") not in ("0", "false", "False"):
+            self._fast = FastPath(self._store, loop)
         return 0
 
     def close(self) -> int:
@@ -186,6 +191,9 @@ class MooncakeDistributedStore:
         loop, self._loop = self._loop, None
         if loop is None:
             return 0
+        fast, self._fast = self._fast, None
+        if fast is not None:
+            fast.close()
 
         async def stop() -> None:
             if self._stop is not None:
@@ -258,13 +266,38 @@ class MooncakeDistributedStore:
 
     # -- bytes API ------------------------------------------------------------------------
 
+    def _fast_put(self, key: str, value: Any, config: Any, upsert: bool) -> int | None:
+        """The caller-thread put for small values (None: take the loop path)."""
+        fp, store = self._fast, self._store
+        if fp is None or store is None or store._closed:
+            return None
+        try:
+            addr, n, keep = _value_addr(value)
+        except MooncakeError as e:
+            return to_code(e)
+        if not 0 < n <= FAST_MAX or n > store._staging.capacity:
+            return None  # empty or too large: the loop path gives the published answer
+        try:
+            fp.put(_check_key(key), addr, n, config, upsert)
+        except Exception as e:
+            return to_code(e)
+        finally:
+            del keep
+        return 0
+
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
+        rc = self._fast_put(key, value, config, False)
+        if rc is not None:
+            return rc
         try:
             return self._rc(self._s.put, key, value, config)
         except Exception as e:
             return to_code(e)
 
     def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
+        rc = self._fast_put(key, value, config, True)
+        if rc is not None:
+            return rc
         try:
             return self._rc(self._s.upsert, key, value, config)
         except Exception as e:
@@ -312,6 +345,13 @@ class MooncakeDistributedStore:
 
     def get(self, key: str) -> bytes:
         """The value, or ``b""`` if it is missing or the read failed."""
+        fp, store = self._fast, self._store
+        if fp is not None and store is not None and not store._closed:
+            try:
+                return fp.get(_check_key(key))
+            except Exception as e:
+                log.debug("get(%r): %s", key, e)
+                return b""
         try:
             data: bytes = self._call(self._s.get, key)
             return data
@@ -399,6 +439,15 @@ class MooncakeDistributedStore:
     def put_from(
         self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None
     ) -> int:
+        fp, store = self._fast, self._store
+        fast_ok = isinstance(size, int) and 0 < size <= FAST_MAX
+        if fp is not None and store is not None and not store._closed and fast_ok:
+            try:
+                store._require_local(buffer_ptr, size, "put_from")
+                fp.put(_check_key(key), buffer_ptr, size, config, False)
+            except Exception as e:
+                return to_code(e)
+            return 0
         try:
             return self._rc(self._s.put_from, key, buffer_ptr, size, config)
         except Exception as e:
@@ -440,6 +489,13 @@ class MooncakeDistributedStore:
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
         """Bytes read into ``[buffer_ptr, +size)`` (negative code on failure)."""
+        fp, store = self._fast, self._store
+        if fp is not None and store is not None and not store._closed:
+            try:
+                store._require_local(buffer_ptr, size, "get_into")
+                return fp.get_into(_check_key(key), buffer_ptr, size)
+            except Exception as e:
+                return to_code(e)
         try:
             return int(self._call(self._s.get_into, key, buffer_ptr, size))
         except Exception as e:

@@ -274,3 +274,39 @@ def test_clients_remount_after_a_master_restart() -> None:
         me.close()
         a.stop()
         m1.stop()
+
+
+@pytest.mark.parametrize("memcpy", ["1", "0"], ids=["same-host-memcpy", "network"])
+def test_sync_fast_path_and_loop_path_give_the_same_bytes(
+    master: Master, clients: list[Client], memcpy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MC_STORE_MEMCPY", memcpy)
+    a, _ = clients
+    me = local_store(master.address)
+    buf = np.zeros(2 * MIB, dtype=np.uint8)
+    try:
+        assert me._fast is not None
+        assert me.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+        on_a, on_me = ReplicateConfig(), ReplicateConfig()
+        on_a.preferred_segment = a.hostname
+        on_me.preferred_segment = me.get_hostname()
+        for i, n in enumerate((1, 4096, MIB, MIB + 1)):  # MIB + 1: above the fast path's limit
+            v = value(i, n)
+            for cfg, where in ((on_me, "me"), (on_a, "a")):
+                key = f"{where}-{i}"
+                assert me.put(key, v, cfg) == 0
+                assert me.get(key) == v
+                assert me.get_into(key, buf.ctypes.data, buf.nbytes) == n
+                assert buf[:n].tobytes() == v
+                assert a.cmd("digest", key=key) == {"len": n, "sha": sha(v)}
+                buf[:n] = np.frombuffer(value(i + 100, n), dtype=np.uint8)
+                assert me.put_from(key + "-z", buf.ctypes.data, n, cfg) == 0
+                assert me.get(key + "-z") == value(i + 100, n)
+        assert me.upsert("me-0", b"new", on_me) == 0 and me.get("me-0") == b"new"
+        # own-segment values always, same-host ones once mapped, take the caller-thread path
+        assert me._fast.hits > 0
+        assert me.get_into("missing", buf.ctypes.data, 16) == NOT_FOUND
+        assert me.get_into("me-1", buf.ctypes.data, 16) == int(ErrorCode.INVALID_PARAMS)
+    finally:
+        me.unregister_buffer(buf.ctypes.data)
+        me.close()

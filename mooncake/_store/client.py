@@ -325,13 +325,21 @@ class Store:
                     tg.start_soon(self._move_net, seg, seg_ops)
         if copies:
             peers = {id(p): p for _, p in copy_ops if p is not None}
-            for p in peers.values():
-                p.users += 1
+            pinned = [p for p in peers.values() if p.acquire()]
             try:
+                if len(pinned) < len(peers):  # one died since it was looked up
+                    for op, mp in copy_ops:
+                        if mp is not None and mp not in pinned:
+                            op.error = PeerDiedError(f"{mp.segment}: its owner is gone")
+                    keep = [
+                        (c, o) for c, o in zip(copies, copy_ops, strict=True) if o[0].error is None
+                    ]
+                    copies = [c for c, _ in keep]
+                    copy_ops = [o for _, o in keep]
                 await _memcpy_many(copies)
             finally:
-                for p in peers.values():
-                    p.users -= 1
+                for p in pinned:
+                    p.unpin()
             # the fence for same-host copies: the owner must have outlived the copy
             for op, mp in copy_ops:
                 if mp is not None and not mp.alive():
@@ -608,6 +616,39 @@ class Store:
             if seg != self.segment_name:
                 await self._shm.lookup(seg)
 
+    async def _complete_put(
+        self, prefix: str, key: str, addr: int, size: int, reps: list[st.ReplicaDescriptor]
+    ) -> MooncakeError | None:
+        """Write ``reps`` (already PutStart-ed elsewhere) from ``addr``, then End or Revoke."""
+        err: MooncakeError | None = None
+        staged: int | None = None
+        try:
+            await self._resolve(r.segment_name for r in reps)
+            src = addr
+            remote = any(not self._is_copyable(r.segment_name) for r in reps)
+            if remote and self.engine.registry.find(addr, size) is None:
+                staged = await self._stage(size)
+                assert self.local_buffer is not None
+                src = self.local_buffer.addr + staged
+                await _memcpy_many([(src, addr, size)])
+            if not reps:
+                err = TransferError(f"master allocated no replica for {key!r}")
+            elif any(r.length != size for r in reps):
+                err = TransferError(f"master allocated a replica of the wrong size for {key!r}")
+            else:
+                ops = [_Op(True, src, r, size) for r in reps]
+                await self._move(ops)
+                err = next((op.error for op in ops if op.error is not None), None)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._finish(prefix, [key], [0], [True], False)
+            raise
+        finally:
+            if staged is not None:
+                self._unstage(staged)
+        errs = await self._finish(prefix, [key], [0], [err is not None], False)
+        return err or errs.get(0)
+
     def _is_copyable(self, segment: str) -> bool:
         """Whether writes to ``segment`` are memcpys (own or a live same-host mapping)."""
         if segment == self.segment_name:
@@ -725,6 +766,10 @@ class Store:
         """The value of ``key`` (raises :class:`ObjectNotFoundError` if there is none)."""
         self._check_open()
         resp, deadline = await self._query(key)
+        return await self._get_with(resp, deadline)
+
+    async def _get_with(self, resp: st.GetReplicaListResponse, deadline: float) -> bytes:
+        """The rest of :meth:`get` once ``GetReplicaList`` has answered ``resp``."""
         n = self._size_of(resp)
         # same-host or own replica: copy straight into a new bytes object
         await self._resolve(r.segment_name for r in resp.replicas)
@@ -735,13 +780,14 @@ class Store:
                 None if r.segment_name == self.segment_name else self._route_cached(r.segment_name)
             )
             src = r.addr if peer is None else peer.local(r.addr, n)
-            if peer is not None:
-                peer.users += 1
+            if peer is not None and not peer.acquire():
+                self._shm.forget(r.segment_name)
+                raise PeerDiedError(f"{r.segment_name}: its owner is gone")
             try:
                 data = ctypes.string_at(src, n)
             finally:
                 if peer is not None:
-                    peer.users -= 1
+                    peer.unpin()
             if peer is None or peer.alive():
                 if anyio.current_time() > deadline:
                     self.lease_fences += 1
