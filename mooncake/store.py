@@ -58,26 +58,18 @@ _DEFAULT_SIZE = 16 << 20
 UNDEFINED, INITIALIZED, PROCESSING, COMPLETE, REMOVED, FAILED = ReplicaStatus
 
 
-class BufferHandle:
-    """A value read by ``get_buffer``: ``ptr()``, ``size()`` and the buffer protocol."""
+class BufferHandle(bytearray):
+    """A value read by ``get_buffer``: ``ptr()``, ``size()`` and the buffer protocol.
 
-    def __init__(self, data: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
-        self._data = data
+    The bytes live in this object (a ``bytearray``); ``ptr()`` stays valid while it is alive and
+    not resized.
+    """
 
     def ptr(self) -> int:
-        return int(self._data.ctypes.data)
+        return int(np.frombuffer(self, dtype=np.uint8).ctypes.data) if len(self) else 0
 
     def size(self) -> int:
-        return int(self._data.nbytes)
-
-    def __len__(self) -> int:
-        return int(self._data.nbytes)
-
-    def __buffer__(self, flags: int) -> memoryview:
-        return memoryview(self._data.data)
-
-    def __bytes__(self) -> bytes:
-        return self._data.tobytes()
+        return len(self)
 
 
 def _setup_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -368,15 +360,10 @@ class MooncakeDistributedStore:
 
     def get_buffer(self, key: str) -> BufferHandle | None:
         data = self.get(key)
-        if not data:
-            return None
-        return BufferHandle(np.frombuffer(bytearray(data), dtype=np.uint8))
+        return BufferHandle(data) if data else None
 
     def batch_get_buffer(self, keys: list[str]) -> list[BufferHandle | None]:
-        return [
-            BufferHandle(np.frombuffer(bytearray(d), dtype=np.uint8)) if d else None
-            for d in self.get_batch(keys)
-        ]
+        return [BufferHandle(d) if d else None for d in self.get_batch(keys)]
 
     def get_size(self, key: str) -> int:
         try:

@@ -7,6 +7,7 @@ client. Values are deterministic per (seed, size) and checked by SHA-256 across 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import time
 from collections.abc import Iterator
@@ -303,6 +304,10 @@ def test_sync_fast_path_and_loop_path_give_the_same_bytes(
                 assert me.put_from(key + "-z", buf.ctypes.data, n, cfg) == 0
                 assert me.get(key + "-z") == value(i + 100, n)
         assert me.upsert("me-0", b"new", on_me) == 0 and me.get("me-0") == b"new"
+        h = me.get_buffer("a-1")
+        assert h is not None and h.size() == 4096 and bytes(memoryview(h)) == value(1, 4096)
+        assert ctypes.string_at(h.ptr(), 4096) == value(1, 4096)
+        assert me.get_buffer("missing") is None
         # own-segment values always, same-host ones once mapped, take the caller-thread path
         assert me._fast.hits > 0
         assert me.get_into("missing", buf.ctypes.data, 16) == NOT_FOUND
