@@ -1,4 +1,4 @@
-"""``python -m mooncake ...``: the same command line as the ``mooncake`` console script."""
+"""``python -m mooncake ...`` is the ``mooncake`` command."""
 
 import sys
 

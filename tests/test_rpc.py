@@ -149,7 +149,7 @@ def test_any_chunking_gives_the_same_messages(fs: list[bytes], cuts: list[int]) 
     ref.feed(whole)
     expected = [msgspec.msgpack.encode(m) for m in ref]
     dec = rpc.MessageDecoder()
-    got = []
+    got: list[bytes] = []
     pos = 0
     i = 0
     while pos < len(whole):

@@ -12,7 +12,11 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-_SUBCOMMANDS: list[str] = ["master", "metadata_server"]
+_SUBCOMMANDS: list[str] = [
+    "demo",
+    "master",
+    "metadata_server",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

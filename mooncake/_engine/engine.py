@@ -63,6 +63,7 @@ from mooncake.errors import (
     NotSupportedError,
     PeerDiedError,
     PeerUnreachableError,
+    RegistrationError,
     RemoteAccessError,
     TransferError,
 )
@@ -202,7 +203,6 @@ class Engine:
         self._peer_locks: dict[str, anyio.Lock] = collections.defaultdict(anyio.Lock)
         self._notifies: collections.deque[Notify] = collections.deque(maxlen=MAX_NOTIFIES)
         self._buffers: dict[int, Buffer] = {}
-        self._released = anyio.Event()
         self._closed = False
         self._desc_cache: dict[str, Any] | None = None
 
@@ -214,7 +214,7 @@ class Engine:
         self.handshake.handlers[FrameType.METADATA] = self._on_metadata
         self.handshake.handlers[FrameType.NOTIFY] = self._on_notify
         self.handshake.handlers[FrameType.PROBE] = self._on_probe
-        self.rpc_port = await self.task_group.start(
+        self.rpc_port: int = await self.task_group.start(
             self.handshake.serve, self.bind_host, self._rpc_port_req
         )
         if self.metadata.p2p:
@@ -255,7 +255,9 @@ class Engine:
                 try:
                     buf._mmap.close()
                 except BufferError:
-                    log.warning("engine buffer %r still exported at close; leaving it mapped", buf)
+                    # still viewed (e.g. a numpy array the caller holds): the mapping goes
+                    # away with its last view instead of under it
+                    pass
             self._buffers.clear()
 
     def _check_open(self) -> None:
@@ -350,17 +352,19 @@ class Engine:
         Waits until in-flight transfers touching the region are done; new ones are refused
         from the moment this is called.
         """
-        if isinstance(obj, Region) or isinstance(obj, Buffer):
+        if isinstance(obj, (Region, Buffer)):
             addr = obj.addr
         elif isinstance(obj, int):
             addr = obj
         else:
             addr = buffer_address(obj, writable=False)[0]
         region = self.registry.get(addr)
+        if region.closing:
+            raise RegistrationError(f"region at {addr:#x} is already being unregistered")
         region.closing = True
         while region.users:
-            self._released = anyio.Event()
-            await self._released.wait()
+            released = region.meta["released"] = anyio.Event()
+            await released.wait()
         for t in self.transports:
             await t.on_unregister(region)
         self.registry.remove(addr)
@@ -378,7 +382,9 @@ class Engine:
     def release_region(self, region: Region) -> None:
         region.users -= 1
         if region.users == 0 and region.closing:
-            self._released.set()
+            released = region.meta.get("released")
+            if released is not None:
+                released.set()
 
     async def allocate(self, length: int, *, location: str = "cpu:0") -> Buffer:
         """Allocate ``length`` bytes of page-aligned memory, pre-fault it and register it."""
@@ -467,12 +473,16 @@ class Engine:
             return []
         if segment == self.segment_name:
             return await self._local(reqs)
-        peer = await self.peer(segment)
-        uncovered = [
-            r for r in reqs if peer.descriptor.find_buffer(r.remote_addr, r.length) is None
-        ]
-        if uncovered:  # the peer may have registered more since we cached its descriptor
-            peer = await self.peer(segment, refresh=True)
+        try:
+            peer = await self.peer(segment)
+            if any(peer.descriptor.find_buffer(r.remote_addr, r.length) is None for r in reqs):
+                # the peer may have registered more since we cached its descriptor
+                peer = await self.peer(segment, refresh=True)
+        except InvalidArgumentError:
+            raise
+        except MooncakeError as e:  # unreachable, unknown or malformed: every request fails
+            self.forget(segment)
+            return [failed(e) for _ in reqs]
         results: list[TransferResult | None] = [None] * len(reqs)
         send_idx = []
         for i, r in enumerate(reqs):
@@ -643,17 +653,25 @@ async def open_engine(
         tcp_lanes=lanes,
         segment_name=segment_name,
     )
+    start_error: MooncakeError | None = None
     try:
         async with anyio.create_task_group() as tg:
             engine.task_group = tg
             try:
-                await engine._start()
-                yield engine
+                try:
+                    await engine._start()
+                except MooncakeError as e:
+                    # raised as itself below, not wrapped in the task group's ExceptionGroup
+                    start_error = e
+                else:
+                    yield engine
             finally:
                 engine._closed = True
                 with anyio.CancelScope(shield=True):
                     await engine._unpublish()
                 tg.cancel_scope.cancel()
+        if start_error is not None:
+            raise start_error
     finally:
         # every task (servers, submitted batches) has ended: release what they used
         await engine._aclose()

@@ -19,18 +19,20 @@ its own model of what the policy should track, and after every step checks:
   the policy must propose (or ``None`` to skip). :func:`lru_oracle`, :func:`fifo_oracle`,
   :func:`lfu_oracle` and :func:`prefix_lru_oracle` are the shipped policies' oracles.
 
-A failure raises the hypothesis error with the shrunk sequence of steps attached (printed by
-pytest). Needs the ``test`` extra (``hypothesis``).
+A failure raises ``AssertionError`` naming the broken rule, with hypothesis' shrunk sequence
+of steps in its ``__notes__`` (pytest prints them). Needs the ``test`` extra (``hypothesis``);
+refuses to run under ``python -O``, where its assertions would vanish.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import hypothesis.strategies as st
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from mooncake._core.policies.base import EvictionPolicy, Key, Pin
@@ -392,6 +394,9 @@ class PolicyMachine(RuleBasedStateMachine):
             assert set(dead) == expected, (
                 f"unreachable() = {dead!r}, model {sorted(map(repr, expected))}"
             )
+            for i, gone in enumerate(dead):
+                later = [c for c in self.model.children(gone) if c in dead[i:]]
+                assert not later, f"unreachable() lists {gone!r} before its children {later!r}"
         else:
             assert dead == [], f"unreachable() = {dead!r} from a policy that is not prefix-closed"
 
@@ -414,8 +419,12 @@ def check_policy(
     adds a policy-specific exact check (:func:`lru_oracle` ...). ``derandomize=True`` makes
     the run repeatable; ``settings_`` replaces every hypothesis setting.
     """
+    if not __debug__:
+        # The checks are assert statements: under -O they would all pass vacuously.
+        raise RuntimeError("check_policy needs assertions enabled (do not run python -O)")
+    label = re.sub(r"\W", "_", getattr(policy_factory, "__name__", "Policy"))
     machine = type(
-        f"{getattr(policy_factory, '__name__', 'Policy')}Machine",
+        f"{label}Machine",
         (PolicyMachine,),
         {
             "factory": staticmethod(policy_factory),
@@ -430,5 +439,8 @@ def check_policy(
             derandomize=derandomize,
             suppress_health_check=[HealthCheck.too_slow],
             report_multiple_bugs=False,
+            # The explain phase costs more than the search and shrink together here, and a
+            # shrunk sequence of steps already says what went wrong.
+            phases=[p for p in Phase if p is not Phase.explain],
         )
     run_state_machine_as_test(machine, settings=settings_)

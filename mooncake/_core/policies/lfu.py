@@ -72,10 +72,22 @@ class LFUPolicy(EvictionPolicy):
         self._bytes += size
 
     def on_access(self, key: Key, now: float = 0.0) -> None:
+        # _unlink + _link inlined: this is the hottest call under a skewed workload.
         freq = self._freq[key]
-        self._unlink(key, freq)
-        self._freq[key] = freq + 1
-        self._link(key, freq + 1)
+        buckets = self._buckets
+        bucket = buckets[freq]
+        del bucket[key]
+        freqs = self._freqs
+        if not bucket:
+            del buckets[freq]
+            del freqs[bisect.bisect_left(freqs, freq)]
+        freq += 1
+        self._freq[key] = freq
+        target = buckets.get(freq)
+        if target is None:
+            target = buckets[freq] = OrderedDict()
+            bisect.insort(freqs, freq)
+        target[key] = None
 
     def on_remove(self, key: Key) -> None:
         self._bytes -= self._size.pop(key)

@@ -130,11 +130,13 @@ class PrefixLRUPolicy(EvictionPolicy):
         if parent is not None and key in kids:
             # Children arrived first: refuse a parent link that closes a cycle.
             p: Key | None = parent
-            while p is not None and p in self._size:
+            while p is not None:
                 if p == key:
                     raise InvalidArgumentError(
                         f"parent {parent!r} of {key!r} descends from {key!r} (cycle)"
                     )
+                if p not in self._size:
+                    break
                 p = self._parent[p]
         if key in self._size:
             self.on_remove(key)
@@ -197,6 +199,14 @@ class PrefixLRUPolicy(EvictionPolicy):
     def victims(self, nbytes: int, can_evict: CanEvict) -> list[Key]:
         if nbytes <= 0 or not self._size:
             return []
+        heap = self._heap
+        while heap and not self._current(heap[0]):
+            heapq.heappop(heap)
+        if heap:
+            # Fast path, the common case: the best leaf alone is enough.
+            key = heap[0][2]
+            if key not in self._pins and self._size[key] >= nbytes and can_evict(key):
+                return [key]
         heap, pins, size, parent_of, kids, dead, tick = (
             self._heap,
             self._pins,

@@ -124,6 +124,12 @@ class S3FIFOPolicy(EvictionPolicy):
             return []
         small, main, freq, size, pins = self._small, self._main, self._freq, self._size, self._pins
         ratio = self.small_ratio
+        # Fast path, the common case: the first object examined is enough on its own.
+        from_s = bool(small) and (not main or self._small_bytes >= ratio * self._bytes)
+        first = next(iter(small if from_s else main))
+        if freq[first] == 0 and first not in pins and size[first] >= nbytes and can_evict(first):
+            self._evicting_small = {first} if from_s else set()
+            return [first]
         back_small: list[Key] = []
         back_main: list[Key] = []
         out: list[Key] = []
