@@ -315,3 +315,35 @@ def test_sync_fast_path_and_loop_path_give_the_same_bytes(
     finally:
         me.unregister_buffer(buf.ctypes.data)
         me.close()
+
+
+def test_sync_fast_path_read_outliving_its_window_fails_closed(
+    master: Master, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mooncake._store import fastpath
+
+    me = local_store(master.address)
+    buf = np.zeros(4096, dtype=np.uint8)
+    try:
+        assert me.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+        assert me.put("k", b"v" * 4096) == 0
+        assert me.get("k") == b"v" * 4096
+        real = time.monotonic
+        calls = {"n": 0}
+
+        class SlowClock:
+            @staticmethod
+            def monotonic() -> float:
+                # every second reading (the one after the copy) is 60 s later: a stalled read
+                calls["n"] += 1
+                return real() + (60.0 if calls["n"] % 2 == 0 else 0.0)
+
+        monkeypatch.setattr(fastpath, "time", SlowClock)
+        assert me.get("k") == b""
+        assert me.get_into("k", buf.ctypes.data, 4096) == int(ErrorCode.LEASE_EXPIRED)
+        assert me._store is not None and me._store.lease_fences == 2
+        monkeypatch.setattr(fastpath, "time", time)
+        assert me.get("k") == b"v" * 4096
+    finally:
+        me.unregister_buffer(buf.ctypes.data)
+        me.close()
