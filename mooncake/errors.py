@@ -63,6 +63,16 @@ class InvalidArgumentError(MooncakeError, ValueError):
     code = ErrorCode.INVALID_PARAMS
 
 
+class TraceFormatError(InvalidArgumentError):
+    """A request trace line is malformed; ``line_no`` (1-based) and ``reason`` say which and why."""
+
+    def __init__(self, source: str, line_no: int, reason: str) -> None:
+        super().__init__(f"{source}:{line_no}: {reason}")
+        self.source = source
+        self.line_no = line_no
+        self.reason = reason
+
+
 class NotSupportedError(MooncakeError):
     """The request is well-formed but this build, backend or peer cannot do it."""
 
@@ -93,6 +103,33 @@ class NotRegisteredError(RegistrationError):
 
 class RegionBusyError(RegistrationError):
     """The region is in use by in-flight transfers and cannot be unregistered yet."""
+
+
+# -- RDMA verbs ------------------------------------------------------------------------------
+
+
+class VerbsUnavailableError(NotSupportedError):
+    """libibverbs (or the provider named by ``MOONCAKE_IBVERBS``) cannot be loaded or has no device."""
+
+
+class VerbsError(MooncakeError):
+    """A libibverbs call failed. ``errno`` is the code the library returned; ``what`` the call.
+
+    ``posted`` is set by ``ibv_post_send`` failures: how many work requests of the batch were
+    posted before the one refused (those will complete normally).
+    """
+
+    code = ErrorCode.INTERNAL_ERROR
+
+    def __init__(self, errno: int, what: str, posted: int = 0) -> None:
+        import os
+
+        self.errno = errno
+        self.what = what
+        self.posted = posted
+        super().__init__(
+            f"{what} failed: [errno {errno}] {os.strerror(errno) if errno else 'unknown'}"
+        )
 
 
 # -- metadata / discovery ---------------------------------------------------------------------
@@ -135,6 +172,10 @@ class PeerUnreachableError(TransferError):
 
 class PeerDiedError(TransferError):
     """The peer closed or reset the connection while a transfer was in flight."""
+
+
+class TransferTimeoutError(TransferError):
+    """Posted work did not complete within the configured limit (``MC_SLICE_TIMEOUT``)."""
 
 
 class ProtocolError(MooncakeError):
@@ -357,8 +398,12 @@ __all__ = [
     "SegmentExistsError",
     "SegmentNotFoundError",
     "StoreError",
+    "TraceFormatError",
     "TransferError",
+    "TransferTimeoutError",
     "UnavailableError",
+    "VerbsError",
+    "VerbsUnavailableError",
     "error_from_code",
     "to_code",
 ]

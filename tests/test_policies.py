@@ -82,6 +82,7 @@ def test_make_policy_passes_arguments() -> None:
 def _failure(factory: Callable[[], EvictionPolicy], **kwargs: object) -> tuple[str, list[str]]:
     """Run the harness expecting a failure; return its message and the shrunk steps."""
     with pytest.raises(AssertionError) as info:
+        kwargs.setdefault("max_examples", 1000)
         check_policy(factory, derandomize=True, **kwargs)  # type: ignore[arg-type]
     notes = getattr(info.value, "__notes__", [])
     steps = [

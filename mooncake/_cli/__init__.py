@@ -16,6 +16,7 @@ _SUBCOMMANDS: list[str] = [
     "demo",
     "master",
     "metadata_server",
+    "replay",
 ]
 
 
