@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from mooncake._core import rpc
 from mooncake._core.store_types import ObjectDataType, ReplicaStatus, SoftPinAction
 from mooncake._store._bridge import LoopThread
 from mooncake._store.client import Store, _check_key, _value_addr, open_store
@@ -40,6 +41,7 @@ from mooncake.errors import ErrorCode, InvalidArgumentError, MooncakeError, to_c
 log = logging.getLogger("mooncake.store")
 
 _NOT_SUPPORTED = int(ErrorCode.NOT_SUPPORTED)
+_NO_FAST = object()  # _fast_rpc: the fast path is off, use the loop
 _DEFAULT_SIZE = 16 << 20
 
 # enum members at module level, as the published module has them
@@ -365,8 +367,20 @@ class MooncakeDistributedStore:
     def batch_get_buffer(self, keys: list[str]) -> list[BufferHandle | None]:
         return [BufferHandle(d) if d else None for d in self.get_batch(keys)]
 
+    def _fast_rpc(self, method: str, params: Any) -> Any:
+        """One master RPC on the caller's thread when the fast path is on (else None)."""
+        fp, store = self._fast, self._store
+        if fp is None or store is None or store._closed:
+            return _NO_FAST
+        return fp.call(method, params)
+
     def get_size(self, key: str) -> int:
         try:
+            resp = self._fast_rpc(
+                "GetReplicaList", rpc.KeyParams(key=_check_key(key), for_read=False)
+            )
+            if resp is not _NO_FAST:
+                return int(Store._size_of(resp))
             return int(self._call(self._s.get_size, key))
         except Exception as e:
             return to_code(e)
@@ -374,6 +388,9 @@ class MooncakeDistributedStore:
     def is_exist(self, key: str) -> int:
         """1 exists, 0 does not, negative on error."""
         try:
+            found = self._fast_rpc("ExistKey", rpc.KeyParams(key=_check_key(key)))
+            if found is not _NO_FAST:
+                return 1 if found else 0
             return 1 if self._call(self._s.exists, key) else 0
         except Exception as e:
             return to_code(e)
@@ -386,6 +403,11 @@ class MooncakeDistributedStore:
 
     def remove(self, key: str, force: bool = False) -> int:
         try:
+            done = self._fast_rpc(
+                "Remove", rpc.RemoveParams(key=_check_key(key), force=bool(force))
+            )
+            if done is not _NO_FAST:
+                return 0
             return self._rc(_kw(self._s.remove, force=force), key)
         except Exception as e:
             return to_code(e)
