@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from mooncake._engine.engine import Engine, open_engine
+    from mooncake._store.client import Store, open_store
 
 
 def __getattr__(name: str) -> Any:
@@ -30,7 +31,11 @@ def __getattr__(name: str) -> Any:
         from mooncake._engine import engine as _engine
 
         return getattr(_engine, name)
+    if name in ("open_store", "Store"):
+        from mooncake._store import client as _client
+
+        return getattr(_client, name)
     raise AttributeError(f"module 'mooncake' has no attribute {name!r}")
 
 
-__all__ = ["Engine", "MooncakeError", "__version__", "errors", "open_engine"]
+__all__ = ["Engine", "MooncakeError", "Store", "__version__", "errors", "open_engine", "open_store"]

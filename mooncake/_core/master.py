@@ -113,7 +113,7 @@ class MasterConfig:
     client_ttl: float = 10.0
     put_start_discard_timeout: float = 30.0
     put_start_release_timeout: float = 600.0
-    read_fence_ttl: float = 0.25
+    read_fence_ttl: float = 0.5
     read_fence_s_per_mib: float = 0.01
     pending_task_timeout: float = 300.0
     processing_task_timeout: float = 300.0
