@@ -24,6 +24,7 @@ import anyio
 import numpy as np
 
 from mooncake._core import rpc
+from mooncake._core.gpu import device_of
 from mooncake._core.store_types import ObjectDataType, ReplicaStatus, SoftPinAction
 from mooncake._store._bridge import LoopThread
 from mooncake._store.client import Store, _check_key, _value_addr, open_store
@@ -452,11 +453,12 @@ class MooncakeDistributedStore:
         fast_ok = isinstance(size, int) and 0 < size <= FAST_MAX
         if fp is not None and store is not None and not store._closed and fast_ok:
             try:
-                store._require_local(buffer_ptr, size, "put_from")
-                fp.put(_check_key(key), buffer_ptr, size, config, False)
+                region = store._require_local(buffer_ptr, size, "put_from")
+                if device_of(region.location) is None:  # GPU buffers go through the loop
+                    fp.put(_check_key(key), buffer_ptr, size, config, False)
+                    return 0
             except Exception as e:
                 return to_code(e)
-            return 0
         try:
             return self._rc(self._s.put_from, key, buffer_ptr, size, config)
         except Exception as e:
@@ -501,8 +503,9 @@ class MooncakeDistributedStore:
         fp, store = self._fast, self._store
         if fp is not None and store is not None and not store._closed:
             try:
-                store._require_local(buffer_ptr, size, "get_into")
-                return fp.get_into(_check_key(key), buffer_ptr, size)
+                region = store._require_local(buffer_ptr, size, "get_into")
+                if device_of(region.location) is None:  # GPU buffers go through the loop
+                    return fp.get_into(_check_key(key), buffer_ptr, size)
             except Exception as e:
                 return to_code(e)
         try:

@@ -966,3 +966,50 @@ async def test_pin_host_memory_opt_in(
         await a.register(bytearray(4096))  # left registered: unpinned when the engine closes
         assert fake.live()["host"] == 1
     assert fake.live()["host"] == 0
+
+
+# -- the store with GPU buffers (zero-copy APIs) ------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("memcpy", ["1", "0"], ids=["same-host-memcpy", "network"])
+async def test_store_put_from_get_into_device_buffers(
+    fake: FakeCudaRuntime, monkeypatch: pytest.MonkeyPatch, memcpy: str
+) -> None:
+    """put_from / get_into with registered GPU buffers: same-host replicas are copied on a CUDA
+    stream (never memcpy on a device pointer), remote ones staged by the engine."""
+    import mooncake
+    from mooncake._core.master import MasterConfig
+    from mooncake._store.master import MasterServerConfig, serve_master
+    from mooncake.store import ReplicateConfig
+
+    monkeypatch.setenv("MC_STORE_MEMCPY", memcpy)
+    cfg = MasterServerConfig(rpc_port=0, enable_metric_reporting=False, state=MasterConfig())
+    n = 300_000
+    async with anyio.create_task_group() as tg:
+        server = await tg.start(serve_master, cfg)
+        addr = f"127.0.0.1:{server.rpc_port}"
+        async with (
+            open_engine("127.0.0.1", transports=["tcp"], cuda_runtime=fake) as ea,
+            open_engine("127.0.0.1", transports=["tcp"], cuda_runtime=fake) as eb,
+            mooncake.open_store(addr, segment_size=4 << 20, engine=ea) as a,
+            mooncake.open_store(addr, segment_size=4 << 20, engine=eb) as b,
+        ):
+            src, dst = fake.malloc(n), fake.malloc(n)
+            await a.register_buffer(src, n)
+            await a.register_buffer(dst, n)
+            assert ea.registry.find(src, n).location == "cuda:0"  # type: ignore[union-attr]
+            data = pattern(n, 12)
+            view(src, n)[:] = np.frombuffer(data, np.uint8)
+            for target in (a, b):  # own segment, then the other client's
+                cfg_r = ReplicateConfig()
+                cfg_r.preferred_segment = target.segment_name
+                key = f"k-{target.segment_name}"
+                copies = fake.copies
+                await a.put_from(key, src, n, cfg_r)
+                assert await b.get(key) == data  # the bytes in the store are right
+                view(dst, n)[:] = 0
+                assert await a.get_into(key, dst, n) == n
+                assert bytes(view(dst, n)) == data
+                assert fake.copies > copies  # the device side went through the runtime
+        tg.cancel_scope.cancel()

@@ -57,6 +57,8 @@ import numpy as np
 from mooncake import _fast
 from mooncake._core import rpc
 from mooncake._core import store_types as st
+from mooncake._core.gpu import device_of
+from mooncake._core.memory import Region
 from mooncake._core.staging import RangeAllocator
 from mooncake._core.transfer import TransferRequest
 from mooncake._engine.engine import Buffer, Engine, open_engine
@@ -247,18 +249,20 @@ class Store:
         """Unregister a buffer registered at ``addr`` (waits for transfers using it)."""
         await self.engine.unregister(addr)
 
-    def _require_local(self, addr: int, length: int, what: str) -> None:
+    def _require_local(self, addr: int, length: int, what: str) -> Region:
         if isinstance(addr, bool) or not isinstance(addr, int) or addr <= 0:
             raise InvalidArgumentError(
                 f"{what}: buffer address must be a positive int, got {addr!r}"
             )
         if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
             raise InvalidArgumentError(f"{what}: size must be a positive int, got {length!r}")
-        if self.engine.registry.find(addr, length) is None:
+        region = self.engine.registry.find(addr, length)
+        if region is None:
             raise NotRegisteredError(
                 f"{what}: [{addr:#x}, +{length}) is not inside a registered buffer "
                 "(register_buffer it first)"
             )
+        return region
 
     async def _stage(self, length: int) -> int:
         """Offset of ``length`` bytes in the local buffer (waits while it is busy)."""
@@ -336,7 +340,7 @@ class Store:
                     ]
                     copies = [c for c, _ in keep]
                     copy_ops = [o for _, o in keep]
-                await _memcpy_many(copies)
+                await self._copy(copies, [o for o, _ in copy_ops])
             finally:
                 for p in pinned:
                     p.unpin()
@@ -350,6 +354,27 @@ class Store:
             for p in peers.values():
                 if p.dead:
                     self._shm.forget(p.segment)
+
+    async def _copy(self, copies: list[tuple[int, int, int]], ops: list[_Op]) -> None:
+        """Same-host copies: memcpy, except where the caller's buffer is GPU memory (registered
+        with a ``cuda:N`` location), which goes through the engine's CUDA stream instead."""
+        host: list[tuple[int, int, int]] = []
+        device: dict[int, list[tuple[tuple[int, int, int], _Op]]] = {}
+        for c, op in zip(copies, ops, strict=True):
+            region = self.engine.registry.find(op.local, op.length)
+            dev = device_of(region.location) if region is not None else None
+            if dev is None:
+                host.append(c)
+            else:
+                device.setdefault(dev, []).append((c, op))
+        if host:
+            await _memcpy_many(host)
+        for dev, items in device.items():
+            try:
+                await self.engine.staging.copy_many([c for c, _ in items], dev)
+            except MooncakeError as e:
+                for _, op in items:
+                    op.error = e
 
     async def _move_net(self, segment: str, ops: list[_Op]) -> None:
         reqs = [
