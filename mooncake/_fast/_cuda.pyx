@@ -14,7 +14,7 @@ taking the GIL, so a busy interpreter cannot delay the wake-up of the event loop
 
 from libc.stdint cimport uint64_t, uintptr_t, intptr_t
 from libc.string cimport memcpy as c_memcpy
-from posix.dlfcn cimport dlopen, dlsym, dlerror, dlclose, RTLD_NOW, RTLD_LOCAL
+from posix.dlfcn cimport dlopen, dlsym, dlerror, RTLD_NOW, RTLD_LOCAL
 from posix.unistd cimport write
 
 from mooncake._fast.cuda import check as _check_status
@@ -49,9 +49,11 @@ ctypedef cudaError_t (*fn_attr)(cudaPointerAttributes *, const void *) noexcept 
 ctypedef cudaError_t (*fn_ipc_get)(cudaIpcMemHandle_t *, void *) noexcept nogil
 ctypedef cudaError_t (*fn_ipc_open)(void **, cudaIpcMemHandle_t, unsigned int) noexcept nogil
 ctypedef cudaError_t (*fn_memcpy)(void *, const void *, size_t, int) noexcept nogil
-ctypedef cudaError_t (*fn_memcpy_async)(void *, const void *, size_t, int, cudaStream_t) noexcept nogil
+ctypedef cudaError_t (*fn_memcpy_async)(
+    void *, const void *, size_t, int, cudaStream_t) noexcept nogil
 ctypedef cudaError_t (*fn_record)(cudaEvent_t, cudaStream_t) noexcept nogil
-ctypedef cudaError_t (*fn_add_cb)(cudaStream_t, cudaStreamCallback_t, void *, unsigned int) noexcept nogil
+ctypedef cudaError_t (*fn_add_cb)(
+    cudaStream_t, cudaStreamCallback_t, void *, unsigned int) noexcept nogil
 ctypedef cudaError_t (*fn_host_fn)(cudaStream_t, cudaHostFn_t, void *) noexcept nogil
 ctypedef const char *(*fn_err_name)(cudaError_t) noexcept nogil
 
