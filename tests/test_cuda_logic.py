@@ -1013,3 +1013,55 @@ async def test_store_put_from_get_into_device_buffers(
                 assert bytes(view(dst, n)) == data
                 assert fake.copies > copies  # the device side went through the runtime
         tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("backend", ["ctypes", "dlopen"])
+def test_every_binding_reaches_libcudart_without_a_driver(backend: str) -> None:
+    """Each call of both real backends goes through to libcudart (argument marshalling, by-value
+    IPC handle, attribute struct) and comes back as a clean "no usable GPU", never a crash or a
+    ctypes argument error."""
+    if cuda.is_available():
+        pytest.skip("a usable GPU is present: tests/test_gpu.py covers the bindings")
+    path = _libcudart()
+    if path is None:
+        pytest.skip("no libcudart on this machine")
+    if backend == "dlopen":
+        _cuda = pytest.importorskip("mooncake._fast._cuda", reason="_cuda extension not built")
+        rt: Any = _cuda.DlopenRuntime(path)
+    else:
+        rt = cuda.CtypesRuntime(path)
+    fd = os.eventfd(0, os.EFD_CLOEXEC)
+    calls: list[tuple[str, tuple[Any, ...]]] = [
+        ("get_device_count", ()),
+        ("set_device", (0,)),
+        ("get_device", ()),
+        ("malloc", (4096,)),
+        ("free", (4096,)),
+        ("host_alloc", (4096,)),
+        ("free_host", (4096,)),
+        ("host_register", (4096, 4096)),
+        ("host_unregister", (4096,)),
+        ("memset", (4096, 0, 16)),
+        ("pointer_get_attributes", (4096,)),
+        ("mem_get_address_range", (4096,)),
+        ("ipc_get_mem_handle", (4096,)),
+        ("ipc_open_mem_handle", (b"\x01" * 64,)),
+        ("ipc_close_mem_handle", (4096,)),
+        ("stream_create", ()),
+        ("stream_destroy", (1,)),
+        ("stream_synchronize", (0,)),
+        ("memcpy", (4096, 8192, 16)),
+        ("memcpy_async", (4096, 8192, 16, 0)),
+        ("event_create", ()),
+        ("event_destroy", (1,)),
+        ("event_record", (1, 0)),
+        ("event_query", (1,)),
+        ("event_synchronize", (1,)),
+        ("stream_notify_fd", (0, fd)),
+    ]
+    try:
+        for name, args in calls:
+            with pytest.raises((NoGpuError, CudaError)):
+                getattr(rt, name)(*args)
+    finally:
+        os.close(fd)
