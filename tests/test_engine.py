@@ -292,7 +292,7 @@ async def test_unregister_waits_for_inflight_transfers() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(transfer)
             with anyio.fail_after(30):  # hang guard
-                while region.users == 0 and not order:  # noqa: ASYNC110 (observing, not waiting)
+                while region.users == 0 and not order:
                     await anyio.lowlevel.checkpoint()
             if order:
                 pytest.skip("the transfer finished before it could be observed in flight")
