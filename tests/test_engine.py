@@ -300,7 +300,9 @@ async def test_unregister_waits_for_inflight_transfers() -> None:
             order.append("unregistered")
         assert order == ["transfer:ok", "unregistered"]
         with pytest.raises(NotRegisteredError):
-            await initiator.transfer(target.segment_name, [R.read(local.ctypes.data, tbuf.addr, 10)])
+            await initiator.transfer(
+                target.segment_name, [R.read(local.ctypes.data, tbuf.addr, 10)]
+            )
 
 
 async def test_submit_handle_and_descriptor_refresh() -> None:
