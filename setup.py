@@ -1,7 +1,10 @@
 """Build the compiled hot path under ``mooncake/_fast``.
 
 The package is importable without any of these extensions (``MOONCAKE_NO_EXTENSIONS=1`` forces the
-pure-Python twins); building them needs only gcc and the Python headers.
+pure-Python twins); building them needs only gcc and the Python headers. The verbs layer declares
+the libibverbs ABI itself (``mooncake/_fast/csrc/mc_verbs_abi.h``) and opens the library at run
+time, so neither libibverbs nor its headers are needed to build. ``libmcsoftverbs.so`` is the
+project's software verbs provider (tests and hosts without RNICs).
 """
 
 from __future__ import annotations
@@ -10,19 +13,64 @@ import os
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 CFLAGS = ["-O3", "-fno-strict-aliasing"]
+CSRC = "mooncake/_fast/csrc"
+SOFT_PROVIDER = "mooncake._fast.libmcsoftverbs"
+
+VERBS_MODULES = ["_verbs_lib", "_verbs_device", "_verbs_pd", "_verbs_mr", "_verbs_cq", "_verbs_qp"]
 
 extensions = [
     Extension("mooncake._fast._io", ["mooncake/_fast/_io.pyx"], extra_compile_args=CFLAGS),
+    # libcudart is dlopen()ed at run time: no CUDA headers or libraries at build time
+    Extension("mooncake._fast._cuda", ["mooncake/_fast/_cuda.pyx"], extra_compile_args=CFLAGS),
+    *(
+        Extension(
+            f"mooncake._fast.{m}",
+            [f"mooncake/_fast/{m}.pyx"],
+            include_dirs=[CSRC],
+            extra_compile_args=CFLAGS,
+        )
+        for m in VERBS_MODULES
+    ),
 ]
 
+soft_provider = Extension(
+    SOFT_PROVIDER,
+    [f"{CSRC}/softverbs.c"],
+    include_dirs=[CSRC],
+    extra_compile_args=["-O2", "-fvisibility=hidden", "-Wall"],
+    extra_link_args=["-lpthread", f"-Wl,--version-script={CSRC}/softverbs.map"],
+    depends=[f"{CSRC}/softverbs.map", f"{CSRC}/mc_verbs_abi.h"],
+)
+
+
+class BuildExt(build_ext):
+    """Names the soft provider ``libmcsoftverbs.so`` (a plain C library, not a Python module)."""
+
+    def get_ext_filename(self, fullname: str) -> str:
+        # distutils asks with the full dotted name and with the last component only
+        if fullname in (SOFT_PROVIDER, SOFT_PROVIDER.rsplit(".", 1)[1]):
+            return os.path.join(*fullname.split(".")[:-1], "libmcsoftverbs.so")
+        return super().get_ext_filename(fullname)
+
+    def get_export_symbols(self, ext: Extension) -> list[str]:
+        if ext.name == SOFT_PROVIDER:
+            return []
+        return super().get_export_symbols(ext)
+
+
 setup(
-    ext_modules=cythonize(
-        extensions,
-        language_level=3,
-        compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
-        quiet=True,
-        force=bool(os.environ.get("MOONCAKE_CYTHON_FORCE")),
-    ),
+    cmdclass={"build_ext": BuildExt},
+    ext_modules=[
+        *cythonize(
+            extensions,
+            language_level=3,
+            compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
+            quiet=True,
+            force=bool(os.environ.get("MOONCAKE_CYTHON_FORCE")),
+        ),
+        soft_provider,
+    ],
 )

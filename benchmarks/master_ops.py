@@ -57,6 +57,12 @@ def timed(fn: Callable[[int], int], seconds: float) -> tuple[int, float]:
     return ops, time.perf_counter() - t0
 
 
+def _pct(samples: list[float]) -> tuple[float, float]:
+    """(p50, p99) in microseconds."""
+    xs = sorted(samples)
+    return xs[len(xs) // 2] * 1e6, xs[min(len(xs) - 1, int(len(xs) * 0.99))] * 1e6
+
+
 def bench_state(seconds: float) -> dict[str, float]:
     m = MasterState(MasterConfig(seed=0))
     m.mount_segment("bench", SEG, 0.0)
@@ -123,30 +129,43 @@ def bench_rpc(port: int, seconds: float, depth: int, batch: int) -> dict[str, fl
     tag = f"r{time.monotonic_ns()}"
 
     # sequential: one request in flight
+    lat: list[float] = []
+    clock = time.perf_counter
+
     def put_seq(i: int) -> int:
         k = f"{tag}-q{i}"
+        t0 = clock()
         c.call("PutStart", rpc.PutStartParams(client_id="bench", key=k, size=SIZE, config=CFG))
         c.call("PutEnd", rpc.KeyClientParams(client_id="bench", key=k))
+        lat.append(clock() - t0)
         return 1
 
     n, t = timed(put_seq, seconds)
     res["put_pairs_per_s_sequential"] = n / t
     res["put_pair_us_sequential"] = t / n * 1e6
+    res["put_pair_us_p50"], res["put_pair_us_p99"] = _pct(lat)
     nkeys = min(n, 10000)
+    lat.clear()
 
     def get_seq(i: int) -> int:
+        t0 = clock()
         c.call("GetReplicaList", rpc.KeyParams(key=f"{tag}-q{i % nkeys}"))
+        lat.append(clock() - t0)
         return 1
 
     n, t = timed(get_seq, seconds)
     res["get_per_s_sequential"] = n / t
     res["get_us_sequential"] = t / n * 1e6
+    res["get_us_p50"], res["get_us_p99"] = _pct(lat)
 
     # pipelined: `depth` PutStarts, then their PutEnds; `depth` gets
     def put_pipe(i: int) -> int:
         keys = [f"{tag}-p{i}-{j}" for j in range(depth)]
         c.send_many(
-            [("PutStart", rpc.PutStartParams(client_id="bench", key=k, size=SIZE, config=CFG)) for k in keys]
+            [
+                ("PutStart", rpc.PutStartParams(client_id="bench", key=k, size=SIZE, config=CFG))
+                for k in keys
+            ]
         )
         c.recv(depth, "PutStart")
         c.send_many([("PutEnd", rpc.KeyClientParams(client_id="bench", key=k)) for k in keys])
@@ -158,7 +177,10 @@ def bench_rpc(port: int, seconds: float, depth: int, batch: int) -> dict[str, fl
 
     def get_pipe(i: int) -> int:
         c.send_many(
-            [("GetReplicaList", rpc.KeyParams(key=f"{tag}-q{(i * depth + j) % nkeys}")) for j in range(depth)]
+            [
+                ("GetReplicaList", rpc.KeyParams(key=f"{tag}-q{(i * depth + j) % nkeys}"))
+                for j in range(depth)
+            ]
         )
         c.recv(depth, "GetReplicaList")
         return depth
@@ -259,8 +281,9 @@ def main() -> int:
     for name, p, g in rows:
         print(f"{name:<26} {p:>20,.0f} {g:>20,.0f}")
     print(
-        f"sequential latency: put pair {r['put_pair_us_sequential']:.0f} us, "
-        f"get {r['get_us_sequential']:.0f} us"
+        f"sequential round trips p50 [p99]: PutStart+PutEnd {r['put_pair_us_p50']:.0f} "
+        f"[{r['put_pair_us_p99']:.0f}] us, GetReplicaList {r['get_us_p50']:.0f} "
+        f"[{r['get_us_p99']:.0f}] us"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

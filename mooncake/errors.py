@@ -67,10 +67,24 @@ class InvalidArgumentError(MooncakeError, ValueError):
     code = ErrorCode.INVALID_PARAMS
 
 
+class TraceFormatError(InvalidArgumentError):
+    """A request trace line is malformed; ``line_no`` (1-based) and ``reason`` say which and why."""
+
+    def __init__(self, source: str, line_no: int, reason: str) -> None:
+        super().__init__(f"{source}:{line_no}: {reason}")
+        self.source = source
+        self.line_no = line_no
+        self.reason = reason
+
+
 class NotSupportedError(MooncakeError):
     """The request is well-formed but this build, backend or peer cannot do it."""
 
     code = ErrorCode.NOT_SUPPORTED
+
+
+class NoGpuError(NotSupportedError):
+    """No usable GPU: the CUDA runtime is missing, sees no device, or the driver is too old."""
 
 
 class ClosedError(MooncakeError):
@@ -97,6 +111,33 @@ class NotRegisteredError(RegistrationError):
 
 class RegionBusyError(RegistrationError):
     """The region is in use by in-flight transfers and cannot be unregistered yet."""
+
+
+# -- RDMA verbs ------------------------------------------------------------------------------
+
+
+class VerbsUnavailableError(NotSupportedError):
+    """libibverbs (or the provider named by ``MOONCAKE_IBVERBS``) cannot be loaded or has no device."""
+
+
+class VerbsError(MooncakeError):
+    """A libibverbs call failed. ``errno`` is the code the library returned; ``what`` the call.
+
+    ``posted`` is set by ``ibv_post_send`` failures: how many work requests of the batch were
+    posted before the one refused (those will complete normally).
+    """
+
+    code = ErrorCode.INTERNAL_ERROR
+
+    def __init__(self, errno: int, what: str, posted: int = 0) -> None:
+        import os
+
+        self.errno = errno
+        self.what = what
+        self.posted = posted
+        super().__init__(
+            f"{what} failed: [errno {errno}] {os.strerror(errno) if errno else 'unknown'}"
+        )
 
 
 # -- metadata / discovery ---------------------------------------------------------------------
@@ -141,10 +182,24 @@ class PeerDiedError(TransferError):
     """The peer closed or reset the connection while a transfer was in flight."""
 
 
+class TransferTimeoutError(TransferError):
+    """Posted work did not complete within the configured limit (``MC_SLICE_TIMEOUT``)."""
+
+
 class ProtocolError(MooncakeError):
     """Bytes from a peer violate the wire protocol (bad frame, bad length, bad JSON)."""
 
     code = ErrorCode.RPC_FAIL
+
+
+class CudaError(MooncakeError):
+    """A CUDA runtime call failed; ``status`` is the ``cudaError_t`` value."""
+
+    code = ErrorCode.INTERNAL_ERROR
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 # -- store ------------------------------------------------------------------------------------
@@ -341,6 +396,7 @@ __all__ = [
     "BufferOverflowError",
     "ClientNotFoundError",
     "ClosedError",
+    "CudaError",
     "ErrorCode",
     "IllegalClientError",
     "InvalidArgumentError",
@@ -352,6 +408,7 @@ __all__ = [
     "MetadataError",
     "MooncakeError",
     "NoAvailableHandleError",
+    "NoGpuError",
     "NotRegisteredError",
     "NotSupportedError",
     "ObjectAlreadyExistsError",
@@ -372,8 +429,12 @@ __all__ = [
     "SegmentNotFoundError",
     "StoreError",
     "TierDataError",
+    "TraceFormatError",
     "TransferError",
+    "TransferTimeoutError",
     "UnavailableError",
+    "VerbsError",
+    "VerbsUnavailableError",
     "error_from_code",
     "to_code",
 ]

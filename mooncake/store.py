@@ -15,17 +15,19 @@ forms.
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
 import numpy as np
 
+from mooncake._core import rpc
+from mooncake._core.gpu import device_of
 from mooncake._core.store_types import ObjectDataType, ReplicaStatus, SoftPinAction
 from mooncake._store._bridge import LoopThread
-from mooncake._store.client import Store, open_store
+from mooncake._store.client import Store, _check_key, _value_addr, open_store
 from mooncake._store.config import (
     Descriptor,
     DiskDescriptor,
@@ -34,40 +36,43 @@ from mooncake._store.config import (
     ReplicateConfig,
     parse_size,
 )
+from mooncake._store.fastpath import FAST_MAX, FastPath
 from mooncake.errors import ErrorCode, InvalidArgumentError, MooncakeError, to_code
 
 log = logging.getLogger("mooncake.store")
 
 _NOT_SUPPORTED = int(ErrorCode.NOT_SUPPORTED)
+_NO_FAST = object()  # _fast_rpc: the fast path is off, use the loop
 _DEFAULT_SIZE = 16 << 20
 
 # enum members at module level, as the published module has them
-UNKNOWN, KVCACHE, TENSOR, WEIGHT, SAMPLE, ACTIVATION, GRADIENT, OPTIMIZER_STATE, METADATA, GENERAL = (
-    ObjectDataType
-)
+(
+    UNKNOWN,
+    KVCACHE,
+    TENSOR,
+    WEIGHT,
+    SAMPLE,
+    ACTIVATION,
+    GRADIENT,
+    OPTIMIZER_STATE,
+    METADATA,
+    GENERAL,
+) = ObjectDataType
 UNDEFINED, INITIALIZED, PROCESSING, COMPLETE, REMOVED, FAILED = ReplicaStatus
 
 
-class BufferHandle:
-    """A value read by ``get_buffer``: ``ptr()``, ``size()`` and the buffer protocol."""
+class BufferHandle(bytearray):
+    """A value read by ``get_buffer``: ``ptr()``, ``size()`` and the buffer protocol.
 
-    def __init__(self, data: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
-        self._data = data
+    The bytes live in this object (a ``bytearray``); ``ptr()`` stays valid while it is alive and
+    not resized.
+    """
 
     def ptr(self) -> int:
-        return int(self._data.ctypes.data)
+        return int(np.frombuffer(self, dtype=np.uint8).ctypes.data) if len(self) else 0
 
     def size(self) -> int:
-        return int(self._data.nbytes)
-
-    def __len__(self) -> int:
-        return int(self._data.nbytes)
-
-    def __buffer__(self, flags: int) -> memoryview:
-        return memoryview(self._data)
-
-    def __bytes__(self) -> bytes:
-        return self._data.tobytes()
+        return len(self)
 
 
 def _setup_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -116,8 +121,12 @@ def _setup_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]
         "master": str(cfg.get("master_server_addr", "127.0.0.1:50051")),
         "hostname": hostname,
         "metadata": str(cfg["metadata_server"]),
-        "segment_size": parse_size(cfg.get("global_segment_size", _DEFAULT_SIZE), "global_segment_size"),
-        "local_buffer_size": parse_size(cfg.get("local_buffer_size", _DEFAULT_SIZE), "local_buffer_size"),
+        "segment_size": parse_size(
+            cfg.get("global_segment_size", _DEFAULT_SIZE), "global_segment_size"
+        ),
+        "local_buffer_size": parse_size(
+            cfg.get("local_buffer_size", _DEFAULT_SIZE), "local_buffer_size"
+        ),
         "protocol": str(cfg.get("protocol", "tcp") or "tcp"),
     }
 
@@ -130,6 +139,7 @@ class MooncakeDistributedStore:
         self._store: Store | None = None
         self._life: concurrent.futures.Future[None] | None = None
         self._stop: anyio.Event | None = None
+        self._fast: FastPath | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -167,6 +177,8 @@ class MooncakeDistributedStore:
             self._life = None
             return to_code(e)
         self._loop = loop
+        if os.environ.get("MC_STORE_SYNC_FASTPATH", "1") not in ("0", "false", "False"):
+            self._fast = FastPath(self._store, loop)
         return 0
 
     def close(self) -> int:
@@ -174,6 +186,9 @@ class MooncakeDistributedStore:
         loop, self._loop = self._loop, None
         if loop is None:
             return 0
+        fast, self._fast = self._fast, None
+        if fast is not None:
+            fast.close()
 
         async def stop() -> None:
             if self._stop is not None:
@@ -224,7 +239,10 @@ class MooncakeDistributedStore:
 
     @staticmethod
     def _codes(results: Sequence[Any]) -> list[int]:
-        return [to_code(r) if isinstance(r, BaseException) else (r if isinstance(r, int) else 0) for r in results]
+        return [
+            to_code(r) if isinstance(r, BaseException) else (r if isinstance(r, int) else 0)
+            for r in results
+        ]
 
     # -- info -----------------------------------------------------------------------------
 
@@ -243,13 +261,38 @@ class MooncakeDistributedStore:
 
     # -- bytes API ------------------------------------------------------------------------
 
+    def _fast_put(self, key: str, value: Any, config: Any, upsert: bool) -> int | None:
+        """The caller-thread put for small values (None: take the loop path)."""
+        fp, store = self._fast, self._store
+        if fp is None or store is None or store._closed:
+            return None
+        try:
+            addr, n, keep = _value_addr(value)
+        except MooncakeError as e:
+            return to_code(e)
+        if not 0 < n <= FAST_MAX or n > store._staging.capacity:
+            return None  # empty or too large: the loop path gives the published answer
+        try:
+            fp.put(_check_key(key), addr, n, config, upsert)
+        except Exception as e:
+            return to_code(e)
+        finally:
+            del keep
+        return 0
+
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
+        rc = self._fast_put(key, value, config, False)
+        if rc is not None:
+            return rc
         try:
             return self._rc(self._s.put, key, value, config)
         except Exception as e:
             return to_code(e)
 
     def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
+        rc = self._fast_put(key, value, config, True)
+        if rc is not None:
+            return rc
         try:
             return self._rc(self._s.upsert, key, value, config)
         except Exception as e:
@@ -279,13 +322,17 @@ class MooncakeDistributedStore:
                 return to_code(r)
         return 0
 
-    def put_batch(self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None) -> int:
+    def put_batch(
+        self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None
+    ) -> int:
         try:
             return self._batch_rc(self._s.put_batch, keys, values, config)
         except Exception as e:
             return to_code(e)
 
-    def upsert_batch(self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None) -> int:
+    def upsert_batch(
+        self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None
+    ) -> int:
         try:
             return self._batch_rc(self._s.upsert_batch, keys, values, config)
         except Exception as e:
@@ -293,6 +340,13 @@ class MooncakeDistributedStore:
 
     def get(self, key: str) -> bytes:
         """The value, or ``b""`` if it is missing or the read failed."""
+        fp, store = self._fast, self._store
+        if fp is not None and store is not None and not store._closed:
+            try:
+                return fp.get(_check_key(key))
+            except Exception as e:
+                log.debug("get(%r): %s", key, e)
+                return b""
         try:
             data: bytes = self._call(self._s.get, key)
             return data
@@ -309,18 +363,25 @@ class MooncakeDistributedStore:
 
     def get_buffer(self, key: str) -> BufferHandle | None:
         data = self.get(key)
-        if not data:
-            return None
-        return BufferHandle(np.frombuffer(bytearray(data), dtype=np.uint8))
+        return BufferHandle(data) if data else None
 
     def batch_get_buffer(self, keys: list[str]) -> list[BufferHandle | None]:
-        return [
-            BufferHandle(np.frombuffer(bytearray(d), dtype=np.uint8)) if d else None
-            for d in self.get_batch(keys)
-        ]
+        return [BufferHandle(d) if d else None for d in self.get_batch(keys)]
+
+    def _fast_rpc(self, method: str, params: Any) -> Any:
+        """One master RPC on the caller's thread when the fast path is on (else None)."""
+        fp, store = self._fast, self._store
+        if fp is None or store is None or store._closed:
+            return _NO_FAST
+        return fp.call(method, params)
 
     def get_size(self, key: str) -> int:
         try:
+            resp = self._fast_rpc(
+                "GetReplicaList", rpc.KeyParams(key=_check_key(key), for_read=False)
+            )
+            if resp is not _NO_FAST:
+                return int(Store._size_of(resp))
             return int(self._call(self._s.get_size, key))
         except Exception as e:
             return to_code(e)
@@ -328,6 +389,9 @@ class MooncakeDistributedStore:
     def is_exist(self, key: str) -> int:
         """1 exists, 0 does not, negative on error."""
         try:
+            found = self._fast_rpc("ExistKey", rpc.KeyParams(key=_check_key(key)))
+            if found is not _NO_FAST:
+                return 1 if found else 0
             return 1 if self._call(self._s.exists, key) else 0
         except Exception as e:
             return to_code(e)
@@ -340,6 +404,11 @@ class MooncakeDistributedStore:
 
     def remove(self, key: str, force: bool = False) -> int:
         try:
+            done = self._fast_rpc(
+                "Remove", rpc.RemoveParams(key=_check_key(key), force=bool(force))
+            )
+            if done is not _NO_FAST:
+                return 0
             return self._rc(_kw(self._s.remove, force=force), key)
         except Exception as e:
             return to_code(e)
@@ -377,20 +446,38 @@ class MooncakeDistributedStore:
         except Exception as e:
             return to_code(e)
 
-    def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
+    def put_from(
+        self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None
+    ) -> int:
+        fp, store = self._fast, self._store
+        fast_ok = isinstance(size, int) and 0 < size <= FAST_MAX
+        if fp is not None and store is not None and not store._closed and fast_ok:
+            try:
+                region = store._require_local(buffer_ptr, size, "put_from")
+                if device_of(region.location) is None:  # GPU buffers go through the loop
+                    fp.put(_check_key(key), buffer_ptr, size, config, False)
+                    return 0
+            except Exception as e:
+                return to_code(e)
         try:
             return self._rc(self._s.put_from, key, buffer_ptr, size, config)
         except Exception as e:
             return to_code(e)
 
-    def upsert_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
+    def upsert_from(
+        self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None
+    ) -> int:
         try:
             return self._rc(self._s.upsert_from, key, buffer_ptr, size, config)
         except Exception as e:
             return to_code(e)
 
     def batch_put_from(
-        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: ReplicateConfig | None = None
+        self,
+        keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        config: ReplicateConfig | None = None,
     ) -> list[int]:
         try:
             return self._codes(self._call(self._s.batch_put_from, keys, buffer_ptrs, sizes, config))
@@ -398,21 +485,37 @@ class MooncakeDistributedStore:
             return [to_code(e)] * max(len(keys), len(buffer_ptrs), len(sizes))
 
     def batch_upsert_from(
-        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: ReplicateConfig | None = None
+        self,
+        keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        config: ReplicateConfig | None = None,
     ) -> list[int]:
         try:
-            return self._codes(self._call(self._s.batch_upsert_from, keys, buffer_ptrs, sizes, config))
+            return self._codes(
+                self._call(self._s.batch_upsert_from, keys, buffer_ptrs, sizes, config)
+            )
         except Exception as e:
             return [to_code(e)] * max(len(keys), len(buffer_ptrs), len(sizes))
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
         """Bytes read into ``[buffer_ptr, +size)`` (negative code on failure)."""
+        fp, store = self._fast, self._store
+        if fp is not None and store is not None and not store._closed:
+            try:
+                region = store._require_local(buffer_ptr, size, "get_into")
+                if device_of(region.location) is None:  # GPU buffers go through the loop
+                    return fp.get_into(_check_key(key), buffer_ptr, size)
+            except Exception as e:
+                return to_code(e)
         try:
             return int(self._call(self._s.get_into, key, buffer_ptr, size))
         except Exception as e:
             return to_code(e)
 
-    def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
+    def batch_get_into(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[int]:
         try:
             return self._codes(self._call(self._s.batch_get_into, keys, buffer_ptrs, sizes))
         except Exception as e:
@@ -470,12 +573,24 @@ class MooncakeDistributedStore:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
-        if "tensor" in name or "session" in name or name in (
-            "get_into_ranges", "create_copy_task", "create_move_task", "query_task",
-            "mount_segment", "allocate_and_mount_segment", "alloc_from_mem_pool",
-            "batch_replica_clear", "batch_get_into_multi_buffer_ranges",
-            "batch_put_from_multi_buffer_ranges",
+        if (
+            "tensor" in name
+            or "session" in name
+            or name
+            in (
+                "get_into_ranges",
+                "create_copy_task",
+                "create_move_task",
+                "query_task",
+                "mount_segment",
+                "allocate_and_mount_segment",
+                "alloc_from_mem_pool",
+                "batch_replica_clear",
+                "batch_get_into_multi_buffer_ranges",
+                "batch_put_from_multi_buffer_ranges",
+            )
         ):
+
             def unsupported(*args: Any, **kwargs: Any) -> int:
                 return self._unsupported(name)
 

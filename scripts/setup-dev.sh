@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything the test suite uses, idempotently, on a fresh Debian machine:
-#   system packages (etcd, redis, iproute2, iperf3, libibverbs for the published wheel),
+#   system packages (etcd, redis, iproute2, iperf3, libibverbs for the published wheel and
+#   its headers for the verbs ABI check),
 #   the project venv in .venv with the package built in place (editable) and its test extras,
 #   the published Mooncake wheel in its own venv (for the interop tests and side-by-side benches).
 # Usage: bash scripts/setup-dev.sh [--no-system] [--no-anchor]
@@ -18,7 +19,7 @@ done
 
 log() { echo "[setup] $*"; }
 
-APT_PKGS=(etcd-server etcd-client redis-server iproute2 iperf3 libibverbs1 libnuma1 libcurl4)
+APT_PKGS=(etcd-server etcd-client redis-server iproute2 iperf3 libibverbs1 libibverbs-dev libnuma1 libcurl4)
 if [ "$system" = 1 ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   missing=()
   for p in "${APT_PKGS[@]}"; do

@@ -11,7 +11,13 @@ from __future__ import annotations
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from mooncake._core.master import MasterConfig, MasterState
 from mooncake._core.store_types import (
@@ -20,6 +26,8 @@ from mooncake._core.store_types import (
     ReplicateConfig,
     Segment,
     SoftPinAction,
+    TaskStatus,
+    TaskType,
 )
 from mooncake.errors import (
     IllegalClientError,
@@ -28,9 +36,12 @@ from mooncake.errors import (
     NoAvailableHandleError,
     ObjectAlreadyExistsError,
     ObjectHasLeaseError,
+    ObjectHasReplicationTaskError,
     ObjectNotFoundError,
+    ReplicaNotFoundError,
     ReplicaNotReadyError,
     SegmentAlreadyExistsError,
+    SegmentNotFoundError,
 )
 
 MiB = 1 << 20
@@ -228,6 +239,33 @@ def test_soft_pinned_evicted_last_and_pin_expires() -> None:
     assert "soft" not in m.all_keys()
 
 
+def test_object_larger_than_every_segment_refused_without_evicting() -> None:
+    m = master()
+    m.mount_segment("c", seg(0, size=64 * 4096), 0)
+    m.mount_segment("c", seg(1, size=64 * 4096), 0)
+    for i in range(100):
+        put(m, "c", f"k{i}", 4096, 0)
+    before = set(m.all_keys())
+    with pytest.raises(NoAvailableHandleError, match="larger than every mounted segment"):
+        m.put_start("c", "huge", 64 * 4096 + 1, DEF, 1)
+    assert set(m.all_keys()) == before
+
+
+def test_upsert_preserves_or_disables_soft_pin() -> None:
+    m = master()
+    m.mount_segment("c", seg(0), 0)
+    pin = ReplicateConfig(soft_pin_action=SoftPinAction.ENABLE, soft_pin_ttl_ms=100_000)
+    put(m, "c", "k", 100, 0, pin)
+    deadline = m.query_key("k").soft_pin_deadline
+    assert deadline == 100.0
+    m.upsert_start("c", "k", 200, DEF, 1)  # PRESERVE by default
+    m.upsert_end("c", "k", 1)
+    assert m.query_key("k").soft_pin_deadline == deadline
+    m.upsert_start("c", "k", 300, ReplicateConfig(soft_pin_action=SoftPinAction.DISABLE), 2)
+    m.upsert_end("c", "k", 2)
+    assert m.query_key("k").soft_pin_deadline is None
+
+
 def test_hard_pinned_fill_then_no_space() -> None:
     m = master()
     m.mount_segment("c", seg(0, size=8 * 4096), 0)
@@ -238,6 +276,15 @@ def test_hard_pinned_fill_then_no_space() -> None:
         m.put_start("c", "x", 4096, cfg, 0)
     assert m.remove_all(True, 0) == 8
     put(m, "c", "x", 4096, 0)
+
+
+def test_upsert_during_anothers_write_is_not_ready() -> None:
+    m = master()
+    m.mount_segment("c", seg(0), 0)
+    m.put_start("c", "k", 100, DEF, 0)
+    with pytest.raises(ReplicaNotReadyError):
+        m.upsert_start("d", "k", 100, DEF, 1)
+    m.upsert_start("d", "k", 100, DEF, 31)  # the first write is a zombie by now
 
 
 def test_zombie_put_preempted_after_discard_timeout_and_released_later() -> None:
@@ -296,7 +343,7 @@ def test_remove_by_regex_and_batch_forms() -> None:
 # -- stateful ---------------------------------------------------------------------------------
 
 CLIENTS = ["c0", "c1", "c2"]
-KEYS = [f"k{i}" for i in range(8)]
+KEYS = [f"k{i}" for i in range(48)]
 TTL = 10.0
 LEASE = 5.0
 
@@ -322,15 +369,19 @@ class MasterMachine(RuleBasedStateMachine):
         self.lease: dict[str, float] = {}
         self.hard: set[str] = set()
         self.seg_owner: dict[str, str] = {}
+        self.killed: set[str] = set()
+        self.inflight: set[str] = set()  # keys with a replica task in flight
+        self._cfg_hard: dict[str, bool] = {}
 
     # -- actions ---------------------------------------------------------------------------
 
-    @rule(client=st.sampled_from(CLIENTS), size=st.sampled_from([4096, 16384, 65536]))
+    @rule(client=st.sampled_from(CLIENTS), size=st.sampled_from([4096, 8192, 16384]))
     def mount(self, client: str, size: int) -> None:
         self.nseg += 1
         s = Segment(id=f"s{self.nseg}", name=f"h:{self.nseg}", base=self.nseg << 32, size=size)
         self.m.mount_segment(client, s, self.now)
         self.alive[client] = True
+        self.killed.discard(client)
         self.seg_owner[s.name] = client
 
     @rule(client=st.sampled_from(CLIENTS))
@@ -343,7 +394,7 @@ class MasterMachine(RuleBasedStateMachine):
     @rule(
         client=st.sampled_from(CLIENTS),
         key=st.sampled_from(KEYS),
-        size=st.integers(1, 9000),
+        size=st.integers(1, 6000),
         n=st.integers(1, 3),
         hard=st.booleans(),
         upsert=st.booleans(),
@@ -355,11 +406,18 @@ class MasterMachine(RuleBasedStateMachine):
         try:
             reps = fn(client, key, size, cfg, self.now)
         except ObjectAlreadyExistsError:
-            assert (key in self.readable and not upsert) or (
+            assert not upsert
+            assert key in self.readable or (
                 key in self.pending and self.now - self.pending[key][3] < 3.0
             )
             return
+        except ReplicaNotReadyError:
+            assert upsert and key in self.pending and self.now - self.pending[key][3] < 3.0
+            return
         except NoAvailableHandleError:
+            return
+        except ObjectHasReplicationTaskError:
+            assert upsert and key in self.inflight
             return
         finally:
             self._reconcile(before)
@@ -368,13 +426,33 @@ class MasterMachine(RuleBasedStateMachine):
         assert all(r.length == size and r.status == ReplicaStatus.PROCESSING for r in reps)
         self.pending[key] = (client, size, [(r.segment_name, r.addr) for r in reps], self.now)
         self.hard.discard(key) if not hard else None
-        self._cfg_hard = getattr(self, "_cfg_hard", {})
         self._cfg_hard[key] = hard
+
+    @rule(
+        client=st.sampled_from(CLIENTS),
+        batch=st.lists(
+            st.tuples(st.sampled_from(KEYS), st.integers(1, 6000)), min_size=1, max_size=6
+        ),
+        hard=st.booleans(),
+    )
+    def put(self, client: str, batch: list[tuple[str, int]], hard: bool) -> None:
+        """Whole puts (start + end), the common case that fills segments and forces eviction."""
+        for key, size in batch:
+            self.start(client, key, size, 1, hard and size < 1000, False)
+            if key in self.pending and self.pending[key][0] == client:
+                self._finish_key(key, revoke=False)
+
+    @precondition(lambda self: self.readable)
+    @rule(data=st.data())
+    def get_existing(self, data: st.DataObject) -> None:
+        self.get(data.draw(st.sampled_from(sorted(self.readable))))
 
     @precondition(lambda self: self.pending)
     @rule(data=st.data(), revoke=st.booleans())
     def finish(self, data: st.DataObject, revoke: bool) -> None:
-        key = data.draw(st.sampled_from(sorted(self.pending)))
+        self._finish_key(data.draw(st.sampled_from(sorted(self.pending))), revoke)
+
+    def _finish_key(self, key: str, revoke: bool) -> None:
         client, size, reps, _ = self.pending[key]
         # the master may have dropped dead segments' replicas: model that
         live_reps = [r for r in reps if self._seg_alive(r[0])]
@@ -388,6 +466,57 @@ class MasterMachine(RuleBasedStateMachine):
             else:
                 self.hard.discard(key)
         del self.pending[key]
+
+    @precondition(lambda self: self.readable)
+    @rule(
+        data=st.data(),
+        move=st.booleans(),
+        outcome=st.sampled_from(["end", "revoke", "leave"]),
+    )
+    def replica_task(self, data: st.DataObject, move: bool, outcome: str) -> None:
+        """Copy or move a replica; the executor ends, revokes or abandons the task."""
+        key = data.draw(st.sampled_from(sorted(self.readable)))
+        names = sorted({s.segment.name for s in self.m.all_segments()})
+        target = data.draw(st.sampled_from(names))
+        have = [r.segment_name for r in self.m.query_key(key).replicas]
+        try:
+            if move:
+                tid = self.m.create_move_task(key, have[0], target, self.now)
+            else:
+                tid = self.m.create_copy_task(key, [target], self.now)
+        except ObjectHasReplicationTaskError:
+            assert key in self.inflight
+            return
+        except ReplicaNotReadyError:
+            assert key in self.pending
+            return
+        except SegmentNotFoundError:
+            assert target in have
+            return
+        assert key not in self.inflight
+        self.inflight.add(key)
+        executor = self.m.query_task(tid).executor
+        assert [t.id for t in self.m.fetch_tasks(executor, self.now)] == [tid]
+        try:
+            start = self.m.task_start(executor, tid, self.now)
+        except NoAvailableHandleError:
+            self.inflight.discard(key)
+            assert self.m.query_task(tid).status == TaskStatus.FAILED
+            return
+        assert start.size == self.readable[key][0]
+        assert start.targets[0].segment_name == target
+        if outcome == "end":
+            self.m.task_end(executor, tid, self.now)
+            size, _ = self.readable[key]
+            got = self.m.query_key(key).replicas
+            self.readable[key] = (size, [(r.segment_name, r.addr) for r in got])
+            assert (start.targets[0].segment_name, start.targets[0].addr) in self.readable[key][1]
+            if move:
+                assert start.source.segment_name not in [r.segment_name for r in got]
+            self.inflight.discard(key)
+        elif outcome == "revoke":
+            self.m.task_revoke(executor, tid, "", self.now)
+            self.inflight.discard(key)
 
     @rule(key=st.sampled_from(KEYS))
     def get(self, key: str) -> None:
@@ -414,22 +543,36 @@ class MasterMachine(RuleBasedStateMachine):
         except ReplicaNotReadyError:
             assert key in self.pending
             return
+        except ObjectHasReplicationTaskError:
+            assert key in self.inflight
+            return
         except ObjectNotFoundError:
             assert key not in self.readable
             return
         assert key in self.readable
+        assert key not in self.inflight
         assert force or self.lease.get(key, 0) <= self.now
         del self.readable[key]
         self.hard.discard(key)
 
-    @rule(dt=st.sampled_from([0.5, 2.0, 4.0, 11.0]), keep=st.sets(st.sampled_from(CLIENTS)))
-    def advance(self, dt: float, keep: set[str]) -> None:
-        """Time passes; clients in ``keep`` ping along the way, the others may expire."""
+    @initialize(sizes=st.lists(st.sampled_from([4096, 8192, 16384]), min_size=3, max_size=3))
+    def mount_all(self, sizes: list[int]) -> None:
+        for client, size in zip(CLIENTS, sizes, strict=True):
+            self.mount(client, size)
+
+    @rule(client=st.sampled_from(CLIENTS))
+    def kill(self, client: str) -> None:
+        """The client stops pinging (crashed); it expires client_ttl later."""
+        self.killed.add(client)
+
+    @rule(dt=st.sampled_from([0.5, 2.0, 4.0, 11.0]))
+    def advance(self, dt: float) -> None:
+        """Time passes; live clients ping along the way, killed ones expire after client_ttl."""
         steps = 4
         for _ in range(steps):
             self.now += dt / steps
-            for c in keep:
-                if self.m.has_client(c):
+            for c in CLIENTS:
+                if c not in self.killed and self.m.has_client(c):
                     self.m.ping(c, self.now)
             before = set(self.m.all_keys())
             self.m.sweep(self.now)
@@ -445,6 +588,10 @@ class MasterMachine(RuleBasedStateMachine):
 
     def _reconcile(self, before: set[str]) -> None:
         """Keys the master dropped on its own (eviction, client expiry) must be droppable."""
+        for key in list(self.inflight):
+            obj = self.m._objects.get(key)
+            if obj is None or obj.task is None:  # failed on the master's side
+                self.inflight.discard(key)
         after = set(self.m.all_keys())
         for key in before - after:
             if key not in self.readable:
@@ -472,4 +619,92 @@ class MasterMachine(RuleBasedStateMachine):
 
 
 TestMasterMachine = MasterMachine.TestCase
-TestMasterMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestMasterMachine.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
+
+
+# -- replica tasks ----------------------------------------------------------------------------
+
+
+def _two_segments() -> MasterState:
+    m = master()
+    m.mount_segment("a", seg(0), 0)
+    m.mount_segment("b", seg(1), 0)
+    put(m, "a", "k", 1000, 0, ReplicateConfig(preferred_segments=[seg(0).name]))
+    return m
+
+
+def test_copy_task_adds_a_replica() -> None:
+    m = _two_segments()
+    tid = m.create_copy_task("k", [seg(1).name], 1)
+    assert m.query_task(tid).status == TaskStatus.PENDING
+    assert m.fetch_tasks("b", 1) == []  # the source's owner executes
+    (t,) = m.fetch_tasks("a", 1)
+    assert t.id == tid and t.type == TaskType.REPLICA_COPY and t.status == TaskStatus.PROCESSING
+    with pytest.raises(ObjectHasReplicationTaskError):
+        m.remove("k", True, 1)
+    start = m.task_start("a", tid, 1)
+    assert start.size == 1000 and start.source.segment_name == seg(0).name
+    assert [r.segment_name for r in start.targets] == [seg(1).name]
+    assert len(m.get_replica_list("k", 2).replicas) == 1  # not readable there yet
+    m.check_invariants()
+    m.task_end("a", tid, 2)
+    assert m.query_task(tid).status == TaskStatus.SUCCESS
+    names = sorted(r.segment_name for r in m.get_replica_list("k", 2).replicas)
+    assert names == sorted([seg(0).name, seg(1).name])
+    m.check_invariants()
+    m.remove("k", True, 3)
+    assert m.used_bytes == 0
+
+
+def test_move_task_moves_the_replica() -> None:
+    m = _two_segments()
+    tid = m.create_move_task("k", seg(0).name, seg(1).name, 1)
+    m.fetch_tasks("a", 1)
+    m.task_start("a", tid, 1)
+    m.task_end("a", tid, 1)
+    assert [r.segment_name for r in m.get_replica_list("k", 30).replicas] == [seg(1).name]
+    m.ping("a", 30)
+    m.ping("b", 30)
+    m.sweep(30)
+    assert m.used_bytes == 1024
+    m.check_invariants()
+
+
+def test_task_errors_and_failures() -> None:
+    m = _two_segments()
+    with pytest.raises(ObjectNotFoundError):
+        m.create_copy_task("nope", [seg(1).name], 0)
+    with pytest.raises(SegmentNotFoundError):
+        m.create_copy_task("k", [seg(0).name], 0)  # already holds a replica
+    with pytest.raises(ReplicaNotFoundError):
+        m.create_move_task("k", seg(1).name, seg(0).name, 0)
+    tid = m.create_copy_task("k", [seg(1).name], 0)
+    with pytest.raises(ObjectHasReplicationTaskError):
+        m.create_copy_task("k", [seg(1).name], 0)
+    with pytest.raises(IllegalClientError):
+        m.task_start("b", tid, 0)
+    m.task_start("a", tid, 0)
+    m.task_revoke("a", tid, "transfer failed", 0)
+    info = m.query_task(tid)
+    assert info.status == TaskStatus.FAILED and info.message == "transfer failed"
+    assert m.used_bytes == 1024
+    with pytest.raises(InvalidWriteError):
+        m.task_end("a", tid, 0)
+    # the target's owner dies mid-task: the task fails, the object keeps its replica
+    tid = m.create_copy_task("k", [seg(1).name], 0)
+    m.task_start("a", tid, 0)
+    for t in range(1, 13):
+        m.ping("a", t)
+        m.sweep(t)
+    assert m.query_task(tid).status == TaskStatus.FAILED
+    assert len(m.get_replica_list("k", 13).replicas) == 1
+    m.check_invariants()
+    # an executor that never fetches: the task times out
+    m2 = _two_segments()
+    tid = m2.create_copy_task("k", [seg(1).name], 0)
+    for t in range(1, 302, 5):
+        m2.ping("a", t)
+        m2.ping("b", t)
+        m2.sweep(t)
+    assert m2.query_task(tid).status == TaskStatus.FAILED
+    m2.remove("k", True, 302)

@@ -7,6 +7,7 @@ client. Values are deterministic per (seed, size) and checked by SHA-256 across 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import time
 from collections.abc import Iterator
@@ -44,9 +45,16 @@ def clients(master: Master) -> Iterator[list[Client]]:
             c.stop()
 
 
-def local_store(address: str, segment_mib: int = 32, buffer_mib: int = 32) -> MooncakeDistributedStore:
+def local_store(
+    address: str, segment_mib: int = 32, buffer_mib: int = 32
+) -> MooncakeDistributedStore:
     s = MooncakeDistributedStore()
-    assert s.setup("127.0.0.1", "P2PHANDSHAKE", segment_mib * MIB, buffer_mib * MIB, "tcp", "", address) == 0
+    assert (
+        s.setup(
+            "127.0.0.1", "P2PHANDSHAKE", segment_mib * MIB, buffer_mib * MIB, "tcp", "", address
+        )
+        == 0
+    )
     return s
 
 
@@ -84,14 +92,21 @@ def test_three_clients_exchange_verified_bytes(master: Master, clients: list[Cli
                     assert sha(me.get(key)) == sha(value(i, n)), key
                     for reader in (a, b):
                         assert reader.cmd("digest", key=key) == {"len": n, "sha": sha(value(i, n))}
-                    assert me.get_replica_desc(key)[0].get_memory_descriptor().buffer_descriptor.transport_endpoint == seg
+                    assert (
+                        me.get_replica_desc(key)[0]
+                        .get_memory_descriptor()
+                        .buffer_descriptor.transport_endpoint
+                        == seg
+                    )
         for i, n in enumerate(sizes):
             assert b.cmd("digest", key=f"me-{i}") == {"len": n, "sha": sha(value(i, n))}
     finally:
         me.close()
 
 
-def test_replicas_on_distinct_segments_survive_a_sigkill(master: Master, clients: list[Client]) -> None:
+def test_replicas_on_distinct_segments_survive_a_sigkill(
+    master: Master, clients: list[Client]
+) -> None:
     a, b = clients
     me = local_store(master.address)
     try:
@@ -109,16 +124,19 @@ def test_replicas_on_distinct_segments_survive_a_sigkill(master: Master, clients
         a.kill()
         for i, k in enumerate(keys):  # before and after the master notices
             assert me.get(k) == value(i, 100_000 + i)
-        wait_until(lambda: all(
-            len(me.get_replica_desc(k)) == 1 for k in keys
-        ), "the master to drop the dead client's replicas")
+        wait_until(
+            lambda: all(len(me.get_replica_desc(k)) == 1 for k in keys),
+            "the master to drop the dead client's replicas",
+        )
         for i, k in enumerate(keys):
             assert b.cmd("digest", key=k) == {"len": 100_000 + i, "sha": sha(value(i, 100_000 + i))}
     finally:
         me.close()
 
 
-def test_client_killed_mid_put_leaves_nothing_readable(master: Master, clients: list[Client]) -> None:
+def test_client_killed_mid_put_leaves_nothing_readable(
+    master: Master, clients: list[Client]
+) -> None:
     a, b = clients
     me = local_store(master.address)
     try:
@@ -134,14 +152,18 @@ def test_client_killed_mid_put_leaves_nothing_readable(master: Master, clients: 
             victim.stop()
         assert me.is_exist("half") == 0
         assert me.get("half") == b""
-        wait_until(lambda: me.put("half", b"whole", ReplicateConfig()) == 0 and me.get("half") == b"whole",
-                   "the key to become writable again (writer expired)")
+        wait_until(
+            lambda: me.put("half", b"whole", ReplicateConfig()) == 0 and me.get("half") == b"whole",
+            "the key to become writable again (writer expired)",
+        )
         assert b.cmd("digest", key="half") == {"len": 5, "sha": sha(b"whole")}
     finally:
         me.close()
 
 
-def test_reads_of_a_dead_clients_keys_fail_then_the_keys_are_gone(master: Master, clients: list[Client]) -> None:
+def test_reads_of_a_dead_clients_keys_fail_then_the_keys_are_gone(
+    master: Master, clients: list[Client]
+) -> None:
     a, b = clients
     me = local_store(master.address)
     buf = np.zeros(MIB, dtype=np.uint8)
@@ -155,8 +177,12 @@ def test_reads_of_a_dead_clients_keys_fail_then_the_keys_are_gone(master: Master
         # the master still lists them (client TTL not over): the read itself must fail
         rcs = [me.get_into(k, buf.ctypes.data, buf.nbytes) for k in keys]
         assert set(rcs) <= {TRANSFER_FAIL, NOT_FOUND} and TRANSFER_FAIL in rcs, rcs
-        wait_until(lambda: me.batch_is_exist(keys) == [0] * len(keys), "the dead client's keys to go")
-        assert [me.get_into(k, buf.ctypes.data, buf.nbytes) for k in keys] == [NOT_FOUND] * len(keys)
+        wait_until(
+            lambda: me.batch_is_exist(keys) == [0] * len(keys), "the dead client's keys to go"
+        )
+        assert [me.get_into(k, buf.ctypes.data, buf.nbytes) for k in keys] == [NOT_FOUND] * len(
+            keys
+        )
         # the survivors' segments still take new objects
         assert me.put("after", b"x" * 1000) == 0
         assert b.cmd("digest", key="after") == {"len": 1000, "sha": sha(b"x" * 1000)}
@@ -174,7 +200,7 @@ def test_full_store_evicts_under_the_watermark_and_puts_succeed(master: Master) 
         assert [me.put_from(k, src.ctypes.data, MIB) for k in keys] == [0] * 48
         alive = [k for k, e in zip(keys, me.batch_is_exist(keys), strict=True) if e == 1]
         assert 0 < len(alive) * MIB <= 0.9 * 16 * MIB
-        assert alive == keys[-len(alive):]  # oldest evicted first
+        assert alive == keys[-len(alive) :]  # oldest evicted first
         assert me.get(alive[-1]) == src.tobytes()
     finally:
         me.unregister_buffer(src.ctypes.data)
@@ -196,4 +222,128 @@ def test_hard_pinned_full_store_answers_no_available_handle(master: Master) -> N
         assert me.put_from("p-again", src.ctypes.data, MIB, pin) == 0
     finally:
         me.unregister_buffer(src.ctypes.data)
+        me.close()
+
+
+def test_clients_remount_after_a_master_restart() -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    m1 = Master("--rpc-port", str(port))
+    a = Client(m1.address, 16)
+    me = local_store(m1.address)
+    try:
+        assert me.put("before", b"1" * 100) == 0
+        m1.proc.kill()
+        m1.proc.wait()
+        assert me.get("before") == b""  # the master (and its metadata) is gone
+        m2 = Master("--rpc-port", str(port))
+        try:
+            assert m2.address == m1.address
+            on_a = ReplicateConfig()
+            on_a.preferred_segment = a.hostname
+
+            tries = iter(range(10**6))
+            landed: list[str] = []
+
+            def a_is_back() -> bool:
+                key = f"after-{next(tries)}"
+                if me.put(key, b"2" * 100, on_a) != 0:
+                    return False
+                desc = me.get_replica_desc(key)
+                if (
+                    desc[0].get_memory_descriptor().buffer_descriptor.transport_endpoint
+                    != a.hostname
+                ):
+                    return False  # preference is best effort: a's segment not mounted yet
+                landed.append(key)
+                return True
+
+            # heartbeats get NEED_REMOUNT from the new master and remount both segments
+            wait_until(a_is_back, "the client to remount its segment at the new master")
+            assert a.cmd("digest", key=landed[0]) == {"len": 100, "sha": sha(b"2" * 100)}
+            assert (
+                me.is_exist("before") == 0
+            )  # lost with the old master's metadata, not resurrected
+        finally:
+            me.close()
+            a.stop()
+            m2.stop()
+    finally:
+        me.close()
+        a.stop()
+        m1.stop()
+
+
+@pytest.mark.parametrize("memcpy", ["1", "0"], ids=["same-host-memcpy", "network"])
+def test_sync_fast_path_and_loop_path_give_the_same_bytes(
+    master: Master, clients: list[Client], memcpy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MC_STORE_MEMCPY", memcpy)
+    a, _ = clients
+    me = local_store(master.address)
+    buf = np.zeros(2 * MIB, dtype=np.uint8)
+    try:
+        assert me._fast is not None
+        assert me.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+        on_a, on_me = ReplicateConfig(), ReplicateConfig()
+        on_a.preferred_segment = a.hostname
+        on_me.preferred_segment = me.get_hostname()
+        for i, n in enumerate((1, 4096, MIB, MIB + 1)):  # MIB + 1: above the fast path's limit
+            v = value(i, n)
+            for cfg, where in ((on_me, "me"), (on_a, "a")):
+                key = f"{where}-{i}"
+                assert me.put(key, v, cfg) == 0
+                assert me.get(key) == v
+                assert me.get_into(key, buf.ctypes.data, buf.nbytes) == n
+                assert buf[:n].tobytes() == v
+                assert a.cmd("digest", key=key) == {"len": n, "sha": sha(v)}
+                buf[:n] = np.frombuffer(value(i + 100, n), dtype=np.uint8)
+                assert me.put_from(key + "-z", buf.ctypes.data, n, cfg) == 0
+                assert me.get(key + "-z") == value(i + 100, n)
+        assert me.upsert("me-0", b"new", on_me) == 0 and me.get("me-0") == b"new"
+        h = me.get_buffer("a-1")
+        assert h is not None and h.size() == 4096 and bytes(memoryview(h)) == value(1, 4096)
+        assert ctypes.string_at(h.ptr(), 4096) == value(1, 4096)
+        assert me.get_buffer("missing") is None
+        # own-segment values always, same-host ones once mapped, take the caller-thread path
+        assert me._fast.hits > 0
+        assert me.get_into("missing", buf.ctypes.data, 16) == NOT_FOUND
+        assert me.get_into("me-1", buf.ctypes.data, 16) == int(ErrorCode.INVALID_PARAMS)
+    finally:
+        me.unregister_buffer(buf.ctypes.data)
+        me.close()
+
+
+def test_sync_fast_path_read_outliving_its_window_fails_closed(
+    master: Master, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mooncake._store import fastpath
+
+    me = local_store(master.address)
+    buf = np.zeros(4096, dtype=np.uint8)
+    try:
+        assert me.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+        assert me.put("k", b"v" * 4096) == 0
+        assert me.get("k") == b"v" * 4096
+        real = time.monotonic
+        calls = {"n": 0}
+
+        class SlowClock:
+            @staticmethod
+            def monotonic() -> float:
+                # every second reading (the one after the copy) is 60 s later: a stalled read
+                calls["n"] += 1
+                return real() + (60.0 if calls["n"] % 2 == 0 else 0.0)
+
+        monkeypatch.setattr(fastpath, "time", SlowClock)
+        assert me.get("k") == b""
+        assert me.get_into("k", buf.ctypes.data, 4096) == int(ErrorCode.LEASE_EXPIRED)
+        assert me._store is not None and me._store.lease_fences == 2
+        monkeypatch.setattr(fastpath, "time", time)
+        assert me.get("k") == b"v" * 4096
+    finally:
+        me.unregister_buffer(buf.ctypes.data)
         me.close()

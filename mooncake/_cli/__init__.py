@@ -12,7 +12,12 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-_SUBCOMMANDS: list[str] = ["demo", "master", "metadata_server"]
+_SUBCOMMANDS: list[str] = [
+    "demo",
+    "master",
+    "metadata_server",
+    "replay",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

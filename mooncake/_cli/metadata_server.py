@@ -54,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         trio.run(main)
     except OSError as e:
-        print(f"mooncake metadata-server: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        print(
+            f"mooncake metadata-server: cannot listen on {args.host}:{args.port}: {e}",
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -51,6 +51,7 @@ import itertools
 import random
 import re
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -67,10 +68,14 @@ from mooncake._core.store_types import (
     PingResponse,
     ReplicaDescriptor,
     ReplicaStatus,
+    ReplicaTask,
     ReplicateConfig,
     Segment,
     SegmentInfo,
     SoftPinAction,
+    TaskStartResponse,
+    TaskStatus,
+    TaskType,
     TierTasks,
 )
 from mooncake._core.tiers import TierCounters
@@ -84,7 +89,9 @@ from mooncake.errors import (
     NoAvailableHandleError,
     ObjectAlreadyExistsError,
     ObjectHasLeaseError,
+    ObjectHasReplicationTaskError,
     ObjectNotFoundError,
+    ReplicaNotFoundError,
     ReplicaNotReadyError,
     SegmentAlreadyExistsError,
     SegmentNotFoundError,
@@ -101,6 +108,7 @@ __all__ = [
 
 ALLOCATION_STRATEGIES = ("random", "free_ratio_first")
 MAX_KEY_LENGTH = 1 << 20
+_EVICT_RETRIES = 4
 
 
 @dataclass
@@ -117,8 +125,11 @@ class MasterConfig:
     client_ttl: float = 10.0
     put_start_discard_timeout: float = 30.0
     put_start_release_timeout: float = 600.0
-    read_fence_ttl: float = 0.25
+    read_fence_ttl: float = 0.5
     read_fence_s_per_mib: float = 0.01
+    pending_task_timeout: float = 300.0
+    processing_task_timeout: float = 300.0
+    max_finished_tasks: int = 10000
     allocation_strategy: str = "random"
     alignment: int = DEFAULT_ALIGNMENT
     seed: int | None = None
@@ -141,6 +152,8 @@ class MasterConfig:
             "read_fence_ttl",
             "read_fence_s_per_mib",
             "demote_timeout",
+            "pending_task_timeout",
+            "processing_task_timeout",
         ):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -245,6 +258,34 @@ class _Object:
     soft_pin_deadline: float | None = None
     demoting: _Demote | None = None
     promoting: _Promote | None = None
+    task: _Task | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Task:
+    id: str
+    type: TaskType
+    key: str
+    source: _Replica
+    targets: list[_Seg]
+    executor: str
+    created: float
+    status: TaskStatus = TaskStatus.PENDING
+    started: float = 0.0
+    allocated: list[_Replica] = field(default_factory=list)
+    message: str = ""
+
+    def info(self) -> ReplicaTask:
+        return ReplicaTask(
+            id=self.id,
+            type=self.type,
+            key=self.key,
+            source=self.source.seg.segment.name,
+            targets=[s.segment.name for s in self.targets],
+            status=self.status,
+            executor=self.executor,
+            message=self.message,
+        )
 
 
 @dataclass(slots=True, eq=False)
@@ -291,6 +332,10 @@ class MasterState:
         self._clients: dict[str, _Client] = {}
         self._deferred: list[_Deferred] = []
         self._soft_pinned: set[str] = set()
+        self._writing: set[str] = set()  # keys that had a pending write (pruned by sweep)
+        self._tasks: dict[str, _Task] = {}
+        self._active_tasks: dict[str, _Task] = {}
+        self._finished_tasks: deque[str] = deque()
         self._used = 0
         self._capacity = 0
         self._next_vid = 0
@@ -316,7 +361,7 @@ class MasterState:
     @property
     def object_count(self) -> int:
         """Objects with a readable version."""
-        return sum(1 for o in self._objects.values() if o.readable is not None)
+        return len(self.policy)  # the policy tracks exactly the readable objects
 
     @property
     def client_count(self) -> int:
@@ -411,6 +456,9 @@ class MasterState:
         self._drop_segment(seg)
 
     def _drop_segment(self, seg: _Seg, *, owner_died: bool = False) -> None:
+        for task in list(self._active_tasks.values()):
+            if task.source.seg is seg or seg in task.targets:
+                self._fail_task(task, f"segment {seg.segment.name!r} was unmounted")
         seg.mounted = False
         del self._segments[seg.segment.id]
         self._seg_list.remove(seg)
@@ -500,13 +548,21 @@ class MasterState:
     def upsert_start(
         self, client_id: str, key: str, size: int, config: ReplicateConfig, now: float
     ) -> list[ReplicaDescriptor]:
-        """Like :meth:`put_start`, but a readable ``key`` gets a new version at :meth:`put_end`."""
+        """Like :meth:`put_start`, but a readable ``key`` gets a new version at :meth:`put_end`.
+
+        ``REPLICA_IS_NOT_READY`` while another (non-zombie) write of ``key`` is in progress,
+        ``OBJECT_HAS_REPLICATION_TASK`` while a copy/move of it is.
+        """
         _check_client_id(client_id)
         _check_key(key)
         self._check_put(size, config)
         obj = self._objects.get(key)
         if obj is not None:
-            self._preempt_pending(obj, now)
+            if obj.task is not None:
+                raise ObjectHasReplicationTaskError(
+                    f"object {key!r} has task {obj.task.id} in flight"
+                )
+            self._preempt_pending(obj, now, upsert=True)
         return self._start_write(client_id, key, size, config, now, obj)
 
     def _check_put(self, size: int, config: ReplicateConfig) -> None:
@@ -524,11 +580,13 @@ class MasterState:
                     f"soft_pin_ttl_ms must be >= 0, got {config.soft_pin_ttl_ms}"
                 )
 
-    def _preempt_pending(self, obj: _Object, now: float) -> None:
+    def _preempt_pending(self, obj: _Object, now: float, *, upsert: bool = False) -> None:
         pending = obj.pending
         if pending is None:
             return
         if now - pending.started < self.config.put_start_discard_timeout:
+            if upsert:  # not "exists": the upsert did not happen, the caller must not assume it did
+                raise ReplicaNotReadyError(f"object {obj.key!r} is being written; retry later")
             raise ObjectAlreadyExistsError(f"object {obj.key!r} is being written")
         # zombie: the writer may still be writing, so its space waits for the release timeout
         obj.pending = None
@@ -547,27 +605,41 @@ class MasterState:
         now: float,
         obj: _Object | None,
     ) -> list[ReplicaDescriptor]:
-        if self._capacity and (
+        # Objects are not striped: one larger than every segment can never fit, and evicting
+        # for it would only empty the cache.
+        if not any(seg.alloc.size >= size for seg in self._seg_list):
+            self.stats.put_failures_no_space += 1
+            raise NoAvailableHandleError(
+                f"object {key!r} of {size} bytes is larger than every mounted segment "
+                f"({len(self._seg_list)} segments)"
+            )
+        if (
             self._used - self._demoting_bytes + size
             > self.config.eviction_high_watermark_ratio * self._capacity
         ):
             self.evict(now, need=size)
         replicas = self._allocate(size, config)
-        if not replicas:
-            self.evict(now, need=max(size, int(self.config.eviction_ratio * self._capacity)))
+        # Eviction frees bytes anywhere, but the object needs one contiguous extent: retry with
+        # growing targets while eviction makes progress.
+        need = max(size, int(self.config.eviction_ratio * self._capacity))
+        for _ in range(_EVICT_RETRIES):
+            if replicas or not self.evict(now, need=need):
+                break
             replicas = self._allocate(size, config)
-            if not replicas:
-                self.stats.put_failures_no_space += 1
-                raise NoAvailableHandleError(
-                    f"no mounted segment has {size} free bytes for {key!r} "
-                    f"({len(self._seg_list)} segments, {self._used}/{self._capacity} bytes used, "
-                    f"{self._demoting_bytes} being demoted to SSD)"
-                )
+            need *= 2
+        if not replicas:
+            self.stats.put_failures_no_space += 1
+            raise NoAvailableHandleError(
+                f"no mounted segment has {size} free bytes for {key!r} "
+                f"({len(self._seg_list)} segments, {self._used}/{self._capacity} bytes used, "
+                f"{self._demoting_bytes} being demoted to SSD)"
+            )
         if obj is None:
             obj = self._objects[key] = _Object(key)
         self._next_vid += 1
         version = _Version(size, replicas, self._next_vid)
         obj.pending = _Pending(client_id, version, now, config)
+        self._writing.add(key)
         for r in replicas:
             r.seg.keys.add(key)
         self.stats.puts_started += 1
@@ -623,8 +695,13 @@ class MasterState:
         obj.writer = client_id
         cfg = pending.config
         obj.hard_pinned = cfg.with_hard_pin
+        kept = obj.soft_pin_deadline if old is not None else None
         obj.soft_pin_deadline = None
-        if cfg.soft_pinned():
+        if not cfg.soft_pinned() and cfg.soft_pin_action == SoftPinAction.PRESERVE:
+            # an upsert keeps the soft pin its key had (Mooncake's PRESERVE)
+            if kept is not None and kept > now:
+                obj.soft_pin_deadline = kept
+        elif cfg.soft_pinned():
             ttl = (
                 cfg.soft_pin_ttl_ms / 1000.0
                 if cfg.soft_pin_ttl_ms is not None
@@ -791,6 +868,8 @@ class MasterState:
             raise ObjectNotFoundError(f"object {key!r} not found")
         if obj.pending is not None:
             raise ReplicaNotReadyError(f"object {key!r} has a write in progress")
+        if obj.task is not None:
+            raise ObjectHasReplicationTaskError(f"object {key!r} has task {obj.task.id} in flight")
         if obj.lease_deadline > now and not force:
             self.stats.lease_refusals += 1
             raise ObjectHasLeaseError(
@@ -815,7 +894,7 @@ class MasterState:
     def _remove_matching(self, match: Callable[[str], bool], force: bool, now: float) -> int:
         n = 0
         for key, obj in list(self._objects.items()):
-            if obj.readable is None or obj.pending is not None or not match(key):
+            if obj.readable is None or obj.pending is not None or obj.task or not match(key):
                 continue
             if obj.lease_deadline > now and not force:
                 self.stats.lease_refusals += 1
@@ -836,6 +915,162 @@ class MasterState:
             self._end_tier_moves(obj)
             self._forget_disk(obj.key, ver)
             obj.readable = None
+
+    # -- replica tasks (copy / move) -----------------------------------------------------
+
+    def create_copy_task(self, key: str, targets: list[str], now: float) -> str:
+        """Queue a copy of ``key`` onto each of ``targets`` (segment names without a replica of
+        it); executed by the client owning the first replica's segment. Returns the task id."""
+        obj = self._task_object(key)
+        assert obj.readable is not None
+        if not targets:
+            raise InvalidArgumentError("a copy task needs at least one target segment")
+        source = obj.readable.replicas[0]
+        return self._new_task(obj, TaskType.REPLICA_COPY, source, targets, now)
+
+    def create_move_task(self, key: str, source: str, target: str, now: float) -> str:
+        """Queue a move of ``key``'s replica on segment ``source`` to segment ``target``."""
+        obj = self._task_object(key)
+        assert obj.readable is not None
+        src = next((r for r in obj.readable.replicas if r.seg.segment.name == source), None)
+        if src is None:
+            raise ReplicaNotFoundError(f"object {key!r} has no replica on segment {source!r}")
+        return self._new_task(obj, TaskType.REPLICA_MOVE, src, [target], now)
+
+    def _task_object(self, key: str) -> _Object:
+        obj = self._objects.get(key)
+        if obj is None or obj.readable is None:
+            raise ObjectNotFoundError(f"object {key!r} not found")
+        if obj.pending is not None:
+            raise ReplicaNotReadyError(f"object {key!r} has a write in progress")
+        if obj.task is not None:
+            raise ObjectHasReplicationTaskError(f"object {key!r} has task {obj.task.id} in flight")
+        return obj
+
+    def _new_task(
+        self, obj: _Object, ttype: TaskType, source: _Replica, targets: list[str], now: float
+    ) -> str:
+        assert obj.readable is not None
+        held = {id(r.seg) for r in obj.readable.replicas}
+        segs: list[_Seg] = []
+        for name in targets:
+            seg = next(
+                (
+                    s
+                    for s in self._seg_list
+                    if s.segment.name == name and id(s) not in held and s not in segs
+                ),
+                None,
+            )
+            if seg is None:
+                raise SegmentNotFoundError(
+                    f"no mounted segment {name!r} without a replica of {obj.key!r}"
+                )
+            segs.append(seg)
+        task = _Task(uuid.uuid4().hex, ttype, obj.key, source, segs, source.seg.client_id, now)
+        self._tasks[task.id] = task
+        self._active_tasks[task.id] = task
+        obj.task = task
+        return task.id
+
+    def query_task(self, task_id: str) -> ReplicaTask:
+        task = self._tasks.get(task_id)
+        if task is None:
+            raise InvalidArgumentError(f"no task {task_id!r}")
+        return task.info()
+
+    def fetch_tasks(self, client_id: str, now: float) -> list[ReplicaTask]:
+        """Pending tasks this client executes; they become PROCESSING."""
+        out = []
+        for task in self._active_tasks.values():
+            if task.executor == client_id and task.status is TaskStatus.PENDING:
+                task.status = TaskStatus.PROCESSING
+                task.started = now
+                out.append(task.info())
+        return out
+
+    def task_start(self, client_id: str, task_id: str, now: float) -> TaskStartResponse:
+        """Allocate the task's targets; the executor then writes ``source`` into each."""
+        task = self._active_task(client_id, task_id)
+        if task.allocated:
+            raise InvalidWriteError(f"task {task_id} already started")
+        size = task.source.length
+        for seg in task.targets:
+            addr = seg.alloc.allocate(size)
+            if addr is None:
+                self._fail_task(task, f"no space for {size} bytes on {seg.segment.name!r}")
+                raise NoAvailableHandleError(task.message)
+            self._used += seg.alloc.extent(addr)
+            task.allocated.append(_Replica(seg, addr, size))
+        if task.status is TaskStatus.PENDING:
+            task.started = now
+        task.status = TaskStatus.PROCESSING
+        return TaskStartResponse(
+            size=size,
+            source=task.source.descriptor(ReplicaStatus.COMPLETE),
+            targets=[r.descriptor(ReplicaStatus.PROCESSING) for r in task.allocated],
+        )
+
+    def task_end(self, client_id: str, task_id: str, now: float) -> None:
+        """The targets hold the bytes: they become replicas (a move also drops its source)."""
+        task = self._active_task(client_id, task_id)
+        if not task.allocated:
+            raise InvalidWriteError(f"task {task_id} was not started")
+        obj = self._objects[task.key]
+        assert obj.readable is not None and obj.task is task
+        for r in task.allocated:
+            obj.readable.replicas.append(r)
+            r.seg.keys.add(task.key)
+        task.allocated = []
+        if task.type is TaskType.REPLICA_MOVE:
+            src = task.source
+            obj.readable.replicas.remove(src)
+            if not any(r.seg is src.seg for r in obj.readable.replicas):
+                src.seg.keys.discard(task.key)
+            if obj.read_deadline > now:  # a reader may be copying from it
+                self._deferred.append((obj.read_deadline, [src]))
+            else:
+                self._free_replicas([src])
+        self._finish_task(task, TaskStatus.SUCCESS, "")
+
+    def task_revoke(self, client_id: str, task_id: str, message: str, now: float) -> None:
+        """The executor gave up: targets are freed, the task FAILED."""
+        task = self._active_task(client_id, task_id)
+        self._fail_task(task, message or "revoked by the executor")
+
+    def _active_task(self, client_id: str, task_id: str) -> _Task:
+        task = self._active_tasks.get(task_id)
+        if task is None:
+            if task_id in self._tasks:
+                raise InvalidWriteError(f"task {task_id} is {self._tasks[task_id].status.name}")
+            raise InvalidArgumentError(f"no task {task_id!r}")
+        if task.executor != client_id:
+            raise IllegalClientError(f"task {task_id} is executed by {task.executor}")
+        return task
+
+    def _fail_task(self, task: _Task, message: str) -> None:
+        self._free_replicas(task.allocated)
+        task.allocated = []
+        self._finish_task(task, TaskStatus.FAILED, message)
+
+    def _finish_task(self, task: _Task, status: TaskStatus, message: str) -> None:
+        task.status = status
+        task.message = message
+        self._active_tasks.pop(task.id, None)
+        obj = self._objects.get(task.key)
+        if obj is not None and obj.task is task:
+            obj.task = None
+        self._finished_tasks.append(task.id)
+        while len(self._finished_tasks) > self.config.max_finished_tasks:
+            self._tasks.pop(self._finished_tasks.popleft(), None)
+
+    def _expire_tasks(self, now: float) -> None:
+        for task in list(self._active_tasks.values()):
+            if task.status is TaskStatus.PENDING:
+                if now - task.created >= self.config.pending_task_timeout:
+                    self._fail_task(task, "not fetched by its executor in time")
+            elif now - task.started >= self.config.processing_task_timeout:
+                self._fail_task(task, "not finished by its executor in time")
 
     # -- admin -----------------------------------------------------------------------------
 
@@ -882,6 +1117,7 @@ class MasterState:
         frees, soft-pin expiry, watermark eviction. Call it periodically (the server does)."""
         self.expire_clients(now)
         self._release_zombies(now)
+        self._expire_tasks(now)
         self._release_deferred(now)
         self._expire_soft_pins(now)
         self._expire_tier_moves(now)
@@ -893,9 +1129,13 @@ class MasterState:
 
     def _release_zombies(self, now: float) -> None:
         limit = self.config.put_start_release_timeout
-        for key, obj in list(self._objects.items()):
-            p = obj.pending
-            if p is not None and now - p.started >= limit:
+        for key in list(self._writing):
+            obj = self._objects.get(key)
+            p = obj.pending if obj is not None else None
+            if obj is None or p is None:
+                self._writing.discard(key)  # ended, revoked or dropped since
+            elif now - p.started >= limit:
+                self._writing.discard(key)
                 obj.pending = None
                 self._unlink(key, p.version)
                 self._free_version(p.version)
@@ -951,6 +1191,7 @@ class MasterState:
                 and obj.pending is None
                 and obj.demoting is None
                 and obj.promoting is None
+                and obj.task is None
                 and not obj.hard_pinned
                 and obj.lease_deadline <= now
                 and (allow_soft or obj.soft_pin_deadline is None)
@@ -1269,6 +1510,10 @@ class MasterState:
                         extents.setdefault(id(r.seg), []).append(
                             (r.addr, r.seg.alloc.extent(r.addr))
                         )
+        for task in self._active_tasks.values():
+            assert self._objects[task.key].task is task
+            for r in task.allocated:
+                extents.setdefault(id(r.seg), []).append((r.addr, r.seg.alloc.extent(r.addr)))
         for _, reps in self._deferred:
             for r in reps:
                 if r.seg.mounted:

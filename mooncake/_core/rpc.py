@@ -53,6 +53,13 @@ RemoveAll              ForceParams                      int (objects removed)
 QueryKey               KeyParams                        ObjectInfo (admin: no lease)
 GetAllKeys             Empty                            list[str] (admin: complete objects)
 GetAllSegments         Empty                            list[SegmentInfo]
+CreateCopyTask         CopyTaskParams                   str (task id)
+CreateMoveTask         MoveTaskParams                   str (task id)
+QueryTask              TaskIdParams                     ReplicaTask
+FetchTasks             ClientParams                     list[ReplicaTask] (now PROCESSING)
+TaskStart              TaskParams                       TaskStartResponse (allocates targets)
+TaskEnd                TaskParams                       None (targets become replicas)
+TaskRevoke             TaskRevokeParams                 None (targets freed, task FAILED)
 MountLocalDisk         LocalDiskParams                  None (the client has an SSD tier)
 FetchTierTasks         ClientParams                     TierTasks (demotions to do, copies to drop)
 DemoteEnd / -Revoke    TierKeyParams                    None
@@ -83,9 +90,11 @@ from mooncake._core.store_types import (
     ObjectInfo,
     PingResponse,
     ReplicaDescriptor,
+    ReplicaTask,
     ReplicateConfig,
     Segment,
     SegmentInfo,
+    TaskStartResponse,
     TierTasks,
 )
 from mooncake.errors import (
@@ -212,6 +221,32 @@ class ForceParams(_Params):
     force: bool = False
 
 
+class CopyTaskParams(_Params):
+    key: str
+    targets: list[str]
+
+
+class MoveTaskParams(_Params):
+    key: str
+    source: str
+    target: str
+
+
+class TaskIdParams(_Params):
+    task_id: str
+
+
+class TaskParams(_Params):
+    client_id: str
+    task_id: str
+
+
+class TaskRevokeParams(_Params):
+    client_id: str
+    task_id: str
+    message: str = ""
+
+
 class Item(msgspec.Struct, Generic[T], array_like=True, omit_defaults=True):
     """One key's result in a batch answer: ``code`` 0 with ``value``, or an error code."""
 
@@ -277,6 +312,13 @@ METHODS: dict[str, MethodSpec] = {
         _spec("QueryKey", KeyParams, ObjectInfo),
         _spec("GetAllKeys", Empty, list[str]),
         _spec("GetAllSegments", Empty, list[SegmentInfo]),
+        _spec("CreateCopyTask", CopyTaskParams, str),
+        _spec("CreateMoveTask", MoveTaskParams, str),
+        _spec("QueryTask", TaskIdParams, ReplicaTask),
+        _spec("FetchTasks", ClientParams, list[ReplicaTask]),
+        _spec("TaskStart", TaskParams, TaskStartResponse),
+        _spec("TaskEnd", TaskParams, None),
+        _spec("TaskRevoke", TaskRevokeParams, None),
         _spec("MountLocalDisk", LocalDiskParams, None),
         _spec("FetchTierTasks", ClientParams, TierTasks),
         _spec("DemoteEnd", TierKeyParams, None),
@@ -504,6 +546,7 @@ __all__ = [
     "BatchPutStartParams",
     "BatchRemoveParams",
     "ClientParams",
+    "CopyTaskParams",
     "Empty",
     "ForceParams",
     "Item",
@@ -514,12 +557,16 @@ __all__ = [
     "MessageDecoder",
     "MethodSpec",
     "MountSegmentParams",
+    "MoveTaskParams",
     "PutStartParams",
     "ReMountSegmentParams",
     "RegexParams",
     "RemoveParams",
     "Request",
     "Response",
+    "TaskIdParams",
+    "TaskParams",
+    "TaskRevokeParams",
     "UnmountSegmentParams",
     "decode_params",
     "decode_result",

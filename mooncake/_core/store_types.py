@@ -69,6 +69,22 @@ class ClientStatus(enum.IntEnum):
     NEED_REMOUNT = 2
 
 
+class TaskType(enum.IntEnum):
+    """Kind of a replica task (the published ``TaskType``)."""
+
+    REPLICA_COPY = 0
+    REPLICA_MOVE = 1
+
+
+class TaskStatus(enum.IntEnum):
+    """State of a replica task (the published ``TaskStatus``)."""
+
+    PENDING = 0
+    PROCESSING = 1
+    SUCCESS = 2
+    FAILED = 3
+
+
 class _Struct(msgspec.Struct, kw_only=True, omit_defaults=True):
     pass
 
@@ -187,6 +203,32 @@ class SegmentInfo(_Struct):
     capacity: int
 
 
+class ReplicaTask(_Struct):
+    """A copy or move of one object's replica, executed by the client owning the source.
+
+    ``source`` and ``targets`` are transfer-engine segment names; ``executor`` the client id
+    that fetches and runs it (``FetchTasks`` -> ``TaskStart`` -> engine writes -> ``TaskEnd``
+    or ``TaskRevoke``).
+    """
+
+    id: str
+    type: TaskType
+    key: str
+    source: str
+    targets: list[str]
+    status: TaskStatus = TaskStatus.PENDING
+    executor: str = ""
+    message: str = ""
+
+
+class TaskStartResponse(_Struct):
+    """What the executor moves: ``size`` bytes from ``source`` to every one of ``targets``."""
+
+    size: int
+    source: ReplicaDescriptor
+    targets: list[ReplicaDescriptor]
+
+
 __all__ = [
     "ClientStatus",
     "DemoteTask",
@@ -198,10 +240,14 @@ __all__ = [
     "PingResponse",
     "ReplicaDescriptor",
     "ReplicaStatus",
+    "ReplicaTask",
     "ReplicateConfig",
     "Segment",
     "SegmentInfo",
     "SoftPinAction",
+    "TaskStartResponse",
+    "TaskStatus",
+    "TaskType",
     "TierTasks",
 ]
 

@@ -10,10 +10,18 @@ An engine is one *segment*: it owns a handshake (RPC) server, one server per tra
 registry of local memory peers may touch, all in one task group that ``open_engine`` closes.
 Its segment name is ``host:rpc_port`` in P2P mode (as in Mooncake).
 
-Memory: ``register`` accepts numpy arrays, any writable C-contiguous buffer export, or an
-``(addr, length)`` pair; the exporting object is kept alive (and so cannot be resized or freed)
-until ``unregister``. Overlapping or empty ranges are refused. ``unregister`` waits until no
-transfer uses the region.
+Memory: ``register`` accepts numpy arrays, any writable C-contiguous buffer export, objects with
+``__cuda_array_interface__`` (cupy arrays: GPU memory, location ``cuda:N``), or an
+``(addr, length)`` pair (a device pointer with ``location="cuda:N"``); the exporting object is
+kept alive (and so cannot be resized or freed) until ``unregister``. Overlapping or empty ranges
+are refused. ``unregister`` waits until no transfer uses the region.
+
+GPU memory: each request goes to the highest-priority transport that reaches the peer and
+accepts the remote buffer (``cuda`` takes device buffers of peers on this host); when the local
+side is device memory and that transport handles host memory only (``tcp``, ``shm``), the engine
+stages it through pinned host chunks (:mod:`mooncake._engine.cudaio`); a TCP server stages its
+own device regions the same way. The CUDA runtime is loaded on first need
+(:func:`mooncake._fast.cuda.runtime`, or the ``cuda_runtime`` given to ``open_engine``).
 
 Transfers: ``transfer(segment, requests)`` returns one :class:`TransferResult` per request.
 Arguments that are wrong regardless of the peer (local ranges not registered, bad types) raise
@@ -35,7 +43,8 @@ import os
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any, overload
 
 import anyio
 import anyio.abc
@@ -43,6 +52,7 @@ import numpy as np
 
 from mooncake import _fast
 from mooncake._core.descriptor import BufferDesc, SegmentDescriptor, now_timestamp
+from mooncake._core.gpu import device_of, parse_location
 from mooncake._core.handshake import Frame, FrameType
 from mooncake._core.memory import MemoryRegistry, Region, check_range
 from mooncake._core.transfer import (
@@ -58,6 +68,7 @@ from mooncake._engine.metadata import MetadataBackend, open_backend
 from mooncake._engine.transports.base import PeerInfo, Transport
 from mooncake.errors import (
     ClosedError,
+    CudaError,
     InvalidArgumentError,
     MooncakeError,
     NotSupportedError,
@@ -67,6 +78,10 @@ from mooncake.errors import (
     RemoteAccessError,
     TransferError,
 )
+
+if TYPE_CHECKING:
+    from mooncake._engine.cudaio import Completions, Stager
+    from mooncake._fast.cuda import CudaRuntime
 
 log = logging.getLogger("mooncake.engine")
 
@@ -99,6 +114,52 @@ def buffer_address(obj: Any, *, writable: bool = True) -> tuple[int, int, memory
         raise InvalidArgumentError("buffer is empty")
     arr = np.frombuffer(flat, dtype=np.uint8)
     return int(arr.ctypes.data), mv.nbytes, mv
+
+
+def device_array_address(obj: Any, *, writable: bool = True) -> tuple[int, int] | None:
+    """``(ptr, nbytes)`` of an object exposing ``__cuda_array_interface__``, else None."""
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is None:
+        return None
+    try:
+        shape = tuple(int(d) for d in cai["shape"])
+        itemsize = int(str(cai["typestr"])[2:])
+        ptr, readonly = cai["data"]
+        strides = cai.get("strides")
+    except (KeyError, TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"malformed __cuda_array_interface__: {e}") from None
+    n = itemsize
+    for d in shape:
+        n *= d
+    if strides is not None:
+        expect, step = [], itemsize
+        for d in reversed(shape):
+            expect.append(step)
+            step *= d
+        if tuple(strides) != tuple(reversed(expect)):
+            raise InvalidArgumentError("device array must be C-contiguous")
+    if n == 0 or not ptr:
+        raise InvalidArgumentError("device array is empty")
+    if writable and readonly:
+        raise InvalidArgumentError("device array is read-only; peers could not write into it")
+    return int(ptr), n
+
+
+class DeviceMemory:
+    """Engine-allocated, registered device memory (``engine.allocate(n, location="cuda:N")``)."""
+
+    def __init__(self, rt: CudaRuntime, region: Region, device: int) -> None:
+        self._rt = rt
+        self.region = region
+        self.addr = region.addr
+        self.length = region.length
+        self.device = device
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __repr__(self) -> str:
+        return f"<DeviceMemory cuda:{self.device} {self.addr:#x} +{self.length}>"
 
 
 class Buffer:
@@ -176,6 +237,7 @@ class Engine:
         transports: Sequence[str],
         tcp_lanes: int,
         segment_name: str | None = None,
+        cuda_runtime: CudaRuntime | None = None,
     ) -> None:
         host, _, port = hostname.rpartition(":") if hostname.count(":") == 1 else (hostname, "", "")
         if port and not port.isdigit():
@@ -203,6 +265,10 @@ class Engine:
         self._peer_locks: dict[str, anyio.Lock] = collections.defaultdict(anyio.Lock)
         self._notifies: collections.deque[Notify] = collections.deque(maxlen=MAX_NOTIFIES)
         self._buffers: dict[int, Buffer] = {}
+        self._device_mem: dict[int, DeviceMemory] = {}
+        self._cuda = cuda_runtime
+        self._completions: Completions | None = None
+        self._stager: Stager | None = None
         self._closed = False
         self._desc_cache: dict[str, Any] | None = None
 
@@ -259,10 +325,91 @@ class Engine:
                     # away with its last view instead of under it
                     pass
             self._buffers.clear()
+            if self._stager is not None:
+                for pool in (self._stager.pool, self._stager.server_pool):
+                    for chunk in pool.chunks:
+                        if self.registry.find(chunk, 1) is not None:
+                            self.registry.remove(chunk)
+                self._stager.close()
+            if self._completions is not None:
+                self._completions.close()
+            for dm in list(self._device_mem.values()):
+                self.registry.remove(dm.addr)
+                try:
+                    dm._rt.free(dm.addr)
+                except CudaError as e:
+                    log.warning("freeing %r at close failed: %s", dm, e)
+            self._device_mem.clear()
 
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("engine is closed")
+
+    # -- GPU ------------------------------------------------------------------------------
+
+    @property
+    def cuda(self) -> CudaRuntime:
+        """The CUDA runtime (loaded on first use; :class:`~mooncake.errors.NoGpuError` if none)."""
+        if self._cuda is None:
+            from mooncake._fast import cuda
+
+            self._cuda = cuda.runtime()
+        return self._cuda
+
+    @property
+    def cuda_completions(self) -> Completions:
+        """The engine's bridge from CUDA stream completion to the event loop."""
+        if self._completions is None:
+            from mooncake._engine.cudaio import Completions
+
+            self._completions = Completions(self.cuda)
+        return self._completions
+
+    @property
+    def staging(self) -> Stager:
+        """Pinned host chunks for moving device memory over host-only transports."""
+        if self._stager is None:
+            from mooncake._engine.cudaio import Stager
+
+            self._stager = Stager(
+                self.cuda, self.cuda_completions, on_new_chunk=self._register_staging_chunk
+            )
+        return self._stager
+
+    async def _register_staging_chunk(self, addr: int, length: int) -> None:
+        # Local-only registered memory like any other: every transport sees it (an RDMA
+        # transport registers a memory region for it), peers never do.
+        await self.register((addr, length), location="cpu:0", remote_accessible=False)
+
+    def _check_device_range(self, addr: int, length: int, location: str) -> None:
+        from mooncake._fast.cuda import MEMORY_DEVICE, MEMORY_MANAGED
+
+        _, dev = parse_location(location)
+        rt = self.cuda
+        n = rt.get_device_count()
+        if dev >= n:
+            raise InvalidArgumentError(f"location {location!r}: this process sees {n} GPU(s)")
+        for p in (addr, addr + length - 1):
+            kind, pdev = rt.pointer_get_attributes(p)
+            if kind not in (MEMORY_DEVICE, MEMORY_MANAGED):
+                raise InvalidArgumentError(
+                    f"[{addr:#x}, +{length}) is not device memory, but location is {location!r}"
+                )
+            if pdev != dev:
+                raise InvalidArgumentError(
+                    f"[{addr:#x}, +{length}) is on cuda:{pdev}, but location is {location!r}"
+                )
+
+    def _auto_location(self, addr: int) -> str:
+        """``*``: ask the runtime when one is loaded (never load CUDA just for this)."""
+        from mooncake._fast import cuda
+
+        rt = self._cuda or cuda.loaded_runtime()
+        if rt is not None:
+            kind, dev = rt.pointer_get_attributes(addr)
+            if kind in (cuda.MEMORY_DEVICE, cuda.MEMORY_MANAGED) and dev >= 0:
+                return f"cuda:{dev}"
+        return "cpu:0"
 
     # -- descriptor -----------------------------------------------------------------------
 
@@ -321,26 +468,56 @@ class Engine:
         self,
         obj: Any,
         *,
-        location: str = "cpu:0",
+        location: str = "*",
         remote_accessible: bool = True,
     ) -> Region:
-        """Register a buffer or an ``(addr, length)`` pair; returns its :class:`Region`."""
+        """Register a buffer, a device array or an ``(addr, length)`` pair; returns its region.
+
+        ``location`` is ``cpu:N``, ``cuda:N`` or ``*`` (device arrays: their device; pairs: the
+        runtime's answer when CUDA is already loaded, else ``cpu:0``). A ``cuda:N`` location is
+        checked against the runtime: the whole range must be device memory of device N.
+        """
         self._check_open()
-        if isinstance(obj, tuple):
+        dev_arr = device_array_address(obj, writable=remote_accessible)
+        if dev_arr is not None:
+            addr, length = dev_arr
+            check_range(addr, length, "register")
+            owner: Any = obj
+            if location in ("*", ""):
+                _, dev = self.cuda.pointer_get_attributes(addr)
+                location = f"cuda:{dev}"
+        elif isinstance(obj, tuple):
             if len(obj) != 2:
                 raise InvalidArgumentError("expected (addr, length)")
             addr, length = obj
             check_range(addr, length, "register")
-            owner: Any = None
+            owner = None
+            if location in ("*", ""):
+                location = self._auto_location(addr)
         else:
             addr, length, owner = buffer_address(obj, writable=remote_accessible)
+            if device_of(location) is not None:
+                raise InvalidArgumentError(
+                    f"a host buffer ({type(obj).__name__}) cannot have location {location!r}"
+                )
         if location in ("*", ""):
             location = "cpu:0"
+        if location.startswith("cuda"):
+            self._check_device_range(addr, length, location)
         region = self.registry.add(Region(addr, length, location, owner, remote_accessible))
+        done: list[Transport] = []
         try:
             for t in self.transports:
                 await t.on_register(region)
+                done.append(t)
         except BaseException:
+            # roll back on the transports that took it (they may hold pins, exports...)
+            with anyio.CancelScope(shield=True):
+                for t in reversed(done):
+                    try:
+                        await t.on_unregister(region)
+                    except MooncakeError as e:
+                        log.warning("rolling back registration on %s: %s", t.name, e)
             self.registry.remove(addr)
             raise
         await self._publish()
@@ -352,10 +529,12 @@ class Engine:
         Waits until in-flight transfers touching the region are done; new ones are refused
         from the moment this is called.
         """
-        if isinstance(obj, (Region, Buffer)):
+        if isinstance(obj, (Region, Buffer, DeviceMemory)):
             addr = obj.addr
         elif isinstance(obj, int):
             addr = obj
+        elif (dev_arr := device_array_address(obj, writable=False)) is not None:
+            addr = dev_arr[0]
         else:
             addr = buffer_address(obj, writable=False)[0]
         region = self.registry.get(addr)
@@ -372,6 +551,9 @@ class Engine:
         buf = self._buffers.pop(addr, None)
         if buf is not None:
             buf._mmap.close()
+        dm = self._device_mem.pop(addr, None)
+        if dm is not None:
+            dm._rt.free(dm.addr)
         await self._publish()
 
     def acquire_region(self, addr: int, length: int, what: str = "local") -> Region:
@@ -386,11 +568,33 @@ class Engine:
             if released is not None:
                 released.set()
 
-    async def allocate(self, length: int, *, location: str = "cpu:0") -> Buffer:
-        """Allocate ``length`` bytes of page-aligned memory, pre-fault it and register it."""
+    @overload
+    async def allocate(self, length: int) -> Buffer: ...
+    @overload
+    async def allocate(self, length: int, *, location: str) -> Buffer | DeviceMemory: ...
+    async def allocate(self, length: int, *, location: str = "cpu:0") -> Buffer | DeviceMemory:
+        """Allocate ``length`` bytes, register them and return the allocation.
+
+        Host (``cpu:N``): page-aligned, pre-faulted :class:`Buffer`. Device (``cuda:N``):
+        ``cudaMalloc`` memory as :class:`DeviceMemory`, freed by ``unregister`` or at close.
+        """
         self._check_open()
         if length <= 0:
             raise InvalidArgumentError(f"allocate: length must be positive, got {length}")
+        kind, dev = parse_location(location)
+        if kind == "cuda":
+            rt = self.cuda
+            rt.set_device(dev)
+            ptr = rt.malloc(length)
+            try:
+                region = await self.register((ptr, length), location=location)
+            except BaseException:
+                rt.free(ptr)
+                raise
+            dm = DeviceMemory(rt, region, dev)
+            region.owner = dm
+            self._device_mem[ptr] = dm
+            return dm
         size = math.ceil(length / mmap.PAGESIZE) * mmap.PAGESIZE
         mm = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
         addr = int(np.frombuffer(mm, dtype=np.uint8).ctypes.data)
@@ -496,18 +700,93 @@ class Engine:
             else:
                 send_idx.append(i)
         if send_idx:
-            t = self._pick(peer, transport)
+            routes = self._route(peer, reqs, send_idx, transport, results)
             regions = [self.acquire_region(reqs[i].local_addr, reqs[i].length) for i in send_idx]
             try:
-                out = await t.execute(peer, [reqs[i] for i in send_idx])
+                if len(routes) == 1:
+                    ((t, idx),) = routes.items()
+                    await self._execute(t, peer, reqs, idx, results)
+                elif routes:
+                    async with anyio.create_task_group() as tg:
+                        for t, idx in routes.items():
+                            tg.start_soon(self._execute_part, t, peer, reqs, idx, results)
             finally:
                 for region in regions:
                     self.release_region(region)
-            for i, res in zip(send_idx, out, strict=True):
-                results[i] = res
-                if isinstance(res.error, (PeerDiedError, PeerUnreachableError)):
+            for i in send_idx:
+                res = results[i]
+                if res is not None and isinstance(res.error, (PeerDiedError, PeerUnreachableError)):
                     self.forget(segment)
+                    break
         return [r if r is not None else failed(TransferError("not attempted")) for r in results]
+
+    def _route(
+        self,
+        peer: PeerInfo,
+        reqs: list[TransferRequest],
+        idx: list[int],
+        name: str | None,
+        results: list[TransferResult | None],
+    ) -> dict[Transport, list[int]]:
+        """Pick a transport per request: the first (by priority) that reaches the peer and
+        accepts the buffer holding the remote range. Unroutable requests get a failed result."""
+        cands = (
+            [self._pick(peer, name)] if name else [t for t in self.transports if t.can_reach(peer)]
+        )
+        if not cands:
+            raise NotSupportedError(f"no installed transport reaches {peer.segment}")
+        routes: dict[Transport, list[int]] = {}
+        for i in idx:
+            r = reqs[i]
+            buf = peer.descriptor.find_buffer(r.remote_addr, r.length)
+            assert buf is not None
+            t = next((t for t in cands if t.accepts(peer, buf)), None)
+            if t is None:
+                results[i] = failed(
+                    NotSupportedError(
+                        f"{peer.segment}: no transport among {[c.name for c in cands]} reaches "
+                        f"its {buf.name} buffer [{buf.addr:#x}, +{buf.length})"
+                    )
+                )
+            else:
+                routes.setdefault(t, []).append(i)
+        return routes
+
+    async def _execute_part(
+        self,
+        t: Transport,
+        peer: PeerInfo,
+        reqs: list[TransferRequest],
+        idx: list[int],
+        results: list[TransferResult | None],
+    ) -> None:
+        """One transport's share of a batch split over several: a batch-level failure of that
+        transport fails its requests only (and never leaves as an exception group)."""
+        try:
+            await self._execute(t, peer, reqs, idx, results)
+        except MooncakeError as e:
+            for i in idx:
+                results[i] = failed(e)
+
+    async def _execute(
+        self,
+        t: Transport,
+        peer: PeerInfo,
+        reqs: list[TransferRequest],
+        idx: list[int],
+        results: list[TransferResult | None],
+    ) -> None:
+        sub = [reqs[i] for i in idx]
+        devices = []
+        for r in sub:
+            region = self.registry.find(r.local_addr, r.length)
+            devices.append(device_of(region.location) if region is not None else None)
+        if t.device_memory or all(d is None for d in devices):
+            out = await t.execute(peer, sub)
+        else:
+            out = await self.staging.run(partial(t.execute, peer), sub, devices)
+        for i, res in zip(idx, out, strict=True):
+            results[i] = res
 
     async def _local(self, reqs: list[TransferRequest]) -> list[TransferResult]:
         results = []
@@ -526,7 +805,17 @@ class Engine:
                     r.remote_addr,
                 )
             )
-            if r.length >= (1 << 20):
+            local = self.registry.find(r.local_addr, r.length)
+            dev = device_of(local.location) if local is not None else None
+            if dev is None:
+                dev = device_of(remote.location)
+            if dev is not None:
+                try:
+                    await self.staging.copy(dst, src, r.length, dev)
+                except MooncakeError as e:
+                    results.append(failed(e))
+                    continue
+            elif r.length >= (1 << 20):
                 await anyio.to_thread.run_sync(_fast.memcpy_at, dst, src, r.length)
             else:
                 _fast.memcpy_at(dst, src, r.length)
@@ -627,6 +916,7 @@ async def open_engine(
     transports: Sequence[str] | None = None,
     tcp_lanes: int | None = None,
     segment_name: str | None = None,
+    cuda_runtime: CudaRuntime | None = None,
 ) -> AsyncIterator[Engine]:
     """Start an engine and yield it; everything it started stops when the block exits.
 
@@ -638,12 +928,18 @@ async def open_engine(
     With a metadata service (``http://``, ``etcd://``, ``redis://``) the segment name is
     ``segment_name`` if given, else ``hostname`` exactly as given (Mooncake's
     ``local_server_name``); its handshake address is published under ``rpc_meta``.
+    ``cuda_runtime`` replaces the process-wide CUDA runtime for this engine (an object
+    implementing :class:`mooncake._fast.cuda.CudaRuntime`; tests pass a fake).
     """
     if transports is None:
         from mooncake._engine.transports import default_transports
 
         transports = default_transports()
     lanes = tcp_lanes or int(os.environ.get("MC_TCP_LANES_PER_PEER", "4") or 4)
+    if "cuda" in transports and cuda_runtime is None:
+        from mooncake._fast import cuda
+
+        cuda_runtime = cuda.runtime()  # NoGpuError here, plainly, not from inside the task group
     engine = Engine(
         hostname,
         metadata,
@@ -652,18 +948,27 @@ async def open_engine(
         transports=transports,
         tcp_lanes=lanes,
         segment_name=segment_name,
+        cuda_runtime=cuda_runtime,
     )
+    start_error: MooncakeError | None = None
     try:
         async with anyio.create_task_group() as tg:
             engine.task_group = tg
             try:
-                await engine._start()
-                yield engine
+                try:
+                    await engine._start()
+                except MooncakeError as e:
+                    # raised as itself below, not wrapped in the task group's ExceptionGroup
+                    start_error = e
+                else:
+                    yield engine
             finally:
                 engine._closed = True
                 with anyio.CancelScope(shield=True):
                     await engine._unpublish()
                 tg.cancel_scope.cancel()
+        if start_error is not None:
+            raise start_error
     finally:
         # every task (servers, submitted batches) has ended: release what they used
         await engine._aclose()

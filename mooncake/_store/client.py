@@ -57,7 +57,9 @@ import numpy as np
 from mooncake import _fast
 from mooncake._core import rpc
 from mooncake._core import store_types as st
+from mooncake._core.gpu import device_of
 from mooncake._core.master import parse_miss
+from mooncake._core.memory import Region
 from mooncake._core.misses import Miss, MissReason
 from mooncake._core.policies import EvictionPolicy
 from mooncake._core.staging import RangeAllocator
@@ -69,7 +71,6 @@ from mooncake._store.master_conn import MasterConnection
 from mooncake._store.shm import MappedPeer, SharedSegment, ShmPeers, ShmServer
 from mooncake._store.ssd import SsdTier, open_ssd_tier
 from mooncake.errors import (
-    BufferOverflowError,
     ClosedError,
     InvalidArgumentError,
     LeaseExpiredError,
@@ -202,7 +203,8 @@ class Store:
                 protocol="tcp",
             )
             await self.master.call(
-                "MountSegment", rpc.MountSegmentParams(client_id=self.client_id, segment=self.mounted)
+                "MountSegment",
+                rpc.MountSegmentParams(client_id=self.client_id, segment=self.mounted),
             )
         self._tg = tg
         if self.ssd is not None:
@@ -460,16 +462,20 @@ class Store:
         """Unregister a buffer registered at ``addr`` (waits for transfers using it)."""
         await self.engine.unregister(addr)
 
-    def _require_local(self, addr: int, length: int, what: str) -> None:
+    def _require_local(self, addr: int, length: int, what: str) -> Region:
         if isinstance(addr, bool) or not isinstance(addr, int) or addr <= 0:
-            raise InvalidArgumentError(f"{what}: buffer address must be a positive int, got {addr!r}")
+            raise InvalidArgumentError(
+                f"{what}: buffer address must be a positive int, got {addr!r}"
+            )
         if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
             raise InvalidArgumentError(f"{what}: size must be a positive int, got {length!r}")
-        if self.engine.registry.find(addr, length) is None:
+        region = self.engine.registry.find(addr, length)
+        if region is None:
             raise NotRegisteredError(
                 f"{what}: [{addr:#x}, +{length}) is not inside a registered buffer "
                 "(register_buffer it first)"
             )
+        return region
 
     async def _stage(self, length: int) -> int:
         """Offset of ``length`` bytes in the local buffer (waits while it is busy)."""
@@ -509,7 +515,9 @@ class Store:
                 base, size = self.segment.addr, self.segment.size
                 addr = op.replica.addr
                 if addr < base or addr + op.length > base + size:
-                    op.error = TransferError(f"replica [{addr:#x}, +{op.length}) outside own segment")
+                    op.error = TransferError(
+                        f"replica [{addr:#x}, +{op.length}) outside own segment"
+                    )
                     continue
                 remote_local = addr
             else:
@@ -534,23 +542,52 @@ class Store:
                     tg.start_soon(self._move_net, seg, seg_ops)
         if copies:
             peers = {id(p): p for _, p in copy_ops if p is not None}
-            for p in peers.values():
-                p.users += 1
+            pinned = [p for p in peers.values() if p.acquire()]
             try:
-                await _memcpy_many(copies)
+                if len(pinned) < len(peers):  # one died since it was looked up
+                    for op, mp in copy_ops:
+                        if mp is not None and mp not in pinned:
+                            op.error = PeerDiedError(f"{mp.segment}: its owner is gone")
+                    keep = [
+                        (c, o) for c, o in zip(copies, copy_ops, strict=True) if o[0].error is None
+                    ]
+                    copies = [c for c, _ in keep]
+                    copy_ops = [o for _, o in keep]
+                await self._copy(copies, [o for o, _ in copy_ops])
             finally:
-                for p in peers.values():
-                    p.users -= 1
+                for p in pinned:
+                    p.unpin()
             # the fence for same-host copies: the owner must have outlived the copy
-            for op, p in copy_ops:
-                if p is not None and not p.alive():
+            for op, mp in copy_ops:
+                if mp is not None and not mp.alive():
                     op.error = PeerDiedError(
-                        f"{p.segment}: its owner died while the {'write' if op.write else 'read'} "
+                        f"{mp.segment}: its owner died while the {'write' if op.write else 'read'} "
                         "was in flight"
                     )
             for p in peers.values():
                 if p.dead:
                     self._shm.forget(p.segment)
+
+    async def _copy(self, copies: list[tuple[int, int, int]], ops: list[_Op]) -> None:
+        """Same-host copies: memcpy, except where the caller's buffer is GPU memory (registered
+        with a ``cuda:N`` location), which goes through the engine's CUDA stream instead."""
+        host: list[tuple[int, int, int]] = []
+        device: dict[int, list[tuple[tuple[int, int, int], _Op]]] = {}
+        for c, op in zip(copies, ops, strict=True):
+            region = self.engine.registry.find(op.local, op.length)
+            dev = device_of(region.location) if region is not None else None
+            if dev is None:
+                host.append(c)
+            else:
+                device.setdefault(dev, []).append((c, op))
+        if host:
+            await _memcpy_many(host)
+        for dev, items in device.items():
+            try:
+                await self.engine.staging.copy_many([c for c, _ in items], dev)
+            except MooncakeError as e:
+                for _, op in items:
+                    op.error = e
 
     async def _move_net(self, segment: str, ops: list[_Op]) -> None:
         reqs = [
@@ -567,8 +604,10 @@ class Store:
             return
         for op, res in zip(ops, results, strict=True):
             if not res.ok:
-                op.error = res.error if isinstance(res.error, TransferError) else TransferError(
-                    str(res.error)
+                op.error = (
+                    res.error
+                    if isinstance(res.error, TransferError)
+                    else TransferError(str(res.error))
                 )
 
     # -- put ------------------------------------------------------------------------------
@@ -644,8 +683,12 @@ class Store:
                 out[i] = e
         if good:
             res = await self._put_addrs(
-                [keys[i] for i in good], [addrs[i] for i in good], [sizes[i] for i in good],
-                config, upsert=upsert, batch=True,
+                [keys[i] for i in good],
+                [addrs[i] for i in good],
+                [sizes[i] for i in good],
+                config,
+                upsert=upsert,
+                batch=True,
             )
             for i, r in zip(good, res, strict=True):
                 out[i] = r
@@ -839,9 +882,9 @@ class Store:
         # -- end / revoke
         failed = [out[i] is not None for i in range(len(keys))]
         end_errs = await self._finish(prefix, keys, started, failed, batch)
-        for i, e in end_errs.items():
+        for i, end_err in end_errs.items():
             if out[i] is None:
-                out[i] = e
+                out[i] = end_err
         return out
 
     async def _resolve(self, segments: Any) -> None:
@@ -849,6 +892,39 @@ class Store:
         for seg in set(segments):
             if seg != self.segment_name:
                 await self._shm.lookup(seg)
+
+    async def _complete_put(
+        self, prefix: str, key: str, addr: int, size: int, reps: list[st.ReplicaDescriptor]
+    ) -> MooncakeError | None:
+        """Write ``reps`` (already PutStart-ed elsewhere) from ``addr``, then End or Revoke."""
+        err: MooncakeError | None = None
+        staged: int | None = None
+        try:
+            await self._resolve(r.segment_name for r in reps)
+            src = addr
+            remote = any(not self._is_copyable(r.segment_name) for r in reps)
+            if remote and self.engine.registry.find(addr, size) is None:
+                staged = await self._stage(size)
+                assert self.local_buffer is not None
+                src = self.local_buffer.addr + staged
+                await _memcpy_many([(src, addr, size)])
+            if not reps:
+                err = TransferError(f"master allocated no replica for {key!r}")
+            elif any(r.length != size for r in reps):
+                err = TransferError(f"master allocated a replica of the wrong size for {key!r}")
+            else:
+                ops = [_Op(True, src, r, size) for r in reps]
+                await self._move(ops)
+                err = next((op.error for op in ops if op.error is not None), None)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._finish(prefix, [key], [0], [True], False)
+            raise
+        finally:
+            if staged is not None:
+                self._unstage(staged)
+        errs = await self._finish(prefix, [key], [0], [err is not None], False)
+        return err or errs.get(0)
 
     def _is_copyable(self, segment: str) -> bool:
         """Whether writes to ``segment`` are memcpys (own or a live same-host mapping)."""
@@ -945,7 +1021,9 @@ class Store:
             return resp.size
         return resp.replicas[0].length if resp.replicas else 0
 
-    async def _read_one(self, resp: st.GetReplicaListResponse, local: int, n: int, deadline: float) -> None:
+    async def _read_one(
+        self, resp: st.GetReplicaListResponse, local: int, n: int, deadline: float
+    ) -> None:
         """Read ``n`` bytes of the object into ``local``, trying replicas in order; fenced."""
         order = self._order(resp.replicas)
         if not order:
@@ -971,21 +1049,28 @@ class Store:
         resp, deadline = await self._query(key)
         if not resp.replicas and resp.disk_clients:
             return await self._read_ssd(key, resp)
+        return await self._get_with(resp, deadline)
+
+    async def _get_with(self, resp: st.GetReplicaListResponse, deadline: float) -> bytes:
+        """The rest of :meth:`get` once ``GetReplicaList`` has answered ``resp``."""
         n = self._size_of(resp)
         # same-host or own replica: copy straight into a new bytes object
         await self._resolve(r.segment_name for r in resp.replicas)
         order = self._order(resp.replicas)
         if order and self._is_copyable(order[0].segment_name):
             r = order[0]
-            peer = None if r.segment_name == self.segment_name else self._route_cached(r.segment_name)
+            peer = (
+                None if r.segment_name == self.segment_name else self._route_cached(r.segment_name)
+            )
             src = r.addr if peer is None else peer.local(r.addr, n)
-            if peer is not None:
-                peer.users += 1
+            if peer is not None and not peer.acquire():
+                self._shm.forget(r.segment_name)
+                raise PeerDiedError(f"{r.segment_name}: its owner is gone")
             try:
                 data = ctypes.string_at(src, n)
             finally:
                 if peer is not None:
-                    peer.users -= 1
+                    peer.unpin()
             if peer is None or peer.alive():
                 if anyio.current_time() > deadline:
                     self.lease_fences += 1
@@ -1051,10 +1136,8 @@ class Store:
             for i, r in enumerate(resps):
                 if isinstance(r, MooncakeError):
                     out[i] = r
-                elif errs[i] is not None:
-                    e = errs[i]
-                    assert e is not None
-                    out[i] = e
+                elif (read_err := errs[i]) is not None:
+                    out[i] = read_err
                 else:
                     out[i] = ctypes.string_at(addrs[i], sizes[i])
         finally:
@@ -1138,8 +1221,8 @@ class Store:
         for i, r in enumerate(resps):
             if isinstance(r, MooncakeError):
                 continue
-            e = errs[i]
-            out[i] = e if e is not None else lens[i]
+            read_err = errs[i]
+            out[i] = read_err if read_err is not None else lens[i]
         return out
 
     async def _read_many(
@@ -1222,7 +1305,9 @@ class Store:
             return {}
         resps, _ = await self._batch_query(keys, for_read=False)
         return {
-            k: list(r.replicas) for k, r in zip(keys, resps, strict=True) if not isinstance(r, MooncakeError)
+            k: list(r.replicas)
+            for k, r in zip(keys, resps, strict=True)
+            if not isinstance(r, MooncakeError)
         }
 
     async def remove(self, key: str, *, force: bool = False) -> None:
@@ -1240,7 +1325,9 @@ class Store:
 
     async def remove_by_regex(self, pattern: str, *, force: bool = False) -> int:
         self._check_open()
-        n: int = await self.master.call("RemoveByRegex", rpc.RegexParams(regex=pattern, force=force))
+        n: int = await self.master.call(
+            "RemoveByRegex", rpc.RegexParams(regex=pattern, force=force)
+        )
         return n
 
     async def remove_all(self, *, force: bool = False) -> int:

@@ -77,7 +77,9 @@ def to_wire(config: ReplicateConfig | st.ReplicateConfig | None) -> st.Replicate
         wire = config
     elif isinstance(config, ReplicateConfig):
         if config.nof_replica_num or config.dfs_replica_num:
-            raise InvalidArgumentError("NoF/DFS replicas are not supported (nof/dfs_replica_num must be 0)")
+            raise InvalidArgumentError(
+                "NoF/DFS replicas are not supported (nof/dfs_replica_num must be 0)"
+            )
         wire = st.ReplicateConfig(
             replica_num=config.replica_num,
             with_hard_pin=bool(config.with_hard_pin),
@@ -90,7 +92,11 @@ def to_wire(config: ReplicateConfig | st.ReplicateConfig | None) -> st.Replicate
         )
     else:
         raise InvalidArgumentError(f"config must be a ReplicateConfig, got {type(config).__name__}")
-    if isinstance(wire.replica_num, bool) or not isinstance(wire.replica_num, int) or wire.replica_num < 1:
+    if (
+        isinstance(wire.replica_num, bool)
+        or not isinstance(wire.replica_num, int)
+        or wire.replica_num < 1
+    ):
         raise InvalidArgumentError(f"replica_num must be an int >= 1, got {wire.replica_num!r}")
     return wire
 
@@ -178,9 +184,22 @@ def parse_size(value: Any, what: str) -> int:
     s = value.strip().upper().replace(" ", "")
     if "%" in s or not s:
         raise InvalidArgumentError(f"{what}: bad size {value!r}")
-    units = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
-             "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30,
-             "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
+    units = {
+        "": 1,
+        "B": 1,
+        "K": 1 << 10,
+        "KB": 1 << 10,
+        "KIB": 1 << 10,
+        "M": 1 << 20,
+        "MB": 1 << 20,
+        "MIB": 1 << 20,
+        "G": 1 << 30,
+        "GB": 1 << 30,
+        "GIB": 1 << 30,
+        "T": 1 << 40,
+        "TB": 1 << 40,
+        "TIB": 1 << 40,
+    }
     i = len(s)
     while i > 0 and not (s[i - 1].isdigit() or s[i - 1] == "."):
         i -= 1

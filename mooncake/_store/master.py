@@ -68,6 +68,7 @@ _RECV = 256 << 10
 _FAIR_ROUNDS = 16
 _HTTP_MAX_HEAD = 16 << 10
 _HTTP_IDLE_S = 30.0
+_HTTP_MAX_CONNECTIONS = 64
 _REASONS = {200: b"OK", 404: b"Not Found", 405: b"Method Not Allowed"}
 
 
@@ -152,6 +153,13 @@ def _handlers() -> dict[str, Handler]:
         "QueryKey": lambda s, p, now: s.query_key(p.key),
         "GetAllKeys": lambda s, p, now: s.all_keys(),
         "GetAllSegments": lambda s, p, now: s.all_segments(),
+        "CreateCopyTask": lambda s, p, now: s.create_copy_task(p.key, p.targets, now),
+        "CreateMoveTask": lambda s, p, now: s.create_move_task(p.key, p.source, p.target, now),
+        "QueryTask": lambda s, p, now: s.query_task(p.task_id),
+        "FetchTasks": lambda s, p, now: s.fetch_tasks(p.client_id, now),
+        "TaskStart": lambda s, p, now: s.task_start(p.client_id, p.task_id, now),
+        "TaskEnd": lambda s, p, now: s.task_end(p.client_id, p.task_id, now),
+        "TaskRevoke": lambda s, p, now: s.task_revoke(p.client_id, p.task_id, p.message, now),
     }
 
 
@@ -174,6 +182,7 @@ class MasterServer:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_MasterCollector(self))
         self._limiter = anyio.CapacityLimiter(config.max_connections)
+        self._http_limiter = anyio.CapacityLimiter(_HTTP_MAX_CONNECTIONS)
 
     # -- RPC -------------------------------------------------------------------------------
 
@@ -291,45 +300,48 @@ class MasterServer:
         return 404, "text/plain", b"not found\n"
 
     async def serve_http_connection(self, stream: anyio.abc.ByteStream) -> None:
+        """One admin HTTP connection (keep-alive; at most ``_HTTP_MAX_CONNECTIONS`` at once,
+        heads bounded by h11, closed after ``_HTTP_IDLE_S`` idle)."""
         async with stream:
-            conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_HTTP_MAX_HEAD)
-            try:
-                while True:
-                    event: Any = None
-                    with anyio.move_on_after(_HTTP_IDLE_S):
-                        event = await _next_http_event(conn, stream)
-                    if event is None or isinstance(event, h11.ConnectionClosed):
-                        return
+            if self._http_limiter.available_tokens < 1:
+                return
+            async with self._http_limiter:
+                await self._serve_http(stream)
+
+    async def _serve_http(self, stream: anyio.abc.ByteStream) -> None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_HTTP_MAX_HEAD)
+        try:
+            while True:
+                request: h11.Request | None = None
+                with anyio.move_on_after(_HTTP_IDLE_S):  # whole request, body drained
+                    event = await _next_http_event(conn, stream)
                     if not isinstance(event, h11.Request):
                         return
                     while not isinstance(await _next_http_event(conn, stream), h11.EndOfMessage):
-                        pass  # ignore bodies
-                    status, ctype, body = self.http_response(
-                        event.method.decode("ascii", "replace"),
-                        event.target.decode("ascii", "replace"),
-                    )
-                    headers = [("content-type", ctype), ("content-length", str(len(body)))]
-                    data = (
-                        conn.send(
-                            h11.Response(
-                                status_code=status,
-                                headers=headers,
-                                reason=_REASONS.get(status, b""),
-                            )
-                        )
-                        or b""
-                    )
-                    if event.method != b"HEAD":
-                        data += conn.send(h11.Data(data=body)) or b""
-                    data += conn.send(h11.EndOfMessage()) or b""
-                    await stream.send(data)
-                    if conn.our_state is h11.MUST_CLOSE:
-                        return
-                    conn.start_next_cycle()
-            except (h11.RemoteProtocolError, h11.LocalProtocolError):
-                return
-            except (anyio.BrokenResourceError, anyio.EndOfStream, anyio.ClosedResourceError):
-                return
+                        pass  # admin endpoints take no body
+                    request = event
+                if request is None:
+                    return
+                status, ctype, body = self.http_response(
+                    request.method.decode("ascii", "replace"),
+                    request.target.decode("ascii", "replace"),
+                )
+                headers = [("content-type", ctype), ("content-length", str(len(body)))]
+                head = h11.Response(
+                    status_code=status, headers=headers, reason=_REASONS.get(status, b"")
+                )
+                data = conn.send(head) or b""
+                if request.method != b"HEAD":
+                    data += conn.send(h11.Data(data=body)) or b""
+                data += conn.send(h11.EndOfMessage()) or b""
+                await stream.send(data)
+                if conn.our_state is h11.MUST_CLOSE:
+                    return
+                conn.start_next_cycle()
+        except (h11.RemoteProtocolError, h11.LocalProtocolError):
+            return
+        except (anyio.BrokenResourceError, anyio.EndOfStream, anyio.ClosedResourceError):
+            return
 
 
 async def _next_http_event(conn: h11.Connection, stream: anyio.abc.ByteStream) -> Any:

@@ -29,6 +29,7 @@ import logging
 import mmap
 import os
 import socket
+import threading
 import time
 from typing import Any
 
@@ -45,6 +46,9 @@ NEGATIVE_TTL_S = 5.0
 MAX_PEERS = 1024
 HELLO_MAX = 4096
 _PREFIX = "mooncake-store/"
+# Guards MappedPeer.users/closing: the sync facade's fast path copies from its caller's thread
+# while the loop thread may drop a dead peer.
+_MAP_LOCK = threading.Lock()
 
 
 def socket_name(segment_name: str) -> str:
@@ -100,7 +104,11 @@ class ShmServer:
         except OSError as e:
             sock.close()
             # someone on this host already serves that name: stay network-only
-            log.warning("shm: cannot listen as %r (%s); same-host peers use the network", self.segment_name, e)
+            log.warning(
+                "shm: cannot listen as %r (%s); same-host peers use the network",
+                self.segment_name,
+                e,
+            )
             task_status.started("")
             return
         sock.listen(128)
@@ -157,9 +165,11 @@ class ShmServer:
 class MappedPeer:
     """A same-host peer's segment mapped here."""
 
-    __slots__ = ("base", "dead", "delta", "mm", "segment", "size", "sock", "users")
+    __slots__ = ("base", "closed", "dead", "delta", "mm", "segment", "size", "sock", "users")
 
-    def __init__(self, segment: str, sock: socket.socket, mm: mmap.mmap, base: int, size: int) -> None:
+    def __init__(
+        self, segment: str, sock: socket.socket, mm: mmap.mmap, base: int, size: int
+    ) -> None:
         self.segment = segment
         self.sock = sock
         self.mm = mm
@@ -169,6 +179,7 @@ class MappedPeer:
         self.delta = local - base  # local address = remote address + delta
         self.users = 0
         self.dead = False
+        self.closed = False
 
     def alive(self) -> bool:
         """Whether the owner still holds its end (a non-blocking peek; no loop involved)."""
@@ -191,13 +202,34 @@ class MappedPeer:
             )
         return remote_addr + self.delta
 
+    def acquire(self) -> bool:
+        """Pin the mapping for a copy (False if the peer is already known dead)."""
+        with _MAP_LOCK:
+            if self.dead or self.closed:
+                return False
+            self.users += 1
+            return True
+
+    def unpin(self) -> None:
+        """End a copy started with :meth:`acquire`."""
+        with _MAP_LOCK:
+            self.users -= 1
+        self.release()
+
     def release(self) -> None:
-        if self.users == 0 and self.dead:
-            _close(self.sock)
-            try:
-                self.mm.close()
-            except BufferError:
-                pass
+        """Unmap once the peer is dead and no copy uses the mapping."""
+        with _MAP_LOCK:
+            if self.users or not self.dead or self.closed:
+                return
+            self.closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
 
 
 class ShmPeers:

@@ -1,8 +1,13 @@
 """Harnesses users run on their own code inside their test suites.
 
-:func:`check_policy` property-tests an eviction policy (see :mod:`mooncake.testing.policy`).
+:func:`check_policy` property-tests an eviction policy (see :mod:`mooncake.testing.policy`);
+:mod:`mooncake.testing.metadata` is the conformance suite for metadata backends.
 The harnesses need the ``test`` extra (``pip install mooncake-py[test]``: hypothesis); they
 are imported on first use, so ``import mooncake.testing`` itself does not need it.
+
+:mod:`mooncake.testing.fake_cuda` (``FakeCudaRuntime``) is a test double of the CUDA runtime
+backed by host memory, for logic tests of GPU paths on machines without a GPU (never a measure of
+the real thing).
 """
 
 from __future__ import annotations

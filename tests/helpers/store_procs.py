@@ -39,7 +39,16 @@ def _readline(proc: subprocess.Popen[str], timeout: float) -> str:
 
 class Master:
     def __init__(self, *flags: str) -> None:
-        cmd = [sys.executable, "-m", "mooncake", "master", "--rpc-port", "0", "--no-metrics", *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mooncake",
+            "master",
+            "--rpc-port",
+            "0",
+            "--no-metrics",
+            *flags,
+        ]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env()
         )

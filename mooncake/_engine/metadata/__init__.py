@@ -12,6 +12,7 @@ Key layout for the key-value backends (prefix ``mooncake/`` plus an optional clu
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -20,16 +21,19 @@ import anyio
 from mooncake._engine.metadata.base import MetadataBackend, SegmentRecord, parse_metadata
 from mooncake._engine.metadata.kv import KeyLayout, KVMetadata, KVStore
 
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
 __all__ = [
     "KVMetadata",
     "KVStore",
     "KeyLayout",
     "MetadataBackend",
     "SegmentRecord",
+    "make_kv",
     "open_backend",
     "open_kv",
     "parse_metadata",
-    "make_kv",
 ]
 
 
@@ -68,12 +72,18 @@ async def open_kv(conn: str, *, lease_ttl: int | None = None) -> AsyncIterator[K
     """A connected key-value client for ``conn`` (its lease, if any, revoked on exit)."""
     kv = make_kv(conn, lease_ttl=lease_ttl)
     try:
-        async with anyio.create_task_group() as tg:
-            await kv.open(tg)
-            try:
-                yield kv
-            finally:
-                tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                await kv.open(tg)
+                try:
+                    yield kv
+                finally:
+                    tg.cancel_scope.cancel()
+        except BaseExceptionGroup as eg:
+            # only the body or a background task can fail here: surface a lone error as itself
+            if len(eg.exceptions) == 1:
+                raise eg.exceptions[0] from None
+            raise
     finally:
         with anyio.CancelScope(shield=True):
             await kv.aclose()

@@ -111,7 +111,9 @@ class EtcdKV(KVStore):
         if self._cur == failed and len(self.endpoints) > 1:
             self._cur = (failed + 1) % len(self.endpoints)
             self.failovers += 1
-            log.warning("etcd %s failed; switching to %s", self.endpoints[failed], self.current_endpoint)
+            log.warning(
+                "etcd %s failed; switching to %s", self.endpoints[failed], self.current_endpoint
+            )
 
     async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST one v3 RPC, failing over across members. Non-retryable errors raise at once."""
@@ -137,7 +139,9 @@ class EtcdKV(KVStore):
                 errors.append(f"{ep}: HTTP {resp.status_code}: {msg}")
                 self._rotate(idx)
                 continue
-            raise MetadataError(f"{self.describe()}: {path} failed: {msg} (HTTP {resp.status_code})")
+            raise MetadataError(
+                f"{self.describe()}: {path} failed: {msg} (HTTP {resp.status_code})"
+            )
         raise MetadataError(f"{self.describe()}: no member answered {path}: " + "; ".join(errors))
 
     # -- lease ------------------------------------------------------------------------------
@@ -167,9 +171,8 @@ class EtcdKV(KVStore):
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         task_status.started()
-        period = max(self.lease_ttl / 3, 0.2)
         while True:
-            await anyio.sleep(period)
+            await anyio.sleep(max(self.lease_ttl / 3, 0.2))
             lid = self.lease_id
             if lid is None:
                 return
@@ -213,7 +216,9 @@ class EtcdKV(KVStore):
         """Every key under ``prefix`` with its value."""
         p = prefix.encode()
         obj = await self.call("/v3/kv/range", {"key": _b64(p), "range_end": _b64(prefix_end(p))})
-        return {_unb64(kv["key"]).decode(): _unb64(kv.get("value", "")) for kv in obj.get("kvs") or []}
+        return {
+            _unb64(kv["key"]).decode(): _unb64(kv.get("value", "")) for kv in obj.get("kvs") or []
+        }
 
     # -- watch ------------------------------------------------------------------------------
 
@@ -256,14 +261,18 @@ class EtcdKV(KVStore):
                             task_status.started()
                         if result.get("canceled"):
                             compact = int(result.get("compact_revision", 0) or 0)
-                            log.warning("etcd watch canceled (compacted at %s); restarting", compact)
+                            log.warning(
+                                "etcd watch canceled (compacted at %s); restarting", compact
+                            )
                             next_rev = None
                             break
                         for ev in result.get("events") or []:
                             kv = ev.get("kv") or {}
                             key = _unb64(kv.get("key", "")).decode("utf-8", "replace")
                             mod = int(kv.get("mod_revision", 0) or 0)
-                            value = None if ev.get("type") == "DELETE" else _unb64(kv.get("value", ""))
+                            value = (
+                                None if ev.get("type") == "DELETE" else _unb64(kv.get("value", ""))
+                            )
                             next_rev = max(next_rev or 0, mod + 1)
                             await callback(key, value)
                         if rev and next_rev is None:

@@ -41,9 +41,7 @@ class HttpKV(KVStore):
             )
         return self._client
 
-    async def _request(
-        self, method: str, key: str, body: bytes | None = None
-    ) -> tuple[int, bytes]:
+    async def _request(self, method: str, key: str, body: bytes | None = None) -> tuple[int, bytes]:
         headers = {"Content-Type": "application/json"} if body is not None else None
         try:
             async with self._c().stream(

@@ -30,7 +30,7 @@ import abc
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -116,7 +116,7 @@ class KVStore(abc.ABC):
     #: ``watch`` is implemented
     watches: bool = False
     #: called (in the background) after a lost lease was replaced: re-write leased keys
-    on_lease_lost: Callable[[], Awaitable[None]] | None = None
+    on_lease_lost: Callable[[], Coroutine[Any, Any, None]] | None = None
 
     @abc.abstractmethod
     def describe(self) -> str:
@@ -258,15 +258,29 @@ class KVMetadata(MetadataBackend):
         self._claimed = segment
 
     async def _republish(self) -> None:
-        """Write both keys again (after a lost lease)."""
-        async with self._lock:
-            if self._closed or self._latest is None:
-                return
-            seg, value, host, port = self._latest
-            await self.kv.put(self.keys.rpc_meta(seg), rpc_meta_json(host, port), leased=True)
-            await self.kv.put(self.keys.ram(seg), value, leased=True)
-            self._claimed, self._written = seg, value
-        log.info("republished %s after a lost lease", seg)
+        """Write both keys again (after a lost lease), retrying until the store answers.
+
+        Runs in the engine's task group, so it must not raise: a failure here would take the
+        engine down with the metadata service.
+        """
+        delay = 0.5
+        while True:
+            async with self._lock:
+                if self._closed or self._latest is None:
+                    return
+                seg, value, host, port = self._latest
+                try:
+                    rpc = rpc_meta_json(host, port)
+                    await self.kv.put(self.keys.rpc_meta(seg), rpc, leased=True)
+                    await self.kv.put(self.keys.ram(seg), value, leased=True)
+                except MetadataError as e:
+                    log.warning("republishing %s failed (retrying in %.1f s): %s", seg, delay, e)
+                else:
+                    self._claimed, self._written = seg, value
+                    log.info("republished %s after a lost lease", seg)
+                    return
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 10.0)
 
     async def unpublish(self, segment: str) -> None:
         async with self._lock:
@@ -282,8 +296,7 @@ class KVMetadata(MetadataBackend):
         raw = await self.kv.get(ram_key)
         if raw is None:
             raise SegmentNotFoundError(
-                f"segment {segment!r} is not published in {self.kv.describe()} "
-                f"(no key {ram_key})"
+                f"segment {segment!r} is not published in {self.kv.describe()} (no key {ram_key})"
             )
         rpc = await self.kv.get(rpc_key)
         if rpc is None:

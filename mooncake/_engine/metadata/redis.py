@@ -115,8 +115,12 @@ class RedisKV(KVStore):
         except ValueError:
             raise InvalidArgumentError(f"redis connection string {rest!r}: bad port") from None
         self.host = u.hostname
-        self.username = unquote(u.username) if u.username else os.environ.get("MC_REDIS_USERNAME", "")
-        self.password = unquote(u.password) if u.password else os.environ.get("MC_REDIS_PASSWORD", "")
+        self.username = (
+            unquote(u.username) if u.username else os.environ.get("MC_REDIS_USERNAME", "")
+        )
+        self.password = (
+            unquote(u.password) if u.password else os.environ.get("MC_REDIS_PASSWORD", "")
+        )
         db = u.path.strip("/") or os.environ.get("MC_REDIS_DB_INDEX", "0") or "0"
         if not db.isdigit() or not 0 <= int(db) <= 255:
             raise InvalidArgumentError(f"redis database index {db!r} outside 0..255")
@@ -179,9 +183,9 @@ class RedisKV(KVStore):
         tg.start_soon(self._renew_loop)
 
     async def _renew_loop(self) -> None:
-        ms = self.lease_ttl * 1000
         while True:
             await anyio.sleep(max(self.lease_ttl / 3, 0.2))
+            ms = self.lease_ttl * 1000
             lost = False
             for key in list(self._leased):
                 try:

@@ -7,7 +7,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from mooncake._engine.transports.base import PeerInfo, Transport
-from mooncake.errors import NotSupportedError
+from mooncake.errors import MooncakeError, NotSupportedError
 
 if TYPE_CHECKING:
     from mooncake._engine.engine import Engine
@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 #: name -> "module:Class"; modules are imported only when the transport is used
 TRANSPORTS: dict[str, str] = {
     "tcp": "mooncake._engine.transports.tcp:TcpTransport",
+    "rdma": "mooncake._engine.transports.rdma:RdmaTransport",
+    "cuda": "mooncake._engine.transports.cuda:CudaTransport",
 }
 
 
@@ -33,10 +35,41 @@ def make_transport(name: str, engine: Engine, **kwargs: Any) -> Transport:
 
 
 def default_transports() -> list[str]:
-    """Transports installed when the caller names none (``MC_FORCE_TCP=1``: only tcp)."""
+    """Transports installed when the caller names none.
+
+    ``tcp`` always; ``cuda`` when a usable GPU is found (``MC_DISABLE_CUDA=1`` skips the check);
+    ``MC_FORCE_TCP=1``: only tcp.
+    """
     if os.environ.get("MC_FORCE_TCP", "") not in ("", "0"):
         return ["tcp"]
-    return ["tcp"]
+    out = ["rdma", "tcp"] if _rdma_present() else ["tcp"]
+    if os.environ.get("MC_DISABLE_CUDA", "") in ("", "0"):
+        from mooncake._fast import cuda
+
+        if cuda.is_available():
+            out.append("cuda")
+    return out
+
+
+def _rdma_present() -> bool:
+    """RDMA devices to use: HCAs in sysfs (``MC_FORCE_HCA``), or a verbs library named
+    explicitly (``MOONCAKE_IBVERBS``, e.g. the software provider) that lists devices."""
+    explicit = os.environ.get("MOONCAKE_IBVERBS", "") != ""
+    forced = os.environ.get("MC_FORCE_HCA", "") not in ("", "0")
+    try:
+        hcas = bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        hcas = False
+    if not (explicit or forced or hcas):
+        return False
+    from mooncake._fast import verbs
+
+    if not verbs.AVAILABLE:
+        return False
+    try:
+        return bool(verbs.get_device_list())
+    except MooncakeError:
+        return False
 
 
 __all__ = ["TRANSPORTS", "PeerInfo", "Transport", "default_transports", "make_transport"]

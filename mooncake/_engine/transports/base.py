@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from mooncake._core.descriptor import SegmentDescriptor
+from mooncake._core.descriptor import BufferDesc, SegmentDescriptor
 from mooncake._core.memory import Region
 from mooncake._core.transfer import TransferRequest, TransferResult
 
@@ -56,6 +56,9 @@ class Transport(abc.ABC):
     priority: ClassVar[int] = 0
     #: the descriptor ``protocol`` this transport answers to for published-Mooncake peers
     wire_protocol: ClassVar[str | None] = None
+    #: whether ``execute`` takes local *device* addresses itself; the engine stages device
+    #: memory through pinned host buffers for transports that do not (mooncake._engine.cudaio)
+    device_memory: ClassVar[bool] = False
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -70,6 +73,14 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def can_reach(self, peer: PeerInfo) -> bool:
         """Whether this transport can move bytes to/from ``peer``."""
+
+    def accepts(self, peer: PeerInfo, buffer: BufferDesc) -> bool:
+        """Whether this transport can reach the peer's ``buffer`` (default: any buffer).
+
+        The engine routes each request to the highest-priority transport that reaches the peer
+        and accepts the buffer holding its remote range (e.g. ``cuda`` only device buffers).
+        """
+        return True
 
     async def on_register(self, region: Region) -> None:
         """Called after a region is added to the registry (before it is published)."""

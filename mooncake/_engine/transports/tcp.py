@@ -20,6 +20,7 @@ written part of a WRITE's bytes, and no bytes arrive into local memory after the
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import socket
@@ -29,6 +30,7 @@ from typing import Any
 import anyio
 
 from mooncake._core import tcpwire
+from mooncake._core.gpu import device_of
 from mooncake._core.transfer import Opcode, TransferRequest, TransferResult, completed, failed
 from mooncake._engine import _sockio
 from mooncake._engine.transports.base import PeerInfo, Transport
@@ -46,6 +48,10 @@ PIPELINE_DEPTH = 256
 DEFAULT_LANES = 4  # MC_TCP_LANES_PER_PEER
 DRAIN_LIMIT = 64 << 20
 MAX_CONNECTIONS = 1024
+
+# the v2 OK status frame at a stable address (sent from, never written after import)
+_STATUS_OK = _sockio.Scratch(tcpwire.STATUS_SIZE)
+ctypes.memmove(_STATUS_OK.addr, tcpwire.encode_status(tcpwire.Status.OK), tcpwire.STATUS_SIZE)
 
 
 class _Lane:
@@ -168,7 +174,10 @@ class TcpTransport(Transport):
                         continue
                     region.users += 1
                     try:
-                        if hdr.opcode is Opcode.WRITE:
+                        device = device_of(region.location)
+                        if device is not None:
+                            await self._serve_device(sock, hdr, device)
+                        elif hdr.opcode is Opcode.WRITE:
                             await _sockio.recv_into_addr(sock, hdr.addr, hdr.size, "write payload")
                             if hdr.v2:
                                 await self._send(sock, tcpwire.encode_status(tcpwire.Status.OK))
@@ -187,6 +196,31 @@ class TcpTransport(Transport):
             log.debug("tcp connection dropped: %s", e)
         finally:
             _sockio.close(sock)
+
+    async def _serve_device(self, sock: socket.socket, hdr: tcpwire.Header, device: int) -> None:
+        """Serve a request on a device region through the engine's pinned staging chunks.
+
+        A CUDA failure after the reply has started cannot be reported in-band (v2 sends its
+        status before READ data), so it drops the connection: the client sees the peer die.
+        """
+        stager = self.engine.staging
+        if hdr.opcode is Opcode.WRITE:
+
+            async def recv_into(buf: int, n: int) -> None:
+                await _sockio.recv_into_addr(sock, buf, n, "write payload")
+
+            await stager.serve_write(recv_into, hdr.addr, hdr.size, device)
+            if hdr.v2:
+                await self._send(sock, tcpwire.encode_status(tcpwire.Status.OK))
+            return
+
+        async def send_from(buf: int, n: int, first: bool) -> None:
+            if first and hdr.v2:
+                await _sockio.send_addrs(sock, [_STATUS_OK.addr, buf], [8, n], "read payload")
+            else:
+                await _sockio.send_addrs(sock, [buf], [n], "read payload")
+
+        await stager.serve_read(send_from, hdr.addr, hdr.size, device)
 
     async def _send(self, sock: socket.socket, data: bytes) -> None:
         scratch = _sockio.Scratch(len(data))

@@ -1,0 +1,1000 @@
+"""The ``rdma`` transport: one-sided RDMA WRITE/READ over RC queue pairs, Mooncake's RDMA mode.
+
+Per local NIC (``_Nic``): a device context, a PD, one completion channel and one CQ
+(``MC_MAX_CQE_PER_CTX`` entries, whose slab also bounds the WRs in flight), and a poller task
+that arms the CQ, drains it in batches and sleeps on the channel fd (``wait_readable``).
+Every registered region gets an MR on every NIC; the descriptor publishes ``devices`` (name,
+LID, GID), ``priority_matrix`` (NUMA/PCIe topology from sysfs) and per-buffer ``rkey``/``lkey``
+arrays, field for field as the published engine does.
+
+Endpoints: one per (local NIC, peer NIC path), ``MC_NUM_QP_PER_EP`` RC QPs, created on first
+use: the active side sends a Connection frame (type 0) with its NIC paths, QP numbers, LID and
+GID; the passive side builds as many QPs, connects them (INIT -> RTR -> RTS with Mooncake's
+attributes) and replies with its own. Any error completion puts a QP in ERR, so the endpoint is
+marked broken, drained (its remaining WRs flush) and destroyed; the next slice for that rail
+re-handshakes a fresh one.
+
+A batch is cut into slices (``MC_SLICE_SIZE``, tail merge, never across a region); each slice
+picks its local NIC from the local topology for the memory's location and its peer NIC from the
+peer's matrix for the target buffer's location (random among the preferred on the first try,
+rotating over all on retries), skipping paused rails. Failed slices are retried up to
+``MC_RETRY_CNT`` times on other rails; ``RAIL_ERROR_THRESHOLD`` errors within 5 s pause a rail
+for ``MC_RDMA_RAIL_PAUSE_SECONDS``. A remote access error refreshes the peer's descriptor once
+(its buffer may have been re-registered with a new rkey) before it fails the request.
+
+Cancellation: posted WRs cannot be recalled. A cancelled ``execute`` stops posting, moves the
+QPs it used to ERR (their WRs flush at once) and waits, shielded, for every completion before
+returning, so no NIC touches the batch's memory afterwards.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import itertools
+import logging
+import os
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.lowlevel
+
+from mooncake._core.descriptor import BufferDesc
+from mooncake._core.handshake import Frame, FrameType
+from mooncake._core.memory import Region
+from mooncake._core.rdma import (
+    DEFAULT_FRAGMENT_RATIO,
+    DEFAULT_RAIL_PAUSE_S,
+    DEFAULT_RETRY_CNT,
+    DEFAULT_SLICE_SIZE,
+    ConnectionInfo,
+    PriorityMatrix,
+    RailHealth,
+    RdmaSegment,
+    decode_connection,
+    decode_rdma_segment,
+    format_gid,
+    nic_path,
+    split_lengths,
+    split_nic_path,
+)
+from mooncake._core.transfer import (
+    Opcode,
+    TransferRequest,
+    TransferResult,
+    TransferStatus,
+    completed,
+    failed,
+)
+from mooncake._engine.transports.base import PeerInfo, Transport
+from mooncake._engine.transports.rdma_topology import discover
+from mooncake._fast import verbs
+from mooncake.errors import (
+    MooncakeError,
+    NotRegisteredError,
+    NotSupportedError,
+    PeerDiedError,
+    PeerUnreachableError,
+    ProtocolError,
+    RemoteAccessError,
+    TransferError,
+    TransferTimeoutError,
+    VerbsError,
+    VerbsUnavailableError,
+)
+
+if TYPE_CHECKING:
+    from mooncake._engine.engine import Engine
+
+log = logging.getLogger("mooncake.rdma")
+
+ACCESS = 1 | 2 | 4  # LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ
+_ACCESS_STATUSES = frozenset(
+    (
+        verbs.WC_REM_ACCESS_ERR,
+        verbs.WC_LOC_PROT_ERR,
+        verbs.WC_LOC_LEN_ERR,
+        verbs.WC_REM_OP_ERR,
+        9,  # REM_INV_REQ_ERR
+    )
+)
+POLL_BATCH = 64
+CANCEL_GRACE_S = 10.0
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name, "")
+    try:
+        return int(v) if v else default
+    except ValueError:
+        raise NotSupportedError(f"{name}={v!r} is not an integer") from None
+
+
+def _env_float(name: str, default: float) -> float:
+    v = os.environ.get(name, "")
+    try:
+        return float(v) if v else default
+    except ValueError:
+        raise NotSupportedError(f"{name}={v!r} is not a number") from None
+
+
+@dataclass
+class RdmaConfig:
+    """Tunables, defaulting to Mooncake's environment variables and defaults."""
+
+    devices: Sequence[str] | None = None  # None: every device (MC_TE_FILTERS narrows)
+    slice_size: int = field(default_factory=lambda: _env_int("MC_SLICE_SIZE", DEFAULT_SLICE_SIZE))
+    fragment_ratio: int = field(
+        default_factory=lambda: _env_int("MC_FRAGMENT_RATIO", DEFAULT_FRAGMENT_RATIO)
+    )
+    num_qp_per_ep: int = field(default_factory=lambda: _env_int("MC_NUM_QP_PER_EP", 2))
+    max_wr: int = field(default_factory=lambda: _env_int("MC_MAX_WR", 256))
+    max_sge: int = field(default_factory=lambda: _env_int("MC_MAX_SGE", 4))
+    max_inline: int = field(default_factory=lambda: _env_int("MC_MAX_INLINE", 64))
+    max_cqe: int = field(default_factory=lambda: _env_int("MC_MAX_CQE_PER_CTX", 4096))
+    ib_port: int = field(default_factory=lambda: _env_int("MC_IB_PORT", 1))
+    gid_index: int = field(default_factory=lambda: _env_int("MC_GID_INDEX", -1))
+    mtu: int = field(default_factory=lambda: _env_int("MC_MTU", 4096))
+    traffic_class: int = field(default_factory=lambda: max(_env_int("MC_IB_TC", -1), 0))
+    service_level: int = field(default_factory=lambda: max(_env_int("MC_IB_SL", -1), 0))
+    retry_cnt: int = field(default_factory=lambda: _env_int("MC_RETRY_CNT", DEFAULT_RETRY_CNT))
+    rail_pause_s: float = field(
+        default_factory=lambda: _env_float("MC_RDMA_RAIL_PAUSE_SECONDS", DEFAULT_RAIL_PAUSE_S)
+    )
+    max_ep_per_ctx: int = field(default_factory=lambda: _env_int("MC_MAX_EP_PER_CTX", 65536))
+    slice_timeout: float = field(default_factory=lambda: _env_float("MC_SLICE_TIMEOUT", 0.0))
+    sysfs: str = "/sys"
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.devices is None:
+            filt = os.environ.get("MC_TE_FILTERS", "")
+            if filt:
+                self.devices = [d for d in filt.split(",") if d]
+        if self.slice_size <= 0 or self.fragment_ratio <= 0:
+            raise NotSupportedError("MC_SLICE_SIZE and MC_FRAGMENT_RATIO must be positive")
+        if not 1 <= self.num_qp_per_ep <= 64:
+            raise NotSupportedError(f"MC_NUM_QP_PER_EP={self.num_qp_per_ep} outside [1, 64]")
+        if self.max_wr < 1 or self.max_cqe < self.max_wr:
+            raise NotSupportedError("MC_MAX_WR must be >= 1 and <= MC_MAX_CQE_PER_CTX")
+
+
+class _Nic:
+    """One local RDMA device and its PD, completion channel, CQ and poller."""
+
+    def __init__(self, index: int, name: str, cfg: RdmaConfig) -> None:
+        self.index = index
+        self.name = name
+        self.ctx = verbs.Context(name)
+        try:
+            port = self.ctx.query_port(cfg.ib_port)
+            self.active = port["state"] == "ACTIVE"
+            self.lid = int(port["lid"])
+            self.link_layer = str(port["link_layer"])
+            self.mtu = min(verbs.MTU_BYTES.get(port["active_mtu"], 1024), cfg.mtu)
+            self.gid_index = self._pick_gid_index(cfg, int(port["gid_tbl_len"]))
+            self.gid = self.ctx.query_gid(cfg.ib_port, self.gid_index)
+            self.pd = verbs.PD(self.ctx)
+            self.channel = verbs.CompChannel(self.ctx)
+            self.cq = verbs.CQ(self.ctx, cfg.max_cqe, self.channel)
+        except BaseException:
+            self.ctx.close()
+            raise
+        self.wc = verbs.WcBatch(POLL_BATCH)
+        self.slots_freed = anyio.Event()
+        self.scope: anyio.CancelScope | None = None
+
+    def _pick_gid_index(self, cfg: RdmaConfig, table_len: int) -> int:
+        if cfg.gid_index >= 0:
+            return cfg.gid_index
+        # auto (MC_GID_INDEX=-1): on RoCE prefer an IPv4-mapped GID (RoCE v2 over IPv4), else
+        # the first non-zero entry; InfiniBand uses index 0
+        if self.link_layer != "ETHERNET":
+            return 0
+        first = None
+        for i in range(max(table_len, 1)):
+            try:
+                g = self.ctx.query_gid(cfg.ib_port, i)
+            except VerbsError:
+                continue
+            if not any(g):
+                continue
+            if g[:10] == b"\0" * 10 and g[10:12] == b"\xff\xff":
+                return i
+            if first is None:
+                first = i
+        return first if first is not None else 0
+
+    def wake_posters(self) -> None:
+        self.slots_freed.set()
+        self.slots_freed = anyio.Event()
+
+
+class _Endpoint:
+    """RC QPs from one local NIC to one peer NIC path."""
+
+    def __init__(self, nic: _Nic, peer_path: str, qps: list[Any]) -> None:
+        self.nic = nic
+        self.peer_path = peer_path
+        self.qps = qps
+        self.next = 0
+        self.broken = False
+        self.closed = False
+
+    @property
+    def inflight(self) -> int:
+        return sum(q.inflight for q in self.qps)
+
+    def slots(self) -> int:
+        return 0 if self.broken or self.closed else sum(q.slots_free for q in self.qps)
+
+    def to_error(self) -> None:
+        for q in self.qps:
+            if not q.closed:
+                try:
+                    q.to_error()
+                except MooncakeError as e:
+                    log.debug("QP %d to ERR failed: %s", q.qp_num, e)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for q in self.qps:
+            try:
+                q.close()
+            except MooncakeError as e:  # the QP is gone from our side either way
+                log.warning("rdma: destroying QP %d failed: %s", q.qp_num, e)
+
+
+class _Slice:
+    __slots__ = (
+        "access_retry",
+        "batch",
+        "buf",
+        "buf_location",
+        "endpoint",
+        "length",
+        "local_addr",
+        "location",
+        "mrs",
+        "opcode",
+        "remote_addr",
+        "req",
+        "retry",
+    )
+
+    def __init__(
+        self,
+        batch: _Batch,
+        req: int,
+        opcode: int,
+        local: int,
+        remote: int,
+        length: int,
+        buf: BufferDesc,
+        region: Region,
+    ) -> None:
+        self.batch = batch
+        self.buf = buf
+        self.buf_location = buf.name
+        self.mrs: list[Any] = region.meta["rdma_mrs"]
+        self.location = region.location
+        self.req = req
+        self.opcode = opcode
+        self.local_addr = local
+        self.remote_addr = remote
+        self.length = length
+        self.retry = 0
+        self.access_retry = 0
+        self.endpoint: _Endpoint | None = None
+
+
+class _Batch:
+    def __init__(self, n: int) -> None:
+        self.pending: collections.deque[_Slice] = collections.deque()
+        self.outstanding = 0
+        self.remaining = [0] * n
+        self.moved = [0] * n
+        self.errors: list[MooncakeError | None] = [None] * n
+        self.need_refresh = False
+        self.progress = anyio.Event()
+        self.endpoints: set[_Endpoint] = set()
+        self.blocked: set[_Nic] = set()
+        self.timed_out: set[int] = set()
+
+    def poke(self) -> None:
+        self.progress.set()
+
+    def finish_slice(self, s: _Slice, error: MooncakeError | None = None) -> None:
+        if error is not None and self.errors[s.req] is None:
+            self.errors[s.req] = error
+        elif error is None:
+            self.moved[s.req] += s.length
+        self.remaining[s.req] -= 1
+
+
+class RdmaTransport(Transport):
+    """Mooncake's RDMA transport over the verbs layer (any libibverbs provider)."""
+
+    name = "rdma"
+    priority = 20
+    wire_protocol = "rdma"
+
+    def __init__(self, engine: Engine, config: RdmaConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(engine)
+        self.cfg = config or RdmaConfig(**kwargs)
+        self.nics: list[_Nic] = []
+        self.matrix = PriorityMatrix({}, 0)
+        self.rails = RailHealth(pause=self.cfg.rail_pause_s)
+        self._rng = random.Random(self.cfg.seed)
+        self._cookies = itertools.count(1)
+        self._inflight: dict[int, _Slice] = {}
+        self._active: dict[tuple[int, str], _Endpoint] = {}
+        self._connecting: dict[tuple[int, str], anyio.Event] = {}
+        self._passive: collections.OrderedDict[tuple[int, str], _Endpoint] = (
+            collections.OrderedDict()
+        )
+        self._draining: set[_Endpoint] = set()
+        self.stats = collections.Counter[str]()
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if not verbs.AVAILABLE:
+            raise VerbsUnavailableError(verbs.UNAVAILABLE_REASON)
+        verbs.load()
+        names = list(self.cfg.devices) if self.cfg.devices else verbs.get_device_list()
+        if not names:
+            raise VerbsUnavailableError("no RDMA devices found")
+        try:
+            for i, n in enumerate(names):
+                nic = _Nic(i, n, self.cfg)
+                self.nics.append(nic)
+                if not nic.active:
+                    log.warning("RDMA device %s: port %d is not ACTIVE", n, self.cfg.ib_port)
+            self.matrix = discover(names, self.cfg.sysfs)
+        except BaseException:
+            self._close_nics()
+            raise
+        self.engine.handshake.handlers[FrameType.CONNECTION] = self._on_connection
+        for nic in self.nics:
+            self.engine.task_group.start_soon(self._poller, nic)
+        log.info(
+            "rdma: devices %s",
+            ", ".join(f"{n.name}(lid {n.lid}, gid {format_gid(n.gid)})" for n in self.nics),
+        )
+
+    def descriptor_fields(self) -> dict[str, Any]:
+        names = [n.name for n in self.nics]
+        return {
+            "devices": [
+                {"name": n.name, "lid": n.lid, "gid": format_gid(n.gid)} for n in self.nics
+            ],
+            "priority_matrix": self.matrix.to_json(names),
+        }
+
+    def _close_nics(self) -> None:
+        for nic in self.nics:
+            if nic.scope is not None:
+                nic.scope.cancel()
+            nic.ctx.close()  # closes QPs, MRs, CQ, channel, PD in that order
+        self.nics.clear()
+        self._active.clear()
+        self._passive.clear()
+        self._draining.clear()
+
+    async def aclose(self) -> None:
+        self.engine.handshake.handlers.pop(FrameType.CONNECTION, None)
+        self._close_nics()
+
+    # -- memory ---------------------------------------------------------------------------
+
+    async def on_register(self, region: Region) -> None:
+        mrs = []
+        try:
+            for nic in self.nics:
+                mrs.append(
+                    verbs.MR.from_address(nic.pd, region.addr, region.length, ACCESS, region.owner)
+                )
+        except BaseException:
+            for mr in mrs:
+                mr.close()
+            raise
+        region.meta["rdma_mrs"] = mrs
+        desc = dict(region.meta.get("desc", {}))
+        desc["lkey"] = [mr.lkey for mr in mrs]
+        desc["rkey"] = [mr.rkey for mr in mrs]
+        region.meta["desc"] = desc
+
+    async def on_unregister(self, region: Region) -> None:
+        for mr in region.meta.pop("rdma_mrs", []):
+            mr.close()
+        desc = dict(region.meta.get("desc", {}))
+        desc.pop("lkey", None)
+        desc.pop("rkey", None)
+        region.meta["desc"] = desc
+
+    # -- peers ----------------------------------------------------------------------------
+
+    def _segment(self, peer: PeerInfo) -> RdmaSegment | None:
+        cached = peer.state.get("rdma")
+        if cached is not None and cached[0] is peer.descriptor:
+            return cached[1]  # type: ignore[no-any-return]
+        seg = decode_rdma_segment(peer.descriptor)
+        peer.state["rdma"] = (peer.descriptor, seg)
+        return seg
+
+    def can_reach(self, peer: PeerInfo) -> bool:
+        try:
+            seg = self._segment(peer)
+        except ProtocolError as e:
+            log.warning("%s: unusable RDMA descriptor: %s", peer.segment, e)
+            return False
+        return seg is not None and any(n.active for n in self.nics)
+
+    def forget_peer(self, peer: PeerInfo) -> None:
+        prefix = peer.segment + "@"
+        for key, ep in list(self._active.items()):
+            if ep.peer_path.startswith(prefix):
+                del self._active[key]
+                self._retire(ep)
+        peer.state.pop("rdma", None)
+
+    def _retire(self, ep: _Endpoint) -> None:
+        """Stop using ``ep``; destroy it once its last WR is reaped."""
+        ep.broken = True
+        if self._active.get((ep.nic.index, ep.peer_path)) is ep:
+            del self._active[(ep.nic.index, ep.peer_path)]
+        if ep.inflight == 0:
+            ep.close()
+            self._draining.discard(ep)
+        else:
+            self._draining.add(ep)
+
+    # -- completions ----------------------------------------------------------------------
+
+    async def _poller(self, nic: _Nic) -> None:
+        with anyio.CancelScope() as scope:
+            nic.scope = scope
+            while True:
+                nic.cq.req_notify()
+                self._drain(nic)  # after arming: a completion racing the arm is not missed
+                await anyio.wait_readable(nic.channel.fd)
+                try:
+                    nic.channel.get_events()
+                except VerbsError as e:  # the CQ is drained after re-arming regardless
+                    log.warning("rdma: %s: reading completion events failed: %s", nic.name, e)
+
+    def _drain(self, nic: _Nic) -> None:
+        wc = nic.wc
+        reaped = 0
+        while True:
+            n = nic.cq.poll(wc)
+            for i in range(n):
+                s = self._inflight.pop(wc.cookies[i], None)
+                if s is not None:
+                    self._complete(s, wc.status[i])
+            reaped += n
+            if n < wc.capacity:
+                break
+        if reaped:
+            self.stats["completions"] += reaped
+            nic.wake_posters()
+            for ep in [e for e in self._draining if e.nic is nic and e.inflight == 0]:
+                ep.close()
+                self._draining.discard(ep)
+
+    def _complete(self, s: _Slice, status: int) -> None:
+        b = s.batch
+        b.outstanding -= 1
+        ep = s.endpoint
+        assert ep is not None
+        rail = (ep.nic.index, ep.peer_path)
+        if status == verbs.WC_SUCCESS:
+            self.rails.record_success(rail)
+            b.finish_slice(s)
+        else:
+            self.stats[f"wc_{verbs.wc_status_name(status)}"] += 1
+            self._retire(ep)
+            what = (
+                f"{'READ' if s.opcode == verbs.OP_READ else 'WRITE'} of [{s.remote_addr:#x}, "
+                f"+{s.length}) via {ep.nic.name} -> {ep.peer_path}: {verbs.wc_status_name(status)}"
+            )
+            if status == verbs.WC_WR_FLUSH_ERR:
+                # flushed behind another WR's error: not this rail's fault, just resend
+                self._retry(s, PeerDiedError(what), count=False)
+            elif status in _ACCESS_STATUSES:
+                if s.access_retry == 0:
+                    s.access_retry = 1
+                    b.need_refresh = True
+                    b.pending.append(s)
+                else:
+                    b.finish_slice(
+                        s, RemoteAccessError(f"{what}: the peer refused the range or rkey")
+                    )
+            else:
+                if self.rails.record_error(rail, anyio.current_time()):
+                    log.warning(
+                        "rdma: rail %s -> %s paused for %.0f s after repeated errors",
+                        ep.nic.name,
+                        ep.peer_path,
+                        self.rails.pause,
+                    )
+                self._retry(s, PeerDiedError(what))
+        b.poke()
+
+    def _retry(self, s: _Slice, error: MooncakeError, count: bool = True) -> None:
+        if count:
+            s.retry += 1
+        if s.retry > self.cfg.retry_cnt or s.batch.errors[s.req] is not None:
+            s.batch.finish_slice(s, error)
+        else:
+            self.stats["retries"] += 1
+            s.batch.pending.append(s)
+
+    # -- endpoints ------------------------------------------------------------------------
+
+    def _new_qps(self, nic: _Nic, n: int) -> list[Any]:
+        qps: list[Any] = []
+        try:
+            for _ in range(n):
+                qp = verbs.QP(
+                    nic.pd,
+                    nic.cq,
+                    max_send_wr=self.cfg.max_wr,
+                    max_send_sge=self.cfg.max_sge,
+                    max_inline=self.cfg.max_inline,
+                )
+                qps.append(qp)
+                qp.to_init(self.cfg.ib_port, 0, ACCESS)
+        except BaseException:
+            for q in qps:
+                q.close()
+            raise
+        return qps
+
+    def _connect_qps(
+        self, nic: _Nic, qps: list[Any], remote: ConnectionInfo, lid: int, gid: bytes
+    ) -> None:
+        for q, rq in zip(qps, remote.qp_num, strict=True):
+            q.to_rtr(
+                rq,
+                lid,
+                gid,
+                port=self.cfg.ib_port,
+                sgid_index=nic.gid_index,
+                mtu=nic.mtu,
+                traffic_class=self.cfg.traffic_class,
+                sl=self.cfg.service_level,
+            )
+            q.to_rts()
+
+    async def _endpoint(self, nic: _Nic, peer: PeerInfo, seg: RdmaSegment, dev: int) -> _Endpoint:
+        path = nic_path(peer.segment, seg.devices[dev].name)
+        key = (nic.index, path)
+        while True:
+            ep = self._active.get(key)
+            if ep is not None and not ep.broken:
+                return ep
+            ev = self._connecting.get(key)
+            if ev is None:
+                break
+            await ev.wait()  # someone else is connecting this rail: use theirs (or retry)
+            if key not in self._active:
+                raise PeerUnreachableError(f"connecting {nic.name} -> {path} failed")
+        ev = anyio.Event()
+        self._connecting[key] = ev
+        try:
+            ep = await self._handshake(nic, peer, seg, dev, path)
+            self._active[key] = ep
+            self.stats["connects"] += 1
+            return ep
+        finally:
+            del self._connecting[key]
+            ev.set()
+
+    async def _handshake(
+        self, nic: _Nic, peer: PeerInfo, seg: RdmaSegment, dev: int, path: str
+    ) -> _Endpoint:
+        from mooncake._engine import handshake
+
+        qps = self._new_qps(nic, self.cfg.num_qp_per_ep)
+        try:
+            req = ConnectionInfo(
+                nic_path(self.engine.segment_name, nic.name),
+                path,
+                tuple(q.qp_num for q in qps),
+                nic.lid,
+                nic.gid,
+            )
+            frame = await handshake.request(
+                peer.rpc_host, peer.rpc_port, FrameType.CONNECTION, req.to_json()
+            )
+            reply = decode_connection(frame.json())
+            if reply.reply_msg:
+                raise PeerUnreachableError(f"{path} refused the RDMA connection: {reply.reply_msg}")
+            if len(reply.qp_num) != len(qps):
+                raise ProtocolError(
+                    f"{path} answered {len(reply.qp_num)} QP numbers for our {len(qps)}"
+                )
+            d = seg.devices[dev]
+            lid = reply.lid if reply.lid is not None else d.lid
+            gid = reply.gid if reply.gid is not None else d.gid
+            self._connect_qps(nic, qps, reply, lid, gid)
+        except BaseException:
+            for q in qps:
+                q.close()
+            raise
+        return _Endpoint(nic, path, qps)
+
+    async def _on_connection(self, frame: Frame) -> Any:
+        """Passive side of the endpoint handshake."""
+        try:
+            info = decode_connection(frame.json())
+            if info.reply_msg:
+                raise ProtocolError("a connection request must not carry reply_msg")
+            _, dev = split_nic_path(info.peer_nic_path)
+            nic = next((n for n in self.nics if n.name == dev), None)
+            if nic is None or not nic.active:
+                return {"reply_msg": f"no active RDMA device {dev!r} here"}
+            lid, gid = info.lid, info.gid
+            if lid is None or gid is None:  # older engines: look the device up in their descriptor
+                pseg_name, pdev = split_nic_path(info.local_nic_path)
+                pinfo = await self.engine.peer(pseg_name)
+                pseg = self._segment(pinfo)
+                idx = pseg.device_index(pdev) if pseg else None
+                if pseg is None or idx is None:
+                    return {"reply_msg": f"device {pdev!r} not in {pseg_name}'s descriptor"}
+                lid = pseg.devices[idx].lid if lid is None else lid
+                gid = pseg.devices[idx].gid if gid is None else gid
+            qps = self._new_qps(nic, len(info.qp_num))
+            try:
+                self._connect_qps(nic, qps, info, lid, gid)
+            except BaseException:
+                for q in qps:
+                    q.close()
+                raise
+        except MooncakeError as e:
+            log.warning("rdma: refused a connection request: %s", e)
+            return {"reply_msg": str(e)[:512]}
+        key = (nic.index, info.local_nic_path)
+        old = self._passive.pop(key, None)
+        if old is not None:
+            old.close()  # the peer re-established: its side of the old QPs is gone
+        self._passive[key] = _Endpoint(nic, info.local_nic_path, qps)
+        while len(self._passive) > self.cfg.max_ep_per_ctx * max(len(self.nics), 1):
+            _, ep = self._passive.popitem(last=False)
+            ep.close()
+        self.stats["accepts"] += 1
+        return ConnectionInfo(
+            nic_path(self.engine.segment_name, nic.name),
+            info.local_nic_path,
+            tuple(q.qp_num for q in qps),
+            nic.lid,
+            nic.gid,
+        ).to_json()
+
+    # -- transfers ------------------------------------------------------------------------
+
+    def _slices(
+        self, peer: PeerInfo, reqs: Sequence[TransferRequest], batch: _Batch
+    ) -> list[_Slice]:
+        frag = self.cfg.slice_size // self.cfg.fragment_ratio
+        regions = self.engine.registry.regions()  # sorted; includes regions being unregistered
+        starts = [g.addr for g in regions]
+        out = []
+        for i, r in enumerate(reqs):
+            j = bisect.bisect_right(starts, r.local_addr) - 1
+            region = regions[j] if j >= 0 and regions[j].covers(r.local_addr, r.length) else None
+            buf = peer.descriptor.find_buffer(r.remote_addr, r.length)
+            if region is None or "rdma_mrs" not in region.meta:
+                batch.errors[i] = NotRegisteredError(
+                    f"local [{r.local_addr:#x}, +{r.length}) is not registered for RDMA"
+                )
+                continue
+            if buf is None:
+                batch.errors[i] = RemoteAccessError(
+                    f"{peer.segment}: [{r.remote_addr:#x}, +{r.length}) is not inside one of "
+                    "its registered buffers"
+                )
+                continue
+            op = verbs.OP_READ if r.opcode is Opcode.READ else verbs.OP_WRITE
+            for off, n in split_lengths(r.length, self.cfg.slice_size, frag):
+                out.append(
+                    _Slice(batch, i, op, r.local_addr + off, r.remote_addr + off, n, buf, region)
+                )
+                batch.remaining[i] += 1
+        return out
+
+    async def execute(
+        self, peer: PeerInfo, requests: Sequence[TransferRequest]
+    ) -> list[TransferResult]:
+        batch = _Batch(len(requests))
+        batch.pending.extend(self._slices(peer, requests, batch))
+        try:
+            while batch.pending or batch.outstanding:
+                if batch.need_refresh and not batch.outstanding:
+                    batch.need_refresh = False
+                    peer = await self._refresh(peer, batch)
+                    continue
+                if batch.pending and not batch.need_refresh:
+                    batch.blocked.clear()
+                    await self._dispatch(peer, batch)
+                if batch.outstanding:
+                    if self.cfg.slice_timeout > 0:
+                        with anyio.move_on_after(self.cfg.slice_timeout) as waited:
+                            await self._wait_progress(batch)
+                        if waited.cancelled_caught:
+                            self._time_out(batch)
+                    else:
+                        await self._wait_progress(batch)
+                elif batch.blocked:
+                    # send queues full of other batches' WRs: wait for their completions
+                    await next(iter(batch.blocked)).slots_freed.wait()
+                else:
+                    await anyio.lowlevel.checkpoint()
+        finally:
+            if batch.outstanding:
+                await self._abandon(batch)
+        results = []
+        for i, r in enumerate(requests):
+            err = batch.errors[i]
+            if err is not None and i in batch.timed_out:
+                results.append(TransferResult(TransferStatus.TIMEOUT, batch.moved[i], err))
+            elif err is not None:
+                results.append(failed(err))
+            elif batch.moved[i] != r.length:
+                results.append(failed(TransferError(f"moved {batch.moved[i]} of {r.length} bytes")))
+            else:
+                results.append(completed(r.length))
+        return results
+
+    def _time_out(self, batch: _Batch) -> None:
+        """No completion for ``MC_SLICE_TIMEOUT`` s: fail the requests with WRs in flight and
+        flush their QPs (the flushed WRs then finish those requests instead of retrying)."""
+        waiting = {s.req for s in self._inflight.values() if s.batch is batch}
+        for req in waiting:
+            if batch.errors[req] is None:
+                batch.errors[req] = TransferTimeoutError(
+                    f"no completion within MC_SLICE_TIMEOUT={self.cfg.slice_timeout:g} s"
+                )
+            batch.timed_out.add(req)
+        for ep in list(batch.endpoints):
+            if ep.inflight:
+                self._retire(ep)
+                ep.to_error()
+        self.stats["timeouts"] += len(waiting)
+
+    async def _wait_progress(self, batch: _Batch) -> None:
+        if not batch.progress.is_set():
+            await batch.progress.wait()
+        batch.progress = anyio.Event()
+
+    async def _abandon(self, batch: _Batch) -> None:
+        """Cancelled or failed mid-batch: flush what is posted and wait for it, shielded."""
+        with anyio.CancelScope(shield=True):
+            batch.pending.clear()
+            for ep in batch.endpoints:
+                if ep.inflight:
+                    self._retire(ep)
+                    ep.to_error()  # every WR still queued completes (flushed) right away
+            with anyio.move_on_after(CANCEL_GRACE_S):
+                while batch.outstanding:
+                    await self._wait_progress(batch)
+            if batch.outstanding:
+                # the device never completed them: destroy the QPs, after which no DMA happens
+                log.error("rdma: %d WRs never completed; destroying their QPs", batch.outstanding)
+                for ep in batch.endpoints:
+                    ep.close()
+                    self._draining.discard(ep)
+                # destroying a QP drops its completions: settle those WRs here, for this batch
+                # and any other one that shared the endpoints (they retry elsewhere)
+                for cookie, sl in list(self._inflight.items()):
+                    if sl.endpoint is not None and sl.endpoint.closed:
+                        del self._inflight[cookie]
+                        self._complete(sl, verbs.WC_WR_FLUSH_ERR)
+                batch.pending.clear()
+
+    async def _refresh(self, peer: PeerInfo, batch: _Batch) -> PeerInfo:
+        """Re-read the peer's descriptor after a remote access error and re-aim the slices."""
+        try:
+            peer = await self.engine.peer(peer.segment, refresh=True)
+        except MooncakeError as e:
+            for s in list(batch.pending):
+                batch.finish_slice(s, e)
+            batch.pending.clear()
+            return peer
+        keep: collections.deque[_Slice] = collections.deque()
+        for s in batch.pending:
+            buf = peer.descriptor.find_buffer(s.remote_addr, s.length)
+            if buf is None:
+                batch.finish_slice(
+                    s,
+                    RemoteAccessError(
+                        f"{peer.segment}: [{s.remote_addr:#x}, +{s.length}) is no longer "
+                        "registered there (remote access error)"
+                    ),
+                )
+            else:
+                s.buf = buf
+                s.buf_location = buf.name
+                keep.append(s)
+        batch.pending = keep
+        return peer
+
+    def _rail_options(
+        self,
+        location: str,
+        buf_location: str,
+        retry: int,
+        peer: PeerInfo,
+        seg: RdmaSegment,
+        now: float,
+    ) -> list[tuple[int, list[int]]]:
+        """For one (memory location, target location, retry): the usable local NICs in the
+        order ``selectDevice`` tries them, each with its candidate peer devices (on a first try
+        the usable preferred ones, one is drawn per slice; on retries the one rotation picks)."""
+        active = [n.index for n in self.nics if n.active]
+        out: list[tuple[int, list[int]]] = []
+        tried: set[int] = set()
+        pref, avail = seg.matrix.candidates(buf_location)
+        while len(tried) < len(active):
+            li = self.matrix.select(
+                location, retry, self._rng, [a for a in active if a not in tried]
+            )
+            if li is None:
+                break
+            tried.add(li)
+            ok = {
+                d
+                for d, dev in enumerate(seg.devices)
+                if not self.rails.paused((li, nic_path(peer.segment, dev.name)), now)
+            }
+            if retry == 0:
+                choices = [d for d in pref if d in ok] or [d for d in avail if d in ok]
+            else:
+                pi = seg.matrix.select(buf_location, retry, self._rng, ok)
+                choices = [] if pi is None else [pi]
+            if choices:
+                out.append((li, choices))
+        if retry == 0:  # first tries spray over the preferred local NICs only, if any is usable
+            pref_local = self.matrix.candidates(location)[0]
+            out = [o for o in out if o[0] in pref_local] or out
+        return out
+
+    def _choose(
+        self,
+        s: _Slice,
+        peer: PeerInfo,
+        seg: RdmaSegment,
+        now: float,
+        memo: dict[tuple[str, str, int], list[tuple[int, list[int]]]],
+    ) -> tuple[int, int] | None:
+        """Local NIC index and peer device index for ``s`` (None: every rail down or paused).
+
+        First tries spray at random over the preferred local NICs and their usable preferred
+        peer NICs (``selectDevice`` with retry 0); retries rotate deterministically."""
+        key = (s.location, s.buf_location, s.retry)
+        opts = memo.get(key)
+        if opts is None:
+            opts = memo[key] = self._rail_options(
+                s.location, s.buf_location, s.retry, peer, seg, now
+            )
+        if not opts:
+            return None
+        if s.retry == 0:
+            rnd = self._rng.random
+            li, choices = opts[int(rnd() * len(opts))]
+            return li, choices[int(rnd() * len(choices))]
+        li, choices = opts[0]
+        return li, choices[0]
+
+    async def _dispatch(self, peer: PeerInfo, batch: _Batch) -> None:
+        seg = self._segment(peer)
+        if seg is None:
+            unsupported = NotSupportedError(f"{peer.segment} publishes no RDMA devices")
+            for s in batch.pending:
+                batch.finish_slice(s, unsupported)
+            batch.pending.clear()
+            return
+        now = anyio.current_time()
+        groups: dict[tuple[int, int, int], list[tuple[_Slice, int]]] = {}
+        memo: dict[tuple[str, str, int], list[tuple[int, list[int]]]] = {}
+        rkeys: dict[tuple[int, int], int] = {}
+        while batch.pending:
+            s = batch.pending.popleft()
+            if batch.errors[s.req] is not None:
+                batch.remaining[s.req] -= 1  # its request already failed: drop the rest
+                continue
+            buf = s.buf
+            pick = self._choose(s, peer, seg, now, memo)
+            if pick is None:
+                batch.finish_slice(
+                    s,
+                    PeerUnreachableError(
+                        f"no usable RDMA rail to {peer.segment} (all paused or down)"
+                    ),
+                )
+                continue
+            rk = rkeys.get((id(buf), pick[1]))
+            if rk is None:
+                try:
+                    rk = rkeys[(id(buf), pick[1])] = seg.rkey(
+                        buf, pick[1], f"{peer.segment} buffer"
+                    )
+                except ProtocolError as e:
+                    batch.finish_slice(s, e)
+                    continue
+            groups.setdefault((pick[0], pick[1], s.opcode), []).append((s, rk))
+        for (li, pi, op), items in groups.items():
+            nic = self.nics[li]
+            try:
+                ep = await self._endpoint(nic, peer, seg, pi)
+            except MooncakeError as e:
+                rail = (li, nic_path(peer.segment, seg.devices[pi].name))
+                self.rails.record_error(rail, anyio.current_time())
+                self.stats["connect_errors"] += 1
+                err: MooncakeError = (
+                    e if isinstance(e, TransferError) else PeerUnreachableError(str(e))
+                )
+                for s, _ in items:
+                    self._retry(s, err)
+                continue
+            batch.endpoints.add(ep)
+            self._post(ep, op, items, batch)
+
+    def _post(self, ep: _Endpoint, op: int, items: list[tuple[_Slice, int]], batch: _Batch) -> None:
+        """Post as many of ``items`` as the QPs take now, spread evenly; requeue the rest.
+
+        Slices left over for lack of send-queue room wait for completions on this NIC; slices
+        the device refused count as a failed try and go to another endpoint."""
+        i = 0
+        nq = len(ep.qps)
+        for k in range(nq):
+            if i >= len(items) or ep.broken:
+                break
+            qp = ep.qps[(ep.next + k) % nq]
+            share = -(-(len(items) - i) // (nq - k))  # even spread over the QPs left
+            n = min(qp.slots_free, share)
+            if n <= 0:
+                continue
+            chunk = items[i : i + n]
+            cookies = [next(self._cookies) for _ in chunk]
+            mrs = []
+            for c, (s, _) in zip(cookies, chunk, strict=True):
+                mrs.append(s.mrs[ep.nic.index])
+                s.endpoint = ep
+                self._inflight[c] = s
+            refused: MooncakeError | None = None
+            try:
+                posted = qp.post(
+                    op,
+                    mrs,
+                    [s.local_addr for s, _ in chunk],
+                    [s.length for s, _ in chunk],
+                    [s.remote_addr for s, _ in chunk],
+                    [rk for _, rk in chunk],
+                    cookies,
+                )
+            except MooncakeError as e:
+                posted = e.posted if isinstance(e, VerbsError) else 0
+                refused = e
+                self._retire(ep)
+                log.warning("rdma: posting on %s -> %s failed: %s", ep.nic.name, ep.peer_path, e)
+            for c, (s, _) in zip(cookies[posted:], chunk[posted:], strict=True):
+                del self._inflight[c]
+                s.endpoint = None
+                assert refused is not None
+                self._retry(s, TransferError(f"{ep.nic.name} -> {ep.peer_path}: {refused}"))
+            batch.outstanding += posted
+            self.stats["posted"] += posted
+            i += n
+        ep.next = (ep.next + 1) % nq
+        if i < len(items) and not ep.broken:
+            batch.blocked.add(ep.nic)  # no room: wait until this NIC reaps completions
+        for s, _ in items[i:]:
+            batch.pending.append(s)
