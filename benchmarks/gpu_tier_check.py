@@ -9,7 +9,11 @@ Steps, each reported as ok / skipped (why) / FAILED (what):
 4. ``store``: starts a master in-process and a store client, puts ``--objects`` objects whose
    bytes come from device memory (device -> pinned host -> store), gets them back into device
    memory (store -> pinned host -> device) and verifies every byte on the device.
-5. ``engine``: with step 3 done, a loopback ``engine.write`` from the device buffer into a host
+5. ``store-device``: the store's zero-copy APIs on device memory: ``register_buffer`` the device
+   pointers, ``put_from`` each object straight from device memory and ``get_into`` another
+   device buffer, verified on the device (docs/gpu.md: same-host replicas are copied on the
+   engine's CUDA stream).
+6. ``engine``: with step 3 done, a loopback ``engine.write`` from the device buffer into a host
    buffer and back, verified.
 
 Exit status 0 if nothing FAILED (skips are fine), 1 otherwise. ``--json PATH`` writes the
@@ -136,6 +140,7 @@ async def run_checks(mib: int, objects: int, report: Report) -> None:
                         report.fail("store", f"{bad} bytes differ after the round trip")
                     else:
                         report.ok("store", objects=objects, bytes=size, seconds=round(dt, 4))
+                    await device_zero_copy(store, cp, dev, objects, report)
             except Exception as e:
                 report.fail("store", "".join(traceback.format_exception_only(e)).strip())
             tg.cancel_scope.cancel()
@@ -161,6 +166,34 @@ async def run_checks(mib: int, objects: int, report: Report) -> None:
                 report.ok("engine", bytes=size)
         except Exception as e:
             report.fail("engine", "".join(traceback.format_exception_only(e)).strip())
+
+
+async def device_zero_copy(store: Any, cp: Any, dev: Any, objects: int, report: Report) -> None:
+    """``put_from`` / ``get_into`` straight from and into device memory (no host staging in
+    the caller): the store copies replicas of this host on the engine's CUDA stream."""
+    size = dev.nbytes
+    chunk = size // objects
+    back = cp.zeros(size, dtype=cp.uint8)
+    try:
+        await store.register_buffer(dev.data.ptr, size)
+        await store.register_buffer(back.data.ptr, size)
+        t0 = time.perf_counter()
+        for i in range(objects):
+            await store.put_from(f"gpu-zc-{i}", dev.data.ptr + i * chunk, chunk)
+        for i in range(objects):
+            n = await store.get_into(f"gpu-zc-{i}", back.data.ptr + i * chunk, chunk)
+            if n != chunk:
+                raise AssertionError(f"object {i}: {n} bytes, want {chunk}")
+        cp.cuda.runtime.deviceSynchronize()
+        dt = time.perf_counter() - t0
+    except Exception as e:
+        report.fail("store-device", "".join(traceback.format_exception_only(e)).strip())
+        return
+    bad = int(cp.count_nonzero(back != dev))
+    if bad:
+        report.fail("store-device", f"{bad} bytes differ after put_from/get_into on device memory")
+    else:
+        report.ok("store-device", objects=objects, bytes=size, seconds=round(dt, 4))
 
 
 def main(argv: list[str] | None = None, run: Callable[..., Any] = anyio.run) -> int:
