@@ -209,6 +209,7 @@ async def test_ssd_file_damaged_under_the_store(tmp_path: Path, damage: str) -> 
         with pytest.raises(TierDataError, match="dropped") as ei:
             await s.get(k)
         assert ("missing" if damage == "delete" else "checksum") in str(ei.value)
+        assert s.miss_stats()[("transfer_failed", "", "ssd")] == 1
 
         async def dropped() -> bool:
             return await where(s, k) == "gone"
@@ -278,6 +279,9 @@ async def test_without_ssd_evictions_are_attributed_to_the_policy() -> None:
             await s.get("never-put")
         m = ei.value.miss
         assert m is not None and m.reason is MissReason.NEVER_STORED
+        counts = s.miss_stats()
+        assert counts[("evicted", "s3fifo", "dram")] == 1
+        assert counts[("never_stored", "", "")] == 1
 
 
 async def test_metrics_export_misses_and_tier_counters(tmp_path: Path) -> None:

@@ -43,6 +43,7 @@ returning; cancelling a read leaves no side effect but the lease it was granted.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import uuid
@@ -171,6 +172,7 @@ class Store:
         self._disk_evictions: dict[str, tuple[int, str, str]] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         self._tier_lock = anyio.Lock()
+        self._misses: collections.Counter[tuple[str, str, str]] = collections.Counter()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -1043,8 +1045,37 @@ class Store:
         assert err is not None
         raise err
 
+    def _note_miss(self, err: BaseException) -> None:
+        """Count a failed read by reason/policy/tier (see :meth:`miss_stats`)."""
+        if isinstance(err, ObjectNotFoundError):
+            m = err.miss
+            label = (m.reason.value, m.policy, m.tier) if m is not None else ("unknown", "", "")
+        elif isinstance(err, LeaseExpiredError):
+            label = (MissReason.LEASE_EXPIRED.value, "", "dram")
+        elif isinstance(err, TierDataError):
+            label = (MissReason.TRANSFER_FAILED.value, "", "ssd")
+        elif isinstance(err, TransferError):
+            label = (MissReason.TRANSFER_FAILED.value, "", "dram")
+        else:
+            return
+        self._misses[label] += 1
+
+    def miss_stats(self) -> dict[tuple[str, str, str], int]:
+        """Failed reads of this client by (reason, policy, tier): misses the master attributed
+        (``ObjectNotFoundError.miss``; batch misses carry no attribution: ``unknown``), reads
+        fenced by their lease, transfers and SSD reads that failed. The master counts the
+        misses it sees in ``master_misses_total``."""
+        return dict(self._misses)
+
     async def get(self, key: str) -> bytes:
         """The value of ``key`` (raises :class:`ObjectNotFoundError` if there is none)."""
+        try:
+            return await self._get(key)
+        except MooncakeError as e:
+            self._note_miss(e)
+            raise
+
+    async def _get(self, key: str) -> bytes:
         self._check_open()
         resp, deadline = await self._query(key)
         if not resp.replicas and resp.disk_clients:
@@ -1093,6 +1124,13 @@ class Store:
 
     async def get_into(self, key: str, addr: int, size: int) -> int:
         """Read ``key`` into the registered buffer ``[addr, addr+size)``; returns its length."""
+        try:
+            return await self._get_into(key, addr, size)
+        except MooncakeError as e:
+            self._note_miss(e)
+            raise
+
+    async def _get_into(self, key: str, addr: int, size: int) -> int:
         self._check_open()
         self._require_local(addr, size, "get_into")
         resp, deadline = await self._query(key)
@@ -1145,6 +1183,9 @@ class Store:
                 self._unstage(off)
         for i, got in from_ssd.items():
             out[i] = got
+        for value in out:
+            if isinstance(value, MooncakeError):
+                self._note_miss(value)
         return out
 
     async def _batch_ssd(
