@@ -4,6 +4,9 @@ re-announce, and miss attribution (the sans-I/O rules; the store-level tests dri
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as hs
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from mooncake._core.master import MasterConfig, MasterState, format_miss, parse_miss
 from mooncake._core.misses import Miss, MissReason
@@ -14,6 +17,7 @@ from mooncake.errors import (
     NoAvailableHandleError,
     ObjectAlreadyExistsError,
     ObjectNotFoundError,
+    ReplicaNotReadyError,
 )
 
 KiB = 1 << 10
@@ -259,3 +263,151 @@ def test_put_local_reannounces_after_restart() -> None:
     with pytest.raises(ObjectAlreadyExistsError):
         m.put_local("c", "x", 10, 1)
     m.check_invariants()
+
+
+# -- stateful: every interleaving keeps the bookkeeping consistent ------------------------------
+
+
+KEYS = [f"k{i}" for i in range(8)]
+
+
+class TierMachine(RuleBasedStateMachine):
+    """Two clients with segments, one with an SSD tier; puts, gets, removes, evictions, the
+    demotion/promotion protocol (done, revoked, stale), SSD evictions, restarts and deaths.
+    After every step: the master's invariants, and every readable object has a replica."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = master(demote_timeout=5.0, client_ttl=100.0)
+        self.now = 0.0
+        for c, i in (("a", 0), ("b", 1)):
+            self.m.mount_segment(c, seg(i, size=16 * KiB), 0)
+        self.m.mount_local_disk("a", 1 << 20, 0)
+        self.tasks: list[tuple[str, int]] = []
+        self.promoting: list[tuple[str, int]] = []
+
+    def _tick(self) -> None:
+        self.now += 0.5
+        self.m.ping("a", self.now)
+        self.m.ping("b", self.now)
+
+    @rule(
+        key=hs.sampled_from(KEYS),
+        size=hs.sampled_from([1 * KiB, 4 * KiB]),
+        upsert=hs.booleans(),
+        client=hs.sampled_from("aab"),
+    )
+    def put(self, key: str, size: int, upsert: bool, client: str) -> None:
+        self._tick()
+        start = self.m.upsert_start if upsert else self.m.put_start
+        try:
+            start(client, key, size, DEF, self.now)
+        except (ObjectAlreadyExistsError, NoAvailableHandleError, ReplicaNotReadyError):
+            return
+        self.m.put_end(client, key, self.now)
+
+    @rule(client=hs.sampled_from("ab"))
+    def fill(self, client: str) -> None:
+        for key in KEYS:
+            self.put(key, 4 * KiB, False, client)
+
+    @rule(key=hs.sampled_from(KEYS))
+    def get(self, key: str) -> None:
+        try:
+            r = self.m.get_replica_list(key, self.now)
+        except ObjectNotFoundError as e:
+            assert parse_miss(key, str(e)) is not None
+            return
+        except Exception:
+            return
+        assert r.replicas or r.disk_clients
+
+    @rule(key=hs.sampled_from(KEYS), force=hs.booleans())
+    def remove(self, key: str, force: bool) -> None:
+        try:
+            self.m.remove(key, force, self.now)
+        except Exception:
+            pass
+
+    @rule(need=hs.sampled_from([1, 8 * KiB, 64 * KiB]))
+    def evict(self, need: int) -> None:
+        self.m.evict(self.now, need=need)
+        self.tasks += [(t.key, t.vid) for t in self.m.fetch_tier_tasks("a", self.now).demote]
+
+    @rule(ok=hs.booleans())
+    def finish_demotion(self, ok: bool) -> None:
+        if not self.tasks:
+            return
+        key, vid = self.tasks.pop(0)
+        try:
+            if ok:
+                self.m.demote_end("a", key, vid, self.now)
+            else:
+                self.m.demote_revoke("a", key, vid, self.now)
+        except (ObjectNotFoundError, IllegalClientError):
+            pass  # removed, replaced, timed out or the segment went: the copy is discarded
+
+    def _on_ssd(self) -> list[tuple[str, int]]:
+        out = []
+        for key in self.m.all_keys():
+            r = self.m.get_replica_list(key, self.now, for_read=False)
+            if r.disk_clients:
+                out.append((key, r.vid))
+        return out
+
+    @rule(pick=hs.integers(0, 7))
+    def promote(self, pick: int) -> None:
+        on_ssd = [kv for kv in self._on_ssd() if not self.m.query_key(kv[0]).replicas]
+        if not on_ssd:
+            return
+        key, vid = on_ssd[pick % len(on_ssd)]
+        try:
+            self.m.promote_start("a", key, vid, self.now)
+        except (NoAvailableHandleError, ReplicaNotReadyError):
+            return
+        self.promoting.append((key, vid))
+
+    @rule(ok=hs.booleans())
+    def finish_promotion(self, ok: bool) -> None:
+        if not self.promoting:
+            return
+        key, vid = self.promoting.pop(0)
+        try:
+            if ok:
+                self.m.promote_end("a", key, vid, self.now)
+            else:
+                self.m.promote_revoke("a", key, vid, self.now)
+        except (ObjectNotFoundError, IllegalClientError):
+            pass
+
+    @rule(pick=hs.integers(0, 7))
+    def ssd_evicts(self, pick: int) -> None:
+        on_ssd = self._on_ssd()
+        if on_ssd:
+            key, vid = on_ssd[pick % len(on_ssd)]
+            self.m.evict_disk_replica("a", key, vid, "lru", self.now)
+
+    @rule()
+    def time_passes(self) -> None:
+        self.now += 6.0  # past demote_timeout: stalled demotions are revoked
+        self.m.ping("a", self.now)
+        self.m.ping("b", self.now)
+        self.m.sweep(self.now)
+
+    @rule()
+    def b_unmounts_and_remounts(self) -> None:
+        self._tick()
+        self.m.unmount_segment("b", "seg1", self.now)
+        self.m.mount_segment("b", seg(1, size=16 * KiB), self.now)
+
+    @invariant()
+    def consistent(self) -> None:
+        self.m.check_invariants()
+        for key in self.m.all_keys():
+            info = self.m.query_key(key)
+            r = self.m._objects[key].readable
+            assert r is not None and (info.replicas or r.disk)
+
+
+TestTierMachine = TierMachine.TestCase
+TestTierMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)

@@ -634,6 +634,8 @@ class MasterState:
                 f"({len(self._seg_list)} segments, {self._used}/{self._capacity} bytes used, "
                 f"{self._demoting_bytes} being demoted to SSD)"
             )
+        if obj is not None and self._objects.get(key) is not obj:
+            obj = None  # the eviction above dropped the very object being upserted
         if obj is None:
             obj = self._objects[key] = _Object(key)
         self._next_vid += 1
@@ -1376,7 +1378,8 @@ class MasterState:
         ver.disk.remove(client_id)
         client.ssd_keys.discard(key)
         self.tiers["ssd"].evictions += 1
-        if not ver.replicas and not ver.disk and obj.promoting is None:
+        if not ver.replicas and not ver.disk:
+            # its last copy: gone (a promotion in flight fails at PromoteEnd)
             self._drop_object(obj, now)
             self.misses.record_eviction(key, policy=policy, tier="ssd", now=now)
 
