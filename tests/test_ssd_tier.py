@@ -317,8 +317,8 @@ def round_block(n: int) -> int:
 
 
 @pytest.mark.parametrize("damage", ["delete", "truncate", "header", "swap", "extend"])
-async def test_damaged_file_is_a_clear_error(tmp_path: Path, damage: str) -> None:
-    async with open_ssd_tier(tmp_path, 1 << 20) as tier:
+async def test_damaged_file_is_a_clear_error(tmp_path: Path, damage: str, direct: bool) -> None:
+    async with open_ssd_tier(tmp_path, 1 << 20, direct_io=direct) as tier:
         e = await tier.put("k", _payload(5000))
         other = await tier.put("other", _payload(5000, 1))
         path = tmp_path / "objects" / e.name

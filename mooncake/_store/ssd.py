@@ -180,8 +180,11 @@ class _Io:
 
     # -- read ---------------------------------------------------------------------------------
 
-    def read(self, entry: SsdEntry, dest: memoryview) -> None:
-        """Fill ``dest`` (``entry.size`` bytes) from the file, verified; raise _Lost/_Replaced."""
+    def read(self, entry: SsdEntry, dest: memoryview | None) -> bytes | None:
+        """Fill ``dest`` (``entry.size`` bytes) from the file, verified; raise _Lost/_Replaced.
+
+        With ``dest`` None, return a new ``bytes`` instead (read straight into it: one copy)."""
+        out: bytes | None = None
         path = self.path(entry.name)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if self.direct else 0))
@@ -212,9 +215,15 @@ class _Io:
                     )
                 if length != entry.disk_bytes:
                     raise _Lost(f"file length {length}, expected {entry.disk_bytes}")
-                if buf is None:
+                if buf is None and dest is None:
+                    out = os.pread(fd, entry.size, hlen)
+                    if len(out) < entry.size:
+                        raise _Lost(f"file ends early at {hlen + len(out)}")
+                elif buf is None:
+                    assert dest is not None
                     _pread_into(fd, dest, hlen)
                 else:
+                    chunks: list[bytes] = []
                     view = memoryview(buf)
                     try:
                         off = 0
@@ -223,17 +232,23 @@ class _Io:
                             got = os.preadv(fd, [view[: round_up(n)]], hlen + off)
                             if got < n:
                                 raise _Lost(f"file ends early at {hlen + off + got}")
-                            dest[off : off + n] = view[:n]
+                            if dest is None:
+                                chunks.append(bytes(view[:n]))
+                            else:
+                                dest[off : off + n] = view[:n]
                             off += n
                     finally:
                         view.release()
+                    if dest is None:
+                        out = b"".join(chunks)  # one chunk: that very object
             finally:
                 if buf is not None:
                     self.pool.put(buf)
         finally:
             os.close(fd)
-        if zlib.crc32(dest) != entry.checksum:
+        if zlib.crc32(dest if dest is not None else out or b"") != entry.checksum:
             raise _Lost("payload checksum mismatch")
+        return out
 
     def _pread(self, fd: int, buf: mmap.mmap | None, n: int, off: int) -> bytes:
         """``n`` bytes at ``off`` (both block-aligned when ``buf``, the O_DIRECT staging)."""
@@ -543,14 +558,9 @@ class SsdTier:
 
     async def get(self, key: str) -> bytes:
         """The bytes of ``key``, verified against its checksum."""
-        entry = self.index.get(key)
-        if entry is None:
-            self._check_open()
-            self.counters.misses += 1
-            raise ObjectNotFoundError(f"{key!r} is not on the SSD tier")
-        buf = bytearray(entry.size)
-        n = await self.get_into(key, buf)
-        return bytes(memoryview(buf)[:n])
+        _, data = await self._read(key, None)
+        assert data is not None
+        return data
 
     async def get_into(self, key: str, dest: Any) -> int:
         """Read ``key`` into the writable buffer ``dest``; return its size.
@@ -558,22 +568,29 @@ class SsdTier:
         If the call raises, ``dest`` may have been partly written and must not be used (a
         checksum failure is only known once the bytes are in it).
         """
-        self._check_open()
         mv = memoryview(dest)
         if mv.readonly or not mv.contiguous:
             raise InvalidArgumentError("dest must be a writable contiguous buffer")
         mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+        n, _ = await self._read(key, mv)
+        return n
+
+    async def _read(self, key: str, mv: memoryview | None) -> tuple[int, bytes | None]:
+        """Read ``key`` into ``mv``, or into new bytes (``mv`` None); (size, the bytes)."""
+        self._check_open()
         for _ in range(8):  # retried only when a newer version was committed mid-read
             entry = self.index.begin_read(key)
             if entry is None:
                 self.counters.misses += 1
                 raise ObjectNotFoundError(f"{key!r} is not on the SSD tier")
             try:
-                if len(mv) < entry.size:
+                if mv is not None and len(mv) < entry.size:
                     raise BufferOverflowError(
                         f"buffer of {len(mv)} bytes is too small for {key!r} ({entry.size})"
                     )
-                await self._run(self._io.read, entry, mv[: entry.size])
+                data: bytes | None = await self._run(
+                    self._io.read, entry, mv[: entry.size] if mv is not None else None
+                )
             except _Replaced:
                 # A writer renamed a newer version in but has not committed it yet: wait for it.
                 lock = self._locks.get(key)
@@ -600,7 +617,7 @@ class SsdTier:
                 self.index.end_read(key)
             self.counters.hits += 1
             self.counters.bytes_read += entry.size
-            return entry.size
+            return entry.size, data
         raise ObjectNotFoundError(
             f"{key!r} kept being replaced during the read"
         )  # pragma: no cover
