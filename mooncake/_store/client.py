@@ -251,8 +251,8 @@ class Store:
         while True:
             try:
                 await self._tier_round()
-            except MooncakeError as e:
-                log.warning("SSD tier round with the master failed: %s", e)
+            except (MooncakeError, OSError) as e:
+                log.warning("SSD tier round failed: %s", e)
             await anyio.sleep(TIER_POLL_S)
 
     async def _tier_round(self) -> None:
@@ -297,7 +297,7 @@ class Store:
             view = (ctypes.c_char * t.size).from_address(t.addr)
             try:
                 await tier.put(t.key, memoryview(view).cast("B"))
-            except MooncakeError as e:
+            except (MooncakeError, OSError) as e:  # SSD full of busy objects, ENOSPC, EIO
                 log.warning("demoting %r to the SSD tier failed: %s", t.key, e)
                 ok = False
         if not ok:
@@ -376,13 +376,17 @@ class Store:
                     self._unstage(off)
             del keep
             await self.master.call("PromoteEnd", params)
-        except BaseException:
+        except BaseException as e:
+            # A background task: a failed promotion only leaves the object on SSD.
             with anyio.CancelScope(shield=True):
                 try:
                     await self.master.call("PromoteRevoke", params)
                 except MooncakeError:
                     pass
-            raise
+            if not isinstance(e, MooncakeError):
+                raise
+            log.debug("promotion of %r failed: %s", key, e)
+            return
         assert self.ssd is not None
         self.ssd.counters.promotions += 1
 
