@@ -760,7 +760,11 @@ class Store:
             again = [i for i, e in enumerate(errs) if isinstance(e, NoAvailableHandleError)]
             if not again:
                 break
-            await self._tier_round()
+            try:
+                await self._tier_round()
+            except (MooncakeError, OSError) as e:
+                log.warning("SSD tier round failed: %s", e)
+                break
             retried = await self._put_addrs_once(
                 [keys[i] for i in again],
                 [addrs[i] for i in again],
