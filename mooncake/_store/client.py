@@ -774,9 +774,9 @@ class Store:
                 batch=batch,
                 copy=copy,
             )
-            for i, e in zip(again, retried, strict=True):
-                errs[i] = e
-            if all(isinstance(e, NoAvailableHandleError) for e in retried):
+            for i, result in zip(again, retried, strict=True):
+                errs[i] = result
+            if all(isinstance(r, NoAvailableHandleError) for r in retried):
                 break
         return errs
 
