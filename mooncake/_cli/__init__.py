@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-_SUBCOMMANDS: list[str] = []
+_SUBCOMMANDS: list[str] = ["bench"]
 
 
 def build_parser() -> argparse.ArgumentParser:
