@@ -101,13 +101,24 @@ def buffer_address(obj: Any, *, writable: bool = True) -> tuple[int, int, memory
 
 
 class Buffer:
-    """Engine-allocated, registered, pre-faulted memory (``engine.allocate``)."""
+    """Engine-allocated, registered, pre-faulted memory (``engine.allocate``).
 
-    def __init__(self, mm: mmap.mmap, region: Region) -> None:
+    Backed by a memfd where the kernel has them (``fd``; else -1), so that a same-host peer's
+    ``shm`` transport can map it; the engine closes the mapping and the fd on unregister/close.
+    """
+
+    def __init__(self, mm: mmap.mmap, region: Region, fd: int = -1) -> None:
         self._mmap = mm
         self.region = region
         self.addr = region.addr
         self.length = region.length
+        self.fd = fd
+
+    def _close(self) -> None:
+        self._mmap.close()  # raises BufferError while a view is exported; fd stays then
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     @property
     def view(self) -> memoryview:
@@ -244,7 +255,7 @@ class Engine:
             for buf in list(self._buffers.values()):
                 self.registry.remove(buf.addr)
                 try:
-                    buf._mmap.close()
+                    buf._close()
                 except BufferError:
                     log.warning("engine buffer %r still exported at close; leaving it mapped", buf)
             self._buffers.clear()
@@ -358,7 +369,7 @@ class Engine:
         region.owner = None
         buf = self._buffers.pop(addr, None)
         if buf is not None:
-            buf._mmap.close()
+            buf._close()
         await self._publish()
 
     def acquire_region(self, addr: int, length: int, what: str = "local") -> Region:
@@ -377,12 +388,20 @@ class Engine:
         if length <= 0:
             raise InvalidArgumentError(f"allocate: length must be positive, got {length}")
         size = math.ceil(length / mmap.PAGESIZE) * mmap.PAGESIZE
-        mm = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
-        addr = int(np.frombuffer(mm, dtype=np.uint8).ctypes.data)
-        await anyio.to_thread.run_sync(_fast.prefault, addr, size)
-        region = await self.register((addr, size), location=location)
+        mm, fd = _map_shared(size)
+        try:
+            addr = int(np.frombuffer(mm, dtype=np.uint8).ctypes.data)
+            await anyio.to_thread.run_sync(_fast.prefault, addr, size)
+            region = await self.register((addr, size), location=location)
+        except BaseException:
+            mm.close()
+            if fd >= 0:
+                os.close(fd)
+            raise
         region.owner = mm
-        buf = Buffer(mm, region)
+        if fd >= 0:
+            region.meta["memfd"] = fd
+        buf = Buffer(mm, region, fd)
         self._buffers[addr] = buf
         return buf
 
@@ -594,6 +613,24 @@ class Engine:
             return isinstance(obj, dict) and obj.get("status") == "success"
         except MooncakeError:
             return False
+
+
+def _map_shared(size: int) -> tuple[mmap.mmap, int]:
+    """A shared mapping of ``size`` bytes: memfd-backed where possible (fd, else -1)."""
+    memfd_create = getattr(os, "memfd_create", None)
+    if memfd_create is not None:
+        try:
+            fd = memfd_create("mooncake-buffer", os.MFD_CLOEXEC)
+        except OSError:
+            fd = -1
+        if fd >= 0:
+            try:
+                os.ftruncate(fd, size)
+                return mmap.mmap(fd, size, flags=mmap.MAP_SHARED), fd
+            except BaseException:
+                os.close(fd)
+                raise
+    return mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS), -1
 
 
 @asynccontextmanager

@@ -15,10 +15,13 @@ if os.environ.get("MOONCAKE_NO_EXTENSIONS", "") not in ("", "0"):
     from ._pure import (
         COMPILED,
         memcpy_at,
+        memcpy_batch,
         prefault,
         readv_at,
         recv_at,
         send_at,
+        vm_readv_at,
+        vm_writev_at,
         writev_at,
     )
 else:
@@ -26,21 +29,38 @@ else:
         from ._io import (  # type: ignore[no-redef]
             COMPILED,
             memcpy_at,
+            memcpy_batch,
             prefault,
             readv_at,
             recv_at,
             send_at,
+            vm_readv_at,
+            vm_writev_at,
             writev_at,
         )
     except ImportError:  # not built: the twin is correct, only slower
         from ._pure import (
             COMPILED,
             memcpy_at,
+            memcpy_batch,
             prefault,
             readv_at,
             recv_at,
             send_at,
+            vm_readv_at,
+            vm_writev_at,
             writev_at,
         )
 
-__all__ = ["COMPILED", "memcpy_at", "prefault", "readv_at", "recv_at", "send_at", "writev_at"]
+__all__ = [
+    "COMPILED",
+    "memcpy_at",
+    "memcpy_batch",
+    "prefault",
+    "readv_at",
+    "recv_at",
+    "send_at",
+    "vm_readv_at",
+    "vm_writev_at",
+    "writev_at",
+]

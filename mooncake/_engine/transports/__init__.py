@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 #: name -> "module:Class"; modules are imported only when the transport is used
 TRANSPORTS: dict[str, str] = {
     "tcp": "mooncake._engine.transports.tcp:TcpTransport",
+    "shm": "mooncake._engine.transports.shm:ShmTransport",
 }
 
 
@@ -33,10 +34,20 @@ def make_transport(name: str, engine: Engine, **kwargs: Any) -> Transport:
 
 
 def default_transports() -> list[str]:
-    """Transports installed when the caller names none (``MC_FORCE_TCP=1``: only tcp)."""
+    """Transports installed when the caller names none.
+
+    ``shm`` (same-host peers) where the platform has it, and ``tcp``; the engine picks per peer
+    by priority (shm > tcp). ``MC_FORCE_TCP=1`` keeps only tcp; ``MOONCAKE_TRANSPORTS=a,b``
+    names the list outright.
+    """
+    names = os.environ.get("MOONCAKE_TRANSPORTS", "")
+    if names.strip():
+        return [n.strip() for n in names.split(",") if n.strip()]
     if os.environ.get("MC_FORCE_TCP", "") not in ("", "0"):
         return ["tcp"]
-    return ["tcp"]
+    from mooncake._engine.transports.shm import available
+
+    return ["shm", "tcp"] if available() else ["tcp"]
 
 
 __all__ = ["TRANSPORTS", "PeerInfo", "Transport", "default_transports", "make_transport"]
