@@ -1,4 +1,4 @@
-"""``python -m mooncake``: the command line."""
+"""``python -m mooncake ...`` is the ``mooncake`` command."""
 
 import sys
 

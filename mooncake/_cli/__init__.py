@@ -12,7 +12,10 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-_SUBCOMMANDS: list[str] = ["bench"]
+_SUBCOMMANDS: list[str] = [
+    "bench",
+    "demo",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

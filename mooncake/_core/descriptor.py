@@ -15,6 +15,7 @@ positive lengths, no two buffers overlapping. A descriptor that fails is never c
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import datetime
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -93,18 +94,7 @@ class SegmentDescriptor:
         return out
 
     def replace(self, **changes: Any) -> SegmentDescriptor:
-        fields = {
-            "name": self.name,
-            "protocol": self.protocol,
-            "buffers": self.buffers,
-            "tcp_data_host": self.tcp_data_host,
-            "tcp_data_port": self.tcp_data_port,
-            "tcp_proto_version": self.tcp_proto_version,
-            "timestamp": self.timestamp,
-            "extra": self.extra,
-        }
-        fields.update(changes)
-        return SegmentDescriptor(**fields)
+        return dataclasses.replace(self, **changes)
 
 
 def now_timestamp() -> str:

@@ -145,6 +145,11 @@ class Scratch:
             self.addr = ctypes.addressof(self.buf)
             self.size = size
 
+    def put(self, off: int, data: bytes) -> None:
+        """Copy ``data`` to offset ``off`` (which must fit)."""
+        assert off + len(data) <= self.size
+        ctypes.memmove(self.addr + off, data, len(data))
+
     def bytes(self, off: int, n: int) -> bytes:
         return ctypes.string_at(self.addr + off, n)
 

@@ -216,7 +216,7 @@ class Engine:
         self.handshake.handlers[FrameType.METADATA] = self._on_metadata
         self.handshake.handlers[FrameType.NOTIFY] = self._on_notify
         self.handshake.handlers[FrameType.PROBE] = self._on_probe
-        self.rpc_port = await self.task_group.start(
+        self.rpc_port: int = await self.task_group.start(
             self.handshake.serve, self.bind_host, self._rpc_port_req
         )
         if self.metadata.p2p:
@@ -257,7 +257,9 @@ class Engine:
                 try:
                     buf._close()
                 except BufferError:
-                    log.warning("engine buffer %r still exported at close; leaving it mapped", buf)
+                    # still viewed (e.g. a numpy array the caller holds): the mapping goes
+                    # away with its last view instead of under it
+                    pass
             self._buffers.clear()
 
     def _check_open(self) -> None:
@@ -352,7 +354,7 @@ class Engine:
         Waits until in-flight transfers touching the region are done; new ones are refused
         from the moment this is called.
         """
-        if isinstance(obj, Region) or isinstance(obj, Buffer):
+        if isinstance(obj, (Region, Buffer)):
             addr = obj.addr
         elif isinstance(obj, int):
             addr = obj

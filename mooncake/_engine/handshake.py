@@ -61,7 +61,7 @@ async def read_frame(sock: socket.socket, decoder: FrameDecoder, scratch: _socki
 
 async def send_bytes(sock: socket.socket, data: bytes) -> None:
     scratch = _sockio.Scratch(len(data))
-    scratch.buf[0 : len(data)] = data
+    scratch.put(0, data)
     await _sockio.send_addrs(sock, [scratch.addr], [len(data)], "handshake")
 
 

@@ -19,7 +19,7 @@ __all__ = ["MetadataBackend", "SegmentRecord", "open_backend", "parse_metadata"]
 
 def open_backend(conn: str) -> MetadataBackend:
     """Create (not start) the backend named by a connection string."""
-    scheme, rest = parse_metadata(conn)
+    scheme, _ = parse_metadata(conn)
     if scheme == "p2p":
         from mooncake._engine.metadata.p2p import P2PMetadata
 

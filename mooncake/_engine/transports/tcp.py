@@ -177,7 +177,7 @@ class TcpTransport(Transport):
                             lens = [hdr.size]
                             if hdr.v2:
                                 st = tcpwire.encode_status(tcpwire.Status.OK)
-                                scratch.buf[0:8] = st
+                                scratch.put(0, st)
                                 addrs.insert(0, scratch.addr)
                                 lens.insert(0, 8)
                             await _sockio.send_addrs(sock, addrs, lens, "read payload")
@@ -190,7 +190,7 @@ class TcpTransport(Transport):
 
     async def _send(self, sock: socket.socket, data: bytes) -> None:
         scratch = _sockio.Scratch(len(data))
-        scratch.buf[0 : len(data)] = data
+        scratch.put(0, data)
         await _sockio.send_addrs(sock, [scratch.addr], [len(data)], "status")
 
     async def _drain(self, sock: socket.socket, n: int, scratch: _sockio.Scratch) -> None:

@@ -1,0 +1,532 @@
+"""``mooncake.engine``: the published Mooncake Transfer Engine API, synchronous.
+
+A drop-in for the published wheel's ``mooncake.engine.TransferEngine``: same method names,
+arguments and int return codes (0 ok, -1 failure; ``batch_id`` 0 = failure;
+``transfer_check_status`` 1 done / 0 in progress / -1 failed / -2 timed out). Underneath, the
+async engine (:func:`mooncake.open_engine`) runs on a background loop thread.
+
+Differences from the published engine, on purpose:
+
+* local buffers passed to transfers must lie inside registered memory (``register_memory`` or
+  ``allocate_managed_buffer``); the published TCP path reads any address, which turns a caller's
+  bug into silent corruption;
+* servers bind the host given to ``initialize`` (loopback stays loopback);
+* the ``protocol`` argument is honoured for ``tcp``; other names fall back to the transports
+  this machine has (as the published non-EFA builds do), and the choice is logged.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import anyio
+
+from mooncake._core.transfer import Opcode, TransferRequest, TransferResult
+from mooncake._engine.engine import Buffer, Engine, open_engine
+from mooncake._sync import LoopThread
+from mooncake.errors import InvalidArgumentError, MooncakeError
+
+log = logging.getLogger("mooncake.engine")
+
+SUPPORT_CUDA = False
+SUPPORT_EFA = False
+SUPPORT_HIP = False
+SUPPORT_MNNVL = False
+SUPPORT_MUSA = False
+SUPPORT_INTRA_NVLINK = False
+
+
+class TransferOpcode(enum.IntEnum):
+    """``mooncake.engine.TransferOpcode``: ``Read=0``, ``Write=1``."""
+
+    Read = 0
+    Write = 1
+
+
+Read = TransferOpcode.Read
+Write = TransferOpcode.Write
+
+
+class TransferNotify:
+    """A notification: ``name`` and ``msg`` (read-write, as in the published class)."""
+
+    def __init__(self, name: str = "", msg: str = "") -> None:
+        self.name = name
+        self.msg = msg
+
+    def __repr__(self) -> str:
+        return f"TransferNotify(name={self.name!r}, msg={self.msg!r})"
+
+
+def _timeout_s(length: int) -> float:
+    """``MC_TRANSFER_TIMEOUT`` (default 30 s, at least 5 s) plus 1 ns per byte, as published."""
+    try:
+        base = float(os.environ.get("MC_TRANSFER_TIMEOUT", "30"))
+    except ValueError:
+        base = 30.0
+    return max(base, 5.0) + length * 1e-9
+
+
+@dataclass
+class _Batch:
+    future: Future[list[TransferResult]]
+    deadline: float
+    length: int
+    results: list[TransferResult] | None = field(default=None)
+
+
+class TransferEngine:
+    """The published ``TransferEngine``; call :meth:`initialize` first."""
+
+    TransferOpcode = TransferOpcode
+
+    def __init__(self) -> None:
+        self._loop: LoopThread | None = None
+        self._engine: Engine | None = None
+        self._managed: dict[int, Buffer] = {}
+        self._batches: dict[int, _Batch] = {}
+        self._ids = itertools.count(1)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def initialize(
+        self, local_hostname: str, metadata_server: str, protocol: str, device_name: str
+    ) -> int:
+        """Start the engine. 0 on success, -1 on failure (the reason is logged)."""
+        return self._init(local_hostname, metadata_server, protocol)
+
+    def initialize_ext(
+        self,
+        local_hostname: str,
+        metadata_server: str,
+        protocol: str,
+        device_name: str,
+        metadata_type: str,
+    ) -> int:
+        """Like :meth:`initialize` with the connection string ``metadata_type://metadata_server``."""
+        conn = metadata_server
+        if metadata_type and metadata_server.upper() != "P2PHANDSHAKE":
+            conn = f"{metadata_type}://{metadata_server}"
+        return self._init(local_hostname, conn, protocol)
+
+    def _init(self, hostname: str, metadata: str, protocol: str) -> int:
+        if self._engine is not None:
+            log.error("initialize: engine already initialized")
+            return -1
+        transports = ["tcp"] if (protocol or "tcp").lower() == "tcp" else None
+        if transports is None:
+            log.warning("protocol %r: using the transports available here", protocol)
+        loop = LoopThread(name="mooncake-engine")
+        try:
+            self._engine = loop.enter(
+                open_engine(
+                    hostname or "127.0.0.1", metadata or "P2PHANDSHAKE", transports=transports
+                )
+            )
+        except (MooncakeError, OSError) as e:
+            log.error("initialize failed: %s", e)
+            loop.close()
+            return -1
+        self._loop = loop
+        return 0
+
+    def close(self) -> None:
+        """Stop the engine and its loop thread (not in the published API; idempotent)."""
+        if self._loop is not None:
+            self._loop.close()
+        self._loop = None
+        self._engine = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _e(self) -> tuple[LoopThread, Engine]:
+        if self._loop is None or self._engine is None:
+            raise MooncakeError("TransferEngine is not initialized")
+        return self._loop, self._engine
+
+    # -- info -----------------------------------------------------------------------------
+
+    def get_rpc_port(self) -> int:
+        return self._e()[1].rpc_port
+
+    def get_local_topology(self, device_name: str | None = None) -> str:
+        return "{}"
+
+    def get_engine(self) -> TransferEngine:
+        return self
+
+    def get_engine_ptr(self) -> int:
+        return id(self)
+
+    def get_first_buffer_address(self, segment_name: str) -> int:
+        loop, engine = self._e()
+        try:
+            if segment_name == engine.segment_name:
+                regions = engine.registry.regions()
+                return regions[0].addr if regions else 0
+            peer = loop.call(engine.peer, segment_name)
+            return peer.descriptor.buffers[0].addr if peer.descriptor.buffers else 0
+        except MooncakeError as e:
+            log.error("get_first_buffer_address(%s): %s", segment_name, e)
+            return 0
+
+    def warmup_efa_segment(self, segment_name: str) -> int:
+        return 0
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> int:
+        loop, engine = self._e()
+        try:
+            loop.call(_register, engine, buffer_addr, capacity, location)
+            return 0
+        except MooncakeError as e:
+            log.error("register_memory(%#x, %d): %s", buffer_addr, capacity, e)
+            return int(e.code) if int(e.code) < 0 else -1
+
+    def unregister_memory(self, buffer_addr: int) -> int:
+        loop, engine = self._e()
+        try:
+            loop.call(engine.unregister, buffer_addr)
+            return 0
+        except MooncakeError as e:
+            log.error("unregister_memory(%#x): %s", buffer_addr, e)
+            return -1
+
+    def batch_register_memory(
+        self, buffer_addresses: list[int], capacities: list[int], location: str = "*"
+    ) -> int:
+        if len(buffer_addresses) != len(capacities):
+            log.error(
+                "batch_register_memory: %d addresses, %d capacities",
+                len(buffer_addresses),
+                len(capacities),
+            )
+            return -1
+        for a, c in zip(buffer_addresses, capacities, strict=True):
+            rc = self.register_memory(a, c, location)
+            if rc:
+                return rc
+        return 0
+
+    def batch_unregister_memory(self, buffer_addresses: list[int]) -> int:
+        rc = 0
+        for a in buffer_addresses:
+            rc = self.unregister_memory(a) or rc
+        return rc
+
+    def allocate_managed_buffer(self, length: int) -> int:
+        """Allocate and register ``length`` bytes; the address, or 0 on failure."""
+        loop, engine = self._e()
+        try:
+            buf = loop.call(engine.allocate, length)
+        except (MooncakeError, OSError) as e:
+            log.error("allocate_managed_buffer(%d): %s", length, e)
+            return 0
+        self._managed[buf.addr] = buf
+        return buf.addr
+
+    def free_managed_buffer(self, buffer_addr: int, length: int) -> int:
+        loop, engine = self._e()
+        buf = self._managed.pop(buffer_addr, None)
+        if buf is None:
+            log.error("free_managed_buffer: %#x was not allocated here", buffer_addr)
+            return -1
+        loop.call(engine.unregister, buf)
+        return 0
+
+    def write_bytes_to_buffer(self, dest_address: int, src: bytes, length: int) -> int:
+        if length > len(src):
+            return -1
+        region = self._e()[1].registry.find(dest_address, length)
+        if region is None:
+            log.error("write_bytes_to_buffer: [%#x, +%d) not registered", dest_address, length)
+            return -1
+        import ctypes
+
+        ctypes.memmove(dest_address, src, length)
+        return 0
+
+    def read_bytes_from_buffer(self, source_address: int, length: int) -> bytes:
+        region = self._e()[1].registry.find(source_address, length)
+        if region is None:
+            log.error("read_bytes_from_buffer: [%#x, +%d) not registered", source_address, length)
+            return b""
+        import ctypes
+
+        return ctypes.string_at(source_address, length)
+
+    # -- transfers ------------------------------------------------------------------------
+
+    def _requests(
+        self,
+        opcode: int,
+        buffers: Sequence[int],
+        peer_addresses: Sequence[int],
+        lengths: Sequence[int],
+    ) -> list[TransferRequest]:
+        if not (len(buffers) == len(peer_addresses) == len(lengths)):
+            raise InvalidArgumentError(
+                f"list lengths differ: {len(buffers)} buffers, {len(peer_addresses)} peer "
+                f"addresses, {len(lengths)} lengths"
+            )
+        op = Opcode(int(opcode))
+        return [
+            TransferRequest(op, b, p, n)
+            for b, p, n in zip(buffers, peer_addresses, lengths, strict=True)
+        ]
+
+    def _sync(
+        self,
+        target: str,
+        reqs: list[TransferRequest],
+        notify: TransferNotify | None = None,
+    ) -> int:
+        loop, engine = self._e()
+        total = sum(r.length for r in reqs)
+        try:
+            results = loop.call(_transfer_with_deadline, engine, target, reqs, _timeout_s(total))
+        except (MooncakeError, TimeoutError) as e:
+            log.error("transfer to %s failed: %s", target, e)
+            return -1
+        bad = [r for r in results if not r.ok]
+        if bad:
+            log.error(
+                "transfer to %s: %d/%d requests failed: %s",
+                target,
+                len(bad),
+                len(results),
+                bad[0].error,
+            )
+            return -1
+        if notify is not None:
+            try:
+                loop.call(engine.notify, target, notify.name, notify.msg)
+            except MooncakeError as e:
+                log.error("notify to %s failed: %s", target, e)
+                return -1
+        return 0
+
+    def transfer_sync_write(
+        self,
+        target_hostname: str,
+        buffer: int,
+        peer_buffer_address: int,
+        length: int,
+        transport_hint: str = "",
+    ) -> int:
+        return self.transfer_sync(target_hostname, buffer, peer_buffer_address, length, Write)
+
+    def transfer_sync_read(
+        self,
+        target_hostname: str,
+        buffer: int,
+        peer_buffer_address: int,
+        length: int,
+        transport_hint: str = "",
+    ) -> int:
+        return self.transfer_sync(target_hostname, buffer, peer_buffer_address, length, Read)
+
+    def transfer_sync(
+        self,
+        target_hostname: str,
+        buffer: int,
+        peer_buffer_address: int,
+        length: int,
+        opcode: int,
+        notify: TransferNotify | None = None,
+        transport_hint: str = "",
+    ) -> int:
+        try:
+            reqs = self._requests(opcode, [buffer], [peer_buffer_address], [length])
+        except (MooncakeError, ValueError) as e:
+            log.error("transfer_sync: %s", e)
+            return -1
+        return self._sync(target_hostname, reqs, notify)
+
+    def batch_transfer_sync_write(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        transport_hint: str = "",
+    ) -> int:
+        return self.batch_transfer_sync(
+            target_hostname, buffers, peer_buffer_addresses, lengths, Write
+        )
+
+    def batch_transfer_sync_read(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        transport_hint: str = "",
+    ) -> int:
+        return self.batch_transfer_sync(
+            target_hostname, buffers, peer_buffer_addresses, lengths, Read
+        )
+
+    def batch_transfer_sync(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        opcode: int,
+        notify: TransferNotify | None = None,
+        transport_hint: str = "",
+    ) -> int:
+        try:
+            reqs = self._requests(opcode, buffers, peer_buffer_addresses, lengths)
+        except (MooncakeError, ValueError) as e:
+            log.error("batch_transfer_sync: %s", e)
+            return -1
+        return self._sync(target_hostname, reqs, notify)
+
+    def batch_transfer_async_write(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        transport_hint: str = "",
+    ) -> int:
+        return self.batch_transfer_async(
+            target_hostname, buffers, peer_buffer_addresses, lengths, Write
+        )
+
+    def batch_transfer_async_read(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        transport_hint: str = "",
+    ) -> int:
+        return self.batch_transfer_async(
+            target_hostname, buffers, peer_buffer_addresses, lengths, Read
+        )
+
+    def batch_transfer_async(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        opcode: int,
+        transport_hint: str = "",
+    ) -> int:
+        """Submit a batch; its id (> 0), or 0 on failure."""
+        loop, engine = self._e()
+        try:
+            reqs = self._requests(opcode, buffers, peer_buffer_addresses, lengths)
+            engine._validate(reqs)
+        except (MooncakeError, ValueError) as e:
+            log.error("batch_transfer_async: %s", e)
+            return 0
+        total = sum(r.length for r in reqs)
+        timeout = _timeout_s(total)
+        fut = loop.submit(_transfer_with_deadline, engine, target_hostname, reqs, timeout)
+        bid = next(self._ids)
+        self._batches[bid] = _Batch(fut, time.monotonic() + timeout, total)
+        return bid
+
+    def transfer_submit_write(
+        self,
+        target_hostname: str,
+        buffer: int,
+        peer_buffer_address: int,
+        length: int,
+        transport_hint: str = "",
+    ) -> int:
+        return self.batch_transfer_async(
+            target_hostname, [buffer], [peer_buffer_address], [length], Write
+        )
+
+    def get_batch_transfer_status(self, batch_ids: list[int]) -> int:
+        """Wait for every listed batch and free it; 0 if all completed, else -1."""
+        rc = 0
+        for bid in batch_ids:
+            batch = self._batches.pop(bid, None)
+            if batch is None:
+                log.error("get_batch_transfer_status: unknown batch id %d", bid)
+                rc = -1
+                continue
+            try:
+                results = batch.future.result()
+            except (MooncakeError, TimeoutError) as e:
+                log.error("batch %d failed: %s", bid, e)
+                rc = -1
+                continue
+            if not all(r.ok for r in results):
+                rc = -1
+        return rc
+
+    def transfer_check_status(self, batch_id: int) -> int:
+        """1 completed (freed), 0 in progress, -1 failed (freed), -2 timed out (freed)."""
+        batch = self._batches.get(batch_id)
+        if batch is None:
+            return -1
+        if not batch.future.done():
+            if time.monotonic() > batch.deadline:
+                batch.future.cancel()
+                self._batches.pop(batch_id, None)
+                return -2
+            return 0
+        self._batches.pop(batch_id, None)
+        try:
+            results = batch.future.result()
+        except TimeoutError:
+            return -2
+        except (MooncakeError, Exception):
+            return -1
+        return 1 if all(r.ok for r in results) else -1
+
+    # -- notifications / probe ------------------------------------------------------------
+
+    def get_notifies(self) -> list[TransferNotify]:
+        _, engine = self._e()
+        return [TransferNotify(n.name, n.msg) for n in engine.get_notifies()]
+
+    def send_probe(self, peer_server_name: str) -> int:
+        loop, engine = self._e()
+        return 0 if loop.call(engine.probe, peer_server_name) else -1
+
+
+async def _register(engine: Engine, addr: int, length: int, location: str) -> None:
+    await engine.register((addr, length), location=location)
+
+
+async def _transfer_with_deadline(
+    engine: Engine, target: str, reqs: list[TransferRequest], seconds: float
+) -> list[TransferResult]:
+    with anyio.fail_after(seconds):
+        return await engine.transfer(target, reqs)
+
+
+__all__ = [
+    "SUPPORT_CUDA",
+    "SUPPORT_EFA",
+    "SUPPORT_HIP",
+    "SUPPORT_INTRA_NVLINK",
+    "SUPPORT_MNNVL",
+    "SUPPORT_MUSA",
+    "Read",
+    "TransferEngine",
+    "TransferNotify",
+    "TransferOpcode",
+    "Write",
+]
