@@ -58,12 +58,25 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def run_json(cmd: list[str], out: Path, *, env: dict[str, str] | None = None, cwd: Path = ROOT,
-             timeout: float = 600) -> dict[str, Any] | None:
+def run_json(
+    cmd: list[str],
+    out: Path,
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path = ROOT,
+    timeout: float = 600,
+) -> dict[str, Any] | None:
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
     t0 = time.time()
-    p = subprocess.run(cmd, cwd=cwd, env=env, timeout=timeout, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE, text=True)
+    p = subprocess.run(
+        cmd,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     if p.returncode != 0 or not out.exists():
         print(f"  failed (rc={p.returncode}): {p.stderr[-2000:]}", file=sys.stderr)
         return None
@@ -71,23 +84,62 @@ def run_json(cmd: list[str], out: Path, *, env: dict[str, str] | None = None, cw
     return json.loads(out.read_text())
 
 
-def ours(args: argparse.Namespace, transport: str, sizes: str, out: Path,
-         extra_env: dict[str, str] | None = None) -> dict[str, Any] | None:
-    cmd = [sys.executable, "-m", "mooncake", "bench", "transfer", "--transport", transport,
-           "--sizes", sizes, "--batches", args.batches, "--ops", args.ops,
-           "--buffer", args.buffer, "--case-seconds", str(args.case_seconds),
-           "--no-progress", "--json", str(out)]
+def ours(
+    args: argparse.Namespace,
+    transport: str,
+    sizes: str,
+    out: Path,
+    extra_env: dict[str, str] | None = None,
+) -> dict[str, Any] | None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "mooncake",
+        "bench",
+        "transfer",
+        "--transport",
+        transport,
+        "--sizes",
+        sizes,
+        "--batches",
+        args.batches,
+        "--ops",
+        args.ops,
+        "--buffer",
+        args.buffer,
+        "--case-seconds",
+        str(args.case_seconds),
+        "--no-progress",
+        "--json",
+        str(out),
+    ]
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT)
     env.update(extra_env or {})
     return run_json(cmd, out, env=env)
 
 
-def published(args: argparse.Namespace, py: str, script_dir: Path, out: Path,
-              facade: bool = False) -> dict[str, Any] | None:
-    cmd = [py, str(script_dir / "mooncake_te_bench.py"), "--sizes", args.tcp_sizes,
-           "--batches", args.batches, "--ops", args.ops, "--buffer", args.buffer,
-           "--case-seconds", str(args.case_seconds), "--async-depth", "0", "--json", str(out)]
+def published(
+    args: argparse.Namespace, py: str, script_dir: Path, out: Path, facade: bool = False
+) -> dict[str, Any] | None:
+    cmd = [
+        py,
+        str(script_dir / "mooncake_te_bench.py"),
+        "--sizes",
+        args.tcp_sizes,
+        "--batches",
+        args.batches,
+        "--ops",
+        args.ops,
+        "--buffer",
+        args.buffer,
+        "--case-seconds",
+        str(args.case_seconds),
+        "--async-depth",
+        "0",
+        "--json",
+        str(out),
+    ]
     env = clean_env()
     if facade:
         env["PYTHONPATH"] = str(ROOT)
@@ -95,8 +147,9 @@ def published(args: argparse.Namespace, py: str, script_dir: Path, out: Path,
 
 
 def limits(py: str, script_dir: Path, out: Path) -> dict[str, Any] | None:
-    return run_json([py, str(script_dir / "sys_limits_bench.py"), "--json", str(out)], out,
-                    cwd=script_dir)
+    return run_json(
+        [py, str(script_dir / "sys_limits_bench.py"), "--json", str(out)], out, cwd=script_dir
+    )
 
 
 def memcpy_sweep(sizes: list[int], seconds: float = 0.3) -> dict[int, float]:
@@ -162,10 +215,16 @@ def summarize(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     lim = raw.get("limits", [])
     out["limits"] = {
         "memcpy_GBps": med([r["memcpy"]["copy_GBps_mean"] for r in lim if "memcpy" in r]),
-        "iperf3_1_GBps": med([r["iperf3"][0]["receiver_GBps"] for r in lim
-                              if r.get("iperf3") and "receiver_GBps" in r["iperf3"][0]]),
-        "rtt_4k_us": med([r["tcp_pingpong"][1]["rtt_us_p50"] for r in lim
-                          if r.get("tcp_pingpong")]),
+        "iperf3_1_GBps": med(
+            [
+                r["iperf3"][0]["receiver_GBps"]
+                for r in lim
+                if r.get("iperf3") and "receiver_GBps" in r["iperf3"][0]
+            ]
+        ),
+        "rtt_4k_us": med(
+            [r["tcp_pingpong"][1]["rtt_us_p50"] for r in lim if r.get("tcp_pingpong")]
+        ),
     }
     sweeps = raw.get("memcpy", [])
     if sweeps:
@@ -186,18 +245,20 @@ def table(summary: dict[str, Any]) -> str:
     tcp = summary.get("ours-tcp", {})
     shm = summary.get("ours-shm", {})
     fac = summary.get("facade", {})
-    keys = sorted(set(tcp) | set(pub) | set(shm),
-                  key=lambda k: (k.split("/")[0] != "write", int(k.split("/")[1]), int(k.split("/")[2])))
+    keys = sorted(
+        set(tcp) | set(pub) | set(shm),
+        key=lambda k: (k.split("/")[0] != "write", int(k.split("/")[1]), int(k.split("/")[2])),
+    )
 
     def g(d: dict[str, Any], k: str, f: str = "GBps") -> float | None:
         v = d.get(k)
         return None if v is None else v[f]
 
     def s(x: float | None, fmt: str = "{:.3f}") -> str:
-        return "–" if x is None else fmt.format(x)
+        return "-" if x is None else fmt.format(x)
 
     def ratio(a: float | None, b: float | None) -> str:
-        return "–" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
+        return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
 
     lines = [
         "| op | block | batch | ours tcp GB/s | ours shm GB/s | published GB/s | facade GB/s "
@@ -230,9 +291,12 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-    styles = {"ours-shm": ("tab:green", "shm (mooncake-py)"), "ours-tcp": ("tab:blue", "tcp (mooncake-py)"),
-              "published": ("tab:red", "tcp (published Mooncake)"),
-              "facade": ("tab:purple", "tcp, sync facade (mooncake-py)")}
+    styles = {
+        "ours-shm": ("tab:green", "shm (mooncake-py)"),
+        "ours-tcp": ("tab:blue", "tcp (mooncake-py)"),
+        "published": ("tab:red", "tcp (published Mooncake)"),
+        "facade": ("tab:purple", "tcp, sync facade (mooncake-py)"),
+    }
     lim = summary["limits"]
     for ax, batch in zip(axes, (1, 32), strict=True):
         for series, (color, label) in styles.items():
@@ -240,19 +304,37 @@ def plot(summary: dict[str, Any], path: Path) -> None:
             if not data:
                 continue
             for op, ls in (("write", "-"), ("read", "--")):
-                pts = sorted((int(k.split("/")[1]), v["GBps"]) for k, v in data.items()
-                             if k.startswith(op + "/") and k.endswith(f"/{batch}"))
+                pts = sorted(
+                    (int(k.split("/")[1]), v["GBps"])
+                    for k, v in data.items()
+                    if k.startswith(op + "/") and k.endswith(f"/{batch}")
+                )
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, marker="o", color=color,
-                            label=f"{label} {op}")
+                    ax.plot(
+                        [p[0] for p in pts],
+                        [p[1] for p in pts],
+                        ls,
+                        marker="o",
+                        color=color,
+                        label=f"{label} {op}",
+                    )
         mcb = lim.get("memcpy_by_block_GBps")
         if mcb:
             pts = sorted((int(b), v) for b, v in mcb.items())
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], ":", color="black",
-                    label="memcpy, 1 thread (limit for shm)")
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                ":",
+                color="black",
+                label="memcpy, 1 thread (limit for shm)",
+            )
         if lim.get("iperf3_1_GBps"):
-            ax.axhline(lim["iperf3_1_GBps"], color="gray", ls="-.",
-                       label="iperf3 loopback, 1 stream (limit for tcp)")
+            ax.axhline(
+                lim["iperf3_1_GBps"],
+                color="gray",
+                ls="-.",
+                label="iperf3 loopback, 1 stream (limit for tcp)",
+            )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("block size (bytes)")
@@ -266,7 +348,9 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tcp-sizes", default="4K,64K,256K,1M,4M,16M")
     ap.add_argument("--shm-sizes", default="4K,64K,256K,1M,4M,16M,64M")
@@ -278,8 +362,9 @@ def main() -> int:
     ap.add_argument("--anchor-python", default=find_anchor_python())
     ap.add_argument("--no-published", action="store_true")
     ap.add_argument("--no-limits", action="store_true")
-    ap.add_argument("--facade", action="store_true",
-                    help="also run the anchor's script against our sync facade")
+    ap.add_argument(
+        "--facade", action="store_true", help="also run the anchor's script against our sync facade"
+    )
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "te"))
     ap.add_argument("--summarize-only", action="store_true", help="re-summarize OUT/raw.json")
     args = ap.parse_args()
@@ -305,8 +390,12 @@ def main() -> int:
                 assert py is not None and anchor_dir is not None
                 jobs.append(("published", lambda f: published(args, py, anchor_dir, f)))
                 if args.facade:
-                    jobs.append(("facade", lambda f: published(args, sys.executable, anchor_dir,
-                                                                 f, facade=True)))
+                    jobs.append(
+                        (
+                            "facade",
+                            lambda f: published(args, sys.executable, anchor_dir, f, facade=True),
+                        )
+                    )
             if rnd % 2:
                 jobs.reverse()  # interleave: neither side always runs first
             for series, job in jobs:
@@ -328,10 +417,12 @@ def main() -> int:
     (outdir / "summary.json").write_text(json.dumps(summary, indent=1))
     md = table(summary)
     lim = summary["limits"]
-    md += (f"\n\nLimits (median): memcpy 256 MiB {lim['memcpy_GBps'] or 0:.1f} GB/s, "
-           f"iperf3 1 stream {lim['iperf3_1_GBps'] or 0:.2f} GB/s, "
-           f"TCP ping-pong 4 KiB p50 {lim['rtt_4k_us'] or 0:.0f} µs; "
-           f"{max((len(v) for v in raw.values()), default=0)} rounds.\n")
+    md += (
+        f"\n\nLimits (median): memcpy 256 MiB {lim['memcpy_GBps'] or 0:.1f} GB/s, "
+        f"iperf3 1 stream {lim['iperf3_1_GBps'] or 0:.2f} GB/s, "
+        f"TCP ping-pong 4 KiB p50 {lim['rtt_4k_us'] or 0:.0f} µs; "
+        f"{max((len(v) for v in raw.values()), default=0)} rounds.\n"
+    )
     (outdir / "table.md").write_text(md)
     print(md)
     plot(summary, outdir / "throughput.png")

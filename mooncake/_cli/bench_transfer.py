@@ -193,6 +193,8 @@ def stop_target(proc: subprocess.Popen[str]) -> None:
         except Exception:
             proc.kill()
             proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 # -- initiator -------------------------------------------------------------------------------
@@ -269,7 +271,9 @@ async def _initiate(
 
         async def one(op: str, off_l: int, off_r: int, n: int) -> bool:
             mk = TransferRequest.read if op == "read" else TransferRequest.write
-            (res,) = await engine.transfer(seg, [mk(laddr + off_l, raddr + off_r, n)], transport=tname)
+            (res,) = await engine.transfer(
+                seg, [mk(laddr + off_l, raddr + off_r, n)], transport=tname
+            )
             return res.ok
 
         t1 = time.perf_counter_ns()

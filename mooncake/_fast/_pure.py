@@ -115,8 +115,9 @@ class _IoVec(ctypes.Structure):
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _vm(pid: int, laddrs: Sequence[int], raddrs: Sequence[int], lens: Sequence[int],
-        write: bool) -> int:
+def _vm(
+    pid: int, laddrs: Sequence[int], raddrs: Sequence[int], lens: Sequence[int], write: bool
+) -> int:
     n = len(laddrs)
     if not n == len(raddrs) == len(lens):
         raise ValueError("vm: laddrs, raddrs and lens differ in length")
@@ -145,6 +146,8 @@ def vm_readv_at(pid: int, laddrs: Sequence[int], raddrs: Sequence[int], lens: Se
     return _vm(pid, laddrs, raddrs, lens, False)
 
 
-def vm_writev_at(pid: int, laddrs: Sequence[int], raddrs: Sequence[int], lens: Sequence[int]) -> int:
+def vm_writev_at(
+    pid: int, laddrs: Sequence[int], raddrs: Sequence[int], lens: Sequence[int]
+) -> int:
     """process_vm_writev(2): the mirror of :func:`vm_readv_at`."""
     return _vm(pid, laddrs, raddrs, lens, True)

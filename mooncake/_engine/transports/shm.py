@@ -155,7 +155,7 @@ def _map(fd: int, length: int) -> tuple[mmap.mmap, int]:
 class _Entry:
     """One buffer of the peer: mapped (``mm``/``base``) or reached by process_vm (``base`` 0)."""
 
-    __slots__ = ("addr", "base", "dead", "length", "mm", "users")
+    __slots__ = ("addr", "base", "dead", "idle", "length", "mm", "users")
 
     def __init__(self, addr: int, length: int, mm: mmap.mmap | None, base: int) -> None:
         self.addr = addr
@@ -164,6 +164,15 @@ class _Entry:
         self.base = base
         self.users = 0
         self.dead = False
+        self.idle: anyio.Event | None = None  # set when users drops to 0 (revoke waits on it)
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            if self.idle is not None:
+                self.idle.set()
+            if self.dead:
+                self.unmap_when_idle()
 
     def covers(self, addr: int, length: int) -> bool:
         return self.addr <= addr and addr + length <= self.addr + self.length
@@ -261,13 +270,30 @@ class _Session:
                 e = self.entries.pop(i)
                 self.starts.pop(i)
                 e.dead = True
-                while e.users:  # a worker-thread copy still runs into it
-                    await anyio.sleep(0.001)
+                if e.users:  # a worker-thread copy still runs into it
+                    e.idle = anyio.Event()
+                    await e.idle.wait()
                 e.unmap_when_idle()
             async with self.send_lock:
                 await _send(self.sock, {"op": "ack", "seq": msg.get("seq")})
         else:
             raise ProtocolError(f"shm: unknown message {op!r}")
+
+    def check_alive(self) -> None:
+        """Fail fast (one non-blocking peek) when the peer has closed or died.
+
+        Without it a copy into a dead peer's memfd mapping would "succeed": the pages live on
+        in our mapping until the reader task notices the end of the connection.
+        """
+        try:
+            if self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                self.close()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.close()
+        if self.closed:
+            raise PeerDiedError("shm: the peer closed its connection (exited or died)")
 
     def close(self) -> None:
         if self.closed:
@@ -404,7 +430,9 @@ class ShmTransport(Transport):
             with anyio.move_on_after(REVOKE_ACK_S) as scope:
                 await ev.wait()
             if scope.cancelled_caught:
-                log.warning("shm client did not confirm unmapping within %s s; dropped", REVOKE_ACK_S)
+                log.warning(
+                    "shm client did not confirm unmapping within %s s; dropped", REVOKE_ACK_S
+                )
                 _sockio.close(client.sock)
 
         with anyio.CancelScope(shield=True):
@@ -460,16 +488,17 @@ class ShmTransport(Transport):
         results: list[TransferResult | None] = [None] * len(requests)
         try:
             s = await self._session(peer)
+            s.check_alive()
         except PeerDiedError as e:
             return [failed(e)] * len(requests)
         plan: list[tuple[int, _Entry]] = []
         missing: list[int] = []
         for i, r in enumerate(requests):
-            e = s.find(r.remote_addr, r.length)
-            if e is None:
+            ent = s.find(r.remote_addr, r.length)
+            if ent is None:
                 missing.append(i)
             else:
-                plan.append((i, e))
+                plan.append((i, ent))
         if missing:  # the peer may have registered more since we listed
             try:
                 await s.refresh()
@@ -479,8 +508,8 @@ class ShmTransport(Transport):
                 missing = []
             for i in missing:
                 r = requests[i]
-                e = s.find(r.remote_addr, r.length)
-                if e is None:
+                ent = s.find(r.remote_addr, r.length)
+                if ent is None:
                     results[i] = failed(
                         RemoteAccessError(
                             f"peer refused {r.opcode.name} of [{r.remote_addr:#x}, +{r.length}): "
@@ -488,7 +517,7 @@ class ShmTransport(Transport):
                         )
                     )
                 else:
-                    plan.append((i, e))
+                    plan.append((i, ent))
         mapped = [(i, e) for i, e in plan if e.mm is not None]
         vm = [i for i, e in plan if e.mm is None]
         if mapped:
@@ -529,9 +558,7 @@ class ShmTransport(Transport):
                 await anyio.to_thread.run_sync(_fast.memcpy_batch, dsts, srcs, lens)
             finally:
                 for e in entries:
-                    e.users -= 1
-                    if e.dead:
-                        e.unmap_when_idle()
+                    e.release()
         for i, _ in mapped:
             results[i] = completed(requests[i].length)
 
