@@ -15,6 +15,7 @@ CFLAGS = ["-O3", "-fno-strict-aliasing"]
 
 extensions = [
     Extension("mooncake._fast._io", ["mooncake/_fast/_io.pyx"], extra_compile_args=CFLAGS),
+    Extension("mooncake._fast._tcp", ["mooncake/_fast/_tcp.pyx"], extra_compile_args=CFLAGS),
 ]
 
 setup(

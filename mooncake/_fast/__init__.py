@@ -52,8 +52,38 @@ else:
             writev_at,
         )
 
+if os.environ.get("MOONCAKE_NO_EXTENSIONS", "") not in ("", "0") or not COMPILED:
+    from ._tcp_pure import COMPILED as TCP_COMPILED
+    from ._tcp_pure import ClientPipe, RegionTable, ServeConn
+else:
+    try:
+        from ._tcp import COMPILED as TCP_COMPILED  # type: ignore[no-redef]
+        from ._tcp import (  # type: ignore[no-redef,assignment]
+            ClientPipe,
+            RegionTable,
+            ServeConn,
+        )
+    except ImportError:
+        from ._tcp_pure import COMPILED as TCP_COMPILED
+        from ._tcp_pure import ClientPipe, RegionTable, ServeConn
+
+# results of ServeConn.step / ClientPipe.step (identical in both twins)
+DONE, WANT_READ, WANT_WRITE, YIELD, CLOSE, PEER_CLOSED = 0, 1, 2, 3, 4, 5
+E_PROTO = 100000
+
 __all__ = [
+    "CLOSE",
     "COMPILED",
+    "DONE",
+    "E_PROTO",
+    "PEER_CLOSED",
+    "TCP_COMPILED",
+    "WANT_READ",
+    "WANT_WRITE",
+    "YIELD",
+    "ClientPipe",
+    "RegionTable",
+    "ServeConn",
     "memcpy_at",
     "memcpy_batch",
     "prefault",

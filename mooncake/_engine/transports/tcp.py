@@ -28,7 +28,9 @@ from typing import Any
 
 import anyio
 
+from mooncake import _fast
 from mooncake._core import tcpwire
+from mooncake._core.memory import Region
 from mooncake._core.transfer import Opcode, TransferRequest, TransferResult, completed, failed
 from mooncake._engine import _sockio
 from mooncake._engine.transports.base import PeerInfo, Transport
@@ -88,8 +90,10 @@ class TcpTransport(Transport):
         self._port = port
         self._listener: socket.socket | None = None
         self._conns = anyio.CapacityLimiter(MAX_CONNECTIONS)
+        self._table = _fast.RegionTable()
+        self._live: set[Any] = set()
+        self._refused = 0
         self.served_connections = 0
-        self.refused_requests = 0
 
     # -- server ---------------------------------------------------------------------------
 
@@ -139,65 +143,49 @@ class TcpTransport(Transport):
                 _sockio.close(lsock)
                 self._listener = None
 
+    async def on_register(self, region: Region) -> None:
+        if region.remote_accessible:
+            self._table.add(region.addr, region.length)
+
+    async def on_unregister(self, region: Region) -> None:
+        # refuses new requests at once; waits (in a worker thread) for the running ones
+        if region.remote_accessible and not await anyio.to_thread.run_sync(
+            self._table.remove, region.addr
+        ):
+            log.debug("tcp: region %#x was not in the serving table", region.addr)
+
+    @property
+    def refused_requests(self) -> int:
+        """Requests refused so far (outside every registered buffer), live connections too."""
+        return self._refused + sum(int(c.refused) for c in self._live)
+
     async def _serve_conn(self, sock: socket.socket) -> None:
+        """Serve one connection: the protocol runs in ``_fast.ServeConn`` (no Python per
+        request); this task only waits for readiness between its steps."""
         self.served_connections += 1
-        scratch = _sockio.Scratch(4096)
-        registry = self.engine.registry
+        conn = _fast.ServeConn(sock.fileno(), self._table, DRAIN_LIMIT)
+        self._live.add(conn)
         try:
             async with self._conns:
                 while True:
-                    try:
-                        raw = await _sockio.recv_exact(sock, tcpwire.HEADER_SIZE, scratch, "header")
-                    except PeerDiedError:
-                        return  # client went away between requests: normal end
-                    hdr = tcpwire.decode_header(raw)
-                    region = registry.find(hdr.addr, hdr.size) if hdr.size > 0 else None
-                    if region is None or not region.remote_accessible:
-                        self.refused_requests += 1
-                        log.debug("refusing %s [%#x, +%d)", hdr.opcode.name, hdr.addr, hdr.size)
-                        if not hdr.v2:
-                            return
-                        if hdr.opcode is Opcode.WRITE:
-                            if hdr.size > DRAIN_LIMIT:
-                                await self._send(
-                                    sock, tcpwire.encode_status(tcpwire.Status.REJECTED)
-                                )
-                                return
-                            await self._drain(sock, hdr.size, scratch)
-                        await self._send(sock, tcpwire.encode_status(tcpwire.Status.REJECTED))
-                        continue
-                    region.users += 1
-                    try:
-                        if hdr.opcode is Opcode.WRITE:
-                            await _sockio.recv_into_addr(sock, hdr.addr, hdr.size, "write payload")
-                            if hdr.v2:
-                                await self._send(sock, tcpwire.encode_status(tcpwire.Status.OK))
-                        else:
-                            addrs = [hdr.addr]
-                            lens = [hdr.size]
-                            if hdr.v2:
-                                st = tcpwire.encode_status(tcpwire.Status.OK)
-                                scratch.put(0, st)
-                                addrs.insert(0, scratch.addr)
-                                lens.insert(0, 8)
-                            await _sockio.send_addrs(sock, addrs, lens, "read payload")
-                    finally:
-                        self.engine.release_region(region)
+                    r = conn.step()
+                    if r == _fast.WANT_READ:
+                        await anyio.wait_readable(sock)
+                    elif r == _fast.WANT_WRITE:
+                        await anyio.wait_writable(sock)
+                    elif r == _fast.YIELD:
+                        await anyio.lowlevel.checkpoint()
+                    else:
+                        if r < 0:
+                            log.debug("tcp connection dropped: %s", _step_error(r))
+                        return  # PEER_CLOSED, CLOSE (refusal we cannot answer), error
         except (MooncakeError, OSError) as e:
             log.debug("tcp connection dropped: %s", e)
         finally:
+            self._live.discard(conn)
+            self._refused += conn.refused
+            conn.close()
             _sockio.close(sock)
-
-    async def _send(self, sock: socket.socket, data: bytes) -> None:
-        scratch = _sockio.Scratch(len(data))
-        scratch.put(0, data)
-        await _sockio.send_addrs(sock, [scratch.addr], [len(data)], "status")
-
-    async def _drain(self, sock: socket.socket, n: int, scratch: _sockio.Scratch) -> None:
-        while n > 0:
-            chunk = min(n, scratch.size)
-            await _sockio.recv_into_addr(sock, scratch.addr, chunk, "refused payload")
-            n -= chunk
 
     # -- client ---------------------------------------------------------------------------
 
@@ -289,55 +277,45 @@ class TcpTransport(Transport):
         """
         sock = lane.sock
         op = requests[idx[0]].opcode
-        addrs: list[int] = []
-        lens: list[int] = []
-        hbuf = lane.hdr
-        for k, i in enumerate(idx):
-            r = requests[i]
-            off = k * tcpwire.HEADER_SIZE
-            tcpwire.HEADER.pack_into(
-                hbuf.buf, off, r.length, r.remote_addr, int(op) | (tcpwire.V2_FLAG if v2 else 0)
-            )
-            addrs.append(hbuf.addr + off)
-            lens.append(tcpwire.HEADER_SIZE)
-            if op is Opcode.WRITE:
-                addrs.append(r.local_addr)
-                lens.append(r.length)
-        await _sockio.send_addrs(sock, addrs, lens, "request")
-
-        st = lane.status
-        if not v2:
-            # v1: no status frames; READ data follows directly, WRITE has no reply at all.
-            if op is Opcode.READ:
-                for i in idx:
-                    r = requests[i]
-                    await _sockio.recv_into_addr(sock, r.local_addr, r.length, "read data")
-                    results[i] = completed(r.length)
-            else:
-                for i in idx:
-                    results[i] = completed(requests[i].length)
-            return len(idx), True
-
-        last_refused = False
-        for k, i in enumerate(idx):
-            r = requests[i]
-            try:
-                raw = await _sockio.recv_exact(sock, tcpwire.STATUS_SIZE, st, "status")
-            except PeerDiedError:
-                if last_refused:
-                    return k, False  # a published server closes after a refusal
-                raise
-            code = tcpwire.decode_status(raw)
-            if code == tcpwire.Status.OK and op is Opcode.READ:
-                await _sockio.recv_into_addr(sock, r.local_addr, r.length, "read data")
-            results[i] = _status_result(code, r)
-            last_refused = code != tcpwire.Status.OK
+        reqs = [requests[i] for i in idx]
+        pipe = _fast.ClientPipe(
+            sock.fileno(),
+            op is Opcode.WRITE,
+            v2,
+            [r.local_addr for r in reqs],
+            [r.remote_addr for r in reqs],
+            [r.length for r in reqs],
+        )
+        try:
+            while True:
+                rc = pipe.step()
+                if rc == _fast.DONE:
+                    break
+                if rc == _fast.WANT_READ:
+                    await anyio.wait_readable(sock)
+                elif rc == _fast.WANT_WRITE:
+                    await anyio.wait_writable(sock)
+                elif rc == _fast.PEER_CLOSED:
+                    return pipe.done, False  # a published server closes after a refusal
+                else:
+                    raise _step_error(rc)
+        finally:
+            # every reply that arrived is a result, also when the rest failed or was cancelled
+            st = pipe.statuses
+            for k in range(pipe.done):
+                results[idx[k]] = _status_result(st[k], reqs[k])
         return len(idx), True
 
     async def aclose(self) -> None:
         if self._listener is not None:  # never started serving
             _sockio.close(self._listener)
             self._listener = None
+
+
+def _step_error(rc: int) -> MooncakeError:
+    if rc == -_fast.E_PROTO:
+        return ProtocolError("malformed TCP header or status frame")
+    return _sockio._died("tcp", -rc)
 
 
 def _status_result(code: int, r: TransferRequest) -> TransferResult:
