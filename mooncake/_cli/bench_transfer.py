@@ -165,7 +165,15 @@ def spawn_target(size: int, backend: str) -> tuple[subprocess.Popen[str], dict[s
     """Start a target process; returns it and its ``{segment, addr, size}``."""
     cmd = [sys.executable, "-m", "mooncake", "bench", "transfer", "--serve-target"]
     cmd += ["--buffer", str(size), "--backend", backend]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    # the child must import this very package, wherever it was imported from
+    import mooncake
+
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(mooncake.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
     box: dict[str, Any] = {}
 
     def reader() -> None:
