@@ -67,6 +67,7 @@ else:
         from ._tcp_pure import COMPILED as TCP_COMPILED
         from ._tcp_pure import ClientPipe, RegionTable, ServeConn
 
+STAGE_SIZE = 65536  # the staging buffer a ClientPipe wants (both twins)
 # results of ServeConn.step / ClientPipe.step (identical in both twins)
 DONE, WANT_READ, WANT_WRITE, YIELD, CLOSE, PEER_CLOSED = 0, 1, 2, 3, 4, 5
 E_PROTO = 100000
@@ -82,6 +83,7 @@ __all__ = [
     "WANT_WRITE",
     "YIELD",
     "ClientPipe",
+    "STAGE_SIZE",
     "RegionTable",
     "ServeConn",
     "memcpy_at",

@@ -1,6 +1,7 @@
 from collections.abc import Sequence
 
 COMPILED: bool
+STAGE_SIZE: int
 DONE: int
 WANT_READ: int
 WANT_WRITE: int
@@ -34,6 +35,9 @@ class ClientPipe:
         laddrs: Sequence[int],
         raddrs: Sequence[int],
         lens: Sequence[int],
+        stage_addr: int = 0,
+        stage_size: int = 0,
+        stage_owner: object = None,
     ) -> None: ...
     @property
     def statuses(self) -> list[int]: ...

@@ -21,7 +21,7 @@ in a worker thread). Both machines hold a region for the whole of a request.
 from libc.errno cimport errno, EAGAIN, EINTR, ECONNRESET
 from libc.stdint cimport uint8_t, uint64_t, uintptr_t
 from libc.stdlib cimport malloc, free, realloc
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy, memmove, memset
 
 cdef extern from "<sys/uio.h>" nogil:
     struct iovec:
@@ -67,6 +67,8 @@ cdef enum:
     R_YIELD = 3
     R_CLOSE = 4
     R_PEER_CLOSED = 5
+
+STAGE_SIZE = 65536  # size of the staging buffer a ClientPipe wants (= STAGE_CAP)
 
 # step() results
 DONE = R_DONE
@@ -223,29 +225,39 @@ cdef class RegionTable:
 
 DEF S_HDR = 0
 DEF S_PAYLOAD = 1     # WRITE payload into the region
-DEF S_DRAIN = 2       # refused WRITE payload into scratch
-DEF S_SEND = 3        # status (+ READ data) going out
-DEF S_CLOSED = 4
+DEF S_DRAIN = 2       # refused WRITE payload, dropped
+DEF S_CLOSED = 3
+DEF IN_CAP = 65536    # input staging: many small requests arrive in one recv
+DEF OUT_SLOTS = 128   # replies coalesced into one writev
+DEF DIRECT_MIN = 16384  # payloads at least this big go straight from the socket into place
+DEF STAGE_CAP = 65536  # client: statuses and small READ data staged per recv
 
 cdef class ServeConn:
-    """The server side of one connection (see the module docstring)."""
+    """The server side of one connection (see the module docstring).
+
+    Input is staged: one ``recv`` brings in many headers and small WRITE payloads, which are
+    copied into place from there; bigger payloads are received in place. Replies (statuses, READ
+    data straight from the region) are coalesced and sent with one ``writev`` whenever the input
+    runs dry or the reply slots fill. A READ's region stays held until its data is sent.
+    """
 
     cdef int fd
     cdef RegionTable table
     cdef size_t drain_limit
     cdef int state
-    cdef uint8_t hdr[HEADER_SIZE]
-    cdef size_t got
-    cdef uint64_t st
-    cdef region_t *held
+    cdef uint8_t *inbuf
+    cdef size_t in_pos, in_len
+    cdef region_t *held            # region of the WRITE payload being received
     cdef uintptr_t addr
     cdef size_t left
     cdef bint v2
     cdef bint close_after
-    cdef iovec out[2]
-    cdef int nout
-    cdef uint8_t *scratch
-    cdef size_t scratch_size
+    cdef iovec out[2 * OUT_SLOTS]
+    cdef Py_ssize_t nout, out_pos
+    cdef uint64_t stat[OUT_SLOTS]
+    cdef Py_ssize_t nstat
+    cdef region_t *out_held[OUT_SLOTS]
+    cdef Py_ssize_t nheld
     cdef readonly long served
     cdef readonly long refused
 
@@ -255,35 +267,81 @@ cdef class ServeConn:
         self.table = table
         self.drain_limit = drain_limit
         self.state = S_HDR
-        self.got = 0
+        self.in_pos = 0
+        self.in_len = 0
         self.held = NULL
-        self.scratch = <uint8_t *>malloc(scratch_size)
-        if self.scratch == NULL:
+        self.nout = 0
+        self.out_pos = 0
+        self.nstat = 0
+        self.nheld = 0
+        self.close_after = False
+        self.inbuf = <uint8_t *>malloc(IN_CAP)
+        if self.inbuf == NULL:
             raise MemoryError()
-        self.scratch_size = scratch_size
         self.served = 0
         self.refused = 0
 
     def __dealloc__(self):
-        self._release()
-        free(self.scratch)
+        self._release_all()
+        free(self.inbuf)
 
-    cdef void _release(self) noexcept nogil:
+    cdef void _release_all(self) noexcept nogil:
+        cdef Py_ssize_t i
         if self.held != NULL:
             self.table.release(self.held)
             self.held = NULL
+        for i in range(self.nheld):
+            self.table.release(self.out_held[i])
+        self.nheld = 0
+        self.nout = 0
+        self.out_pos = 0
+        self.nstat = 0
 
     def close(self):
-        """Release a region held by an unfinished request (the connection is being dropped)."""
-        self._release()
+        """Release every region held by unfinished requests (the connection is being dropped)."""
+        self._release_all()
         self.state = S_CLOSED
 
-    cdef void _status(self, int code) noexcept nogil:
-        self.st = MC_STATUS_MAGIC | <uint64_t>code
-        self.out[0].iov_base = &self.st
-        self.out[0].iov_len = STATUS_SIZE
-        self.nout = 1
-        self.state = S_SEND
+    cdef bint _room(self) noexcept nogil:
+        return self.nstat < OUT_SLOTS and self.nheld < OUT_SLOTS and self.nout + 2 <= 2 * OUT_SLOTS
+
+    cdef void _queue_status(self, uint64_t code) noexcept nogil:
+        self.stat[self.nstat] = MC_STATUS_MAGIC | code
+        self.out[self.nout].iov_base = &self.stat[self.nstat]
+        self.out[self.nout].iov_len = STATUS_SIZE
+        self.nstat += 1
+        self.nout += 1
+
+    cdef long _flush(self) noexcept nogil:
+        """writev the queued replies; 0 when all are out, else R_WANT_WRITE or -errno."""
+        cdef ssize_t r
+        cdef int cnt
+        cdef Py_ssize_t i
+        while self.out_pos < self.nout:
+            cnt = <int>(self.nout - self.out_pos)
+            r = writev(self.fd, self.out + self.out_pos, cnt)
+            if r < 0:
+                if errno == EINTR:
+                    continue
+                if errno == EAGAIN:
+                    return R_WANT_WRITE
+                return -errno
+            while r > 0 and self.out_pos < self.nout:
+                if <size_t>r >= self.out[self.out_pos].iov_len:
+                    r -= self.out[self.out_pos].iov_len
+                    self.out_pos += 1
+                else:
+                    self.out[self.out_pos].iov_base = <void *>(
+                        <uintptr_t>self.out[self.out_pos].iov_base + r)
+                    self.out[self.out_pos].iov_len -= r
+                    r = 0
+        for i in range(self.nheld):
+            self.table.release(self.out_held[i])
+        self.nheld = 0
+        self.nout = 0
+        self.out_pos = 0
+        self.nstat = 0
+        return 0
 
     def step(self):
         """Serve until the socket would block; returns WANT_READ/WANT_WRITE/YIELD, CLOSE,
@@ -295,132 +353,130 @@ cdef class ServeConn:
 
     cdef long _step(self) noexcept nogil:
         cdef ssize_t r
+        cdef long f
         cdef uint64_t size, addr
         cdef uint8_t op
         cdef int nreq = 0
-        cdef size_t nbytes = 0, k
+        cdef size_t nbytes = 0, k, avail
         while True:
             if self.state == S_CLOSED:
                 return R_PEER_CLOSED
+            avail = self.in_len - self.in_pos
             if nreq >= STEP_REQUESTS or nbytes >= STEP_BYTES:
-                return R_YIELD
+                f = self._flush()
+                return f if f != 0 else R_YIELD
             if self.state == S_HDR:
-                r = recv(self.fd, self.hdr + self.got, HEADER_SIZE - self.got, MSG_DONTWAIT)
-                if r < 0:
-                    if errno == EINTR:
-                        continue
-                    if errno == EAGAIN:
-                        return R_WANT_READ
-                    return -errno
-                if r == 0:
-                    if self.got == 0:
-                        self.state = S_CLOSED
-                        return R_PEER_CLOSED
-                    return -ECONNRESET
-                self.got += r
-                if self.got < HEADER_SIZE:
-                    continue
-                self.got = 0
-                memcpy(&size, self.hdr, 8)
-                memcpy(&addr, self.hdr + 8, 8)
-                op = self.hdr[16]
-                self.v2 = (op & V2_FLAG) != 0
-                op = op & ~V2_FLAG
-                if op > 1:
-                    return -E_PROTO
-                nreq += 1
-                self.held = self.table.acquire(<uintptr_t>addr, <size_t>size)
-                if self.held == NULL:
-                    self.refused += 1
-                    if not self.v2:
-                        self.state = S_CLOSED
-                        return R_CLOSE
-                    if op == 1:
-                        if size > self.drain_limit:
-                            self._status(1)
+                if self.close_after:
+                    f = self._flush()
+                    if f != 0:
+                        return f
+                    self.state = S_CLOSED
+                    return R_CLOSE
+                if avail >= HEADER_SIZE:
+                    if not self._room():
+                        f = self._flush()
+                        if f != 0:
+                            return f
+                    memcpy(&size, self.inbuf + self.in_pos, 8)
+                    memcpy(&addr, self.inbuf + self.in_pos + 8, 8)
+                    op = self.inbuf[self.in_pos + 16]
+                    self.in_pos += HEADER_SIZE
+                    self.v2 = (op & V2_FLAG) != 0
+                    op = op & ~V2_FLAG
+                    if op > 1:
+                        return -E_PROTO
+                    nreq += 1
+                    self.held = self.table.acquire(<uintptr_t>addr, <size_t>size)
+                    if self.held == NULL:
+                        self.refused += 1
+                        if not self.v2:
                             self.close_after = True
-                        else:
+                            continue
+                        if op == 1 and size > self.drain_limit:
+                            self._queue_status(1)
+                            self.close_after = True
+                        elif op == 1 and size > 0:
                             self.left = size
                             self.state = S_DRAIN
-                            if self.left == 0:
-                                self._status(1)
+                        else:
+                            self._queue_status(1)
+                        continue
+                    self.served += 1
+                    if op == 1:
+                        self.addr = <uintptr_t>addr
+                        self.left = size
+                        self.state = S_PAYLOAD
                     else:
-                        self._status(1)
+                        if self.v2:
+                            self._queue_status(0)
+                        self.out[self.nout].iov_base = <void *><uintptr_t>addr
+                        self.out[self.nout].iov_len = size
+                        self.nout += 1
+                        self.out_held[self.nheld] = self.held
+                        self.nheld += 1
+                        self.held = NULL
+                        nbytes += size
                     continue
-                self.served += 1
-                if op == 1:
-                    self.addr = <uintptr_t>addr
-                    self.left = size
-                    self.state = S_PAYLOAD
+            elif self.state == S_PAYLOAD or self.state == S_DRAIN:
+                if avail > 0:
+                    k = avail if avail < self.left else self.left
+                    if self.state == S_PAYLOAD:
+                        memcpy(<void *>self.addr, self.inbuf + self.in_pos, k)
+                        self.addr += k
+                    self.in_pos += k
+                    self.left -= k
+                    nbytes += k
+                elif self.state == S_PAYLOAD and self.left >= DIRECT_MIN:
+                    r = recv(self.fd, <void *>self.addr, self.left, MSG_DONTWAIT)
+                    if r < 0:
+                        if errno == EINTR:
+                            continue
+                        if errno == EAGAIN:
+                            f = self._flush()
+                            return f if f != 0 else R_WANT_READ
+                        return -errno
+                    if r == 0:
+                        return -ECONNRESET
+                    self.addr += r
+                    self.left -= r
+                    nbytes += r
                 else:
-                    k = 0
-                    if self.v2:
-                        self.st = MC_STATUS_MAGIC
-                        self.out[0].iov_base = &self.st
-                        self.out[0].iov_len = STATUS_SIZE
-                        k = 1
-                    self.out[k].iov_base = <void *><uintptr_t>addr
-                    self.out[k].iov_len = size
-                    self.nout = k + 1
-                    self.state = S_SEND
-                    nbytes += size
-            elif self.state == S_PAYLOAD:
-                r = recv(self.fd, <void *>self.addr, self.left, MSG_DONTWAIT)
-                if r < 0:
-                    if errno == EINTR:
-                        continue
-                    if errno == EAGAIN:
-                        return R_WANT_READ
-                    return -errno
-                if r == 0:
-                    return -ECONNRESET
-                self.addr += r
-                self.left -= r
-                nbytes += r
+                    avail = 0  # fall through to refill the input below
                 if self.left == 0:
-                    self._release()
-                    if self.v2:
-                        self._status(0)
+                    # room for this status was made before the header was taken in
+                    if self.state == S_PAYLOAD:
+                        self.table.release(self.held)
+                        self.held = NULL
+                        if self.v2:
+                            self._queue_status(0)
                     else:
-                        self.state = S_HDR
-            elif self.state == S_DRAIN:
-                k = self.left if self.left < self.scratch_size else self.scratch_size
-                r = recv(self.fd, self.scratch, k, MSG_DONTWAIT)
-                if r < 0:
-                    if errno == EINTR:
-                        continue
-                    if errno == EAGAIN:
-                        return R_WANT_READ
-                    return -errno
-                if r == 0:
-                    return -ECONNRESET
-                self.left -= r
-                if self.left == 0:
-                    self._status(1)
-            elif self.state == S_SEND:
-                r = writev(self.fd, self.out, self.nout)
-                if r < 0:
-                    if errno == EINTR:
-                        continue
-                    if errno == EAGAIN:
-                        return R_WANT_WRITE
-                    return -errno
-                while r > 0 and self.nout > 0:
-                    if <size_t>r >= self.out[0].iov_len:
-                        r -= self.out[0].iov_len
-                        self.out[0] = self.out[1]
-                        self.nout -= 1
-                    else:
-                        self.out[0].iov_base = <void *>(<uintptr_t>self.out[0].iov_base + r)
-                        self.out[0].iov_len -= r
-                        r = 0
-                if self.nout == 0:
-                    self._release()
-                    if self.close_after:
-                        self.state = S_CLOSED
-                        return R_CLOSE
+                        self._queue_status(1)
                     self.state = S_HDR
-
+                    continue
+                if avail > 0:
+                    continue
+            # need input: send what is queued first, so the client is never kept waiting
+            f = self._flush()
+            if f != 0:
+                return f
+            if self.in_pos > 0:
+                if self.in_pos < self.in_len:
+                    memmove(self.inbuf, self.inbuf + self.in_pos, self.in_len - self.in_pos)
+                self.in_len -= self.in_pos
+                self.in_pos = 0
+            r = recv(self.fd, self.inbuf + self.in_len, IN_CAP - self.in_len, MSG_DONTWAIT)
+            if r < 0:
+                if errno == EINTR:
+                    continue
+                if errno == EAGAIN:
+                    return R_WANT_READ
+                return -errno
+            if r == 0:
+                if self.state == S_HDR and self.in_len == 0:
+                    self.state = S_CLOSED
+                    return R_PEER_CLOSED
+                return -ECONNRESET
+            self.in_len += r
 
 # -- client ----------------------------------------------------------------------------------
 
@@ -446,9 +502,15 @@ cdef class ClientPipe:
     cdef uint64_t st
     cdef signed char *stat
     cdef bint last_refused
+    cdef uint8_t *stage
+    cdef size_t st_pos, st_len
     cdef readonly Py_ssize_t done
 
-    def __cinit__(self, int fd, bint write, bint v2, laddrs, raddrs, lens):
+    cdef bint own_stage
+    cdef object stage_owner
+
+    def __cinit__(self, int fd, bint write, bint v2, laddrs, raddrs, lens,
+                  uintptr_t stage_addr=0, size_t stage_size=0, object stage_owner=None):
         cdef Py_ssize_t n = len(laddrs), i
         if len(raddrs) != n or len(lens) != n:
             raise ValueError("ClientPipe: laddrs, raddrs and lens differ in length")
@@ -461,7 +523,18 @@ cdef class ClientPipe:
         self.lens = <size_t *>malloc(n * sizeof(size_t) + 1)
         self.iov = <iovec *>malloc(2 * n * sizeof(iovec) + 1)
         self.stat = <signed char *>malloc(n + 1)
-        if not (self.hdrs and self.laddr and self.lens and self.iov and self.stat):
+        # A fresh staging buffer per call would pay first-touch page faults every time (tens of
+        # microseconds on a VM): callers pass a long-lived, pre-faulted one (``stage_*``).
+        if stage_addr != 0 and stage_size >= STAGE_CAP:
+            self.stage = <uint8_t *>stage_addr
+            self.own_stage = False
+            self.stage_owner = stage_owner
+        else:
+            self.stage = <uint8_t *>malloc(STAGE_CAP)
+            self.own_stage = True
+        self.st_pos = 0
+        self.st_len = 0
+        if not (self.hdrs and self.laddr and self.lens and self.iov and self.stat and self.stage):
             raise MemoryError()
         memset(self.hdrs, 0, n * HEADER_SIZE)
         cdef uint64_t sz, ra
@@ -496,6 +569,8 @@ cdef class ClientPipe:
         free(self.lens)
         free(self.iov)
         free(self.stat)
+        if self.own_stage:
+            free(self.stage)
 
     @property
     def statuses(self):
@@ -560,10 +635,26 @@ cdef class ClientPipe:
                 self.done = self.rx
                 self.rx_got = 0
             return R_DONE
+        cdef size_t avail, k, need
         while self.rx < self.n:
-            if self.rx_phase == 0:
-                r = recv(self.fd, (<uint8_t *>&self.st) + self.rx_got, STATUS_SIZE - self.rx_got,
-                         MSG_DONTWAIT)
+            avail = self.st_len - self.st_pos
+            if avail == 0:
+                # refill: big READ data goes straight into place, everything else is staged so
+                # that one recv brings in many statuses and small payloads
+                need = self.lens[self.rx] - self.rx_got if self.rx_phase == 1 else 0
+                if self.rx_phase == 1 and need >= DIRECT_MIN:
+                    r = recv(self.fd, <void *>(self.laddr[self.rx] + self.rx_got), need,
+                             MSG_DONTWAIT)
+                elif (self.rx_phase == 0 and not self.write_op
+                        and self.lens[self.rx] >= DIRECT_MIN):
+                    r = recv(self.fd, (<uint8_t *>&self.st) + self.rx_got,
+                             STATUS_SIZE - self.rx_got, MSG_DONTWAIT)
+                else:
+                    r = recv(self.fd, self.stage, STAGE_CAP, MSG_DONTWAIT)
+                    if r > 0:
+                        self.st_pos = 0
+                        self.st_len = r
+                        continue
                 if r < 0:
                     if errno == EINTR:
                         continue
@@ -571,10 +662,25 @@ cdef class ClientPipe:
                         return R_WANT_READ
                     return -errno
                 if r == 0:
-                    if self.rx_got == 0 and self.last_refused:
+                    if self.rx_phase == 0 and self.rx_got == 0 and self.last_refused:
                         return R_PEER_CLOSED
                     return -ECONNRESET
                 self.rx_got += r
+            elif self.rx_phase == 0:
+                k = STATUS_SIZE - self.rx_got
+                if k > avail:
+                    k = avail
+                memcpy((<uint8_t *>&self.st) + self.rx_got, self.stage + self.st_pos, k)
+                self.st_pos += k
+                self.rx_got += k
+            else:
+                k = self.lens[self.rx] - self.rx_got
+                if k > avail:
+                    k = avail
+                memcpy(<void *>(self.laddr[self.rx] + self.rx_got), self.stage + self.st_pos, k)
+                self.st_pos += k
+                self.rx_got += k
+            if self.rx_phase == 0:
                 if self.rx_got < STATUS_SIZE:
                     continue
                 self.rx_got = 0
@@ -591,22 +697,10 @@ cdef class ClientPipe:
                 self.stat[self.rx] = <signed char>v
                 self.rx += 1
                 self.done = self.rx
-            else:
-                r = recv(self.fd, <void *>(self.laddr[self.rx] + self.rx_got),
-                         self.lens[self.rx] - self.rx_got, MSG_DONTWAIT)
-                if r < 0:
-                    if errno == EINTR:
-                        continue
-                    if errno == EAGAIN:
-                        return R_WANT_READ
-                    return -errno
-                if r == 0:
-                    return -ECONNRESET
-                self.rx_got += r
-                if self.rx_got == self.lens[self.rx]:
-                    self.rx_got = 0
-                    self.rx_phase = 0
-                    self.stat[self.rx] = 0
-                    self.rx += 1
-                    self.done = self.rx
+            elif self.rx_got == self.lens[self.rx]:
+                self.rx_got = 0
+                self.rx_phase = 0
+                self.stat[self.rx] = 0
+                self.rx += 1
+                self.done = self.rx
         return R_DONE

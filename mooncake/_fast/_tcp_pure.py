@@ -16,6 +16,7 @@ from mooncake._fast._pure import _view
 
 COMPILED = False
 
+STAGE_SIZE = 65536
 DONE = 0
 WANT_READ = 1
 WANT_WRITE = 2
@@ -259,6 +260,9 @@ class ClientPipe:
         laddrs: Sequence[int],
         raddrs: Sequence[int],
         lens: Sequence[int],
+        stage_addr: int = 0,
+        stage_size: int = 0,
+        stage_owner: object = None,
     ) -> None:
         n = len(laddrs)
         if not n == len(raddrs) == len(lens):

@@ -51,14 +51,19 @@ MAX_CONNECTIONS = 1024
 
 
 class _Lane:
-    """One client connection to a peer's data port."""
+    """One client connection to a peer's data port, with its reply staging buffer.
 
-    __slots__ = ("hdr", "sock", "status")
+    The staging buffer lives as long as the lane and is pre-faulted once: replies to small
+    requests are received into it many at a time (see ``_fast.ClientPipe``).
+    """
+
+    __slots__ = ("sock", "stage", "stage_addr")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.hdr = _sockio.Scratch(tcpwire.HEADER_SIZE * PIPELINE_DEPTH)
-        self.status = _sockio.Scratch(tcpwire.STATUS_SIZE * PIPELINE_DEPTH)
+        self.stage = _sockio.Scratch(_fast.STAGE_SIZE)
+        self.stage_addr = self.stage.addr
+        _fast.prefault(self.stage_addr, _fast.STAGE_SIZE)
 
     def close(self) -> None:
         _sockio.close(self.sock)
@@ -285,6 +290,9 @@ class TcpTransport(Transport):
             [r.local_addr for r in reqs],
             [r.remote_addr for r in reqs],
             [r.length for r in reqs],
+            lane.stage_addr,
+            _fast.STAGE_SIZE,
+            lane.stage,
         )
         try:
             while True:
