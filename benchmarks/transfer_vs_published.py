@@ -160,9 +160,11 @@ def memcpy_sweep(sizes: list[int], seconds: float = 0.3) -> dict[int, float]:
     from mooncake import _fast
 
     res: dict[int, float] = {}
-    span = 512 * MIB
-    src = np.ones(span, dtype=np.uint8)
-    dst = np.zeros(span, dtype=np.uint8)
+    span = max(64 * MIB, 4 * max(sizes))
+    src = np.empty(span, dtype=np.uint8)
+    dst = np.empty(span, dtype=np.uint8)
+    src.fill(1)  # pre-fault both: first touch would measure page faults, not memcpy
+    dst.fill(0)
     sa, da = int(src.ctypes.data), int(dst.ctypes.data)
     for bs in sizes:
         n = span // bs
@@ -194,7 +196,8 @@ def summarize(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             continue
         acc: dict[tuple[str, int, int], dict[str, list[float]]] = {}
         for run in runs:
-            for c in run.get("cases", []):
+            cases = run.get("cases") or run.get("python_api", {}).get("cases", [])
+            for c in cases:
                 if "skipped" in c or c.get("errors"):
                     continue
                 d = acc.setdefault(key(c), {"GBps": [], "ops": [], "p50": []})
