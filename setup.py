@@ -16,6 +16,12 @@ CFLAGS = ["-O3", "-fno-strict-aliasing"]
 extensions = [
     Extension("mooncake._fast._io", ["mooncake/_fast/_io.pyx"], extra_compile_args=CFLAGS),
     Extension("mooncake._fast._tcp", ["mooncake/_fast/_tcp.pyx"], extra_compile_args=CFLAGS),
+    Extension(
+        "mooncake._fast._copyq",
+        ["mooncake/_fast/_copyq.pyx"],
+        extra_compile_args=CFLAGS,
+        extra_link_args=["-pthread"],
+    ),
 ]
 
 setup(

@@ -377,3 +377,76 @@ async def test_against_published_both_directions(published: Any) -> None:
 @pytest.fixture
 def anyio_backend() -> str:
     return "trio"
+
+
+# -- copy queue: completions on an eventfd ---------------------------------------------------
+
+
+def copyq_twins() -> list[Any]:
+    from mooncake._fast import _copyq_pure
+
+    try:
+        c: ModuleType | None = importlib.import_module("mooncake._fast._copyq")
+    except ImportError:
+        c = None
+    return [
+        pytest.param(_copyq_pure, id="pure"),
+        pytest.param(c, id="compiled", marks=pytest.mark.skipif(c is None, reason="not built")),
+    ]
+
+
+@pytest.mark.parametrize("cq", copyq_twins())
+def test_copy_queue_bursts_and_close(cq: ModuleType) -> None:
+    import select
+
+    q = cq.CopyQueue(2)
+    src = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)[: 1 << 20].copy()
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    s, d = addr_of(src), addr_of(dst)
+    n = 64
+    blk = (1 << 20) // n
+    for k in range(n):  # one job per block, each of two ranges
+        half = blk // 2
+        q.submit(
+            k,
+            [d + k * blk, d + k * blk + half],
+            [s + k * blk, s + k * blk + half],
+            [half, blk - half],
+        )
+    got: list[int] = []
+    while len(got) < n:
+        r, _, _ = select.select([q.fileno()], [], [], 10)
+        assert r, "no completion within 10 s"
+        got += q.drain()
+    assert sorted(got) == list(range(n))
+    assert np.array_equal(src, dst)
+    assert q.drain() == []  # nothing pending: an empty burst
+    # close() finishes what is queued before stopping
+    dst[:] = 0
+    q.submit(99, [d], [s], [1 << 20])
+    q.close()
+    assert q.drain() == [99] and np.array_equal(src, dst)
+    with pytest.raises(ValueError):
+        q.submit(100, [d], [s], [1])
+    with pytest.raises(ValueError):
+        cq.CopyQueue(0)
+
+
+@pytest.mark.anyio
+async def test_copier_cancellation_waits_for_the_copy() -> None:
+    from mooncake._engine._copier import Copier
+
+    big = 64 << 20
+    src = np.ones(big, dtype=np.uint8)
+    dst = np.zeros(big, dtype=np.uint8)
+    c = Copier()
+    async with anyio.create_task_group() as tg:
+        await tg.start(c.run)
+        with anyio.CancelScope() as scope:
+            scope.cancel()  # already cancelled: copy must still not return before the copy ends
+            await c.copy([addr_of(dst)], [addr_of(src)], [big])
+        assert dst[-1] == 1 and dst[0] == 1
+        await c.copy([addr_of(dst)], [addr_of(src) + 1], [big - 1])
+        assert c.completions == 2
+        tg.cancel_scope.cancel()
+    c.close()

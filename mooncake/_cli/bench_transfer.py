@@ -171,9 +171,7 @@ def spawn_target(size: int, backend: str) -> tuple[subprocess.Popen[str], dict[s
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(mooncake.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.Popen(
-        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
-    )
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     box: dict[str, Any] = {}
 
     def reader() -> None:

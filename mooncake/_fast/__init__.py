@@ -67,6 +67,14 @@ else:
         from ._tcp_pure import COMPILED as TCP_COMPILED
         from ._tcp_pure import ClientPipe, RegionTable, ServeConn
 
+if os.environ.get("MOONCAKE_NO_EXTENSIONS", "") not in ("", "0") or not COMPILED:
+    from ._copyq_pure import CopyQueue
+else:
+    try:
+        from ._copyq import CopyQueue  # type: ignore[assignment]
+    except ImportError:
+        from ._copyq_pure import CopyQueue
+
 STAGE_SIZE = 65536  # the staging buffer a ClientPipe wants (both twins)
 # results of ServeConn.step / ClientPipe.step (identical in both twins)
 DONE, WANT_READ, WANT_WRITE, YIELD, CLOSE, PEER_CLOSED = 0, 1, 2, 3, 4, 5
@@ -78,12 +86,13 @@ __all__ = [
     "DONE",
     "E_PROTO",
     "PEER_CLOSED",
+    "STAGE_SIZE",
     "TCP_COMPILED",
     "WANT_READ",
     "WANT_WRITE",
     "YIELD",
     "ClientPipe",
-    "STAGE_SIZE",
+    "CopyQueue",
     "RegionTable",
     "ServeConn",
     "memcpy_at",

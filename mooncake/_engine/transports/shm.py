@@ -15,8 +15,8 @@ sends only once no copy of its own still uses the range and the mapping is gone.
 Transfers: each request must lie inside one buffer of the server's *own* list (not the cached
 descriptor), exactly the bound TCP's server enforces; a miss refreshes the list once, then
 fails with :class:`RemoteAccessError`. Mapped buffers: ``memcpy``; a batch up to ``INLINE_MAX``
-bytes is copied on the loop thread with the GIL released, larger ones in one worker-thread call.
-Other buffers: ``process_vm_readv``/``writev`` on the server's pid; where the kernel refuses
+bytes is copied on the loop thread with the GIL released, bigger ones by a ``_fast.CopyQueue``
+worker whose completions arrive on an eventfd (:mod:`mooncake._engine._copier`). Other buffers: ``process_vm_readv``/``writev`` on the server's pid; where the kernel refuses
 (``EPERM``: ptrace policy, another user) the requests go over TCP instead and the peer stays on
 TCP for those buffers, with one warning saying why.
 
@@ -50,6 +50,7 @@ from mooncake import _fast
 from mooncake._core.memory import Region
 from mooncake._core.transfer import Opcode, TransferRequest, TransferResult, completed, failed
 from mooncake._engine import _sockio
+from mooncake._engine._copier import Copier
 from mooncake._engine.transports.base import PeerInfo, Transport
 from mooncake.errors import (
     MooncakeError,
@@ -64,6 +65,7 @@ log = logging.getLogger("mooncake.shm")
 
 SHM_PROTO = 1
 INLINE_MAX = 4 << 20
+COPY_WORKERS = 1  # one copy thread: the loop thread is the other core's worth on small hosts
 REVOKE_ACK_S = 5.0
 MAX_MSG = 256 << 10
 FDS_PER_MSG = 64
@@ -329,6 +331,7 @@ class ShmTransport(Transport):
         self._clients: set[_Client] = set()
         self._seq = 0
         self._warned_vm = False
+        self._copier: Copier | None = None
 
     async def start(self) -> None:
         if not available():
@@ -338,6 +341,8 @@ class ShmTransport(Transport):
         sock.listen(64)
         self._listener = sock
         self.engine.task_group.start_soon(self._accept_loop, sock, name="shm-accept")
+        self._copier = Copier(COPY_WORKERS)
+        await self.engine.task_group.start(self._copier.run, name="shm-copier")
 
     def descriptor_fields(self) -> dict[str, Any]:
         return {
@@ -554,8 +559,9 @@ class ShmTransport(Transport):
             for e in entries:
                 e.users += 1
             try:
-                # not abandonable: cancellation waits until the copy is over
-                await anyio.to_thread.run_sync(_fast.memcpy_batch, dsts, srcs, lens)
+                # on a worker thread, completion through an eventfd; cancellation waits for it
+                assert self._copier is not None
+                await self._copier.copy(dsts, srcs, lens)
             finally:
                 for e in entries:
                     e.release()
@@ -625,3 +631,6 @@ class ShmTransport(Transport):
         if self._listener is not None:
             _sockio.close(self._listener)
             self._listener = None
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None
