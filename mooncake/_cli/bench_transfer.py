@@ -132,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
-    ok = out["verify_read"] and out["verify_write"]
+    ok = out["verify_read"] and out["verify_write"] is not False
     return 0 if ok else 1
 
 
@@ -293,13 +293,13 @@ async def _initiate(
         ok = await one("read", 0, 0, 1 * MIB)
         out["verify_read"] = bool(ok and np.array_equal(arr[: 1 * MIB], pattern(1 * MIB, 7)))
         wlen = 5 * MIB + 123
-        woff = 3 * MIB
+        woff = 1 * MIB
+        back = woff + 6 * MIB
         want = pattern(wlen, 99)
-        verify_write = False
-        if woff + wlen + 16 * MIB <= size:
+        verify_write: bool | None = None  # not checked: the buffer is too small
+        if back + wlen <= size:
             arr[woff : woff + wlen] = want
             ok = await one("write", woff, woff, wlen)
-            back = woff + 8 * MIB
             arr[back : back + wlen] = 0
             ok = ok and await one("read", back, woff, wlen)
             verify_write = bool(ok and np.array_equal(arr[back : back + wlen], want))
