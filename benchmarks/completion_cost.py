@@ -29,10 +29,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import anyio  # noqa: E402
+import anyio
 
-from mooncake import _fast  # noqa: E402
-from mooncake._engine._copier import Copier  # noqa: E402
+from mooncake import _fast
+from mooncake._engine._copier import Copier
 
 
 async def measure(n_seq: int, n_burst: int) -> dict[str, Any]:
@@ -85,8 +85,9 @@ async def measure(n_seq: int, n_burst: int) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--seq", type=int, default=2000)
     ap.add_argument("--burst", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=5)
