@@ -36,6 +36,24 @@ cdef extern from "<sys/socket.h>" nogil:
     int MSG_NOSIGNAL
     int MSG_DONTWAIT
 
+cdef extern from "<poll.h>" nogil:
+    struct pollfd:
+        int fd
+        short events
+        short revents
+    int poll(pollfd *fds, unsigned long nfds, int timeout)
+    short POLLIN
+    short POLLOUT
+
+cdef extern from "<sys/eventfd.h>" nogil:
+    int eventfd(unsigned int initval, int flags)
+    int EFD_NONBLOCK
+    int EFD_CLOEXEC
+
+cdef extern from "<unistd.h>" nogil:
+    ssize_t c_write "write" (int fd, const void *buf, size_t n)
+    int c_close "close" (int fd)
+
 cdef extern from "<pthread.h>" nogil:
     ctypedef struct pthread_mutex_t:
         pass
@@ -260,9 +278,11 @@ cdef class ServeConn:
     cdef Py_ssize_t nheld
     cdef readonly long served
     cdef readonly long refused
+    cdef int stop_fd
 
     def __cinit__(self, int fd, RegionTable table not None, size_t drain_limit,
                   size_t scratch_size=65536):
+        self.stop_fd = -1
         self.fd = fd
         self.table = table
         self.drain_limit = drain_limit
@@ -284,6 +304,56 @@ cdef class ServeConn:
     def __dealloc__(self):
         self._release_all()
         free(self.inbuf)
+        if self.stop_fd >= 0:
+            c_close(self.stop_fd)
+
+    def serve_blocking(self):
+        """Serve the connection on the calling thread until it ends or :meth:`stop` is called.
+
+        Runs without the GIL, waiting in ``poll`` (the socket and a private eventfd) instead of
+        returning WANT_READ/WANT_WRITE: no Python, and no event loop, per request. Returns the
+        final :meth:`step` result, or PEER_CLOSED after ``stop``. Call :meth:`prepare_blocking`
+        first (from the thread that will call ``stop``).
+        """
+        cdef long r
+        cdef pollfd p[2]
+        cdef int n
+        if self.stop_fd < 0:
+            raise ValueError("call prepare_blocking() first")
+        with nogil:
+            while True:
+                r = self._step()
+                if r == R_YIELD:
+                    continue
+                if r != R_WANT_READ and r != R_WANT_WRITE:
+                    break
+                p[0].fd = self.fd
+                p[0].events = POLLIN if r == R_WANT_READ else POLLOUT
+                p[0].revents = 0
+                p[1].fd = self.stop_fd
+                p[1].events = POLLIN
+                p[1].revents = 0
+                n = poll(p, 2, -1)
+                if n < 0 and errno != EINTR:
+                    r = -errno
+                    break
+                if p[1].revents:
+                    r = R_PEER_CLOSED
+                    break
+        return r
+
+    def prepare_blocking(self):
+        """Create the eventfd :meth:`stop` signals (once, before ``serve_blocking``)."""
+        if self.stop_fd < 0:
+            self.stop_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
+            if self.stop_fd < 0:
+                raise OSError(errno, "eventfd failed")
+
+    def stop(self):
+        """Make a running ``serve_blocking`` return (from any thread)."""
+        cdef uint64_t one = 1
+        if self.stop_fd >= 0:
+            c_write(self.stop_fd, &one, 8)
 
     cdef void _release_all(self) noexcept nogil:
         cdef Py_ssize_t i

@@ -142,6 +142,46 @@ class ServeConn:
             self.table.release(self.held)
             self.held = None
 
+    _stop_fd = -1
+
+    def prepare_blocking(self) -> None:
+        import os
+
+        if self._stop_fd < 0:
+            self._stop_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def stop(self) -> None:
+        import os
+
+        if self._stop_fd >= 0:
+            os.eventfd_write(self._stop_fd, 1)
+
+    def serve_blocking(self) -> int:
+        import select
+
+        if self._stop_fd < 0:
+            raise ValueError("call prepare_blocking() first")
+        p = select.poll()
+        p.register(self._stop_fd, select.POLLIN)
+        while True:
+            r = self.step()
+            if r == YIELD:
+                continue
+            if r not in (WANT_READ, WANT_WRITE):
+                return r
+            p.register(self.fd, select.POLLIN if r == WANT_READ else select.POLLOUT)
+            events = p.poll()
+            p.unregister(self.fd)
+            if any(fd == self._stop_fd for fd, _ in events):
+                return PEER_CLOSED
+
+    def __del__(self) -> None:
+        import os
+
+        if self._stop_fd >= 0:
+            os.close(self._stop_fd)
+            self._stop_fd = -1
+
     def close(self) -> None:
         self._release()
         self.state = "closed"

@@ -1,7 +1,10 @@
 """The ``tcp`` transport: Mooncake's TCP data protocol v2, both ends.
 
 Server: one listening socket on the engine's host; one task per connection, each serving
-pipelined requests in order, straight from/into registered memory (no intermediate copies). A
+pipelined requests in order, straight from/into registered memory. The protocol runs in
+``_fast.ServeConn`` without the GIL; with the compiled hot path each connection gets a thread
+that blocks in ``poll`` (no event-loop round trip per request: ``MOONCAKE_TCP_SERVE=loop``
+keeps it on the loop instead). A
 request outside one registered buffer is refused with status 1; unlike the published server we
 keep the connection (a refused WRITE's payload, up to ``DRAIN_LIMIT``, is read and dropped), so
 one bad request costs its sender nothing else. v1 requests (no status frame) get the connection
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
 from collections.abc import Sequence
 from typing import Any
@@ -95,6 +99,10 @@ class TcpTransport(Transport):
         self._port = port
         self._listener: socket.socket | None = None
         self._conns = anyio.CapacityLimiter(MAX_CONNECTIONS)
+        self._threads = anyio.CapacityLimiter(MAX_CONNECTIONS)
+        mode = os.environ.get("MOONCAKE_TCP_SERVE", "")
+        #: serve each connection on its own thread (compiled hot path) or on the event loop
+        self.serve_threads = mode == "thread" or (mode != "loop" and bool(_fast.TCP_COMPILED))
         self._table = _fast.RegionTable()
         self._live: set[Any] = set()
         self._refused = 0
@@ -166,24 +174,18 @@ class TcpTransport(Transport):
 
     async def _serve_conn(self, sock: socket.socket) -> None:
         """Serve one connection: the protocol runs in ``_fast.ServeConn`` (no Python per
-        request); this task only waits for readiness between its steps."""
+        request), on a thread of its own blocking in ``poll`` (``serve_threads``) or stepped
+        by this task between readiness waits."""
         self.served_connections += 1
         conn = _fast.ServeConn(sock.fileno(), self._table, DRAIN_LIMIT)
         self._live.add(conn)
         try:
             async with self._conns:
-                while True:
-                    r = conn.step()
-                    if r == _fast.WANT_READ:
-                        await anyio.wait_readable(sock)
-                    elif r == _fast.WANT_WRITE:
-                        await anyio.wait_writable(sock)
-                    elif r == _fast.YIELD:
-                        await anyio.lowlevel.checkpoint()
-                    else:
-                        if r < 0:
-                            log.debug("tcp connection dropped: %s", _step_error(r))
-                        return  # PEER_CLOSED, CLOSE (refusal we cannot answer), error
+                r = await (
+                    self._serve_thread(conn) if self.serve_threads else self._serve_loop(conn, sock)
+                )
+            if r < 0:
+                log.debug("tcp connection dropped: %s", _step_error(r))
         except (MooncakeError, OSError) as e:
             log.debug("tcp connection dropped: %s", e)
         finally:
@@ -191,6 +193,35 @@ class TcpTransport(Transport):
             self._refused += conn.refused
             conn.close()
             _sockio.close(sock)
+
+    async def _serve_loop(self, conn: Any, sock: socket.socket) -> int:
+        while True:
+            r = int(conn.step())
+            if r == _fast.WANT_READ:
+                await anyio.wait_readable(sock)
+            elif r == _fast.WANT_WRITE:
+                await anyio.wait_writable(sock)
+            elif r == _fast.YIELD:
+                await anyio.lowlevel.checkpoint()
+            else:
+                return r  # PEER_CLOSED, CLOSE (refusal we cannot answer), error
+
+    async def _serve_thread(self, conn: Any) -> int:
+        # The thread cannot be cancelled from here: on cancellation the watcher's ``finally``
+        # signals the connection's stop eventfd, and the thread returns promptly.
+        conn.prepare_blocking()
+
+        async def watcher() -> None:
+            try:
+                await anyio.sleep_forever()
+            finally:
+                conn.stop()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watcher)
+            r = int(await anyio.to_thread.run_sync(conn.serve_blocking, limiter=self._threads))
+            tg.cancel_scope.cancel()
+        return r
 
     # -- client ---------------------------------------------------------------------------
 
