@@ -450,3 +450,36 @@ async def test_copier_cancellation_waits_for_the_copy() -> None:
         assert c.completions == 2
         tg.cancel_scope.cancel()
     c.close()
+
+
+def test_serve_blocking_on_a_thread_and_stop(mod: ModuleType, pair: Any) -> None:
+    import select
+    import threading
+
+    _srv_sock, cli_sock, remote, local, table, server = make(mod, mod, pair)
+    with pytest.raises(ValueError):
+        server.serve_blocking()  # prepare_blocking() first
+    server.prepare_blocking()
+    box: list[int] = []
+    th = threading.Thread(target=lambda: box.append(server.serve_blocking()))
+    th.start()
+    try:
+        remote[:8192] = 42
+        for _ in range(3):  # the thread keeps serving request after request
+            c = mod.ClientPipe(
+                cli_sock.fileno(), False, True, [addr_of(local)], [addr_of(remote)], [8192]
+            )
+            rc = c.step()
+            while rc in (WANT_READ, WANT_WRITE):
+                want_w = [cli_sock] if rc == WANT_WRITE else []
+                r, w, _ = select.select([cli_sock], want_w, [], 10)
+                assert r or w, "no progress within 10 s"
+                rc = c.step()
+            assert rc == DONE and c.statuses == [0] and (local[:8192] == 42).all()
+            local[:8192] = 0
+    finally:
+        server.stop()
+        th.join(10)
+    assert not th.is_alive() and box == [PEER_CLOSED]
+    server.close()
+    assert table.remove(addr_of(remote))
