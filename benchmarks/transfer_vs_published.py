@@ -287,6 +287,60 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def docs_tables(summary: dict[str, Any]) -> str:
+    """Two narrower tables for docs/benchmarks.md: TCP side by side, and shm against memcpy."""
+    lim = summary["limits"]
+    pub, tcp, shm, fac = (
+        summary.get(k, {}) for k in ("published", "ours-tcp", "ours-shm", "facade")
+    )
+    ip = lim.get("iperf3_1_GBps")
+    mcb = lim.get("memcpy_by_block_GBps", {})
+
+    def order(k: str) -> tuple[bool, int, int]:
+        op, b, bt = k.split("/")
+        return (op != "write", int(b), int(bt))
+
+    def v(d: dict[str, Any], k: str, f: str = "GBps") -> float | None:
+        return d[k][f] if k in d else None
+
+    def f(x: float | None, fmt: str = "{:.3f}") -> str:
+        return "-" if x is None else fmt.format(x)
+
+    def r(a: float | None, b: float | None) -> str:
+        return "-" if a is None or b is None or b == 0 else f"**{a / b:.2f}x**"
+
+    out = [
+        "| op | block | batch | ours GB/s | published GB/s | ours / published | facade GB/s "
+        "| ours kops/s | published kops/s | ours p50 µs | published p50 µs | p50 ours / published "
+        "| ours / iperf3 |",
+        "|" + "---|" * 13,
+    ]
+    for k in sorted(set(tcp) | set(pub), key=order):
+        op, b, bt = k.split("/")
+        t, p = v(tcp, k), v(pub, k)
+        to, po = v(tcp, k, "ops_per_s"), v(pub, k, "ops_per_s")
+        t5, p5 = v(tcp, k, "call_us_p50"), v(pub, k, "call_us_p50")
+        out.append(
+            f"| {op} | {fmt_block(int(b))} | {bt} | {f(t)} | {f(p)} | {r(t, p)} | {f(v(fac, k))} "
+            f"| {f(to and to / 1e3, '{:.1f}')} | {f(po and po / 1e3, '{:.1f}')} "
+            f"| {f(t5, '{:.0f}')} | {f(p5, '{:.0f}')} | {r(t5, p5)} | {r(t, ip)} |"
+        )
+    out += [
+        "",
+        "| op | block | batch | shm GB/s | memcpy GB/s (same block) | shm / memcpy | ours tcp GB/s "
+        "| published GB/s | shm / published |",
+        "|" + "---|" * 9,
+    ]
+    for k in sorted(shm, key=order):
+        op, b, bt = k.split("/")
+        sh, mc = v(shm, k), mcb.get(b)
+        out.append(
+            f"| {op} | {fmt_block(int(b))} | {bt} | {f(sh)} | {f(mc, '{:.2f}')} | {r(sh, mc)} "
+            f"| {f(v(tcp, k))} | {f(v(pub, k))} | {r(sh, v(pub, k))} |"
+        )
+    return "\n".join(out)
+
+
 def plot(summary: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -427,6 +481,7 @@ def main() -> int:
         f"{max((len(v) for v in raw.values()), default=0)} rounds.\n"
     )
     (outdir / "table.md").write_text(md)
+    (outdir / "docs-tables.md").write_text(docs_tables(summary) + "\n")
     print(md)
     plot(summary, outdir / "throughput.png")
     print(f"wrote {outdir}/summary.json, table.md, throughput.png", file=sys.stderr)
