@@ -63,6 +63,16 @@ class InvalidArgumentError(MooncakeError, ValueError):
     code = ErrorCode.INVALID_PARAMS
 
 
+class TraceFormatError(InvalidArgumentError):
+    """A request trace line is malformed; ``line_no`` (1-based) and ``reason`` say which and why."""
+
+    def __init__(self, source: str, line_no: int, reason: str) -> None:
+        super().__init__(f"{source}:{line_no}: {reason}")
+        self.source = source
+        self.line_no = line_no
+        self.reason = reason
+
+
 class NotSupportedError(MooncakeError):
     """The request is well-formed but this build, backend or peer cannot do it."""
 
@@ -108,6 +118,12 @@ class MetadataError(MooncakeError):
     """The metadata service failed or answered something unusable."""
 
     code = ErrorCode.RPC_FAIL
+
+
+class SegmentExistsError(MooncakeError):
+    """Another live engine already publishes a segment of that name."""
+
+    code = ErrorCode.SEGMENT_ALREADY_EXISTS
 
 
 # -- the other side ---------------------------------------------------------------------------
@@ -161,7 +177,9 @@ __all__ = [
     "RegionBusyError",
     "RegistrationError",
     "RemoteAccessError",
+    "SegmentExistsError",
     "SegmentNotFoundError",
+    "TraceFormatError",
     "TransferError",
     "to_code",
 ]

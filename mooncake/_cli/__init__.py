@@ -15,6 +15,8 @@ from collections.abc import Sequence
 _SUBCOMMANDS: list[str] = [
     "bench",
     "demo",
+    "metadata_server",
+    "replay",
 ]
 
 

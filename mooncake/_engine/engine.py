@@ -63,6 +63,7 @@ from mooncake.errors import (
     NotSupportedError,
     PeerDiedError,
     PeerUnreachableError,
+    RegistrationError,
     RemoteAccessError,
     TransferError,
 )
@@ -115,10 +116,14 @@ class Buffer:
         self.fd = fd
 
     def _close(self) -> None:
-        self._mmap.close()  # raises BufferError while a view is exported; fd stays then
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        """Unmap (``BufferError`` while a view is exported) and close the memfd either way:
+        a mapping that outlives this keeps its pages without the fd."""
+        try:
+            self._mmap.close()
+        finally:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
 
     @property
     def view(self) -> memoryview:
@@ -185,6 +190,7 @@ class Engine:
         bind_host: str | None,
         transports: Sequence[str],
         tcp_lanes: int,
+        segment_name: str | None = None,
     ) -> None:
         host, _, port = hostname.rpartition(":") if hostname.count(":") == 1 else (hostname, "", "")
         if port and not port.isdigit():
@@ -194,6 +200,14 @@ class Engine:
         self.bind_host = bind_host or self.hostname
         self.metadata_conn = metadata
         self.metadata: MetadataBackend = open_backend(metadata)
+        if segment_name is not None and self.metadata.p2p:
+            raise InvalidArgumentError(
+                "segment_name is only for metadata services; P2P segment names are host:rpc_port"
+            )
+        if segment_name is not None and not segment_name.strip():
+            raise InvalidArgumentError("segment_name must be non-empty")
+        # Non-P2P (as in Mooncake): the segment name is the local server name as given.
+        self._given_name = segment_name or hostname
         self.registry = MemoryRegistry()
         self.handshake = HandshakeServer()
         self.segment_name = ""
@@ -204,7 +218,6 @@ class Engine:
         self._peer_locks: dict[str, anyio.Lock] = collections.defaultdict(anyio.Lock)
         self._notifies: collections.deque[Notify] = collections.deque(maxlen=MAX_NOTIFIES)
         self._buffers: dict[int, Buffer] = {}
-        self._released = anyio.Event()
         self._closed = False
         self._desc_cache: dict[str, Any] | None = None
 
@@ -222,7 +235,7 @@ class Engine:
         if self.metadata.p2p:
             self.segment_name = f"{self.hostname}:{self.rpc_port}"
         else:
-            self.segment_name = self.hostname if not self._rpc_port_req else f"{self.hostname}"
+            self.segment_name = self._given_name
         for name in self._transport_names:
             t = make_transport(name, self)
             await t.start()
@@ -361,10 +374,12 @@ class Engine:
         else:
             addr = buffer_address(obj, writable=False)[0]
         region = self.registry.get(addr)
+        if region.closing:
+            raise RegistrationError(f"region at {addr:#x} is already being unregistered")
         region.closing = True
         while region.users:
-            self._released = anyio.Event()
-            await self._released.wait()
+            released = region.meta["released"] = anyio.Event()
+            await released.wait()
         for t in self.transports:
             await t.on_unregister(region)
         self.registry.remove(addr)
@@ -382,7 +397,9 @@ class Engine:
     def release_region(self, region: Region) -> None:
         region.users -= 1
         if region.users == 0 and region.closing:
-            self._released.set()
+            released = region.meta.get("released")
+            if released is not None:
+                released.set()
 
     async def allocate(self, length: int, *, location: str = "cpu:0") -> Buffer:
         """Allocate ``length`` bytes of page-aligned memory, pre-fault it and register it."""
@@ -504,11 +521,17 @@ class Engine:
             return []
         if segment == self.segment_name:
             return await self._local(reqs)
-        peer = await self.peer(segment)
-        missing = _uncovered(peer.descriptor, reqs, range(len(reqs)))
-        if missing:  # the peer may have registered more since we cached its descriptor
-            peer = await self.peer(segment, refresh=True)
-            missing = _uncovered(peer.descriptor, reqs, missing)
+        try:
+            peer = await self.peer(segment)
+            missing = _uncovered(peer.descriptor, reqs, range(len(reqs)))
+            if missing:  # the peer may have registered more since we cached its descriptor
+                peer = await self.peer(segment, refresh=True)
+                missing = _uncovered(peer.descriptor, reqs, missing)
+        except InvalidArgumentError:
+            raise
+        except MooncakeError as e:  # unreachable, unknown or malformed: every request fails
+            self.forget(segment)
+            return [failed(e) for _ in reqs]
         results: list[TransferResult | None] = [None] * len(reqs)
         for i in missing:
             r = reqs[i]
@@ -647,6 +670,8 @@ class Engine:
 
         try:
             peer = self._peers.get(segment)
+            if peer is None and not self.metadata.p2p:
+                peer = await self.peer(segment)
             host, port = (peer.rpc_host, peer.rpc_port) if peer else split_segment(segment)
             reply = await handshake.request(host, port, FrameType.PROBE, {})
             obj = reply.json()
@@ -702,6 +727,7 @@ async def open_engine(
     bind_host: str | None = None,
     transports: Sequence[str] | None = None,
     tcp_lanes: int | None = None,
+    segment_name: str | None = None,
 ) -> AsyncIterator[Engine]:
     """Start an engine and yield it; everything it started stops when the block exits.
 
@@ -709,6 +735,10 @@ async def open_engine(
     otherwise, the address its servers bind (loopback by default, never all interfaces
     unasked). ``metadata`` takes Mooncake's connection strings. ``transports`` defaults to
     every transport usable here (``MC_FORCE_TCP=1`` keeps only ``tcp``).
+
+    With a metadata service (``http://``, ``etcd://``, ``redis://``) the segment name is
+    ``segment_name`` if given, else ``hostname`` exactly as given (Mooncake's
+    ``local_server_name``); its handshake address is published under ``rpc_meta``.
     """
     if transports is None:
         from mooncake._engine.transports import default_transports
@@ -722,18 +752,27 @@ async def open_engine(
         bind_host=bind_host,
         transports=transports,
         tcp_lanes=lanes,
+        segment_name=segment_name,
     )
+    start_error: MooncakeError | None = None
     try:
         async with anyio.create_task_group() as tg:
             engine.task_group = tg
             try:
-                await engine._start()
-                yield engine
+                try:
+                    await engine._start()
+                except MooncakeError as e:
+                    # raised as itself below, not wrapped in the task group's ExceptionGroup
+                    start_error = e
+                else:
+                    yield engine
             finally:
                 engine._closed = True
                 with anyio.CancelScope(shield=True):
                     await engine._unpublish()
                 tg.cancel_scope.cancel()
+        if start_error is not None:
+            raise start_error
     finally:
         # every task (servers, submitted batches) has ended: release what they used
         await engine._aclose()

@@ -19,6 +19,7 @@ import json
 import sys
 
 import numpy as np
+
 from mooncake.engine import TransferEngine  # the published wheel
 
 
@@ -52,7 +53,9 @@ def main() -> None:
             fn = te.transfer_sync_write if op == "write" else te.transfer_sync_read
             out["rc"] = fn(cmd["segment"], base + cmd["local_off"], cmd["remote"], cmd["length"])
         elif op in ("batch_write", "batch_read"):
-            fn = te.batch_transfer_sync_write if op == "batch_write" else te.batch_transfer_sync_read
+            fn = (
+                te.batch_transfer_sync_write if op == "batch_write" else te.batch_transfer_sync_read
+            )
             out["rc"] = fn(
                 cmd["segment"],
                 [base + o for o in cmd["local_offs"]],

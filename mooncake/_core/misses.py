@@ -1,0 +1,187 @@
+"""Miss-reason accounting: every miss gets a cause (sans-I/O).
+
+The store records how each object stopped being readable (evicted by which policy from which
+tier, removed, lost with its owner) in a :class:`MissLedger`; when a lookup then misses,
+:meth:`MissLedger.classify` says why, and counts it. Reads that fail although the object
+exists (the lease ran out mid-read, the transfer failed) are counted with
+:meth:`MissLedger.record_miss`. The counters feed the metrics (labels ``reason``, ``policy``,
+``tier``) and the client API returns the :class:`Miss` itself.
+
+Bounded: the ledger remembers at most ``capacity`` lost keys (oldest forgotten first). A
+forgotten key leaves a bit in a fixed-size filter, so a later miss on it is reported as
+:attr:`MissReason.UNKNOWN` rather than wrongly as :attr:`MissReason.NEVER_STORED`; filter
+collisions can only turn a ``NEVER_STORED`` into ``UNKNOWN``, never invent a cause.
+
+Every call is O(1). Time is whatever the caller passes as ``now`` (the ledger reads no clock).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+from mooncake.errors import InvalidArgumentError
+
+__all__ = ["Miss", "MissLedger", "MissReason"]
+
+
+class MissReason(enum.Enum):
+    """Why a key could not be read. Values are the metric label values."""
+
+    NEVER_STORED = "never_stored"
+    """No put of this key ever completed (or its record aged out before the filter existed)."""
+    EVICTED = "evicted"
+    """An eviction policy chose it (``policy``) to free space in a tier (``tier``)."""
+    REMOVED = "removed"
+    """Removed explicitly (remove, remove-by-regex, remove-all)."""
+    OWNER_DIED = "owner_died"
+    """The client holding its replicas stopped pinging or unmounted (``owner``)."""
+    LEASE_EXPIRED = "lease_expired"
+    """It existed, but the read outlived its lease and was failed closed."""
+    TRANSFER_FAILED = "transfer_failed"
+    """It existed, but moving the bytes failed."""
+    UNKNOWN = "unknown"
+    """It was lost long ago and the ledger has forgotten how (capacity)."""
+
+
+_LOSSES = (MissReason.EVICTED, MissReason.REMOVED, MissReason.OWNER_DIED)
+
+
+@dataclass(frozen=True, slots=True)
+class Miss:
+    """The attribution of one miss: the reason and what the ledger knows about it."""
+
+    key: Hashable
+    reason: MissReason
+    policy: str = ""
+    """Eviction policy name (``EVICTED`` only)."""
+    tier: str = ""
+    """Tier the object was lost from or read from, when known."""
+    owner: str = ""
+    """Client whose death lost it (``OWNER_DIED``)."""
+    at: float | None = None
+    """Caller time of the loss (or of the failed read)."""
+    detail: str = ""
+
+
+class MissLedger:
+    """Remembers how keys were lost, attributes misses, and counts them.
+
+    ``capacity`` bounds the remembered losses (default 1 Mi keys); ``filter_bits`` sizes the
+    filter of forgotten keys (default 8 Mi bits = 1 MiB).
+    """
+
+    __slots__ = ("_counts", "_filter", "_filter_mask", "_lost", "capacity", "forgotten")
+
+    def __init__(self, capacity: int = 1 << 20, *, filter_bits: int = 1 << 23) -> None:
+        if capacity < 1:
+            raise InvalidArgumentError(f"capacity must be >= 1, got {capacity!r}")
+        if filter_bits < 8 or filter_bits & (filter_bits - 1):
+            raise InvalidArgumentError(
+                f"filter_bits must be a power of two >= 8, got {filter_bits!r}"
+            )
+        self.capacity = capacity
+        self.forgotten = 0
+        """Losses dropped to stay within ``capacity``."""
+        self._lost: OrderedDict[Hashable, Miss] = OrderedDict()
+        self._counts: Counter[tuple[MissReason, str, str]] = Counter()
+        self._filter = bytearray(filter_bits // 8)
+        self._filter_mask = filter_bits - 1
+
+    # -- losses ----------------------------------------------------------------------------
+
+    def _lose(self, miss: Miss) -> None:
+        lost = self._lost
+        lost.pop(miss.key, None)
+        lost[miss.key] = miss
+        if len(lost) > self.capacity:
+            old = lost.popitem(last=False)[0]
+            bit = hash(old) & self._filter_mask
+            self._filter[bit >> 3] |= 1 << (bit & 7)
+            self.forgotten += 1
+
+    def record_eviction(
+        self, key: Hashable, *, policy: str, tier: str, now: float | None = None
+    ) -> None:
+        """``key`` was evicted by ``policy`` from ``tier`` (and is in no other tier)."""
+        self._lose(Miss(key, MissReason.EVICTED, policy=policy, tier=tier, at=now))
+
+    def record_removal(self, key: Hashable, *, now: float | None = None, detail: str = "") -> None:
+        """``key`` was removed explicitly."""
+        self._lose(Miss(key, MissReason.REMOVED, at=now, detail=detail))
+
+    def record_owner_death(
+        self, keys: Iterable[Hashable], *, owner: str, now: float | None = None
+    ) -> None:
+        """``keys`` lost their last replica with client ``owner``."""
+        for key in keys:
+            self._lose(Miss(key, MissReason.OWNER_DIED, owner=owner, at=now))
+
+    def record_stored(self, key: Hashable) -> None:
+        """A put of ``key`` completed: it is readable again, its old loss no longer applies."""
+        self._lost.pop(key, None)
+
+    # -- misses ----------------------------------------------------------------------------
+
+    def explain(self, key: Hashable) -> Miss:
+        """Why a lookup of the absent ``key`` misses, without counting it."""
+        miss = self._lost.get(key)
+        if miss is not None:
+            return miss
+        bit = hash(key) & self._filter_mask
+        if self._filter[bit >> 3] & (1 << (bit & 7)):
+            return Miss(key, MissReason.UNKNOWN)
+        return Miss(key, MissReason.NEVER_STORED)
+
+    def classify(self, key: Hashable) -> Miss:
+        """Attribute and count a miss on the absent ``key``."""
+        miss = self.explain(key)
+        self._counts[miss.reason, miss.policy, miss.tier] += 1
+        return miss
+
+    def record_miss(
+        self,
+        key: Hashable,
+        reason: MissReason,
+        *,
+        tier: str = "",
+        now: float | None = None,
+        detail: str = "",
+    ) -> Miss:
+        """Count a miss on a key that exists but could not be read (lease, transfer)."""
+        if not isinstance(reason, MissReason):
+            raise InvalidArgumentError(f"reason must be a MissReason, got {reason!r}")
+        if reason in _LOSSES or reason is MissReason.NEVER_STORED:
+            raise InvalidArgumentError(
+                f"{reason.name} is a loss or absence: record it with record_* and classify()"
+            )
+        miss = Miss(key, reason, tier=tier, at=now, detail=detail)
+        self._counts[reason, "", tier] += 1
+        return miss
+
+    # -- counters --------------------------------------------------------------------------
+
+    def counts(self) -> dict[tuple[str, str, str], int]:
+        """Misses by (reason, policy, tier) label values; empty strings where not applicable."""
+        return {(r.value, p, t): n for (r, p, t), n in self._counts.items()}
+
+    def by_reason(self) -> dict[MissReason, int]:
+        """Misses per reason, every reason present (zero if none)."""
+        out = dict.fromkeys(MissReason, 0)
+        for (reason, _, _), n in self._counts.items():
+            out[reason] += n
+        return out
+
+    @property
+    def total(self) -> int:
+        """All misses counted."""
+        return sum(self._counts.values())
+
+    def __len__(self) -> int:
+        """Losses remembered."""
+        return len(self._lost)
+
+    def __repr__(self) -> str:
+        return f"<MissLedger {len(self._lost)} losses remembered, {self.total} misses counted>"

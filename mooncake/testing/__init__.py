@@ -1,0 +1,41 @@
+"""Harnesses users run on their own code inside their test suites.
+
+:func:`check_policy` property-tests an eviction policy (see :mod:`mooncake.testing.policy`);
+:mod:`mooncake.testing.metadata` is the conformance suite for metadata backends.
+The harnesses need the ``test`` extra (``pip install mooncake-py[test]``: hypothesis); they
+are imported on first use, so ``import mooncake.testing`` itself does not need it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mooncake.testing.policy import (
+        PolicyModel,
+        check_policy,
+        fifo_oracle,
+        lfu_oracle,
+        lru_oracle,
+        prefix_lru_oracle,
+    )
+
+__all__ = [
+    "PolicyModel",
+    "check_policy",
+    "fifo_oracle",
+    "lfu_oracle",
+    "lru_oracle",
+    "prefix_lru_oracle",
+]
+
+_LAZY = {name: "mooncake.testing.policy" for name in __all__}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mooncake.testing' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

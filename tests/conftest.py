@@ -1,0 +1,103 @@
+"""Shared fixtures: the anyio backend (trio is the reference), peer processes, the anchor venv."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "trio"
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """Environment for child processes of *our* package (repo root importable)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+    )
+    env.update(extra)
+    return env
+
+
+class PeerProc:
+    """An engine in a child process (``python -m mooncake._cli._peer``), driven line by line."""
+
+    def __init__(self, size: int = 16 << 20, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mooncake._cli._peer", "--size", str(size)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env or clean_env(),
+            cwd=str(ROOT),
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, "peer engine did not start"
+        info = json.loads(line)
+        self.segment: str = info["segment"]
+        self.addr: int = info["addr"]
+        self.size: int = info["size"]
+
+    def cmd(self, **c: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(c) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, "peer engine died"
+        out: dict[str, Any] = json.loads(line)
+        return out
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.cmd(op="quit")
+                self.proc.wait(timeout=10)
+            except (AssertionError, OSError, subprocess.TimeoutExpired, ValueError):
+                self.proc.kill()
+                self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                f.close()
+
+
+@pytest.fixture
+def peer() -> Iterator[PeerProc]:
+    p = PeerProc(size=80 << 20)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def anchor_python() -> str | None:
+    """The published wheel's venv python, if installed (see shared/anchor/setup.sh)."""
+    for cand in (
+        os.environ.get("MOONCAKE_ANCHOR_PYTHON", ""),
+        os.path.join(
+            os.environ.get(
+                "MOONCAKE_ANCHOR_VENV", os.path.expanduser("~/.cache/mooncake-anchor-venv")
+            ),
+            "bin",
+            "python",
+        ),
+        "/opt/anchor-venv/bin/python",
+    ):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    return None
