@@ -334,8 +334,12 @@ class TcpTransport(Transport):
                     await anyio.wait_readable(sock)
                 elif rc == _fast.WANT_WRITE:
                     await anyio.wait_writable(sock)
-                elif rc == _fast.PEER_CLOSED:
-                    return pipe.done, False  # a published server closes after a refusal
+                elif rc == _fast.PEER_CLOSED or (
+                    rc != -_fast.E_PROTO and pipe.done > 0 and pipe.statuses[pipe.done - 1] == 1
+                ):
+                    # a published server closes after a refusal (a reset when our next headers
+                    # were already in its buffer): what is left goes again on a new lane
+                    return pipe.done, False
                 else:
                     raise _step_error(rc)
         finally:
