@@ -8,7 +8,7 @@ raises except on bad Python arguments.
 """
 
 from libc.errno cimport errno
-from libc.string cimport memcpy as c_memcpy, memset
+from libc.string cimport memcpy as c_memcpy
 from libc.stdint cimport uint8_t, uintptr_t
 from libc.stdlib cimport malloc, free
 
@@ -214,7 +214,7 @@ cdef object _vm(int pid, object laddrs, object raddrs, object lens, bint write):
 
 
 def vm_readv_at(int pid, laddrs, raddrs, lens):
-    """process_vm_readv(2): copy ``pid``'s ``raddrs[i]`` into local ``laddrs[i]`` (``lens[i]`` each).
+    """process_vm_readv(2): ``pid``'s ``raddrs[i]`` into local ``laddrs[i]``, ``lens[i]`` each.
 
     Returns the bytes copied or ``-errno`` (``-EPERM``: the kernel's ptrace policy refuses;
     ``-ESRCH``: no such process; ``-EFAULT``: a range is not mapped there).
