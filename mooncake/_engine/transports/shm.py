@@ -212,8 +212,15 @@ class _Session:
         merged: dict[int, _Entry] = {}
         for e in entries:
             old = keep.pop(e.addr, None)
-            if old is not None and old.length == e.length and not old.dead:
-                merged[e.addr] = old  # already mapped: keep it, drop the duplicate
+            # keep what we have unless the new offer is a mapping where we had process_vm (a
+            # buffer listed in the moment between its registration and its memfd being noted)
+            if (
+                old is not None
+                and old.length == e.length
+                and not old.dead
+                and (old.mm is not None or e.mm is None)
+            ):
+                merged[e.addr] = old
                 e.unmap_when_idle()
             else:
                 if old is not None:
