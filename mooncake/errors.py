@@ -153,6 +153,176 @@ class ProtocolError(MooncakeError):
     code = ErrorCode.RPC_FAIL
 
 
+# -- store ------------------------------------------------------------------------------------
+
+
+class StoreError(MooncakeError):
+    """A Mooncake Store operation was refused by the master or failed. Subclasses say why.
+
+    Travels over the master RPC as its integer ``code`` plus a message; the receiving side
+    rebuilds the same class with :func:`error_from_code`.
+    """
+
+    code = ErrorCode.INTERNAL_ERROR
+
+
+class ObjectNotFoundError(StoreError):
+    """No readable object of that key (never written, removed, evicted, or not yet PutEnd)."""
+
+    code = ErrorCode.OBJECT_NOT_FOUND
+
+
+class ObjectAlreadyExistsError(StoreError):
+    """PutStart of a key that already exists (or is being written by someone else)."""
+
+    code = ErrorCode.OBJECT_ALREADY_EXISTS
+
+
+class ObjectHasLeaseError(StoreError):
+    """Remove refused: a reader holds a lease on the object (pass ``force`` to override)."""
+
+    code = ErrorCode.OBJECT_HAS_LEASE
+
+
+class LeaseExpiredError(StoreError):
+    """A read finished after its lease ran out: the bytes read may belong to a newer object."""
+
+    code = ErrorCode.LEASE_EXPIRED
+
+
+class ObjectHasReplicationTaskError(StoreError):
+    """The object has a copy/move task in flight."""
+
+    code = ErrorCode.OBJECT_HAS_REPLICATION_TASK
+
+
+class ReplicaNotReadyError(StoreError):
+    """The object (or one of its replicas) is still being written: not COMPLETE yet."""
+
+    code = ErrorCode.REPLICA_IS_NOT_READY
+
+
+class ReplicaNotFoundError(StoreError):
+    """No replica of the requested kind exists for the object."""
+
+    code = ErrorCode.REPLICA_NOT_FOUND
+
+
+class NoAvailableHandleError(StoreError):
+    """No space: no mounted segment could hold even one replica (after eviction)."""
+
+    code = ErrorCode.NO_AVAILABLE_HANDLE
+
+
+class InvalidKeyError(StoreError, ValueError):
+    """The key is not acceptable (empty, or a malformed regular expression)."""
+
+    code = ErrorCode.INVALID_KEY
+
+
+class IllegalClientError(StoreError):
+    """The operation names an object or segment owned by another client (e.g. PutEnd by a stranger)."""
+
+    code = ErrorCode.ILLEGAL_CLIENT
+
+
+class InvalidWriteError(StoreError):
+    """PutEnd/PutRevoke of an object that is not being written."""
+
+    code = ErrorCode.INVALID_WRITE
+
+
+class InvalidReadError(StoreError):
+    """A read could not be served as requested."""
+
+    code = ErrorCode.INVALID_READ
+
+
+class InvalidReplicaError(StoreError):
+    """A replica descriptor is malformed or no longer valid."""
+
+    code = ErrorCode.INVALID_REPLICA
+
+
+class SegmentAlreadyExistsError(StoreError):
+    """MountSegment of a segment id or name that is already mounted (by another client)."""
+
+    code = ErrorCode.SEGMENT_ALREADY_EXISTS
+
+
+class ClientNotFoundError(StoreError):
+    """The master does not know that client id (never mounted, or expired)."""
+
+    code = ErrorCode.CLIENT_NOT_FOUND
+
+
+class BufferOverflowError(StoreError):
+    """A destination buffer is smaller than the object."""
+
+    code = ErrorCode.BUFFER_OVERFLOW
+
+
+class UnavailableError(StoreError):
+    """The master cannot serve this now (shutting down, not ready)."""
+
+    code = ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS
+
+
+class RpcError(StoreError):
+    """The master RPC failed: connection refused or lost, or the answer did not parse."""
+
+    code = ErrorCode.RPC_FAIL
+
+
+_BY_CODE: dict[int, type[MooncakeError]] = {
+    int(cls.code): cls
+    for cls in (
+        ObjectNotFoundError,
+        ObjectAlreadyExistsError,
+        ObjectHasLeaseError,
+        LeaseExpiredError,
+        ObjectHasReplicationTaskError,
+        ReplicaNotReadyError,
+        ReplicaNotFoundError,
+        NoAvailableHandleError,
+        InvalidKeyError,
+        IllegalClientError,
+        InvalidWriteError,
+        InvalidReadError,
+        InvalidReplicaError,
+        SegmentAlreadyExistsError,
+        ClientNotFoundError,
+        BufferOverflowError,
+        UnavailableError,
+        RpcError,
+        SegmentNotFoundError,
+        InvalidArgumentError,
+        NotSupportedError,
+        TransferError,
+    )
+}
+
+
+def error_from_code(code: int, message: str = "") -> MooncakeError:
+    """Rebuild the exception for a Mooncake ``ErrorCode`` received over the wire.
+
+    Known codes give their own class (``-704`` -> :class:`ObjectNotFoundError`); an unknown or
+    unmapped code gives a :class:`StoreError` whose instance ``code`` is that value (an unknown
+    integer becomes ``INTERNAL_ERROR``).
+    """
+    cls = _BY_CODE.get(int(code))
+    if cls is not None:
+        if not message and cls.__doc__:
+            message = cls.__doc__.splitlines()[0]
+        return cls(message)
+    err = StoreError(message or f"error code {code}")
+    try:
+        err.code = ErrorCode(int(code))
+    except ValueError:
+        err.code = ErrorCode.INTERNAL_ERROR
+    return err
+
+
 def to_code(exc: BaseException) -> int:
     """Map an exception to the published API's int return code (one table for all facades)."""
     if isinstance(exc, MooncakeError):
@@ -164,22 +334,42 @@ def to_code(exc: BaseException) -> int:
 
 __all__ = [
     "AddressOverlapError",
+    "BufferOverflowError",
+    "ClientNotFoundError",
     "ClosedError",
     "ErrorCode",
+    "IllegalClientError",
     "InvalidArgumentError",
+    "InvalidKeyError",
+    "InvalidReadError",
+    "InvalidReplicaError",
+    "InvalidWriteError",
+    "LeaseExpiredError",
     "MetadataError",
     "MooncakeError",
+    "NoAvailableHandleError",
     "NotRegisteredError",
     "NotSupportedError",
+    "ObjectAlreadyExistsError",
+    "ObjectHasLeaseError",
+    "ObjectHasReplicationTaskError",
+    "ObjectNotFoundError",
     "PeerDiedError",
     "PeerUnreachableError",
     "ProtocolError",
     "RegionBusyError",
     "RegistrationError",
     "RemoteAccessError",
+    "ReplicaNotFoundError",
+    "ReplicaNotReadyError",
+    "RpcError",
+    "SegmentAlreadyExistsError",
     "SegmentExistsError",
     "SegmentNotFoundError",
+    "StoreError",
     "TraceFormatError",
     "TransferError",
+    "UnavailableError",
+    "error_from_code",
     "to_code",
 ]

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 _SUBCOMMANDS: list[str] = [
     "bench",
     "demo",
+    "master",
     "metadata_server",
     "replay",
 ]

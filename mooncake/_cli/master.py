@@ -1,0 +1,347 @@
+"""``mooncake master`` and the ``mooncake_master`` console script: the store master.
+
+Two spellings of the same flags:
+
+* ``mooncake master --rpc-port 50051 --client-ttl 10 ...`` (argparse, dashes);
+* ``mooncake_master --rpc_port=50051 --client_ttl=10 ...``: the published binary's gflags
+  spellings (``--flag=value``, ``--flag value``, ``-flag=value``, ``--bool_flag`` /
+  ``--bool_flag=true|false`` / ``--nobool_flag``), so deployment scripts and benchmarks written
+  for the published master start this one unchanged. Published flags this master does not
+  implement are accepted with a warning on stderr, never an error.
+
+Differences from the published binary, on purpose: both RPC and metrics bind loopback unless
+told otherwise (the published default is 0.0.0.0). ``--rpc_port=0`` means ``--port`` (default
+50051) in the gflags spelling, as published; ``mooncake master --rpc-port 0`` binds any free
+port. Once every port is bound the master prints one line
+``mooncake master: rpc=HOST:PORT metrics=HOST:PORT|off metadata=URL|off`` on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mooncake._core.master import ALLOCATION_STRATEGIES, MasterConfig
+from mooncake._store.master import (
+    DEFAULT_METRICS_PORT,
+    DEFAULT_RPC_PORT,
+    MasterServerConfig,
+)
+from mooncake.errors import InvalidArgumentError
+
+__all__ = ["gflags_main", "parse_duration", "parse_gflags", "register", "run_master"]
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*$")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str, default_unit: str) -> float:
+    """Seconds from ``"10000"`` (in ``default_unit``), ``"10s"``, ``"30m"``, ``"1h"``, ``"500ms"``."""
+    m = _DURATION.match(str(text))
+    if not m:
+        raise InvalidArgumentError(f"bad duration {text!r}: want a number with optional ms|s|m|h")
+    return float(m.group(1)) * _UNIT[m.group(2) or default_unit]
+
+
+def _bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "y", "t", "on"):
+        return True
+    if t in ("0", "false", "no", "n", "f", "off"):
+        return False
+    raise InvalidArgumentError(f"bad boolean {text!r}: want true or false")
+
+
+def _ratio(text: str) -> float:
+    v = float(text)
+    if not 0.0 <= v <= 1.0:
+        raise InvalidArgumentError(f"ratio must be in [0, 1], got {text}")
+    return v
+
+
+@dataclass(frozen=True)
+class _Flag:
+    attr: str  # "server.x" or "state.x"
+    parse: Callable[[str], Any]
+    is_bool: bool = False
+
+
+# published gflags name -> where it goes
+_GFLAGS: dict[str, _Flag] = {
+    "rpc_address": _Flag("server.rpc_address", str),
+    "rpc_port": _Flag("server.rpc_port", int),
+    "port": _Flag("legacy_port", int),
+    "enable_metric_reporting": _Flag("server.enable_metric_reporting", _bool, True),
+    "metrics_host": _Flag("server.metrics_host", str),
+    "metrics_port": _Flag("server.metrics_port", int),
+    "enable_http_metadata_server": _Flag("server.enable_http_metadata_server", _bool, True),
+    "http_metadata_server_host": _Flag("server.http_metadata_server_host", str),
+    "http_metadata_server_port": _Flag("server.http_metadata_server_port", int),
+    "default_kv_lease_ttl": _Flag("state.default_kv_lease_ttl", lambda t: parse_duration(t, "ms")),
+    "default_kv_soft_pin_ttl": _Flag(
+        "state.default_kv_soft_pin_ttl", lambda t: parse_duration(t, "ms")
+    ),
+    "max_kv_soft_pin_ttl": _Flag("state.max_kv_soft_pin_ttl", lambda t: parse_duration(t, "ms")),
+    "allow_evict_soft_pinned_objects": _Flag("state.allow_evict_soft_pinned_objects", _bool, True),
+    "eviction_ratio": _Flag("state.eviction_ratio", _ratio),
+    "eviction_high_watermark_ratio": _Flag("state.eviction_high_watermark_ratio", _ratio),
+    "eviction_policy": _Flag("state.eviction_policy", str),
+    "allocation_strategy": _Flag("state.allocation_strategy", str),
+    "client_ttl": _Flag("state.client_ttl", lambda t: parse_duration(t, "s")),
+    "put_start_discard_timeout_sec": _Flag(
+        "state.put_start_discard_timeout", lambda t: parse_duration(t, "s")
+    ),
+    "put_start_release_timeout_sec": _Flag(
+        "state.put_start_release_timeout", lambda t: parse_duration(t, "s")
+    ),
+    "memory_allocator": _Flag("memory_allocator", str),
+    "version": _Flag("version", _bool, True),
+    "help": _Flag("help", _bool, True),
+    "v": _Flag("verbosity", int),
+    "log_level": _Flag("log_level", str),
+}
+
+
+@dataclass
+class _Parsed:
+    server: MasterServerConfig
+    legacy_port: int = DEFAULT_RPC_PORT
+    memory_allocator: str = "offset"
+    version: bool = False
+    help: bool = False
+    verbosity: int = 0
+    log_level: str = "INFO"
+
+
+def parse_gflags(argv: Sequence[str], *, warn: Callable[[str], None] | None = None) -> _Parsed:
+    """Parse ``mooncake_master`` gflags-style arguments into a config.
+
+    Unknown flags are reported through ``warn`` and skipped (a following token that is not a
+    flag is taken as their value). Bad values of known flags raise
+    :class:`InvalidArgumentError` naming the flag.
+    """
+    warn = warn or (lambda msg: print(msg, file=sys.stderr))
+    parsed = _Parsed(MasterServerConfig())
+    parsed.server.state = MasterConfig()
+    i = 0
+    args = list(argv)
+    while i < len(args):
+        tok = args[i]
+        i += 1
+        if not tok.startswith("-") or tok in ("-", "--"):
+            warn(f"mooncake_master: ignoring stray argument {tok!r}")
+            continue
+        body = tok.lstrip("-")
+        name, eq, value = body.partition("=")
+        flag = _GFLAGS.get(name)
+        if flag is None and name.startswith("no") and not eq:
+            flag = _GFLAGS.get(name[2:])
+            if flag is not None and flag.is_bool:
+                name, eq, value = name[2:], "=", "false"
+            else:
+                flag = None
+        if flag is None:
+            if not eq and i < len(args) and not args[i].startswith("-"):
+                i += 1  # its value
+            warn(f"mooncake_master: flag --{name} is not supported by this master; ignored")
+            continue
+        if not eq:
+            if flag.is_bool:
+                value = "true"
+            elif i < len(args):
+                value = args[i]
+                i += 1
+            else:
+                raise InvalidArgumentError(f"flag --{name} needs a value")
+        try:
+            v = flag.parse(value)
+        except (ValueError, InvalidArgumentError) as e:
+            raise InvalidArgumentError(f"flag --{name}={value!r}: {e}") from None
+        _assign(parsed, flag.attr, v)
+    if parsed.server.rpc_port == 0:
+        parsed.server.rpc_port = parsed.legacy_port
+    return parsed
+
+
+def _assign(parsed: _Parsed, attr: str, value: Any) -> None:
+    if attr.startswith("server."):
+        setattr(parsed.server, attr[7:], value)
+    elif attr.startswith("state."):
+        setattr(parsed.server.state, attr[6:], value)
+    else:
+        setattr(parsed, attr, value)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("mooncake-py")
+    except Exception:
+        return "unknown"
+
+
+def run_master(config: MasterServerConfig, *, memory_allocator: str = "offset") -> int:
+    """Run the master in the foreground until interrupted; returns the exit status."""
+    import trio
+
+    from mooncake._store.master import serve_master
+
+    if memory_allocator != "offset":
+        print(
+            f"mooncake master: --memory_allocator={memory_allocator} is not available; "
+            "only 'offset' is implemented",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        config.state.validate()
+    except InvalidArgumentError as e:
+        print(f"mooncake master: {e}", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(serve_master, config)
+            metrics = (
+                f"{config.metrics_host}:{server.metrics_port}" if server.metrics_port else "off"
+            )
+            metadata = (
+                f"http://{config.http_metadata_server_host}:{server.http_metadata_port}/metadata"
+                if server.http_metadata_port
+                else "off"
+            )
+            print(
+                f"mooncake master: rpc={config.rpc_address}:{server.rpc_port} "
+                f"metrics={metrics} metadata={metadata}",
+                flush=True,
+            )
+
+    try:
+        trio.run(main)
+    except InvalidArgumentError as e:
+        print(f"mooncake master: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def gflags_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``mooncake_master`` console script (published flag spellings)."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        parsed = parse_gflags(argv)
+    except InvalidArgumentError as e:
+        print(f"mooncake_master: {e}", file=sys.stderr)
+        return 2
+    if parsed.help:
+        print(
+            "mooncake_master (mooncake-py): the Mooncake Store master.\n"
+            "Flags (gflags style, --flag=value): " + ", ".join(f"--{n}" for n in sorted(_GFLAGS))
+        )
+        return 0
+    if parsed.version:
+        print(f"mooncake_master version {_version()} (mooncake-py)")
+        return 0
+    _setup_logging(parsed.log_level)
+    return run_master(parsed.server, memory_allocator=parsed.memory_allocator)
+
+
+# -- mooncake master (argparse) -----------------------------------------------------------------
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "master",
+        help="run the Mooncake Store master (metadata and allocation)",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+    )
+    d = MasterConfig()
+    p.add_argument("--rpc-address", default="127.0.0.1", help="address to bind (default loopback)")
+    p.add_argument("--rpc-port", type=int, default=DEFAULT_RPC_PORT, help="0 = any free port")
+    p.add_argument("--metrics-host", default="127.0.0.1")
+    p.add_argument(
+        "--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="0 = any free port"
+    )
+    p.add_argument("--no-metrics", action="store_true", help="do not serve /metrics and /health")
+    p.add_argument("--client-ttl", default=str(d.client_ttl), help="seconds (or 500ms, 1m ...)")
+    p.add_argument("--default-kv-lease-ttl", default="10000", help="read lease, ms (or 10s ...)")
+    p.add_argument("--default-kv-soft-pin-ttl", default="30m", help="ms (or 30m ...)")
+    p.add_argument("--max-kv-soft-pin-ttl", default="24h", help="ms (or 24h ...)")
+    p.add_argument(
+        "--allow-evict-soft-pinned-objects", type=_bool, default=True, metavar="true|false"
+    )
+    p.add_argument(
+        "--eviction-high-watermark-ratio", type=_ratio, default=d.eviction_high_watermark_ratio
+    )
+    p.add_argument("--eviction-ratio", type=_ratio, default=d.eviction_ratio)
+    p.add_argument(
+        "--eviction-policy",
+        default=d.eviction_policy,
+        help="lru (default), lfu, fifo, sieve, s3fifo, prefix_lru",
+    )
+    p.add_argument(
+        "--allocation-strategy", default=d.allocation_strategy, choices=ALLOCATION_STRATEGIES
+    )
+    p.add_argument("--put-start-discard-timeout-sec", default=str(d.put_start_discard_timeout))
+    p.add_argument("--put-start-release-timeout-sec", default=str(d.put_start_release_timeout))
+    p.add_argument("--enable-http-metadata-server", action="store_true")
+    p.add_argument("--http-metadata-server-host", default="127.0.0.1")
+    p.add_argument("--http-metadata-server-port", type=int, default=8080)
+    p.add_argument("--seed", type=int, default=None, help="seed of the random placement")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=_run_args)
+
+
+def _run_args(args: argparse.Namespace) -> int:
+    try:
+        state = MasterConfig(
+            default_kv_lease_ttl=parse_duration(args.default_kv_lease_ttl, "ms"),
+            default_kv_soft_pin_ttl=parse_duration(args.default_kv_soft_pin_ttl, "ms"),
+            max_kv_soft_pin_ttl=parse_duration(args.max_kv_soft_pin_ttl, "ms"),
+            allow_evict_soft_pinned_objects=args.allow_evict_soft_pinned_objects,
+            eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
+            eviction_ratio=args.eviction_ratio,
+            eviction_policy=args.eviction_policy,
+            client_ttl=parse_duration(args.client_ttl, "s"),
+            put_start_discard_timeout=parse_duration(args.put_start_discard_timeout_sec, "s"),
+            put_start_release_timeout=parse_duration(args.put_start_release_timeout_sec, "s"),
+            allocation_strategy=args.allocation_strategy,
+            seed=args.seed,
+        )
+        from mooncake._core.policies import make_policy
+
+        make_policy(state.eviction_policy)
+    except InvalidArgumentError as e:
+        print(f"mooncake master: {e}", file=sys.stderr)
+        return 2
+    config = MasterServerConfig(
+        rpc_address=args.rpc_address,
+        rpc_port=args.rpc_port,
+        enable_metric_reporting=not args.no_metrics,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
+        enable_http_metadata_server=args.enable_http_metadata_server,
+        http_metadata_server_host=args.http_metadata_server_host,
+        http_metadata_server_port=args.http_metadata_server_port,
+        state=state,
+    )
+    _setup_logging(args.log_level)
+    return run_master(config)
+
+
+if __name__ == "__main__":
+    sys.exit(gflags_main())

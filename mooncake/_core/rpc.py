@@ -1,0 +1,530 @@
+"""The master RPC: message definitions and the sans-I/O frame codec.
+
+Wire format
+-----------
+One TCP connection carries any number of frames in both directions. A frame is::
+
+    u32 length (big-endian, bytes of body; 1 <= length <= max_frame)  |  body (msgpack)
+
+The body is a msgpack array, first element a tag:
+
+* request  ``[0, id, method, params]`` -- ``id`` a client-chosen unsigned int (unique among the
+  connection's outstanding requests), ``method`` one of :data:`METHODS`, ``params`` the method's
+  params Struct encoded as a msgpack map.
+* response ``[1, id, code, message, result]`` -- ``code`` 0 and ``result`` the method's result
+  type, or ``code`` a negative Mooncake ``ErrorCode`` (:class:`mooncake.errors.ErrorCode`),
+  ``message`` a human-readable reason and ``result`` nil.
+
+Requests may be pipelined; the server may answer them out of order (match by ``id``).
+
+Errors: a frame whose header announces more than ``max_frame`` bytes, or whose body is not a
+request/response array, raises :class:`~mooncake.errors.ProtocolError` from the decoder; the
+driver then drops that connection (the server keeps serving the others). A well-formed request
+with an unknown method is answered ``NOT_SUPPORTED`` (-1012); one whose params do not match the
+method's Struct is answered ``INVALID_PARAMS`` (-600). Both keep the connection.
+
+Methods (names as in Mooncake's ``WrappedMasterService``; ``->`` the result type):
+
+====================== ================================ ==========================================
+method                 params                           result
+====================== ================================ ==========================================
+ServiceReady           Empty                            int (protocol version, :data:`VERSION`)
+Ping                   ClientParams                     PingResponse
+MountSegment           MountSegmentParams               None
+ReMountSegment         ReMountSegmentParams             None
+UnmountSegment         UnmountSegmentParams             None
+PutStart               PutStartParams                   list[ReplicaDescriptor]
+PutEnd / PutRevoke     KeyClientParams                  None
+UpsertStart            PutStartParams                   list[ReplicaDescriptor]
+UpsertEnd / -Revoke    KeyClientParams                  None
+BatchPutStart          BatchPutStartParams              list[Item[list[ReplicaDescriptor]]]
+BatchPutEnd / -Revoke  BatchKeyClientParams             list[int]  (0 or an error code per key)
+BatchUpsertStart       BatchPutStartParams              list[Item[list[ReplicaDescriptor]]]
+BatchUpsertEnd/-Revoke BatchKeyClientParams             list[int]
+GetReplicaList         KeyParams                        GetReplicaListResponse (grants a lease)
+BatchGetReplicaList    KeysParams                       list[Item[GetReplicaListResponse]]
+GetReplicaListByRegex  RegexParams                      dict[str, list[ReplicaDescriptor]]
+ExistKey               KeyParams                        bool (grants a lease when true)
+BatchExistKey          KeysParams                       list[int]  (1 exists, 0 not, <0 error)
+Remove                 RemoveParams                     None
+BatchRemove            BatchRemoveParams                list[int]
+RemoveByRegex          RegexParams                      int (objects removed)
+RemoveAll              ForceParams                      int (objects removed)
+QueryKey               KeyParams                        ObjectInfo (admin: no lease)
+GetAllKeys             Empty                            list[str] (admin: complete objects)
+GetAllSegments         Empty                            list[SegmentInfo]
+CreateCopyTask         CopyTaskParams                   str (task id)
+CreateMoveTask         MoveTaskParams                   str (task id)
+QueryTask              TaskIdParams                     ReplicaTask
+FetchTasks             ClientParams                     list[ReplicaTask] (now PROCESSING)
+TaskStart              TaskParams                       TaskStartResponse (allocates targets)
+TaskEnd                TaskParams                       None (targets become replicas)
+TaskRevoke             TaskRevokeParams                 None (targets freed, task FAILED)
+====================== ================================ ==========================================
+
+Semantics of each call are the master's (:mod:`mooncake._core.master`); this module only
+defines shapes. :class:`Item` carries per-key results of batch calls: ``code`` 0 and ``value``,
+or ``code`` < 0 and no value.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from mooncake._core.store_types import (
+    GetReplicaListResponse,
+    ObjectInfo,
+    PingResponse,
+    ReplicaDescriptor,
+    ReplicaTask,
+    ReplicateConfig,
+    Segment,
+    SegmentInfo,
+    TaskStartResponse,
+)
+from mooncake.errors import (
+    ErrorCode,
+    InvalidArgumentError,
+    MooncakeError,
+    NotSupportedError,
+    ProtocolError,
+    error_from_code,
+)
+
+VERSION = 1
+HEADER = struct.Struct(">I")
+DEFAULT_MAX_FRAME = 64 << 20
+"""Default bound on one frame's body (64 MiB: a batch of ~10k keys of 4 KiB each fits)."""
+
+T = TypeVar("T")
+
+
+# -- params -----------------------------------------------------------------------------------
+
+
+class _Params(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
+    pass
+
+
+class Empty(_Params):
+    """No parameters."""
+
+
+class ClientParams(_Params):
+    client_id: str
+
+
+class MountSegmentParams(_Params):
+    client_id: str
+    segment: Segment
+
+
+class ReMountSegmentParams(_Params):
+    client_id: str
+    segments: list[Segment]
+
+
+class UnmountSegmentParams(_Params):
+    client_id: str
+    segment_id: str
+
+
+class PutStartParams(_Params):
+    client_id: str
+    key: str
+    size: int
+    config: ReplicateConfig = msgspec.field(default_factory=ReplicateConfig)
+
+
+class KeyClientParams(_Params):
+    client_id: str
+    key: str
+
+
+class BatchPutStartParams(_Params):
+    client_id: str
+    keys: list[str]
+    sizes: list[int]
+    config: ReplicateConfig = msgspec.field(default_factory=ReplicateConfig)
+
+
+class BatchKeyClientParams(_Params):
+    client_id: str
+    keys: list[str]
+
+
+class KeyParams(_Params):
+    key: str
+    for_read: bool = True  # GetReplicaList only: False = descriptor query, no read window
+
+
+class KeysParams(_Params):
+    keys: list[str]
+    for_read: bool = True
+
+
+class RegexParams(_Params):
+    regex: str
+    force: bool = False
+
+
+class RemoveParams(_Params):
+    key: str
+    force: bool = False
+
+
+class BatchRemoveParams(_Params):
+    keys: list[str]
+    force: bool = False
+
+
+class ForceParams(_Params):
+    force: bool = False
+
+
+class CopyTaskParams(_Params):
+    key: str
+    targets: list[str]
+
+
+class MoveTaskParams(_Params):
+    key: str
+    source: str
+    target: str
+
+
+class TaskIdParams(_Params):
+    task_id: str
+
+
+class TaskParams(_Params):
+    client_id: str
+    task_id: str
+
+
+class TaskRevokeParams(_Params):
+    client_id: str
+    task_id: str
+    message: str = ""
+
+
+class Item(msgspec.Struct, Generic[T], array_like=True, omit_defaults=True):
+    """One key's result in a batch answer: ``code`` 0 with ``value``, or an error code."""
+
+    code: int
+    value: T | None = None
+
+
+# -- the method table -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MethodSpec:
+    """One RPC: its params Struct and result type, with their cached decoders."""
+
+    name: str
+    params: type[msgspec.Struct]
+    result: Any
+    params_decoder: msgspec.msgpack.Decoder[Any]
+    result_decoder: msgspec.msgpack.Decoder[Any]
+
+
+def _spec(name: str, params: type[msgspec.Struct], result: Any) -> MethodSpec:
+    return MethodSpec(
+        name,
+        params,
+        result,
+        msgspec.msgpack.Decoder(params),
+        msgspec.msgpack.Decoder(result),
+    )
+
+
+_PUT_ITEMS = list[Item[list[ReplicaDescriptor]]]
+
+METHODS: dict[str, MethodSpec] = {
+    s.name: s
+    for s in (
+        _spec("ServiceReady", Empty, int),
+        _spec("Ping", ClientParams, PingResponse),
+        _spec("MountSegment", MountSegmentParams, None),
+        _spec("ReMountSegment", ReMountSegmentParams, None),
+        _spec("UnmountSegment", UnmountSegmentParams, None),
+        _spec("PutStart", PutStartParams, list[ReplicaDescriptor]),
+        _spec("PutEnd", KeyClientParams, None),
+        _spec("PutRevoke", KeyClientParams, None),
+        _spec("UpsertStart", PutStartParams, list[ReplicaDescriptor]),
+        _spec("UpsertEnd", KeyClientParams, None),
+        _spec("UpsertRevoke", KeyClientParams, None),
+        _spec("BatchPutStart", BatchPutStartParams, _PUT_ITEMS),
+        _spec("BatchPutEnd", BatchKeyClientParams, list[int]),
+        _spec("BatchPutRevoke", BatchKeyClientParams, list[int]),
+        _spec("BatchUpsertStart", BatchPutStartParams, _PUT_ITEMS),
+        _spec("BatchUpsertEnd", BatchKeyClientParams, list[int]),
+        _spec("BatchUpsertRevoke", BatchKeyClientParams, list[int]),
+        _spec("GetReplicaList", KeyParams, GetReplicaListResponse),
+        _spec("BatchGetReplicaList", KeysParams, list[Item[GetReplicaListResponse]]),
+        _spec("GetReplicaListByRegex", RegexParams, dict[str, list[ReplicaDescriptor]]),
+        _spec("ExistKey", KeyParams, bool),
+        _spec("BatchExistKey", KeysParams, list[int]),
+        _spec("Remove", RemoveParams, None),
+        _spec("BatchRemove", BatchRemoveParams, list[int]),
+        _spec("RemoveByRegex", RegexParams, int),
+        _spec("RemoveAll", ForceParams, int),
+        _spec("QueryKey", KeyParams, ObjectInfo),
+        _spec("GetAllKeys", Empty, list[str]),
+        _spec("GetAllSegments", Empty, list[SegmentInfo]),
+        _spec("CreateCopyTask", CopyTaskParams, str),
+        _spec("CreateMoveTask", MoveTaskParams, str),
+        _spec("QueryTask", TaskIdParams, ReplicaTask),
+        _spec("FetchTasks", ClientParams, list[ReplicaTask]),
+        _spec("TaskStart", TaskParams, TaskStartResponse),
+        _spec("TaskEnd", TaskParams, None),
+        _spec("TaskRevoke", TaskRevokeParams, None),
+    )
+}
+
+
+# -- envelopes --------------------------------------------------------------------------------
+
+
+class Request(msgspec.Struct, tag=0, array_like=True, frozen=True):
+    """A decoded request; ``params`` still raw (decode with :func:`decode_params`)."""
+
+    id: int
+    method: str
+    params: msgspec.Raw
+
+
+class Response(msgspec.Struct, tag=1, array_like=True, frozen=True):
+    """A decoded response; ``result`` still raw (decode with :func:`decode_result`)."""
+
+    id: int
+    code: int
+    message: str
+    result: msgspec.Raw
+
+
+class _OutRequest(msgspec.Struct, tag=0, array_like=True):
+    id: int
+    method: str
+    params: Any
+
+
+class _OutResponse(msgspec.Struct, tag=1, array_like=True):
+    id: int
+    code: int
+    message: str
+    result: Any
+
+
+Message = Request | Response
+
+_encoder = msgspec.msgpack.Encoder()
+_message_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)  # type: ignore[arg-type]
+_MAX_ID = (1 << 64) - 1
+
+
+def _frame(body: bytes, max_frame: int) -> bytes:
+    if len(body) > max_frame:
+        raise InvalidArgumentError(f"message of {len(body)} bytes exceeds max frame {max_frame}")
+    return HEADER.pack(len(body)) + body
+
+
+def encode_request(
+    req_id: int, method: str, params: msgspec.Struct, *, max_frame: int = DEFAULT_MAX_FRAME
+) -> bytes:
+    """One framed request. ``params`` must be the method's params Struct."""
+    spec = METHODS.get(method)
+    if spec is None:
+        raise InvalidArgumentError(f"unknown master RPC method {method!r}")
+    if type(params) is not spec.params:
+        raise InvalidArgumentError(
+            f"{method} takes {spec.params.__name__}, not {type(params).__name__}"
+        )
+    if not 0 <= req_id <= _MAX_ID:
+        raise InvalidArgumentError(f"request id {req_id} out of range")
+    return _frame(_encoder.encode(_OutRequest(req_id, method, params)), max_frame)
+
+
+def encode_result(req_id: int, result: Any, *, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    """One framed success response carrying ``result``."""
+    return _frame(_encoder.encode(_OutResponse(req_id, 0, "", result)), max_frame)
+
+
+def encode_error(
+    req_id: int,
+    error: BaseException | int,
+    message: str = "",
+    *,
+    max_frame: int = DEFAULT_MAX_FRAME,
+) -> bytes:
+    """One framed error response: from an exception (its ``code``, its text) or a bare code."""
+    if isinstance(error, BaseException):
+        code = (
+            int(error.code) if isinstance(error, MooncakeError) else int(ErrorCode.INTERNAL_ERROR)
+        )
+        message = message or str(error) or type(error).__name__
+    else:
+        code = int(error)
+    if code >= 0:
+        raise InvalidArgumentError(f"error code must be negative, got {code}")
+    return _frame(_encoder.encode(_OutResponse(req_id, code, message[:4096], None)), max_frame)
+
+
+def decode_params(request: Request) -> msgspec.Struct:
+    """The request's params as its method's Struct.
+
+    Raises :class:`NotSupportedError` (unknown method) or :class:`InvalidArgumentError` (params
+    of the wrong shape): errors to answer, not reasons to drop the connection.
+    """
+    spec = METHODS.get(request.method)
+    if spec is None:
+        raise NotSupportedError(f"unknown method {request.method!r}")
+    try:
+        params: msgspec.Struct = spec.params_decoder.decode(request.params)
+    except msgspec.DecodeError as e:
+        raise InvalidArgumentError(f"bad params for {request.method}: {e}") from None
+    return params
+
+
+def decode_result(method: str, response: Response) -> Any:
+    """The response's result as ``method``'s result type, or raise the error it carries.
+
+    A negative ``code`` raises the matching :mod:`mooncake.errors` class
+    (:func:`~mooncake.errors.error_from_code`); a result that does not fit the type raises
+    :class:`ProtocolError`.
+    """
+    if response.code != 0:
+        raise error_from_code(response.code, response.message)
+    spec = METHODS.get(method)
+    if spec is None:
+        raise InvalidArgumentError(f"unknown master RPC method {method!r}")
+    try:
+        return spec.result_decoder.decode(response.result)
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"bad result for {method}: {e}") from None
+
+
+class MessageDecoder:
+    """Sans-I/O parser for one direction of a connection: feed bytes, take messages out.
+
+    ``feed(data)`` appends; ``next_message()`` returns the next complete :class:`Request` or
+    :class:`Response`, or ``None`` if more bytes are needed; iterating yields all complete ones.
+    Any chunking of the input gives the same messages. Bad input raises :class:`ProtocolError`
+    (a zero or oversized length prefix, a body that is not a tagged request/response array);
+    after that the decoder is unusable and the connection should be dropped.
+
+    Memory is bounded by ``max_frame`` plus what one ``feed`` adds, provided the driver drains
+    messages after each ``feed`` (the length prefix is checked as soon as 4 bytes are in).
+    """
+
+    __slots__ = ("_broken", "_buf", "_pos", "max_frame")
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        if max_frame < 1 or max_frame > 0xFFFFFFFF:
+            raise InvalidArgumentError(f"max_frame must be in [1, 2**32), got {max_frame}")
+        self.max_frame = max_frame
+        self._buf = bytearray()
+        self._pos = 0
+        self._broken = False
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet returned as messages."""
+        return len(self._buf) - self._pos
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Append bytes received from the peer."""
+        if self._broken:
+            raise ProtocolError("decoder already failed on earlier input")
+        self._buf += data
+
+    def next_message(self) -> Message | None:
+        """The next complete message, or ``None`` until more bytes arrive."""
+        if self._broken:
+            raise ProtocolError("decoder already failed on earlier input")
+        avail = len(self._buf) - self._pos
+        if avail < 4:
+            return None
+        (length,) = HEADER.unpack_from(self._buf, self._pos)
+        if length == 0 or length > self.max_frame:
+            self._broken = True
+            raise ProtocolError(f"frame length {length} outside [1, {self.max_frame}]")
+        if avail < 4 + length:
+            return None
+        start = self._pos + 4
+        end = start + length
+        body = bytes(memoryview(self._buf)[start:end])
+        self._pos = end
+        if self._pos == len(self._buf):
+            self._buf.clear()
+            self._pos = 0
+        elif self._pos > 65536 and self._pos * 2 > len(self._buf):
+            del self._buf[: self._pos]
+            self._pos = 0
+        try:
+            msg: Message = _message_decoder.decode(body)
+        except (msgspec.DecodeError, RecursionError) as e:
+            self._broken = True
+            raise ProtocolError(f"malformed RPC frame: {e}") from None
+        if not 0 <= msg.id <= _MAX_ID:
+            self._broken = True
+            raise ProtocolError(f"RPC id {msg.id} out of range")
+        return msg
+
+    def __iter__(self) -> MessageDecoder:
+        return self
+
+    def __next__(self) -> Message:
+        msg = self.next_message()
+        if msg is None:
+            raise StopIteration
+        return msg
+
+    def check_eof(self) -> None:
+        """Call when the peer closed: raises :class:`ProtocolError` if a frame was cut short."""
+        if self.buffered:
+            raise ProtocolError(f"connection closed inside a frame ({self.buffered} bytes pending)")
+
+
+__all__ = [
+    "DEFAULT_MAX_FRAME",
+    "HEADER",
+    "METHODS",
+    "VERSION",
+    "BatchKeyClientParams",
+    "BatchPutStartParams",
+    "BatchRemoveParams",
+    "ClientParams",
+    "CopyTaskParams",
+    "Empty",
+    "ForceParams",
+    "Item",
+    "KeyClientParams",
+    "KeyParams",
+    "KeysParams",
+    "Message",
+    "MessageDecoder",
+    "MethodSpec",
+    "MountSegmentParams",
+    "MoveTaskParams",
+    "PutStartParams",
+    "ReMountSegmentParams",
+    "RegexParams",
+    "RemoveParams",
+    "Request",
+    "Response",
+    "TaskIdParams",
+    "TaskParams",
+    "TaskRevokeParams",
+    "UnmountSegmentParams",
+    "decode_params",
+    "decode_result",
+    "encode_error",
+    "encode_request",
+    "encode_result",
+]

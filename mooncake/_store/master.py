@@ -1,0 +1,501 @@
+"""The store master server: the RPC port, the sweeper, ``/metrics`` + ``/health``.
+
+::
+
+    async with anyio.create_task_group() as tg:
+        server = await tg.start(serve_master, MasterServerConfig(rpc_port=0))
+        server.rpc_port, server.metrics_port, server.state   # a MasterServer
+
+:func:`serve_master` drives a :class:`~mooncake._core.master.MasterState` (all rules live there)
+with the framing of :mod:`mooncake._core.rpc`. Everything binds the host it is given (loopback by
+default). The RPC listener is bound last, so once it accepts connections the metrics and
+(optional) HTTP metadata servers are up too: "the RPC port is open" means ready.
+
+Connections: one task each, at most ``max_connections`` at once (more are closed on accept).
+A connection is served request by request in arrival order (answers in the same order; each
+call is a short synchronous state change, so no request waits on another's I/O). Frames are
+bounded by ``max_frame``; a frame that does not parse drops that connection only. An unknown
+method or malformed params is answered with an error and the connection kept.
+
+Time: every ``now`` comes from ``anyio.current_time()``, the event loop's clock, so trio's
+``MockClock`` drives leases, client TTLs and zombie timeouts in tests. A background task calls
+:meth:`MasterState.sweep` every ``sweep_interval`` seconds (client expiry, zombie release,
+deferred frees, soft-pin expiry, watermark eviction).
+
+Cancellation: cancelling the task running :func:`serve_master` closes all listeners and
+connections; the state object stays usable (tests inspect it afterwards).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import h11
+import msgspec
+from anyio.streams.stapled import MultiListener
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from mooncake._core import rpc
+from mooncake._core.master import MasterConfig, MasterState
+from mooncake.errors import (
+    ErrorCode,
+    InvalidArgumentError,
+    MooncakeError,
+    ProtocolError,
+)
+
+log = logging.getLogger("mooncake.master")
+
+__all__ = ["MasterServer", "MasterServerConfig", "serve_master"]
+
+DEFAULT_RPC_PORT = 50051
+DEFAULT_METRICS_PORT = 9003
+DEFAULT_SERVER_MAX_FRAME = 16 << 20
+_RECV = 256 << 10
+_FAIR_ROUNDS = 16
+_HTTP_MAX_HEAD = 16 << 10
+_HTTP_IDLE_S = 30.0
+_HTTP_MAX_CONNECTIONS = 64
+_REASONS = {200: b"OK", 404: b"Not Found", 405: b"Method Not Allowed"}
+
+
+@dataclass
+class MasterServerConfig:
+    """Where the master listens and how; ``state`` holds the metadata rules' settings."""
+
+    rpc_address: str = "127.0.0.1"
+    rpc_port: int = DEFAULT_RPC_PORT
+    enable_metric_reporting: bool = True
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = DEFAULT_METRICS_PORT
+    enable_http_metadata_server: bool = False
+    http_metadata_server_host: str = "127.0.0.1"
+    http_metadata_server_port: int = 8080
+    sweep_interval: float = 0.05
+    max_frame: int = DEFAULT_SERVER_MAX_FRAME
+    max_connections: int = 4096
+    state: MasterConfig = field(default_factory=MasterConfig)
+
+
+Handler = Callable[[MasterState, Any, float], Any]
+
+
+def _handlers() -> dict[str, Handler]:
+    return {
+        "ServiceReady": lambda s, p, now: rpc.VERSION,
+        "Ping": lambda s, p, now: s.ping(p.client_id, now),
+        "MountSegment": lambda s, p, now: s.mount_segment(p.client_id, p.segment, now),
+        "ReMountSegment": lambda s, p, now: s.remount_segments(p.client_id, p.segments, now),
+        "UnmountSegment": lambda s, p, now: s.unmount_segment(p.client_id, p.segment_id, now),
+        "PutStart": lambda s, p, now: s.put_start(p.client_id, p.key, p.size, p.config, now),
+        "PutEnd": lambda s, p, now: s.put_end(p.client_id, p.key, now),
+        "PutRevoke": lambda s, p, now: s.put_revoke(p.client_id, p.key, now),
+        "UpsertStart": lambda s, p, now: s.upsert_start(p.client_id, p.key, p.size, p.config, now),
+        "UpsertEnd": lambda s, p, now: s.upsert_end(p.client_id, p.key, now),
+        "UpsertRevoke": lambda s, p, now: s.upsert_revoke(p.client_id, p.key, now),
+        "BatchPutStart": lambda s, p, now: s.batch_put_start(
+            p.client_id, p.keys, p.sizes, p.config, now
+        ),
+        "BatchPutEnd": lambda s, p, now: s.batch_put_end(p.client_id, p.keys, now),
+        "BatchPutRevoke": lambda s, p, now: s.batch_put_revoke(p.client_id, p.keys, now),
+        "BatchUpsertStart": lambda s, p, now: s.batch_put_start(
+            p.client_id, p.keys, p.sizes, p.config, now, upsert=True
+        ),
+        "BatchUpsertEnd": lambda s, p, now: s.batch_put_end(p.client_id, p.keys, now),
+        "BatchUpsertRevoke": lambda s, p, now: s.batch_put_revoke(p.client_id, p.keys, now),
+        "GetReplicaList": lambda s, p, now: s.get_replica_list(p.key, now, for_read=p.for_read),
+        "BatchGetReplicaList": lambda s, p, now: s.batch_get_replica_list(
+            p.keys, now, for_read=p.for_read
+        ),
+        "GetReplicaListByRegex": lambda s, p, now: s.get_replica_list_by_regex(p.regex, now),
+        "ExistKey": lambda s, p, now: s.exist_key(p.key, now),
+        "BatchExistKey": lambda s, p, now: s.batch_exist_key(p.keys, now),
+        "Remove": lambda s, p, now: s.remove(p.key, p.force, now),
+        "BatchRemove": lambda s, p, now: s.batch_remove(p.keys, p.force, now),
+        "RemoveByRegex": lambda s, p, now: s.remove_by_regex(p.regex, p.force, now),
+        "RemoveAll": lambda s, p, now: s.remove_all(p.force, now),
+        "QueryKey": lambda s, p, now: s.query_key(p.key),
+        "GetAllKeys": lambda s, p, now: s.all_keys(),
+        "GetAllSegments": lambda s, p, now: s.all_segments(),
+        "CreateCopyTask": lambda s, p, now: s.create_copy_task(p.key, p.targets, now),
+        "CreateMoveTask": lambda s, p, now: s.create_move_task(p.key, p.source, p.target, now),
+        "QueryTask": lambda s, p, now: s.query_task(p.task_id),
+        "FetchTasks": lambda s, p, now: s.fetch_tasks(p.client_id, now),
+        "TaskStart": lambda s, p, now: s.task_start(p.client_id, p.task_id, now),
+        "TaskEnd": lambda s, p, now: s.task_end(p.client_id, p.task_id, now),
+        "TaskRevoke": lambda s, p, now: s.task_revoke(p.client_id, p.task_id, p.message, now),
+    }
+
+
+class MasterServer:
+    """A running master: its state, bound ports and per-method counters."""
+
+    def __init__(self, config: MasterServerConfig, state: MasterState | None = None) -> None:
+        self.config = config
+        self.state = state if state is not None else MasterState(config.state)
+        self.handlers = _handlers()
+        missing = set(rpc.METHODS) - set(self.handlers)
+        assert not missing, f"RPC methods without a handler: {missing}"
+        self.requests: dict[str, int] = dict.fromkeys(rpc.METHODS, 0)
+        self.failures: dict[str, int] = dict.fromkeys(rpc.METHODS, 0)
+        self.connections = 0
+        self.connections_dropped = 0
+        self.rpc_port = 0
+        self.metrics_port: int | None = None
+        self.http_metadata_port: int | None = None
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_MasterCollector(self))
+        self._limiter = anyio.CapacityLimiter(config.max_connections)
+        self._http_limiter = anyio.CapacityLimiter(_HTTP_MAX_CONNECTIONS)
+
+    # -- RPC -------------------------------------------------------------------------------
+
+    def handle_request(self, req: rpc.Request, now: float) -> bytes:
+        """Answer one decoded request (a framed response; never raises for request errors)."""
+        max_frame = self.config.max_frame
+        name = req.method
+        try:
+            params = rpc.decode_params(req)
+            self.requests[name] += 1
+            result = self.handlers[name](self.state, params, now)
+            try:
+                return rpc.encode_result(req.id, result, max_frame=max_frame)
+            except InvalidArgumentError as e:  # answer too large for one frame
+                self.failures[name] += 1
+                return rpc.encode_error(req.id, e, max_frame=max_frame)
+        except MooncakeError as e:
+            if name in self.failures:
+                self.failures[name] += 1
+            return rpc.encode_error(req.id, e, max_frame=max_frame)
+        except Exception as e:  # a bug here must not take the master down
+            log.exception("master: %s failed", name)
+            self.failures[name] = self.failures.get(name, 0) + 1
+            return rpc.encode_error(
+                req.id, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}", max_frame=max_frame
+            )
+
+    async def serve_connection(self, sock: socket.socket) -> None:
+        """Serve one RPC connection (a connected non-blocking socket, closed on return) until
+        the peer closes it or sends garbage.
+
+        Raw non-blocking socket calls, awaiting readiness only on ``EAGAIN``: a request costs
+        one ``recv`` and one ``send`` and no scheduler round trip when the socket is ready
+        (a checkpoint every ``_FAIR_ROUNDS`` busy rounds keeps other connections served).
+        """
+        try:
+            if self._limiter.available_tokens < 1:
+                log.warning(
+                    "master: connection limit %d reached; closing", self.config.max_connections
+                )
+                self.connections_dropped += 1
+                return
+            async with self._limiter:
+                self.connections += 1
+                await self._serve_socket(sock)
+        finally:
+            sock.close()
+
+    async def _serve_socket(self, sock: socket.socket) -> None:
+        decoder = rpc.MessageDecoder(self.config.max_frame)
+        busy = 0
+        try:
+            while True:
+                try:
+                    data = sock.recv(_RECV)
+                except (BlockingIOError, InterruptedError):
+                    busy = 0
+                    await anyio.wait_readable(sock)
+                    continue
+                if not data:
+                    decoder.check_eof()
+                    return
+                decoder.feed(data)
+                out: list[bytes] = []
+                for msg in decoder:
+                    if not isinstance(msg, rpc.Request):
+                        raise ProtocolError("a client sent a response frame")
+                    out.append(self.handle_request(msg, anyio.current_time()))
+                if out:
+                    await _send_all(sock, b"".join(out) if len(out) > 1 else out[0])
+                busy += 1
+                if busy >= _FAIR_ROUNDS:
+                    busy = 0
+                    await anyio.lowlevel.checkpoint()
+        except ProtocolError as e:
+            self.connections_dropped += 1
+            log.warning("master: dropping connection: %s", e)
+        except OSError as e:  # reset, broken pipe
+            self.connections_dropped += 1
+            log.info("master: connection lost: %s", e)
+
+    async def sweeper(self) -> None:
+        """Periodic time-driven work on the state (see :meth:`MasterState.sweep`)."""
+        while True:
+            await anyio.sleep(self.config.sweep_interval)
+            try:
+                self.state.sweep(anyio.current_time())
+            except Exception:
+                log.exception("master: sweep failed")
+
+    # -- HTTP (/metrics, /health) ----------------------------------------------------------
+
+    def http_response(self, method: str, target: str) -> tuple[int, str, bytes]:
+        """(status, content type, body) for one admin HTTP request."""
+        url = urlsplit(target)
+        if method not in ("GET", "HEAD"):
+            return 405, "text/plain", b"method not allowed\n"
+        if url.path == "/metrics":
+            return 200, "text/plain; version=0.0.4; charset=utf-8", generate_latest(self.registry)
+        if url.path == "/health":
+            return 200, "text/plain", b"OK\n"
+        if url.path == "/query_key":
+            key = parse_qs(url.query).get("key", [""])[0]
+            try:
+                info = self.state.query_key(key)
+            except MooncakeError as e:
+                body = msgspec.json.encode({"success": False, "error_code": int(e.code)})
+                return 404, "application/json", body
+            body = msgspec.json.encode({"success": True, "data": info})
+            return 200, "application/json", body
+        if url.path == "/get_all_keys":
+            return 200, "application/json", msgspec.json.encode(self.state.all_keys())
+        if url.path == "/get_all_segments":
+            return 200, "application/json", msgspec.json.encode(self.state.all_segments())
+        return 404, "text/plain", b"not found\n"
+
+    async def serve_http_connection(self, stream: anyio.abc.ByteStream) -> None:
+        """One admin HTTP connection (keep-alive; at most ``_HTTP_MAX_CONNECTIONS`` at once,
+        heads bounded by h11, closed after ``_HTTP_IDLE_S`` idle)."""
+        async with stream:
+            if self._http_limiter.available_tokens < 1:
+                return
+            async with self._http_limiter:
+                await self._serve_http(stream)
+
+    async def _serve_http(self, stream: anyio.abc.ByteStream) -> None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_HTTP_MAX_HEAD)
+        try:
+            while True:
+                request: h11.Request | None = None
+                with anyio.move_on_after(_HTTP_IDLE_S):  # whole request, body drained
+                    event = await _next_http_event(conn, stream)
+                    if not isinstance(event, h11.Request):
+                        return
+                    while not isinstance(await _next_http_event(conn, stream), h11.EndOfMessage):
+                        pass  # admin endpoints take no body
+                    request = event
+                if request is None:
+                    return
+                status, ctype, body = self.http_response(
+                    request.method.decode("ascii", "replace"),
+                    request.target.decode("ascii", "replace"),
+                )
+                headers = [("content-type", ctype), ("content-length", str(len(body)))]
+                head = h11.Response(
+                    status_code=status, headers=headers, reason=_REASONS.get(status, b"")
+                )
+                data = conn.send(head) or b""
+                if request.method != b"HEAD":
+                    data += conn.send(h11.Data(data=body)) or b""
+                data += conn.send(h11.EndOfMessage()) or b""
+                await stream.send(data)
+                if conn.our_state is h11.MUST_CLOSE:
+                    return
+                conn.start_next_cycle()
+        except (h11.RemoteProtocolError, h11.LocalProtocolError):
+            return
+        except (anyio.BrokenResourceError, anyio.EndOfStream, anyio.ClosedResourceError):
+            return
+
+
+async def _next_http_event(conn: h11.Connection, stream: anyio.abc.ByteStream) -> Any:
+    while True:
+        event = conn.next_event()
+        if event is not h11.NEED_DATA:
+            return event
+        try:
+            data = await stream.receive(65536)
+        except (anyio.EndOfStream, anyio.BrokenResourceError):
+            data = b""
+        conn.receive_data(data)
+
+
+class _MasterCollector(Collector):
+    """Prometheus view of a master (names follow Mooncake's ``master_*`` metrics)."""
+
+    def __init__(self, server: MasterServer) -> None:
+        self.server = server
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.server.state
+        st = s.stats
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, value=value)
+
+        yield gauge("master_key_count", "Objects with a readable version", s.object_count)
+        yield gauge("master_allocated_bytes", "Bytes allocated in mounted segments", s.used_bytes)
+        yield gauge(
+            "master_total_capacity_bytes", "Bytes of all mounted segments", s.capacity_bytes
+        )
+        yield gauge("master_active_clients", "Clients alive (pinging)", s.client_count)
+        yield gauge("master_mounted_segments", "Mounted segments", s.segment_count)
+        yield counter("master_put_start", "PutStart/UpsertStart that allocated", st.puts_started)
+        yield counter("master_put_end", "Writes made readable", st.puts_ended)
+        yield counter("master_put_revoke", "Writes revoked", st.puts_revoked)
+        yield counter(
+            "master_put_no_space", "PutStart refused for lack of space", st.put_failures_no_space
+        )
+        yield counter("master_get_replica_list", "Successful replica lookups", st.gets)
+        yield counter("master_get_miss", "Replica lookups of absent objects", st.get_misses)
+        yield counter("master_removed_keys", "Objects removed explicitly", st.removes)
+        yield counter("master_evicted_keys", "Objects evicted", st.evicted_objects)
+        yield counter("master_evicted_bytes", "Object bytes evicted", st.evicted_bytes)
+        yield counter("master_eviction_runs", "Eviction passes", st.eviction_runs)
+        yield counter(
+            "master_lease_refusals", "Removals refused because of a lease", st.lease_refusals
+        )
+        yield counter(
+            "master_zombie_puts_discarded", "Zombie writes pre-empted", st.zombies_discarded
+        )
+        yield counter("master_zombie_puts_released", "Zombie writes released", st.zombies_released)
+        yield counter(
+            "master_clients_expired", "Clients dropped after client_ttl", st.clients_expired
+        )
+        req = CounterMetricFamily(
+            "master_rpc_requests", "RPC requests by method", labels=["method"]
+        )
+        fail = CounterMetricFamily(
+            "master_rpc_failures", "RPC error answers by method", labels=["method"]
+        )
+        for name, n in self.server.requests.items():
+            req.add_metric([name], n)
+        for name, n in self.server.failures.items():
+            fail.add_metric([name], n)
+        yield req
+        yield fail
+
+
+async def _listen(host: str, port: int) -> MultiListener[anyio.abc.SocketStream]:
+    try:
+        return await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
+    except OSError as e:
+        raise InvalidArgumentError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+async def _send_all(sock: socket.socket, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            n = sock.send(view)
+        except (BlockingIOError, InterruptedError):
+            await anyio.wait_writable(sock)
+            continue
+        view = view[n:]
+
+
+async def _raw_listener(host: str, port: int) -> socket.socket:
+    try:
+        infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise InvalidArgumentError(f"cannot resolve {host}:{port}: {e}") from None
+    family, stype, proto, _, addr = infos[0]
+    lsock = socket.socket(family, stype, proto)
+    try:
+        lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        lsock.bind(addr)
+        lsock.listen(1024)
+        lsock.setblocking(False)
+    except OSError as e:
+        lsock.close()
+        raise InvalidArgumentError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return lsock
+
+
+async def _accept_loop(lsock: socket.socket, handler: Callable[[socket.socket], Any]) -> None:
+    """Accept connections on ``lsock`` (closed on exit), one task per connection."""
+    try:
+        async with anyio.create_task_group() as tg:
+            while True:
+                try:
+                    conn, _ = lsock.accept()
+                except (BlockingIOError, InterruptedError):
+                    await anyio.wait_readable(lsock)
+                    continue
+                except OSError as e:
+                    if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                        log.warning("master: accept failed (%s); backing off", e)
+                        await anyio.sleep(0.05)
+                        continue
+                    raise
+                conn.setblocking(False)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                tg.start_soon(handler, conn)
+    finally:
+        lsock.close()
+
+
+def _port(listener: MultiListener[anyio.abc.SocketStream]) -> int:
+    return int(listener.listeners[0].extra(anyio.abc.SocketAttribute.local_port))
+
+
+async def _serve_closing(
+    listener: MultiListener[anyio.abc.SocketStream],
+    handler: Callable[[anyio.abc.SocketStream], Any],
+) -> None:
+    async with listener:
+        await listener.serve(handler)
+
+
+async def serve_master(
+    config: MasterServerConfig | None = None,
+    *,
+    state: MasterState | None = None,
+    task_status: anyio.abc.TaskStatus[MasterServer] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a master until cancelled; ``task_status.started(server)`` once every port is bound.
+
+    Port 0 binds a free port (read it from ``server.rpc_port`` / ``server.metrics_port``).
+    ``--enable-http-metadata-server`` embeds Mooncake's HTTP metadata protocol on its own port.
+    """
+    config = config or MasterServerConfig()
+    server = MasterServer(config, state)
+    async with anyio.create_task_group() as tg:
+        if config.enable_metric_reporting and config.metrics_port >= 0:
+            mlistener = await _listen(config.metrics_host, config.metrics_port)
+            server.metrics_port = _port(mlistener)
+            tg.start_soon(_serve_closing, mlistener, server.serve_http_connection)
+        if config.enable_http_metadata_server:
+            from mooncake._engine.metadata.server import serve_http_metadata
+
+            _, hport = await tg.start(
+                serve_http_metadata,
+                config.http_metadata_server_host,
+                config.http_metadata_server_port,
+            )
+            server.http_metadata_port = int(hport)
+        tg.start_soon(server.sweeper)
+        lsock = await _raw_listener(config.rpc_address, config.rpc_port)
+        server.rpc_port = int(lsock.getsockname()[1])
+        log.info(
+            "master: RPC on %s:%d, metrics on %s",
+            config.rpc_address,
+            server.rpc_port,
+            f"{config.metrics_host}:{server.metrics_port}" if server.metrics_port else "off",
+        )
+        task_status.started(server)
+        await _accept_loop(lsock, server.serve_connection)
