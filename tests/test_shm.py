@@ -148,6 +148,23 @@ async def test_read_write_mapped_and_vm(peer: Peer) -> None:
         del arr
 
 
+async def test_buffer_registered_later_is_listed_and_mapped(peer: Peer) -> None:
+    async with open_engine("127.0.0.1") as engine:
+        local = await engine.allocate(SIZE)
+        await engine.read(peer.segment, local.addr, peer.info["alloc"], 64)  # first listing
+        before = len(mapped_bases(engine, peer.segment))
+        reply = await anyio.to_thread.run_sync(
+            lambda: peer.cmd(op="allocate", which="late", length=SIZE, value=9)
+        )
+        res = await engine.transfer(
+            peer.segment,
+            [TransferRequest.read(local.addr, reply["addr"] + 10, 4096)],
+            transport="shm",
+        )
+        assert res[0].ok and (local.numpy()[:4096] == 9).all()
+        assert len(mapped_bases(engine, peer.segment)) == before + 1  # mapped, not process_vm
+
+
 async def test_large_batch_goes_through_worker_thread(peer: Peer) -> None:
     big = 8 << 20
     bigpeer = Peer(alloc=big, array=4096)

@@ -7,6 +7,7 @@ array of ``--array`` bytes (memory the engine did not allocate), fills both with
   {"op": "fill", "which": "alloc"|"array", "offset": o, "data_hex": h}
   {"op": "dump", "which": ..., "offset": o, "length": n}      -> {"data_hex": ...}
   {"op": "unregister", "which": ...}                           -> {"ok": true}
+  {"op": "allocate", "which": name, "length": n, "value": v}   -> {"addr": ...} (filled with v)
   {"op": "quit"}
 
 ``--no-dumpable`` makes the process non-dumpable, so the kernel refuses process_vm_readv/writev
@@ -59,6 +60,11 @@ async def main(args: argparse.Namespace) -> None:
             elif op == "dump":
                 o, n = cmd["offset"], cmd["length"]
                 reply["data_hex"] = v[o : o + n].tobytes().hex()
+            elif op == "allocate":  # a new engine buffer, registered after peers listed ours
+                extra = await engine.allocate(cmd["length"])
+                views[cmd["which"]] = extra.numpy()
+                views[cmd["which"]][:] = cmd.get("value", 0)
+                reply["addr"] = extra.addr
             elif op == "unregister":
                 which = cmd["which"]
                 if which == "alloc":
