@@ -83,6 +83,14 @@ def register(subparsers: Any) -> None:
         default=512 * MIB,
         help="registered buffer per process (default 512M; cases that do not fit are skipped)",
     )
+    p.add_argument(
+        "--memory",
+        choices=("auto", "allocate", "numpy"),
+        default="auto",
+        help="registered memory on both sides: engine.allocate() (memfd, what shm maps) or a "
+        "pre-faulted numpy array (what the published bench registers); auto = allocate for "
+        "shm/auto, numpy for tcp",
+    )
     p.add_argument("--case-seconds", type=float, default=1.0, help="time per case (default 1.0)")
     p.add_argument("--max-iters", type=int, default=200_000, help="call cap per case")
     p.add_argument("--backend", choices=("trio", "asyncio"), default="trio")
@@ -110,8 +118,11 @@ def main(args: argparse.Namespace) -> int:
         return 2
     import anyio
 
+    memory = args.memory
+    if memory == "auto":
+        memory = "numpy" if args.transport == "tcp" else "allocate"
     if args.serve_target:
-        anyio.run(_serve_target, args.buffer, backend=args.backend)
+        anyio.run(_serve_target, args.buffer, memory, backend=args.backend)
         return 0
     out = run_bench(
         sizes=sizes,
@@ -123,6 +134,7 @@ def main(args: argparse.Namespace) -> int:
         max_iters=args.max_iters,
         backend=args.backend,
         progress=not args.no_progress and args.json != "-",
+        memory=memory,
     )
     if args.json == "-":
         json.dump(out, sys.stdout, indent=1)
@@ -145,26 +157,49 @@ def pattern(n: int, seed: int) -> Any:
 # -- target ----------------------------------------------------------------------------------
 
 
-async def _serve_target(size: int) -> None:
+class _Mem:
+    """The registered buffer of a bench process: ``addr``, ``length`` and a numpy view."""
+
+    def __init__(self, addr: int, length: int, arr: Any) -> None:
+        self.addr, self.length, self.arr = addr, length, arr
+
+
+async def _memory(engine: Any, size: int, kind: str) -> _Mem:
+    if kind == "allocate":
+        buf = await engine.allocate(size)
+        return _Mem(buf.addr, buf.length, buf.numpy())
+    import numpy as np
+
+    arr = np.empty(size, dtype=np.uint8)
+    arr.fill(0)  # pre-fault, as the published bench does
+    await engine.register(arr)
+    return _Mem(int(arr.ctypes.data), size, arr)
+
+
+async def _serve_target(size: int, memory: str = "allocate") -> None:
     import anyio
 
     from mooncake._engine.engine import open_engine
 
     async with open_engine("127.0.0.1") as engine:
-        buf = await engine.allocate(size)
-        arr = buf.numpy()
+        buf = await _memory(engine, size, memory)
+        arr = buf.arr
         arr[: 1 * MIB] = pattern(1 * MIB, 7)
         del arr  # an exported view would keep the mapping alive past the engine's close
+        if memory == "allocate":
+            buf.arr = None
         info = {"segment": engine.segment_name, "addr": buf.addr, "size": buf.length}
         print("TARGET " + json.dumps(info), flush=True)
         # serve until the initiator closes our stdin (or dies)
         await anyio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
 
 
-def spawn_target(size: int, backend: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+def spawn_target(
+    size: int, backend: str, memory: str = "allocate"
+) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     """Start a target process; returns it and its ``{segment, addr, size}``."""
     cmd = [sys.executable, "-m", "mooncake", "bench", "transfer", "--serve-target"]
-    cmd += ["--buffer", str(size), "--backend", backend]
+    cmd += ["--buffer", str(size), "--backend", backend, "--memory", memory]
     # the child must import this very package, wherever it was imported from
     import mooncake
 
@@ -217,11 +252,12 @@ def run_bench(
     max_iters: int,
     backend: str = "trio",
     progress: bool = True,
+    memory: str = "allocate",
 ) -> dict[str, Any]:
     """Spawn a target, run every case against it, return the results (JSON-able)."""
     import anyio
 
-    proc, info = spawn_target(buffer, backend)
+    proc, info = spawn_target(buffer, backend, memory)
     try:
         return anyio.run(
             _initiate,
@@ -234,6 +270,7 @@ def run_bench(
             case_seconds,
             max_iters,
             progress,
+            memory,
             backend=backend,
         )
     finally:
@@ -250,6 +287,7 @@ async def _initiate(
     case_seconds: float,
     max_iters: int,
     progress: bool,
+    memory: str = "allocate",
 ) -> dict[str, Any]:
     import numpy as np
 
@@ -271,9 +309,10 @@ async def _initiate(
     t0 = time.perf_counter()
     async with open_engine("127.0.0.1") as engine:
         out["engine_init_s"] = time.perf_counter() - t0
-        buf = await engine.allocate(size)
-        arr = buf.numpy()
+        buf = await _memory(engine, size, memory)
+        arr = buf.arr
         laddr = buf.addr
+        out["memory"] = memory
 
         async def one(op: str, off_l: int, off_r: int, n: int) -> bool:
             mk = TransferRequest.read if op == "read" else TransferRequest.write
@@ -327,6 +366,8 @@ async def _initiate(
             bar.close()
         out["cases"] = results
         del arr
+        if memory == "allocate":
+            buf.arr = None
     return out
 
 
