@@ -745,7 +745,11 @@ class Engine:
                     "of its registered buffers"
                 )
             )
-        send_idx = [i for i in range(len(reqs)) if results[i] is None] if missing else list(range(len(reqs)))
+        send_idx = (
+            [i for i in range(len(reqs)) if results[i] is None]
+            if missing
+            else list(range(len(reqs)))
+        )
         if send_idx:
             routes = self._route(peer, reqs, send_idx, transport, results)
             held = [regs[i] for i in send_idx]
