@@ -34,6 +34,13 @@ extensions = [
         )
         for m in VERBS_MODULES
     ),
+    Extension("mooncake._fast._tcp", ["mooncake/_fast/_tcp.pyx"], extra_compile_args=CFLAGS),
+    Extension(
+        "mooncake._fast._copyq",
+        ["mooncake/_fast/_copyq.pyx"],
+        extra_compile_args=CFLAGS,
+        extra_link_args=["-pthread"],
+    ),
 ]
 
 soft_provider = Extension(

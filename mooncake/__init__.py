@@ -3,8 +3,12 @@
 Async API (anyio; trio is the reference backend, asyncio works too)::
 
     async with mooncake.open_engine("127.0.0.1") as engine:
-        buf = engine.allocate(1 << 20)
+        buf = await engine.allocate(1 << 20)
         await engine.write(peer_segment, buf.addr, remote_addr, 4096)
+        results = await engine.transfer(peer_segment, [TransferRequest.read(buf.addr, remote_addr, 4096)])
+
+    async with mooncake.open_store(master="127.0.0.1:50051", segment_size=1 << 30) as store:
+        await store.put("key", b"value")
 
 The published Mooncake Python API lives where the published wheel puts it:
 ``mooncake.engine.TransferEngine`` and ``mooncake.store.MooncakeDistributedStore``.
@@ -15,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mooncake import errors
+from mooncake._core.transfer import Opcode, TransferRequest, TransferResult, TransferStatus
 from mooncake.errors import MooncakeError
 
 __version__ = "0.1.0"
@@ -38,4 +43,16 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'mooncake' has no attribute {name!r}")
 
 
-__all__ = ["Engine", "MooncakeError", "Store", "__version__", "errors", "open_engine", "open_store"]
+__all__ = [
+    "Engine",
+    "MooncakeError",
+    "Opcode",
+    "Store",
+    "TransferRequest",
+    "TransferResult",
+    "TransferStatus",
+    "__version__",
+    "errors",
+    "open_engine",
+    "open_store",
+]

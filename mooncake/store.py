@@ -26,7 +26,6 @@ import numpy as np
 from mooncake._core import rpc
 from mooncake._core.gpu import device_of
 from mooncake._core.store_types import ObjectDataType, ReplicaStatus, SoftPinAction
-from mooncake._store._bridge import LoopThread
 from mooncake._store.client import Store, _check_key, _value_addr, open_store
 from mooncake._store.config import (
     Descriptor,
@@ -37,6 +36,7 @@ from mooncake._store.config import (
     parse_size,
 )
 from mooncake._store.fastpath import FAST_MAX, FastPath
+from mooncake._sync import LoopThread
 from mooncake.errors import ErrorCode, InvalidArgumentError, MooncakeError, to_code
 
 log = logging.getLogger("mooncake.store")

@@ -21,6 +21,7 @@ def test_demo_json() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert out["initiator"] != out["target"]
+    assert out["transport"] in ("shm", "tcp")
     rows = out["results"]
     assert {r["op"] for r in rows} == {"read", "write"}
     assert all(r["verified"] and r["calls"] >= 3 and r["gbps"] > 0 for r in rows)

@@ -342,8 +342,15 @@ async def test_engine_binds_only_the_given_host() -> None:
         host, _ = split_segment(e.segment_name)
         assert host == "127.0.0.1"
         assert e.descriptor().tcp_data_host == "127.0.0.1"
-        listeners = [e.handshake._sock, e.transports[0]._listener]  # type: ignore[attr-defined]
+        tcp = next(t for t in e.transports if t.name == "tcp")
+        listeners = [e.handshake._sock, tcp._listener]  # type: ignore[attr-defined]
         assert [s.getsockname()[0] for s in listeners if s is not None] == ["127.0.0.1"] * 2
+        for t in e.transports:  # shm listens on an abstract Unix socket: no network at all
+            if t.name == "shm":
+                lsock = t._listener  # type: ignore[attr-defined]
+                name = lsock.getsockname()
+                assert lsock.family == socket.AF_UNIX
+                assert (name if isinstance(name, bytes) else name.encode()).startswith(b"\0")
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

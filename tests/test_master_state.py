@@ -554,6 +554,7 @@ class MasterMachine(RuleBasedStateMachine):
         assert force or self.lease.get(key, 0) <= self.now
         del self.readable[key]
         self.hard.discard(key)
+        self.lease.pop(key, None)  # a later put of the key is a new object, unleased
 
     @initialize(sizes=st.lists(st.sampled_from([4096, 8192, 16384]), min_size=3, max_size=3))
     def mount_all(self, sizes: list[int]) -> None:

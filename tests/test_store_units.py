@@ -10,8 +10,8 @@ from hypothesis import strategies as hs
 
 from mooncake._core import store_types as st
 from mooncake._core.staging import RangeAllocator
-from mooncake._store._bridge import LoopThread
 from mooncake._store.config import ReplicateConfig, parse_size, to_wire
+from mooncake._sync import LoopThread
 from mooncake.errors import ClosedError, InvalidArgumentError
 from mooncake.store import MooncakeDistributedStore, SoftPinAction
 

@@ -297,7 +297,8 @@ def test_importing_the_layer_does_not_open_libibverbs() -> None:
     res = _run("""
         import mooncake._fast.verbs as v
         maps = open('/proc/self/maps').read()
-        print(v.AVAILABLE, 'libibverbs' in maps, 'mcsoftverbs' in maps, v.loaded_path())
+        print(v.AVAILABLE, 'libibverbs' in maps, 'mcsoftverbs' in maps,
+              v.loaded_path() if v.AVAILABLE else None)
     """)
     assert res.returncode == 0, res.stderr
     available = res.stdout.split()[0] == "True"
@@ -386,6 +387,6 @@ def test_engine_with_rdma_on_a_host_without_rdma_fails_clearly() -> None:
     lines = res.stdout.splitlines()
     if Path("/sys/class/infiniband").exists():
         pytest.skip("this host has RDMA devices")
-    assert lines[0] == "DEFAULT ['tcp']"
+    assert lines[0].startswith("DEFAULT [") and "'tcp'" in lines[0] and "'rdma'" not in lines[0]
     assert lines[1].startswith("ERR"), lines
     assert "ibv_get_device_list failed: [errno 38]" in lines[1] or "cannot load" in lines[1]

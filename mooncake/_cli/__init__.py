@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 _SUBCOMMANDS: list[str] = [
+    "bench",
     "demo",
     "master",
     "metadata_server",

@@ -1,6 +1,7 @@
 """``mooncake demo``: move real bytes between two engine processes and print what happened.
 
-Starts a target engine in a child process (P2P handshake, TCP, loopback), then from this process
+Starts a target engine in a child process (P2P handshake, loopback; the transport the engine
+picks for a same-host peer, or ``--transport``), then from this process
 writes and reads blocks of several sizes, single and batched, verifies every case byte for byte
 (SHA-256 on both sides) and prints a table of throughput and latency.
 """
@@ -34,6 +35,11 @@ def register(sub: Any) -> None:
     p = sub.add_parser("demo", help="move verified bytes between two engine processes")
     p.add_argument("--seconds", type=float, default=0.3, help="time per case (default 0.3)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
+    p.add_argument(
+        "--transport",
+        default=None,
+        help="force a transport (tcp, shm); default: the engine's choice for the peer",
+    )
     p.set_defaults(func=run)
 
 
@@ -79,7 +85,9 @@ class _Peer:
             self.proc.wait()
 
 
-async def _demo(seconds: float) -> tuple[str, str, list[dict[str, Any]]]:
+async def _demo(
+    seconds: float, transport: str | None
+) -> tuple[str, str, str, list[dict[str, Any]]]:
     import mooncake
     from mooncake._cli._peer import digest, pattern
     from mooncake._core.transfer import Opcode, TransferRequest
@@ -91,6 +99,7 @@ async def _demo(seconds: float) -> tuple[str, str, list[dict[str, Any]]]:
         async with mooncake.open_engine("127.0.0.1") as engine:
             buf = await engine.allocate(span)
             arr = buf.numpy()
+            used = engine._pick(await engine.peer(peer.segment), transport).name
             seed = 1
             for op in (Opcode.WRITE, Opcode.READ):
                 for size, batch in CASES:
@@ -107,7 +116,7 @@ async def _demo(seconds: float) -> tuple[str, str, list[dict[str, Any]]]:
                         await anyio.to_thread.run_sync(
                             functools.partial(peer.cmd, op="fill", offset=0, length=n, seed=seed)
                         )
-                    results = await engine.transfer(peer.segment, reqs)
+                    results = await engine.transfer(peer.segment, reqs, transport=used)
                     ok = all(r.ok for r in results)
                     if op is Opcode.WRITE:
                         remote = await anyio.to_thread.run_sync(
@@ -121,7 +130,7 @@ async def _demo(seconds: float) -> tuple[str, str, list[dict[str, Any]]]:
                     end = time.perf_counter() + seconds
                     while time.perf_counter() < end or len(lat) < 3:
                         t0 = time.perf_counter()
-                        res = await engine.transfer(peer.segment, reqs)
+                        res = await engine.transfer(peer.segment, reqs, transport=used)
                         lat.append(time.perf_counter() - t0)
                         ok = ok and all(r.ok for r in res)
                     total = sum(lat)
@@ -139,18 +148,23 @@ async def _demo(seconds: float) -> tuple[str, str, list[dict[str, Any]]]:
             local = engine.segment_name
     finally:
         await anyio.to_thread.run_sync(peer.close)
-    return local, peer.segment, rows
+    return local, peer.segment, used, rows
 
 
 def run(args: argparse.Namespace) -> int:
-    local, remote, rows = anyio.run(_demo, args.seconds, backend="trio")
+    local, remote, used, rows = anyio.run(_demo, args.seconds, args.transport, backend="trio")
     if args.json:
-        print(json.dumps({"initiator": local, "target": remote, "results": rows}, indent=2))
+        print(
+            json.dumps(
+                {"initiator": local, "target": remote, "transport": used, "results": rows},
+                indent=2,
+            )
+        )
     else:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"mooncake demo: {local} -> {remote} (tcp, P2P handshake)")
+        table = Table(title=f"mooncake demo: {local} -> {remote} ({used}, P2P handshake)")
         for col in ("op", "block", "batch", "calls", "GB/s", "p50 µs", "bytes verified"):
             table.add_column(col, justify="right" if col not in ("op",) else "left")
         for r in rows:

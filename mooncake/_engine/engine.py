@@ -163,13 +163,28 @@ class DeviceMemory:
 
 
 class Buffer:
-    """Engine-allocated, registered, pre-faulted memory (``engine.allocate``)."""
+    """Engine-allocated, registered, pre-faulted memory (``engine.allocate``).
 
-    def __init__(self, mm: mmap.mmap, region: Region) -> None:
+    Backed by a memfd where the kernel has them (``fd``; else -1), so that a same-host peer's
+    ``shm`` transport can map it; the engine closes the mapping and the fd on unregister/close.
+    """
+
+    def __init__(self, mm: mmap.mmap, region: Region, fd: int = -1) -> None:
         self._mmap = mm
         self.region = region
         self.addr = region.addr
         self.length = region.length
+        self.fd = fd
+
+    def _close(self) -> None:
+        """Unmap (``BufferError`` while a view is exported) and close the memfd either way:
+        a mapping that outlives this keeps its pages without the fd."""
+        try:
+            self._mmap.close()
+        finally:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
 
     @property
     def view(self) -> memoryview:
@@ -319,7 +334,7 @@ class Engine:
             for buf in list(self._buffers.values()):
                 self.registry.remove(buf.addr)
                 try:
-                    buf._mmap.close()
+                    buf._close()
                 except BufferError:
                     # still viewed (e.g. a numpy array the caller holds): the mapping goes
                     # away with its last view instead of under it
@@ -550,7 +565,7 @@ class Engine:
         region.owner = None
         buf = self._buffers.pop(addr, None)
         if buf is not None:
-            buf._mmap.close()
+            buf._close()
         dm = self._device_mem.pop(addr, None)
         if dm is not None:
             dm._rt.free(dm.addr)
@@ -596,12 +611,20 @@ class Engine:
             self._device_mem[ptr] = dm
             return dm
         size = math.ceil(length / mmap.PAGESIZE) * mmap.PAGESIZE
-        mm = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
-        addr = int(np.frombuffer(mm, dtype=np.uint8).ctypes.data)
-        await anyio.to_thread.run_sync(_fast.prefault, addr, size)
-        region = await self.register((addr, size), location=location)
+        mm, fd = _map_shared(size)
+        try:
+            addr = int(np.frombuffer(mm, dtype=np.uint8).ctypes.data)
+            await anyio.to_thread.run_sync(_fast.prefault, addr, size)
+            region = await self.register((addr, size), location=location)
+        except BaseException:
+            mm.close()
+            if fd >= 0:
+                os.close(fd)
+            raise
         region.owner = mm
-        buf = Buffer(mm, region)
+        if fd >= 0:
+            region.meta["memfd"] = fd
+        buf = Buffer(mm, region, fd)
         self._buffers[addr] = buf
         return buf
 
@@ -651,17 +674,42 @@ class Engine:
     # -- transfers ------------------------------------------------------------------------
 
     def _validate(self, requests: Iterable[TransferRequest]) -> list[TransferRequest]:
-        out = []
+        return self._validate_regions(requests)[0]
+
+    def _validate_regions(
+        self, requests: Iterable[TransferRequest]
+    ) -> tuple[list[TransferRequest], list[Region]]:
+        """Check every request; returns them and the local region of each.
+
+        Hot path: a batch's requests usually share one local region, so the last one found is
+        tried first, and plain-int ranges skip the general checks (same outcomes, fewer calls).
+        """
+        out: list[TransferRequest] = []
+        regs: list[Region] = []
+        last: Region | None = None
         for i, r in enumerate(requests):
             if not isinstance(r, TransferRequest):
                 raise InvalidArgumentError(
                     f"requests[{i}] is {type(r).__name__}, not TransferRequest"
                 )
-            check_range(r.local_addr, r.length, f"requests[{i}] local")
-            check_range(r.remote_addr, r.length, f"requests[{i}] remote")
-            self.registry.require(r.local_addr, r.length, f"requests[{i}] local")
+            la, ra, n = r.local_addr, r.remote_addr, r.length
+            if not (
+                type(la) is int
+                and type(ra) is int
+                and type(n) is int
+                and n > 0
+                and la >= 0
+                and ra >= 0
+                and la + n <= _U64
+                and ra + n <= _U64
+            ):
+                check_range(la, n, f"requests[{i}] local")
+                check_range(ra, n, f"requests[{i}] remote")
+            if last is None or last.closing or la < last.addr or la + n > last.addr + last.length:
+                last = self.registry.require(la, n, f"requests[{i}] local")
             out.append(r)
-        return out
+            regs.append(last)
+        return out, regs
 
     async def transfer(
         self,
@@ -672,36 +720,47 @@ class Engine:
     ) -> list[TransferResult]:
         """Run a batch against ``segment``; one result per request, in order."""
         self._check_open()
-        reqs = self._validate(requests)
+        reqs, regs = self._validate_regions(requests)
         if not reqs:
             return []
         if segment == self.segment_name:
             return await self._local(reqs)
         try:
             peer = await self.peer(segment)
-            if any(peer.descriptor.find_buffer(r.remote_addr, r.length) is None for r in reqs):
-                # the peer may have registered more since we cached its descriptor
+            missing = _uncovered(peer.descriptor, reqs, range(len(reqs)))
+            if missing:  # the peer may have registered more since we cached its descriptor
                 peer = await self.peer(segment, refresh=True)
+                missing = _uncovered(peer.descriptor, reqs, missing)
         except InvalidArgumentError:
             raise
         except MooncakeError as e:  # unreachable, unknown or malformed: every request fails
             self.forget(segment)
             return [failed(e) for _ in reqs]
         results: list[TransferResult | None] = [None] * len(reqs)
-        send_idx = []
-        for i, r in enumerate(reqs):
-            if peer.descriptor.find_buffer(r.remote_addr, r.length) is None:
-                results[i] = failed(
-                    RemoteAccessError(
-                        f"{segment}: [{r.remote_addr:#x}, +{r.length}) is not inside one "
-                        "of its registered buffers"
-                    )
+        for i in missing:
+            r = reqs[i]
+            results[i] = failed(
+                RemoteAccessError(
+                    f"{segment}: [{r.remote_addr:#x}, +{r.length}) is not inside one "
+                    "of its registered buffers"
                 )
-            else:
-                send_idx.append(i)
+            )
+        send_idx = (
+            [i for i in range(len(reqs)) if results[i] is None]
+            if missing
+            else list(range(len(reqs)))
+        )
         if send_idx:
             routes = self._route(peer, reqs, send_idx, transport, results)
-            regions = [self.acquire_region(reqs[i].local_addr, reqs[i].length) for i in send_idx]
+            held = [regs[i] for i in send_idx]
+            # pin the local regions for the duration (unregister waits for them)
+            for k, region in enumerate(held):
+                if region.closing:
+                    for done in held[:k]:
+                        self.release_region(done)
+                    r = reqs[send_idx[k]]
+                    self.registry.require(r.local_addr, r.length, "local")  # raises
+                region.users += 1
             try:
                 if len(routes) == 1:
                     ((t, idx),) = routes.items()
@@ -711,7 +770,7 @@ class Engine:
                         for t, idx in routes.items():
                             tg.start_soon(self._execute_part, t, peer, reqs, idx, results)
             finally:
-                for region in regions:
+                for region in held:
                     self.release_region(region)
             for i in send_idx:
                 res = results[i]
@@ -904,6 +963,44 @@ class Engine:
             return isinstance(obj, dict) and obj.get("status") == "success"
         except MooncakeError:
             return False
+
+
+_U64 = 1 << 64
+
+
+def _uncovered(
+    desc: SegmentDescriptor, reqs: Sequence[TransferRequest], idx: Iterable[int]
+) -> list[int]:
+    """Indices of ``idx`` whose remote range is not inside one buffer of ``desc``."""
+    out = []
+    last: BufferDesc | None = None
+    for i in idx:
+        r = reqs[i]
+        ra = r.remote_addr
+        if last is not None and last.addr <= ra and ra + r.length <= last.addr + last.length:
+            continue
+        last = desc.find_buffer(ra, r.length)
+        if last is None:
+            out.append(i)
+    return out
+
+
+def _map_shared(size: int) -> tuple[mmap.mmap, int]:
+    """A shared mapping of ``size`` bytes: memfd-backed where possible (fd, else -1)."""
+    memfd_create = getattr(os, "memfd_create", None)
+    if memfd_create is not None:
+        try:
+            fd = memfd_create("mooncake-buffer", os.MFD_CLOEXEC)
+        except OSError:
+            fd = -1
+        if fd >= 0:
+            try:
+                os.ftruncate(fd, size)
+                return mmap.mmap(fd, size, flags=mmap.MAP_SHARED), fd
+            except BaseException:
+                os.close(fd)
+                raise
+    return mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS), -1
 
 
 @asynccontextmanager

@@ -15,10 +15,13 @@ if os.environ.get("MOONCAKE_NO_EXTENSIONS", "") not in ("", "0"):
     from ._pure import (
         COMPILED,
         memcpy_at,
+        memcpy_batch,
         prefault,
         readv_at,
         recv_at,
         send_at,
+        vm_readv_at,
+        vm_writev_at,
         writev_at,
     )
 else:
@@ -26,21 +29,79 @@ else:
         from ._io import (  # type: ignore[no-redef]
             COMPILED,
             memcpy_at,
+            memcpy_batch,
             prefault,
             readv_at,
             recv_at,
             send_at,
+            vm_readv_at,
+            vm_writev_at,
             writev_at,
         )
     except ImportError:  # not built: the twin is correct, only slower
         from ._pure import (
             COMPILED,
             memcpy_at,
+            memcpy_batch,
             prefault,
             readv_at,
             recv_at,
             send_at,
+            vm_readv_at,
+            vm_writev_at,
             writev_at,
         )
 
-__all__ = ["COMPILED", "memcpy_at", "prefault", "readv_at", "recv_at", "send_at", "writev_at"]
+if os.environ.get("MOONCAKE_NO_EXTENSIONS", "") not in ("", "0") or not COMPILED:
+    from ._tcp_pure import COMPILED as TCP_COMPILED
+    from ._tcp_pure import ClientPipe, RegionTable, ServeConn
+else:
+    try:
+        from ._tcp import COMPILED as TCP_COMPILED  # type: ignore[no-redef]
+        from ._tcp import (  # type: ignore[no-redef,assignment]
+            ClientPipe,
+            RegionTable,
+            ServeConn,
+        )
+    except ImportError:
+        from ._tcp_pure import COMPILED as TCP_COMPILED
+        from ._tcp_pure import ClientPipe, RegionTable, ServeConn
+
+if os.environ.get("MOONCAKE_NO_EXTENSIONS", "") not in ("", "0") or not COMPILED:
+    from ._copyq_pure import CopyQueue
+else:
+    try:
+        from ._copyq import CopyQueue  # type: ignore[assignment]
+    except ImportError:
+        from ._copyq_pure import CopyQueue
+
+STAGE_SIZE = 65536  # the staging buffer a ClientPipe wants (both twins)
+# results of ServeConn.step / ClientPipe.step (identical in both twins)
+DONE, WANT_READ, WANT_WRITE, YIELD, CLOSE, PEER_CLOSED = 0, 1, 2, 3, 4, 5
+E_PROTO = 100000
+
+__all__ = [
+    "CLOSE",
+    "COMPILED",
+    "DONE",
+    "E_PROTO",
+    "PEER_CLOSED",
+    "STAGE_SIZE",
+    "TCP_COMPILED",
+    "WANT_READ",
+    "WANT_WRITE",
+    "YIELD",
+    "ClientPipe",
+    "CopyQueue",
+    "RegionTable",
+    "ServeConn",
+    "memcpy_at",
+    "memcpy_batch",
+    "prefault",
+    "readv_at",
+    "recv_at",
+    "send_at",
+    "vm_readv_at",
+    "vm_writev_at",
+    "writev_at",
+]

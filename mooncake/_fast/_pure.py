@@ -94,3 +94,60 @@ def prefault(addr: int, n: int, write: bool = True) -> None:
 
 # socket is imported so both twins expose the same module-level names users may rely on.
 del socket
+
+
+def memcpy_batch(dsts: Sequence[int], srcs: Sequence[int], lens: Sequence[int]) -> int:
+    """memcpy(3) of every ``(dsts[i], srcs[i], lens[i])``; returns the bytes copied."""
+    if not len(dsts) == len(srcs) == len(lens):
+        raise ValueError("memcpy_batch: dsts, srcs and lens differ in length")
+    total = 0
+    for d, s, n in zip(dsts, srcs, lens, strict=True):
+        if n:
+            ctypes.memmove(d, s, n)
+        total += n
+    return total
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _vm(
+    pid: int, laddrs: Sequence[int], raddrs: Sequence[int], lens: Sequence[int], write: bool
+) -> int:
+    n = len(laddrs)
+    if not n == len(raddrs) == len(lens):
+        raise ValueError("vm: laddrs, raddrs and lens differ in length")
+    if n == 0:
+        return 0
+    fn = _libc.process_vm_writev if write else _libc.process_vm_readv
+    fn.restype = ctypes.c_ssize_t
+    total = 0
+    for i in range(n):  # one call per range: simple and exact about partial transfers
+        done = 0
+        while done < lens[i]:
+            lv = _IoVec(laddrs[i] + done, lens[i] - done)
+            rv = _IoVec(raddrs[i] + done, lens[i] - done)
+            r = fn(pid, ctypes.byref(lv), 1, ctypes.byref(rv), 1, 0)
+            if r < 0:
+                return -(ctypes.get_errno() or errno.EIO)
+            if r == 0:
+                return -errno.EIO
+            done += r
+        total += done
+    return total
+
+
+def vm_readv_at(pid: int, laddrs: Sequence[int], raddrs: Sequence[int], lens: Sequence[int]) -> int:
+    """process_vm_readv(2) of ``pid``'s ``raddrs[i]`` into ``laddrs[i]``; bytes or ``-errno``."""
+    return _vm(pid, laddrs, raddrs, lens, False)
+
+
+def vm_writev_at(
+    pid: int, laddrs: Sequence[int], raddrs: Sequence[int], lens: Sequence[int]
+) -> int:
+    """process_vm_writev(2): the mirror of :func:`vm_readv_at`."""
+    return _vm(pid, laddrs, raddrs, lens, True)

@@ -50,8 +50,8 @@ from mooncake.errors import (
 )
 
 if TYPE_CHECKING:
-    from mooncake._store._bridge import LoopThread
     from mooncake._store.client import Store
+    from mooncake._sync import LoopThread
 
 #: values up to this size take the fast path (larger copies belong in worker threads)
 FAST_MAX = 1 << 20

@@ -2,83 +2,22 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
-from mooncake._core.policies.base import (
-    CanEvict,
-    EvictionPolicy,
-    Key,
-    Pin,
-    check_pin,
-    check_size,
-    select_victims,
-)
+from mooncake._core.policies.base import Key
+from mooncake._core.policies.lru import LRUPolicy
 
 __all__ = ["FIFOPolicy"]
 
 
-class FIFOPolicy(EvictionPolicy):
+class FIFOPolicy(LRUPolicy):
     """First in, first out: evict the object inserted longest ago.
 
-    One ``OrderedDict`` in insertion order: every event is O(1); ``victims`` is O(v + s), v the
-    victims returned and s the pinned or busy keys it walks past. Re-inserting a key moves it
-    to the back of the queue.
+    LRU's bookkeeping (one ``OrderedDict`` in insertion order, O(1) events, ``victims`` O(v + s))
+    with hits ignored. Re-inserting a key moves it to the back of the queue.
     """
 
-    __slots__ = ("_bytes", "_order", "_pins")
+    __slots__ = ()
     name = "fifo"
-
-    def __init__(self) -> None:
-        self._order: OrderedDict[Key, int] = OrderedDict()
-        self._pins: dict[Key, Pin] = {}
-        self._bytes = 0
-
-    def on_insert(
-        self, key: Key, size: int, *, parent: Key | None = None, now: float = 0.0
-    ) -> None:
-        if type(size) is not int or size < 0:
-            size = check_size(key, size)
-        order = self._order
-        old = order.pop(key, None)
-        if old is not None:
-            self._bytes -= old
-            self._pins.pop(key, None)
-        order[key] = size
-        self._bytes += size
 
     def on_access(self, key: Key, now: float = 0.0) -> None:
         if key not in self._order:
             raise KeyError(key)
-
-    def on_remove(self, key: Key) -> None:
-        self._bytes -= self._order.pop(key)
-        self._pins.pop(key, None)
-
-    def set_pin(self, key: Key, pin: Pin) -> None:
-        if key not in self._order:
-            raise KeyError(key)
-        pin = check_pin(pin)
-        if pin is Pin.NONE:
-            self._pins.pop(key, None)
-        else:
-            self._pins[key] = pin
-
-    def victims(self, nbytes: int, can_evict: CanEvict) -> list[Key]:
-        if nbytes <= 0:
-            return []
-        return select_victims(self._order, self._order, self._pins, nbytes, can_evict)
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._order
-
-    @property
-    def total_bytes(self) -> int:
-        return self._bytes
-
-    def self_check(self) -> None:
-        assert self._bytes == sum(self._order.values()), "byte total drifted"
-        assert all(k in self._order for k in self._pins), "pin on an untracked key"
-        assert all(p is not Pin.NONE for p in self._pins.values()), "Pin.NONE stored"

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 #: name -> "module:Class"; modules are imported only when the transport is used
 TRANSPORTS: dict[str, str] = {
     "tcp": "mooncake._engine.transports.tcp:TcpTransport",
+    "shm": "mooncake._engine.transports.shm:ShmTransport",
     "rdma": "mooncake._engine.transports.rdma:RdmaTransport",
     "cuda": "mooncake._engine.transports.cuda:CudaTransport",
 }
@@ -37,12 +38,20 @@ def make_transport(name: str, engine: Engine, **kwargs: Any) -> Transport:
 def default_transports() -> list[str]:
     """Transports installed when the caller names none.
 
-    ``tcp`` always; ``cuda`` when a usable GPU is found (``MC_DISABLE_CUDA=1`` skips the check);
-    ``MC_FORCE_TCP=1``: only tcp.
+    ``shm`` for same-host peers where the platform has it, ``rdma`` when RDMA devices are
+    present, ``tcp`` always, ``cuda`` when a usable GPU is found (``MC_DISABLE_CUDA=1`` skips
+    the check); the engine picks per peer and request by priority. ``MC_FORCE_TCP=1`` keeps
+    only tcp; ``MOONCAKE_TRANSPORTS=a,b`` names the list outright.
     """
+    names = os.environ.get("MOONCAKE_TRANSPORTS", "")
+    if names.strip():
+        return [n.strip() for n in names.split(",") if n.strip()]
     if os.environ.get("MC_FORCE_TCP", "") not in ("", "0"):
         return ["tcp"]
-    out = ["rdma", "tcp"] if _rdma_present() else ["tcp"]
+    from mooncake._engine.transports.shm import available
+
+    out = ["shm"] if available() else []
+    out += ["rdma", "tcp"] if _rdma_present() else ["tcp"]
     if os.environ.get("MC_DISABLE_CUDA", "") in ("", "0"):
         from mooncake._fast import cuda
 

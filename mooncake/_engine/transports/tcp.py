@@ -1,7 +1,10 @@
 """The ``tcp`` transport: Mooncake's TCP data protocol v2, both ends.
 
 Server: one listening socket on the engine's host; one task per connection, each serving
-pipelined requests in order, straight from/into registered memory (no intermediate copies). A
+pipelined requests in order, straight from/into registered memory. The protocol runs in
+``_fast.ServeConn`` without the GIL; with the compiled hot path each connection gets a thread
+that blocks in ``poll`` (no event-loop round trip per request: ``MOONCAKE_TCP_SERVE=loop``
+keeps it on the loop instead). A
 request outside one registered buffer is refused with status 1; unlike the published server we
 keep the connection (a refused WRITE's payload, up to ``DRAIN_LIMIT``, is read and dropped), so
 one bad request costs its sender nothing else. v1 requests (no status frame) get the connection
@@ -23,14 +26,17 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import os
 import socket
 from collections.abc import Sequence
 from typing import Any
 
 import anyio
 
+from mooncake import _fast
 from mooncake._core import tcpwire
 from mooncake._core.gpu import device_of
+from mooncake._core.memory import Region
 from mooncake._core.transfer import Opcode, TransferRequest, TransferResult, completed, failed
 from mooncake._engine import _sockio
 from mooncake._engine.transports.base import PeerInfo, Transport
@@ -55,14 +61,19 @@ ctypes.memmove(_STATUS_OK.addr, tcpwire.encode_status(tcpwire.Status.OK), tcpwir
 
 
 class _Lane:
-    """One client connection to a peer's data port."""
+    """One client connection to a peer's data port, with its reply staging buffer.
 
-    __slots__ = ("hdr", "sock", "status")
+    The staging buffer lives as long as the lane and is pre-faulted once: replies to small
+    requests are received into it many at a time (see ``_fast.ClientPipe``).
+    """
+
+    __slots__ = ("sock", "stage", "stage_addr")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.hdr = _sockio.Scratch(tcpwire.HEADER_SIZE * PIPELINE_DEPTH)
-        self.status = _sockio.Scratch(tcpwire.STATUS_SIZE * PIPELINE_DEPTH)
+        self.stage = _sockio.Scratch(_fast.STAGE_SIZE)
+        self.stage_addr = self.stage.addr
+        _fast.prefault(self.stage_addr, _fast.STAGE_SIZE)
 
     def close(self) -> None:
         _sockio.close(self.sock)
@@ -94,8 +105,15 @@ class TcpTransport(Transport):
         self._port = port
         self._listener: socket.socket | None = None
         self._conns = anyio.CapacityLimiter(MAX_CONNECTIONS)
+        self._threads = anyio.CapacityLimiter(MAX_CONNECTIONS)
+        mode = os.environ.get("MOONCAKE_TCP_SERVE", "")
+        #: serve each connection on its own thread (compiled hot path) or on the event loop
+        self.serve_threads = mode == "thread" or (mode != "loop" and bool(_fast.TCP_COMPILED))
+        self._table = _fast.RegionTable()
+        self._device_regions = 0
+        self._live: set[Any] = set()
+        self._refused = 0
         self.served_connections = 0
-        self.refused_requests = 0
 
     # -- server ---------------------------------------------------------------------------
 
@@ -145,8 +163,91 @@ class TcpTransport(Transport):
                 _sockio.close(lsock)
                 self._listener = None
 
+    async def on_register(self, region: Region) -> None:
+        if not region.remote_accessible:
+            return
+        if device_of(region.location) is not None:
+            # device memory is served through pinned staging by the Python server below;
+            # the compiled server's table holds host memory only (it copies with the CPU)
+            self._device_regions += 1
+            return
+        self._table.add(region.addr, region.length)
+
+    async def on_unregister(self, region: Region) -> None:
+        if region.remote_accessible and device_of(region.location) is not None:
+            self._device_regions -= 1
+            return
+        # refuses new requests at once; waits (in a worker thread) for the running ones
+        if region.remote_accessible and not await anyio.to_thread.run_sync(
+            self._table.remove, region.addr
+        ):
+            log.debug("tcp: region %#x was not in the serving table", region.addr)
+
+    @property
+    def refused_requests(self) -> int:
+        """Requests refused so far (outside every registered buffer), live connections too."""
+        return self._refused + sum(int(c.refused) for c in self._live)
+
     async def _serve_conn(self, sock: socket.socket) -> None:
+        """Serve one connection: the protocol runs in ``_fast.ServeConn`` (no Python per
+        request), on a thread of its own blocking in ``poll`` (``serve_threads``) or stepped
+        by this task between readiness waits."""
         self.served_connections += 1
+        if self._device_regions:
+            await self._serve_conn_staged(sock)
+            return
+        conn = _fast.ServeConn(sock.fileno(), self._table, DRAIN_LIMIT)
+        self._live.add(conn)
+        try:
+            async with self._conns:
+                r = await (
+                    self._serve_thread(conn) if self.serve_threads else self._serve_loop(conn, sock)
+                )
+            if r < 0:
+                log.debug("tcp connection dropped: %s", _step_error(r))
+        except (MooncakeError, OSError) as e:
+            log.debug("tcp connection dropped: %s", e)
+        finally:
+            self._live.discard(conn)
+            self._refused += conn.refused
+            conn.close()
+            _sockio.close(sock)
+
+    async def _serve_loop(self, conn: Any, sock: socket.socket) -> int:
+        while True:
+            r = int(conn.step())
+            if r == _fast.WANT_READ:
+                await anyio.wait_readable(sock)
+            elif r == _fast.WANT_WRITE:
+                await anyio.wait_writable(sock)
+            elif r == _fast.YIELD:
+                await anyio.lowlevel.checkpoint()
+            else:
+                return r  # PEER_CLOSED, CLOSE (refusal we cannot answer), error
+
+    async def _serve_thread(self, conn: Any) -> int:
+        # The thread cannot be cancelled from here: on cancellation the watcher's ``finally``
+        # signals the connection's stop eventfd, and the thread returns promptly.
+        conn.prepare_blocking()
+
+        async def watcher() -> None:
+            try:
+                await anyio.sleep_forever()
+            finally:
+                conn.stop()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watcher)
+            r = int(await anyio.to_thread.run_sync(conn.serve_blocking, limiter=self._threads))
+            tg.cancel_scope.cancel()
+        return r
+
+    async def _serve_conn_staged(self, sock: socket.socket) -> None:
+        """Serve one connection in Python, staging device regions through pinned host chunks.
+
+        Used while device memory is registered; same protocol and refusals as the compiled
+        server, one request at a time.
+        """
         scratch = _sockio.Scratch(4096)
         registry = self.engine.registry
         try:
@@ -159,7 +260,7 @@ class TcpTransport(Transport):
                     hdr = tcpwire.decode_header(raw)
                     region = registry.find(hdr.addr, hdr.size) if hdr.size > 0 else None
                     if region is None or not region.remote_accessible:
-                        self.refused_requests += 1
+                        self._refused += 1
                         log.debug("refusing %s [%#x, +%d)", hdr.opcode.name, hdr.addr, hdr.size)
                         if not hdr.v2:
                             return
@@ -323,55 +424,52 @@ class TcpTransport(Transport):
         """
         sock = lane.sock
         op = requests[idx[0]].opcode
-        addrs: list[int] = []
-        lens: list[int] = []
-        hbuf = lane.hdr
-        for k, i in enumerate(idx):
-            r = requests[i]
-            off = k * tcpwire.HEADER_SIZE
-            tcpwire.HEADER.pack_into(
-                hbuf.buf, off, r.length, r.remote_addr, int(op) | (tcpwire.V2_FLAG if v2 else 0)
-            )
-            addrs.append(hbuf.addr + off)
-            lens.append(tcpwire.HEADER_SIZE)
-            if op is Opcode.WRITE:
-                addrs.append(r.local_addr)
-                lens.append(r.length)
-        await _sockio.send_addrs(sock, addrs, lens, "request")
-
-        st = lane.status
-        if not v2:
-            # v1: no status frames; READ data follows directly, WRITE has no reply at all.
-            if op is Opcode.READ:
-                for i in idx:
-                    r = requests[i]
-                    await _sockio.recv_into_addr(sock, r.local_addr, r.length, "read data")
-                    results[i] = completed(r.length)
-            else:
-                for i in idx:
-                    results[i] = completed(requests[i].length)
-            return len(idx), True
-
-        last_refused = False
-        for k, i in enumerate(idx):
-            r = requests[i]
-            try:
-                raw = await _sockio.recv_exact(sock, tcpwire.STATUS_SIZE, st, "status")
-            except PeerDiedError:
-                if last_refused:
-                    return k, False  # a published server closes after a refusal
-                raise
-            code = tcpwire.decode_status(raw)
-            if code == tcpwire.Status.OK and op is Opcode.READ:
-                await _sockio.recv_into_addr(sock, r.local_addr, r.length, "read data")
-            results[i] = _status_result(code, r)
-            last_refused = code != tcpwire.Status.OK
+        reqs = [requests[i] for i in idx]
+        pipe = _fast.ClientPipe(
+            sock.fileno(),
+            op is Opcode.WRITE,
+            v2,
+            [r.local_addr for r in reqs],
+            [r.remote_addr for r in reqs],
+            [r.length for r in reqs],
+            lane.stage_addr,
+            _fast.STAGE_SIZE,
+            lane.stage,
+        )
+        try:
+            while True:
+                rc = pipe.step()
+                if rc == _fast.DONE:
+                    break
+                if rc == _fast.WANT_READ:
+                    await anyio.wait_readable(sock)
+                elif rc == _fast.WANT_WRITE:
+                    await anyio.wait_writable(sock)
+                elif rc == _fast.PEER_CLOSED or (
+                    rc != -_fast.E_PROTO and pipe.done > 0 and pipe.statuses[pipe.done - 1] == 1
+                ):
+                    # a published server closes after a refusal (a reset when our next headers
+                    # were already in its buffer): what is left goes again on a new lane
+                    return pipe.done, False
+                else:
+                    raise _step_error(rc)
+        finally:
+            # every reply that arrived is a result, also when the rest failed or was cancelled
+            st = pipe.statuses
+            for k in range(pipe.done):
+                results[idx[k]] = _status_result(st[k], reqs[k])
         return len(idx), True
 
     async def aclose(self) -> None:
         if self._listener is not None:  # never started serving
             _sockio.close(self._listener)
             self._listener = None
+
+
+def _step_error(rc: int) -> MooncakeError:
+    if rc == -_fast.E_PROTO:
+        return ProtocolError("malformed TCP header or status frame")
+    return _sockio._died("tcp", -rc)
 
 
 def _status_result(code: int, r: TransferRequest) -> TransferResult:

@@ -1,0 +1,643 @@
+"""The ``shm`` transport: peers on the same host move bytes with one memcpy.
+
+Reach: a peer whose descriptor carries our ``shm_host`` (boot id + network and pid namespaces)
+and an ``shm_socket``. A published-Mooncake peer has neither, so it keeps getting TCP.
+
+Protocol (ours, on an abstract ``AF_UNIX``/``SOCK_SEQPACKET`` socket, one JSON object per
+message): the client sends ``{"op": "list"}``; the server answers with ``{"op": "buffers",
+"pid": p, "buffers": [{"addr", "length", "fd"}], "more": bool}`` pages, passing one memfd per
+engine-allocated buffer with ``SCM_RIGHTS`` (``fd`` is its index in the page's fds, -1 for memory
+the engine did not allocate). The client maps each memfd once (``MAP_SHARED``) and closes the fd.
+On ``unregister`` the server sends ``{"op": "revoke", "addr", "seq"}`` to every client and waits
+(at most ``REVOKE_ACK_S``, then drops that client) for ``{"op": "ack", "seq"}``, which a client
+sends only once no copy of its own still uses the range and the mapping is gone.
+
+Transfers: each request must lie inside one buffer of the server's *own* list (not the cached
+descriptor), exactly the bound TCP's server enforces; a miss refreshes the list once, then
+fails with :class:`RemoteAccessError`. Mapped buffers: ``memcpy``; a batch up to ``INLINE_MAX``
+bytes is copied on the loop thread with the GIL released, bigger ones by a ``_fast.CopyQueue``
+worker whose completions arrive on an eventfd (:mod:`mooncake._engine._copier`). Other buffers: ``process_vm_readv``/``writev`` on the server's pid; where the kernel refuses
+(``EPERM``: ptrace policy, another user) the requests go over TCP instead and the peer stays on
+TCP for those buffers, with one warning saying why.
+
+Trust: the server hands memfds only to clients of its own uid (``SO_PEERCRED``), others get the
+buffer list without fds (and then need the kernel's ptrace permission, or use TCP).
+
+Lifetimes: a mapping lives until its revoke, the server's connection closing (the peer died or
+closed), ``forget_peer`` or the engine's close, whichever comes first, and never while a copy
+into it runs (copies count as users; the last one unmaps). Cancellation waits for a running
+worker-thread copy to finish: nothing touches local memory after ``execute`` returns.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import errno
+import json
+import logging
+import mmap
+import os
+import secrets
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+
+from mooncake import _fast
+from mooncake._core.memory import Region
+from mooncake._core.transfer import Opcode, TransferRequest, TransferResult, completed, failed
+from mooncake._engine import _sockio
+from mooncake._engine._copier import Copier
+from mooncake._engine.transports.base import PeerInfo, Transport
+from mooncake.errors import (
+    MooncakeError,
+    NotSupportedError,
+    PeerDiedError,
+    ProtocolError,
+    RemoteAccessError,
+    TransferError,
+)
+
+log = logging.getLogger("mooncake.shm")
+
+SHM_PROTO = 1
+INLINE_MAX = 4 << 20
+COPY_WORKERS = 1  # one copy thread: the loop thread is the other core's worth on small hosts
+REVOKE_ACK_S = 5.0
+MAX_MSG = 256 << 10
+FDS_PER_MSG = 64
+MAX_CLIENTS = 256
+_CREDS = struct.Struct("3i")
+
+
+def host_id() -> str:
+    """Same value in two processes iff ``shm`` can connect them (boot, net and pid namespace)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        net = os.stat("/proc/self/ns/net").st_ino
+        pid = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""
+    return f"{boot}/{net}/{pid}"
+
+
+def available() -> bool:
+    return hasattr(socket, "AF_UNIX") and hasattr(os, "memfd_create") and bool(host_id())
+
+
+# -- messages ------------------------------------------------------------------------------
+
+
+async def _send(sock: socket.socket, obj: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    data = json.dumps(obj).encode()
+    if len(data) > MAX_MSG:
+        raise ProtocolError(f"shm message of {len(data)} bytes exceeds {MAX_MSG}")
+    while True:
+        try:
+            if fds:
+                socket.send_fds(sock, [data], list(fds))
+            else:
+                sock.send(data)
+            return
+        except (BlockingIOError, InterruptedError):
+            await anyio.wait_writable(sock)
+        except OSError as e:
+            raise PeerDiedError(f"shm: send failed ({e})") from None
+
+
+async def _recv(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    while True:
+        try:
+            data, fds, flags, _ = socket.recv_fds(sock, MAX_MSG, FDS_PER_MSG)
+            break
+        except (BlockingIOError, InterruptedError):
+            await anyio.wait_readable(sock)
+        except OSError as e:
+            raise PeerDiedError(f"shm: receive failed ({e})") from None
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        raise PeerDiedError("shm: peer closed the connection")
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError("shm: truncated message")
+    try:
+        obj = json.loads(data)
+        if not isinstance(obj, dict):
+            raise ValueError("not an object")
+    except ValueError as e:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError(f"shm: bad message: {e}") from None
+    return obj, fds
+
+
+def _seqpacket() -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.setblocking(False)
+    return sock
+
+
+def _map(fd: int, length: int) -> tuple[mmap.mmap, int]:
+    mm = mmap.mmap(fd, length, flags=mmap.MAP_SHARED)
+    probe = ctypes.c_char.from_buffer(mm)
+    addr = ctypes.addressof(probe)
+    del probe  # drop the export so the mapping can be closed later
+    return mm, addr
+
+
+# -- client side ---------------------------------------------------------------------------
+
+
+class _Entry:
+    """One buffer of the peer: mapped (``mm``/``base``) or reached by process_vm (``base`` 0)."""
+
+    __slots__ = ("addr", "base", "dead", "idle", "length", "mm", "users")
+
+    def __init__(self, addr: int, length: int, mm: mmap.mmap | None, base: int) -> None:
+        self.addr = addr
+        self.length = length
+        self.mm = mm
+        self.base = base
+        self.users = 0
+        self.dead = False
+        self.idle: anyio.Event | None = None  # set when users drops to 0 (revoke waits on it)
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            if self.idle is not None:
+                self.idle.set()
+            if self.dead:
+                self.unmap_when_idle()
+
+    def covers(self, addr: int, length: int) -> bool:
+        return self.addr <= addr and addr + length <= self.addr + self.length
+
+    def unmap_when_idle(self) -> None:
+        self.dead = True
+        if self.users == 0 and self.mm is not None:
+            self.mm.close()
+            self.mm = None
+
+
+class _Session:
+    """The client end of one peer's shm connection and the buffers it granted."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.pid = 0
+        self.entries: list[_Entry] = []
+        self.starts: list[int] = []
+        self.listed = anyio.Event()
+        self.list_lock = anyio.Lock()
+        self.send_lock = anyio.Lock()
+        self.closed = False
+        self.vm_denied = False
+        self._page: list[_Entry] = []
+
+    def find(self, addr: int, length: int) -> _Entry | None:
+        i = bisect.bisect_right(self.starts, addr) - 1
+        if i >= 0 and self.entries[i].covers(addr, length) and not self.entries[i].dead:
+            return self.entries[i]
+        return None
+
+    def _set(self, entries: list[_Entry]) -> None:
+        keep = {e.addr: e for e in self.entries}
+        merged: dict[int, _Entry] = {}
+        for e in entries:
+            old = keep.pop(e.addr, None)
+            # keep what we have unless the new offer is a mapping where we had process_vm (a
+            # buffer listed in the moment between its registration and its memfd being noted)
+            if (
+                old is not None
+                and old.length == e.length
+                and not old.dead
+                and (old.mm is not None or e.mm is None)
+            ):
+                merged[e.addr] = old
+                e.unmap_when_idle()
+            else:
+                if old is not None:
+                    old.unmap_when_idle()
+                merged[e.addr] = e
+        for old in keep.values():  # no longer offered
+            old.unmap_when_idle()
+        self.entries = sorted(merged.values(), key=lambda x: x.addr)
+        self.starts = [x.addr for x in self.entries]
+
+    async def refresh(self) -> None:
+        async with self.list_lock:
+            if self.closed:
+                raise PeerDiedError("shm: connection to the peer is closed")
+            self.listed = anyio.Event()
+            async with self.send_lock:
+                await _send(self.sock, {"op": "list"})
+            await self.listed.wait()
+            if self.closed:
+                raise PeerDiedError("shm: connection to the peer closed while listing")
+
+    async def reader(self) -> None:
+        """Apply the server's messages until the connection ends; then unmap everything."""
+        try:
+            while True:
+                msg, fds = await _recv(self.sock)
+                try:
+                    await self._handle(msg, fds)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+        except (MooncakeError, OSError, anyio.ClosedResourceError) as e:
+            log.debug("shm session ended: %s", e)
+        finally:
+            self.close()
+
+    async def _handle(self, msg: dict[str, Any], fds: list[int]) -> None:
+        op = msg.get("op")
+        if op == "buffers":
+            self.pid = int(msg["pid"])
+            for b in msg["buffers"]:
+                addr, length, fi = int(b["addr"]), int(b["length"]), int(b["fd"])
+                if fi >= 0:
+                    mm, base = _map(fds[fi], length)
+                    self._page.append(_Entry(addr, length, mm, base))
+                else:
+                    self._page.append(_Entry(addr, length, None, 0))
+            if not msg.get("more"):
+                page, self._page = self._page, []
+                self._set(page)
+                self.listed.set()
+        elif op == "revoke":
+            addr = int(msg["addr"])
+            i = bisect.bisect_left(self.starts, addr)
+            if i < len(self.entries) and self.entries[i].addr == addr:
+                e = self.entries.pop(i)
+                self.starts.pop(i)
+                e.dead = True
+                if e.users:  # a worker-thread copy still runs into it
+                    e.idle = anyio.Event()
+                    await e.idle.wait()
+                e.unmap_when_idle()
+            async with self.send_lock:
+                await _send(self.sock, {"op": "ack", "seq": msg.get("seq")})
+        else:
+            raise ProtocolError(f"shm: unknown message {op!r}")
+
+    def check_alive(self) -> None:
+        """Fail fast (one non-blocking peek) when the peer has closed or died.
+
+        Without it a copy into a dead peer's memfd mapping would "succeed": the pages live on
+        in our mapping until the reader task notices the end of the connection.
+        """
+        try:
+            if self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                self.close()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.close()
+        if self.closed:
+            raise PeerDiedError("shm: the peer closed its connection (exited or died)")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.listed.set()
+        for e in self.entries:
+            e.unmap_when_idle()
+        self.entries, self.starts = [], []
+        _sockio.close(self.sock)
+
+
+# -- server side ---------------------------------------------------------------------------
+
+
+class _Client:
+    def __init__(self, sock: socket.socket, trusted: bool) -> None:
+        self.sock = sock
+        self.trusted = trusted
+        self.lock = anyio.Lock()
+        self.acks: dict[int, anyio.Event] = {}
+
+
+class ShmTransport(Transport):
+    name = "shm"
+    priority = 20
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self._host = host_id()
+        self._name = f"mooncake-shm/{os.getpid()}/{secrets.token_hex(8)}"
+        self._listener: socket.socket | None = None
+        self._clients: set[_Client] = set()
+        self._seq = 0
+        self._warned_vm = False
+        self._copier: Copier | None = None
+
+    async def start(self) -> None:
+        if not available():
+            raise NotSupportedError("shm transport needs Linux (AF_UNIX, memfd_create, /proc)")
+        sock = _seqpacket()
+        sock.bind("\0" + self._name)
+        sock.listen(64)
+        self._listener = sock
+        self.engine.task_group.start_soon(self._accept_loop, sock, name="shm-accept")
+        self._copier = Copier(COPY_WORKERS)
+        await self.engine.task_group.start(self._copier.run, name="shm-copier")
+
+    def descriptor_fields(self) -> dict[str, Any]:
+        return {
+            "shm_host": self._host,
+            "shm_socket": "@" + self._name,
+            "shm_pid": os.getpid(),
+            "shm_proto": SHM_PROTO,
+        }
+
+    async def _accept_loop(self, lsock: socket.socket) -> None:
+        limiter = anyio.CapacityLimiter(MAX_CLIENTS)
+        async with anyio.create_task_group() as tg:
+            try:
+                while True:
+                    await anyio.wait_readable(lsock)
+                    try:
+                        conn, _ = lsock.accept()
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    conn.setblocking(False)
+                    tg.start_soon(self._serve_client, conn, limiter)
+            finally:
+                tg.cancel_scope.cancel()
+                _sockio.close(lsock)
+                self._listener = None
+
+    async def _serve_client(self, sock: socket.socket, limiter: anyio.CapacityLimiter) -> None:
+        pid, uid, _ = _CREDS.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
+        )
+        client = _Client(sock, trusted=uid == os.getuid())
+        try:
+            async with limiter:
+                self._clients.add(client)
+                while True:
+                    msg, fds = await _recv(sock)
+                    for fd in fds:  # clients have nothing to pass us
+                        os.close(fd)
+                    op = msg.get("op")
+                    if op == "list":
+                        await self._send_list(client)
+                    elif op == "ack":
+                        ev = client.acks.pop(int(msg.get("seq", -1)), None)
+                        if ev is not None:
+                            ev.set()
+                    else:
+                        raise ProtocolError(f"shm: unknown request {op!r}")
+        except (MooncakeError, OSError, anyio.ClosedResourceError) as e:
+            log.debug("shm client pid %d gone: %s", pid, e)
+        finally:
+            self._clients.discard(client)
+            for ev in client.acks.values():
+                ev.set()
+            _sockio.close(sock)
+
+    async def _send_list(self, client: _Client) -> None:
+        # built and sent under the client's lock: a revoke sent after it is seen after it
+        async with client.lock:
+            regions = [
+                r for r in self.engine.registry.regions() if r.remote_accessible and not r.closing
+            ]
+            page: list[dict[str, Any]] = []
+            fds: list[int] = []
+            for k, r in enumerate(regions):
+                fd = r.meta.get("memfd", -1) if client.trusted else -1
+                page.append({"addr": r.addr, "length": r.length, "fd": len(fds) if fd >= 0 else -1})
+                if fd >= 0:
+                    fds.append(fd)
+                last = k == len(regions) - 1
+                if last or len(fds) >= FDS_PER_MSG or len(page) >= 1024:
+                    msg = {"op": "buffers", "pid": os.getpid(), "buffers": page, "more": not last}
+                    await _send(client.sock, msg, fds)
+                    page, fds = [], []
+            if not regions:
+                await _send(client.sock, {"op": "buffers", "pid": os.getpid(), "buffers": []})
+
+    async def on_unregister(self, region: Region) -> None:
+        if not self._clients:
+            return
+        self._seq += 1
+        seq = self._seq
+
+        async def revoke(client: _Client) -> None:
+            ev = client.acks[seq] = anyio.Event()
+            try:
+                async with client.lock:
+                    await _send(client.sock, {"op": "revoke", "addr": region.addr, "seq": seq})
+            except MooncakeError:
+                return
+            with anyio.move_on_after(REVOKE_ACK_S) as scope:
+                await ev.wait()
+            if scope.cancelled_caught:
+                log.warning(
+                    "shm client did not confirm unmapping within %s s; dropped", REVOKE_ACK_S
+                )
+                _sockio.close(client.sock)
+
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                for c in list(self._clients):
+                    tg.start_soon(revoke, c)
+
+    # -- client ---------------------------------------------------------------------------
+
+    def can_reach(self, peer: PeerInfo) -> bool:
+        x = peer.descriptor.extra
+        return (
+            bool(self._host)
+            and x.get("shm_host") == self._host
+            and isinstance(x.get("shm_socket"), str)
+            and x.get("shm_proto") == SHM_PROTO
+        )
+
+    async def _session(self, peer: PeerInfo) -> _Session:
+        s = peer.state.get(self.name)
+        if isinstance(s, _Session) and not s.closed:
+            return s
+        name = str(peer.descriptor.extra["shm_socket"])
+        sock = _seqpacket()
+        try:
+            sock.connect("\0" + name.removeprefix("@"))
+        except BlockingIOError:
+            await anyio.wait_writable(sock)
+        except OSError as e:
+            sock.close()
+            raise PeerDiedError(f"shm: cannot connect to {peer.segment} ({e})") from None
+        s = _Session(sock)
+        peer.state[self.name] = s
+        self.engine.task_group.start_soon(s.reader, name=f"shm-session {peer.segment}")
+        await s.refresh()
+        return s
+
+    def forget_peer(self, peer: PeerInfo) -> None:
+        s = peer.state.pop(self.name, None)
+        if isinstance(s, _Session):
+            s.close()
+
+    def _tcp(self, peer: PeerInfo) -> Transport | None:
+        for t in self.engine.transports:
+            if t.name == "tcp" and t.can_reach(peer):
+                assert isinstance(t, Transport)
+                return t
+        return None
+
+    async def execute(
+        self, peer: PeerInfo, requests: Sequence[TransferRequest]
+    ) -> list[TransferResult]:
+        results: list[TransferResult | None] = [None] * len(requests)
+        try:
+            s = await self._session(peer)
+            s.check_alive()
+        except PeerDiedError as e:
+            return [failed(e)] * len(requests)
+        plan: list[tuple[int, _Entry]] = []
+        missing: list[int] = []
+        for i, r in enumerate(requests):
+            ent = s.find(r.remote_addr, r.length)
+            if ent is None:
+                missing.append(i)
+            else:
+                plan.append((i, ent))
+        if missing:  # the peer may have registered more since we listed
+            try:
+                await s.refresh()
+            except PeerDiedError as err:
+                for i in missing:
+                    results[i] = failed(err)
+                missing = []
+            for i in missing:
+                r = requests[i]
+                ent = s.find(r.remote_addr, r.length)
+                if ent is None:
+                    results[i] = failed(
+                        RemoteAccessError(
+                            f"peer refused {r.opcode.name} of [{r.remote_addr:#x}, +{r.length}): "
+                            "not inside one of its registered buffers"
+                        )
+                    )
+                else:
+                    plan.append((i, ent))
+        mapped = [(i, e) for i, e in plan if e.mm is not None]
+        vm = [i for i, e in plan if e.mm is None]
+        if mapped:
+            await self._copy(requests, mapped, results)
+        if vm:
+            await self._vm(peer, s, requests, vm, results)
+        return [r if r is not None else failed(TransferError("not attempted")) for r in results]
+
+    async def _copy(
+        self,
+        requests: Sequence[TransferRequest],
+        mapped: list[tuple[int, _Entry]],
+        results: list[TransferResult | None],
+    ) -> None:
+        dsts: list[int] = []
+        srcs: list[int] = []
+        lens: list[int] = []
+        total = 0
+        for i, e in mapped:
+            r = requests[i]
+            remote = e.base + (r.remote_addr - e.addr)
+            if r.opcode is Opcode.READ:
+                dsts.append(r.local_addr)
+                srcs.append(remote)
+            else:
+                dsts.append(remote)
+                srcs.append(r.local_addr)
+            lens.append(r.length)
+            total += r.length
+        if total <= INLINE_MAX:
+            _fast.memcpy_batch(dsts, srcs, lens)
+        else:
+            entries = {id(e): e for _, e in mapped}.values()
+            for e in entries:
+                e.users += 1
+            try:
+                # on a worker thread, completion through an eventfd; cancellation waits for it
+                assert self._copier is not None
+                await self._copier.copy(dsts, srcs, lens)
+            finally:
+                for e in entries:
+                    e.release()
+        for i, _ in mapped:
+            results[i] = completed(requests[i].length)
+
+    async def _vm(
+        self,
+        peer: PeerInfo,
+        s: _Session,
+        requests: Sequence[TransferRequest],
+        idx: list[int],
+        results: list[TransferResult | None],
+    ) -> None:
+        rc = -errno.EPERM
+        if not s.vm_denied:
+            for op, fn in ((Opcode.READ, _fast.vm_readv_at), (Opcode.WRITE, _fast.vm_writev_at)):
+                sel = [i for i in idx if requests[i].opcode is op]
+                if not sel:
+                    continue
+                la = [requests[i].local_addr for i in sel]
+                ra = [requests[i].remote_addr for i in sel]
+                ln = [requests[i].length for i in sel]
+                if sum(ln) <= INLINE_MAX:
+                    rc = fn(s.pid, la, ra, ln)
+                else:
+                    rc = await anyio.to_thread.run_sync(fn, s.pid, la, ra, ln)
+                if rc == -errno.EPERM:
+                    s.vm_denied = True
+                    break
+                for i in sel:
+                    if rc >= 0:
+                        results[i] = completed(requests[i].length)
+                    elif rc == -errno.ESRCH:
+                        results[i] = failed(PeerDiedError(f"{peer.segment}: process is gone"))
+                    else:
+                        name = errno.errorcode.get(-rc, str(-rc))
+                        results[i] = failed(
+                            RemoteAccessError(f"{peer.segment}: process_vm copy failed ({name})")
+                        )
+        rest = [i for i in idx if results[i] is None]
+        if not rest:
+            return
+        if not self._warned_vm:
+            self._warned_vm = True
+            log.warning(
+                "shm: the kernel refuses process_vm_readv/writev on %s (pid %d): ptrace policy "
+                "(kernel.yama.ptrace_scope, another user, no CAP_SYS_PTRACE); memory it did not "
+                "allocate with engine.allocate() goes over TCP",
+                peer.segment,
+                s.pid,
+            )
+        tcp = self._tcp(peer)
+        if tcp is None:
+            err = NotSupportedError(
+                f"{peer.segment}: process_vm access refused by the kernel (EPERM) and no TCP "
+                "transport to fall back to"
+            )
+            for i in rest:
+                results[i] = failed(err)
+            return
+        out = await tcp.execute(peer, [requests[i] for i in rest])
+        for i, res in zip(rest, out, strict=True):
+            results[i] = res
+
+    async def aclose(self) -> None:
+        if self._listener is not None:
+            _sockio.close(self._listener)
+            self._listener = None
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None

@@ -1,0 +1,776 @@
+# cython: language_level=3
+"""Mooncake TCP v2 data protocol state machines on raw addresses, run without the GIL.
+
+Two resumable, non-blocking machines that the async driver steps until they need the socket to
+become readable or writable (``WANT_READ``/``WANT_WRITE``), so a batch of many requests costs a
+few system calls and no Python object per request:
+
+* :class:`ServeConn` serves one connection: header -> bounds check against a
+  :class:`RegionTable` -> READ: ``writev(status, data)``; WRITE: ``recv`` straight into the
+  region, then the status. Refusals follow ``mooncake._engine.transports.tcp``: status 1 and keep
+  the connection (a refused WRITE's payload up to ``drain_limit`` is read and dropped); v1
+  requests, or a bigger refused payload, close it.
+* :class:`ClientPipe` sends one group of same-opcode requests (headers and WRITE payloads in
+  ``writev`` calls) and reads the replies in order (statuses, READ data straight into place).
+
+:class:`RegionTable` is the server's view of registered memory: sorted, disjoint ranges with a
+user count; ``remove`` refuses new users at once and blocks until the last one is gone (call it
+in a worker thread). Both machines hold a region for the whole of a request.
+"""
+
+from libc.errno cimport errno, EAGAIN, EINTR, ECONNRESET
+from libc.stdint cimport uint8_t, uint64_t, uintptr_t
+from libc.stdlib cimport malloc, free, realloc
+from libc.string cimport memcpy, memmove, memset
+
+cdef extern from "<sys/uio.h>" nogil:
+    struct iovec:
+        void *iov_base
+        size_t iov_len
+    ssize_t writev(int fd, const iovec *iov, int iovcnt)
+    ssize_t readv(int fd, const iovec *iov, int iovcnt)
+
+cdef extern from "<sys/socket.h>" nogil:
+    ssize_t send(int fd, const void *buf, size_t n, int flags)
+    ssize_t recv(int fd, void *buf, size_t n, int flags)
+    int MSG_NOSIGNAL
+    int MSG_DONTWAIT
+
+cdef extern from "<poll.h>" nogil:
+    struct pollfd:
+        int fd
+        short events
+        short revents
+    int poll(pollfd *fds, unsigned long nfds, int timeout)
+    short POLLIN
+    short POLLOUT
+
+cdef extern from "<sys/eventfd.h>" nogil:
+    int eventfd(unsigned int initval, int flags)
+    int EFD_NONBLOCK
+    int EFD_CLOEXEC
+
+cdef extern from "<unistd.h>" nogil:
+    ssize_t c_write "write" (int fd, const void *buf, size_t n)
+    int c_close "close" (int fd)
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
+    ctypedef struct pthread_cond_t:
+        pass
+    int pthread_mutex_init(pthread_mutex_t *m, void *attr)
+    int pthread_mutex_destroy(pthread_mutex_t *m)
+    int pthread_mutex_lock(pthread_mutex_t *m)
+    int pthread_mutex_unlock(pthread_mutex_t *m)
+    int pthread_cond_init(pthread_cond_t *c, void *attr)
+    int pthread_cond_destroy(pthread_cond_t *c)
+    int pthread_cond_wait(pthread_cond_t *c, pthread_mutex_t *m)
+    int pthread_cond_broadcast(pthread_cond_t *c)
+
+COMPILED = True
+
+cdef extern from *:
+    """
+    #define MC_STATUS_MAGIC 0x4D43545600000000ULL
+    #define MC_STATUS_MASK 0xFFFFFFFF00000000ULL
+    """
+    uint64_t MC_STATUS_MAGIC
+    uint64_t MC_STATUS_MASK
+
+cdef enum:
+    R_DONE = 0
+    R_WANT_READ = 1
+    R_WANT_WRITE = 2
+    R_YIELD = 3
+    R_CLOSE = 4
+    R_PEER_CLOSED = 5
+
+STAGE_SIZE = 65536  # size of the staging buffer a ClientPipe wants (= STAGE_CAP)
+
+# step() results
+DONE = R_DONE
+WANT_READ = R_WANT_READ
+WANT_WRITE = R_WANT_WRITE
+YIELD = R_YIELD
+CLOSE = R_CLOSE  # server: close the connection (v1 refusal, oversized refused payload), all sent
+PEER_CLOSED = R_PEER_CLOSED  # the peer closed: between requests (server), after a refusal (client)
+
+DEF HEADER_SIZE = 24
+DEF STATUS_SIZE = 8
+DEF V2_FLAG = 0x80
+DEF STEP_REQUESTS = 64
+DEF STEP_BYTES = 16 << 20
+DEF IOV_CHUNK = 512
+DEF E_PROTO = 100000  # -E_PROTO: malformed header / status frame
+
+cdef struct region_t:
+    uintptr_t start
+    size_t length
+    long users
+    int closing
+
+
+cdef class RegionTable:
+    """Registered ranges the TCP server may serve (sorted, disjoint), with user counts."""
+
+    cdef region_t **regs
+    cdef Py_ssize_t n, cap
+    cdef pthread_mutex_t mu
+    cdef pthread_cond_t cv
+
+    def __cinit__(self):
+        self.regs = NULL
+        self.n = 0
+        self.cap = 0
+        pthread_mutex_init(&self.mu, NULL)
+        pthread_cond_init(&self.cv, NULL)
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        for i in range(self.n):
+            free(self.regs[i])
+        free(self.regs)
+        pthread_cond_destroy(&self.cv)
+        pthread_mutex_destroy(&self.mu)
+
+    cdef Py_ssize_t _bisect(self, uintptr_t addr) noexcept nogil:
+        # index of the last region whose start <= addr, or -1
+        cdef Py_ssize_t lo = 0, hi = self.n, mid
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.regs[mid].start <= addr:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo - 1
+
+    def add(self, uintptr_t start, size_t length):
+        """Add ``[start, start+length)``; ``ValueError`` if empty or overlapping."""
+        if length == 0:
+            raise ValueError("empty range")
+        cdef Py_ssize_t i
+        cdef region_t *r
+        cdef region_t **grown
+        pthread_mutex_lock(&self.mu)
+        try:
+            i = self._bisect(start)
+            if i >= 0 and self.regs[i].start + self.regs[i].length > start:
+                raise ValueError("overlaps a registered range")
+            if i + 1 < self.n and self.regs[i + 1].start < start + length:
+                raise ValueError("overlaps a registered range")
+            if self.n == self.cap:
+                grown = <region_t **>realloc(self.regs, (self.cap * 2 + 8) * sizeof(region_t *))
+                if grown == NULL:
+                    raise MemoryError()
+                self.regs = grown
+                self.cap = self.cap * 2 + 8
+            r = <region_t *>malloc(sizeof(region_t))
+            if r == NULL:
+                raise MemoryError()
+            r.start = start
+            r.length = length
+            r.users = 0
+            r.closing = 0
+            for j in range(self.n, i + 1, -1):
+                self.regs[j] = self.regs[j - 1]
+            self.regs[i + 1] = r
+            self.n += 1
+        finally:
+            pthread_mutex_unlock(&self.mu)
+
+    def remove(self, uintptr_t start):
+        """Remove the range starting at ``start``; blocks until no request uses it.
+
+        New requests are refused from the moment this is called. Returns False if absent.
+        """
+        cdef Py_ssize_t i, j
+        cdef region_t *r
+        cdef bint found = False
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            i = self._bisect(start)
+            if i >= 0 and self.regs[i].start == start:
+                found = True
+                r = self.regs[i]
+                r.closing = 1
+                while r.users > 0:
+                    pthread_cond_wait(&self.cv, &self.mu)
+                i = self._bisect(start)  # the array may have changed while we waited
+                for j in range(i, self.n - 1):
+                    self.regs[j] = self.regs[j + 1]
+                self.n -= 1
+                free(r)
+            pthread_mutex_unlock(&self.mu)
+        return found
+
+    def find(self, uintptr_t addr, size_t length):
+        """Whether one open range holds all of ``[addr, addr+length)`` (for tests and logs)."""
+        cdef region_t *r = self.acquire(addr, length)
+        if r == NULL:
+            return False
+        self.release(r)
+        return True
+
+    def __len__(self):
+        return self.n
+
+    cdef region_t *acquire(self, uintptr_t addr, size_t length) noexcept nogil:
+        cdef region_t *r = NULL
+        cdef Py_ssize_t i
+        if length == 0 or addr + length < addr:
+            return NULL
+        pthread_mutex_lock(&self.mu)
+        i = self._bisect(addr)
+        if i >= 0:
+            r = self.regs[i]
+            if r.closing or addr + length > r.start + r.length:
+                r = NULL
+            else:
+                r.users += 1
+        pthread_mutex_unlock(&self.mu)
+        return r
+
+    cdef void release(self, region_t *r) noexcept nogil:
+        pthread_mutex_lock(&self.mu)
+        r.users -= 1
+        if r.users == 0 and r.closing:
+            pthread_cond_broadcast(&self.cv)
+        pthread_mutex_unlock(&self.mu)
+
+
+# -- server ----------------------------------------------------------------------------------
+
+DEF S_HDR = 0
+DEF S_PAYLOAD = 1     # WRITE payload into the region
+DEF S_DRAIN = 2       # refused WRITE payload, dropped
+DEF S_CLOSED = 3
+DEF IN_CAP = 65536    # input staging: many small requests arrive in one recv
+DEF OUT_SLOTS = 128   # replies coalesced into one writev
+DEF DIRECT_MIN = 16384  # payloads at least this big go straight from the socket into place
+DEF STAGE_CAP = 65536  # client: statuses and small READ data staged per recv
+
+cdef class ServeConn:
+    """The server side of one connection (see the module docstring).
+
+    Input is staged: one ``recv`` brings in many headers and small WRITE payloads, which are
+    copied into place from there; bigger payloads are received in place. Replies (statuses, READ
+    data straight from the region) are coalesced and sent with one ``writev`` whenever the input
+    runs dry or the reply slots fill. A READ's region stays held until its data is sent.
+    """
+
+    cdef int fd
+    cdef RegionTable table
+    cdef size_t drain_limit
+    cdef int state
+    cdef uint8_t *inbuf
+    cdef size_t in_pos, in_len
+    cdef region_t *held            # region of the WRITE payload being received
+    cdef uintptr_t addr
+    cdef size_t left
+    cdef bint v2
+    cdef bint close_after
+    cdef iovec out[2 * OUT_SLOTS]
+    cdef Py_ssize_t nout, out_pos
+    cdef uint64_t stat[OUT_SLOTS]
+    cdef Py_ssize_t nstat
+    cdef region_t *out_held[OUT_SLOTS]
+    cdef Py_ssize_t nheld
+    cdef readonly long served
+    cdef readonly long refused
+    cdef int stop_fd
+
+    def __cinit__(self, int fd, RegionTable table not None, size_t drain_limit,
+                  size_t scratch_size=65536):
+        self.stop_fd = -1
+        self.fd = fd
+        self.table = table
+        self.drain_limit = drain_limit
+        self.state = S_HDR
+        self.in_pos = 0
+        self.in_len = 0
+        self.held = NULL
+        self.nout = 0
+        self.out_pos = 0
+        self.nstat = 0
+        self.nheld = 0
+        self.close_after = False
+        self.inbuf = <uint8_t *>malloc(IN_CAP)
+        if self.inbuf == NULL:
+            raise MemoryError()
+        self.served = 0
+        self.refused = 0
+
+    def __dealloc__(self):
+        self._release_all()
+        free(self.inbuf)
+        if self.stop_fd >= 0:
+            c_close(self.stop_fd)
+
+    def serve_blocking(self):
+        """Serve the connection on the calling thread until it ends or :meth:`stop` is called.
+
+        Runs without the GIL, waiting in ``poll`` (the socket and a private eventfd) instead of
+        returning WANT_READ/WANT_WRITE: no Python, and no event loop, per request. Returns the
+        final :meth:`step` result, or PEER_CLOSED after ``stop``. Call :meth:`prepare_blocking`
+        first (from the thread that will call ``stop``).
+        """
+        cdef long r
+        cdef pollfd p[2]
+        cdef int n
+        if self.stop_fd < 0:
+            raise ValueError("call prepare_blocking() first")
+        with nogil:
+            while True:
+                r = self._step()
+                if r == R_YIELD:
+                    continue
+                if r != R_WANT_READ and r != R_WANT_WRITE:
+                    break
+                p[0].fd = self.fd
+                p[0].events = POLLIN if r == R_WANT_READ else POLLOUT
+                p[0].revents = 0
+                p[1].fd = self.stop_fd
+                p[1].events = POLLIN
+                p[1].revents = 0
+                n = poll(p, 2, -1)
+                if n < 0 and errno != EINTR:
+                    r = -errno
+                    break
+                if p[1].revents:
+                    r = R_PEER_CLOSED
+                    break
+        return r
+
+    def prepare_blocking(self):
+        """Create the eventfd :meth:`stop` signals (once, before ``serve_blocking``)."""
+        if self.stop_fd < 0:
+            self.stop_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
+            if self.stop_fd < 0:
+                raise OSError(errno, "eventfd failed")
+
+    def stop(self):
+        """Make a running ``serve_blocking`` return (from any thread)."""
+        cdef uint64_t one = 1
+        if self.stop_fd >= 0:
+            c_write(self.stop_fd, &one, 8)
+
+    cdef void _release_all(self) noexcept nogil:
+        cdef Py_ssize_t i
+        if self.held != NULL:
+            self.table.release(self.held)
+            self.held = NULL
+        for i in range(self.nheld):
+            self.table.release(self.out_held[i])
+        self.nheld = 0
+        self.nout = 0
+        self.out_pos = 0
+        self.nstat = 0
+
+    def close(self):
+        """Release every region held by unfinished requests (the connection is being dropped)."""
+        self._release_all()
+        self.state = S_CLOSED
+
+    cdef bint _room(self) noexcept nogil:
+        return self.nstat < OUT_SLOTS and self.nheld < OUT_SLOTS and self.nout + 2 <= 2 * OUT_SLOTS
+
+    cdef void _queue_status(self, uint64_t code) noexcept nogil:
+        self.stat[self.nstat] = MC_STATUS_MAGIC | code
+        self.out[self.nout].iov_base = &self.stat[self.nstat]
+        self.out[self.nout].iov_len = STATUS_SIZE
+        self.nstat += 1
+        self.nout += 1
+
+    cdef long _flush(self) noexcept nogil:
+        """writev the queued replies; 0 when all are out, else R_WANT_WRITE or -errno."""
+        cdef ssize_t r
+        cdef int cnt
+        cdef Py_ssize_t i
+        while self.out_pos < self.nout:
+            cnt = <int>(self.nout - self.out_pos)
+            r = writev(self.fd, self.out + self.out_pos, cnt)
+            if r < 0:
+                if errno == EINTR:
+                    continue
+                if errno == EAGAIN:
+                    return R_WANT_WRITE
+                return -errno
+            while r > 0 and self.out_pos < self.nout:
+                if <size_t>r >= self.out[self.out_pos].iov_len:
+                    r -= self.out[self.out_pos].iov_len
+                    self.out_pos += 1
+                else:
+                    self.out[self.out_pos].iov_base = <void *>(
+                        <uintptr_t>self.out[self.out_pos].iov_base + r)
+                    self.out[self.out_pos].iov_len -= r
+                    r = 0
+        for i in range(self.nheld):
+            self.table.release(self.out_held[i])
+        self.nheld = 0
+        self.nout = 0
+        self.out_pos = 0
+        self.nstat = 0
+        return 0
+
+    def step(self):
+        """Serve until the socket would block; returns WANT_READ/WANT_WRITE/YIELD, CLOSE,
+        PEER_CLOSED (clean end between requests) or ``-errno`` (``-100000``: bad header)."""
+        cdef long r
+        with nogil:
+            r = self._step()
+        return r
+
+    cdef long _step(self) noexcept nogil:
+        cdef ssize_t r
+        cdef long f
+        cdef uint64_t size, addr
+        cdef uint8_t op
+        cdef int nreq = 0
+        cdef size_t nbytes = 0, k, avail
+        while True:
+            if self.state == S_CLOSED:
+                return R_PEER_CLOSED
+            avail = self.in_len - self.in_pos
+            if nreq >= STEP_REQUESTS or nbytes >= STEP_BYTES:
+                f = self._flush()
+                return f if f != 0 else R_YIELD
+            if self.state == S_HDR:
+                if self.close_after:
+                    f = self._flush()
+                    if f != 0:
+                        return f
+                    self.state = S_CLOSED
+                    return R_CLOSE
+                if avail >= HEADER_SIZE:
+                    if not self._room():
+                        f = self._flush()
+                        if f != 0:
+                            return f
+                    memcpy(&size, self.inbuf + self.in_pos, 8)
+                    memcpy(&addr, self.inbuf + self.in_pos + 8, 8)
+                    op = self.inbuf[self.in_pos + 16]
+                    self.in_pos += HEADER_SIZE
+                    self.v2 = (op & V2_FLAG) != 0
+                    op = op & ~V2_FLAG
+                    if op > 1:
+                        return -E_PROTO
+                    nreq += 1
+                    self.held = self.table.acquire(<uintptr_t>addr, <size_t>size)
+                    if self.held == NULL:
+                        self.refused += 1
+                        if not self.v2:
+                            self.close_after = True
+                            continue
+                        if op == 1 and size > self.drain_limit:
+                            self._queue_status(1)
+                            self.close_after = True
+                        elif op == 1 and size > 0:
+                            self.left = size
+                            self.state = S_DRAIN
+                        else:
+                            self._queue_status(1)
+                        continue
+                    self.served += 1
+                    if op == 1:
+                        self.addr = <uintptr_t>addr
+                        self.left = size
+                        self.state = S_PAYLOAD
+                    else:
+                        if self.v2:
+                            self._queue_status(0)
+                        self.out[self.nout].iov_base = <void *><uintptr_t>addr
+                        self.out[self.nout].iov_len = size
+                        self.nout += 1
+                        self.out_held[self.nheld] = self.held
+                        self.nheld += 1
+                        self.held = NULL
+                        nbytes += size
+                    continue
+            elif self.state == S_PAYLOAD or self.state == S_DRAIN:
+                if avail > 0:
+                    k = avail if avail < self.left else self.left
+                    if self.state == S_PAYLOAD:
+                        memcpy(<void *>self.addr, self.inbuf + self.in_pos, k)
+                        self.addr += k
+                    self.in_pos += k
+                    self.left -= k
+                    nbytes += k
+                elif self.state == S_PAYLOAD and self.left >= DIRECT_MIN:
+                    r = recv(self.fd, <void *>self.addr, self.left, MSG_DONTWAIT)
+                    if r < 0:
+                        if errno == EINTR:
+                            continue
+                        if errno == EAGAIN:
+                            f = self._flush()
+                            return f if f != 0 else R_WANT_READ
+                        return -errno
+                    if r == 0:
+                        return -ECONNRESET
+                    self.addr += r
+                    self.left -= r
+                    nbytes += r
+                else:
+                    avail = 0  # fall through to refill the input below
+                if self.left == 0:
+                    # room for this status was made before the header was taken in
+                    if self.state == S_PAYLOAD:
+                        self.table.release(self.held)
+                        self.held = NULL
+                        if self.v2:
+                            self._queue_status(0)
+                    else:
+                        self._queue_status(1)
+                    self.state = S_HDR
+                    continue
+                if avail > 0:
+                    continue
+            # need input: send what is queued first, so the client is never kept waiting
+            f = self._flush()
+            if f != 0:
+                return f
+            if self.in_pos > 0:
+                if self.in_pos < self.in_len:
+                    memmove(self.inbuf, self.inbuf + self.in_pos, self.in_len - self.in_pos)
+                self.in_len -= self.in_pos
+                self.in_pos = 0
+            r = recv(self.fd, self.inbuf + self.in_len, IN_CAP - self.in_len, MSG_DONTWAIT)
+            if r < 0:
+                if errno == EINTR:
+                    continue
+                if errno == EAGAIN:
+                    return R_WANT_READ
+                return -errno
+            if r == 0:
+                if self.state == S_HDR and self.in_len == 0:
+                    self.state = S_CLOSED
+                    return R_PEER_CLOSED
+                return -ECONNRESET
+            self.in_len += r
+
+# -- client ----------------------------------------------------------------------------------
+
+cdef class ClientPipe:
+    """One pipelined group of same-opcode requests on one connection (see module docstring).
+
+    ``statuses[i]`` after completion: 0 OK, 1 refused, -1 no reply (connection ended first).
+    ``done`` counts requests with a definite result, in order.
+    """
+
+    cdef int fd
+    cdef bint write_op
+    cdef bint v2
+    cdef Py_ssize_t n
+    cdef uint8_t *hdrs
+    cdef uintptr_t *laddr
+    cdef size_t *lens
+    cdef iovec *iov
+    cdef Py_ssize_t niov, iov_pos
+    cdef Py_ssize_t rx      # request whose reply is being read
+    cdef int rx_phase       # 0 status, 1 data
+    cdef size_t rx_got
+    cdef uint64_t st
+    cdef signed char *stat
+    cdef bint last_refused
+    cdef uint8_t *stage
+    cdef size_t st_pos, st_len
+    cdef readonly Py_ssize_t done
+
+    cdef bint own_stage
+    cdef object stage_owner
+
+    def __cinit__(self, int fd, bint write, bint v2, laddrs, raddrs, lens,
+                  uintptr_t stage_addr=0, size_t stage_size=0, object stage_owner=None):
+        cdef Py_ssize_t n = len(laddrs), i
+        if len(raddrs) != n or len(lens) != n:
+            raise ValueError("ClientPipe: laddrs, raddrs and lens differ in length")
+        self.fd = fd
+        self.write_op = write
+        self.v2 = v2
+        self.n = n
+        self.hdrs = <uint8_t *>malloc(n * HEADER_SIZE + 1)
+        self.laddr = <uintptr_t *>malloc(n * sizeof(uintptr_t) + 1)
+        self.lens = <size_t *>malloc(n * sizeof(size_t) + 1)
+        self.iov = <iovec *>malloc(2 * n * sizeof(iovec) + 1)
+        self.stat = <signed char *>malloc(n + 1)
+        # A fresh staging buffer per call would pay first-touch page faults every time (tens of
+        # microseconds on a VM): callers pass a long-lived, pre-faulted one (``stage_*``).
+        if stage_addr != 0 and stage_size >= STAGE_CAP:
+            self.stage = <uint8_t *>stage_addr
+            self.own_stage = False
+            self.stage_owner = stage_owner
+        else:
+            self.stage = <uint8_t *>malloc(STAGE_CAP)
+            self.own_stage = True
+        self.st_pos = 0
+        self.st_len = 0
+        if not (self.hdrs and self.laddr and self.lens and self.iov and self.stat and self.stage):
+            raise MemoryError()
+        memset(self.hdrs, 0, n * HEADER_SIZE)
+        cdef uint64_t sz, ra
+        cdef uint8_t op = (1 if write else 0) | (V2_FLAG if v2 else 0)
+        self.niov = 0
+        for i in range(n):
+            sz = <uint64_t>lens[i]
+            ra = <uint64_t>raddrs[i]
+            self.laddr[i] = <uintptr_t>laddrs[i]
+            self.lens[i] = sz
+            memcpy(self.hdrs + i * HEADER_SIZE, &sz, 8)
+            memcpy(self.hdrs + i * HEADER_SIZE + 8, &ra, 8)
+            self.hdrs[i * HEADER_SIZE + 16] = op
+            self.stat[i] = -1
+            self.iov[self.niov].iov_base = self.hdrs + i * HEADER_SIZE
+            self.iov[self.niov].iov_len = HEADER_SIZE
+            self.niov += 1
+            if write and sz:
+                self.iov[self.niov].iov_base = <void *>self.laddr[i]
+                self.iov[self.niov].iov_len = sz
+                self.niov += 1
+        self.iov_pos = 0
+        self.rx = 0
+        self.rx_phase = 0
+        self.rx_got = 0
+        self.done = 0
+        self.last_refused = False
+
+    def __dealloc__(self):
+        free(self.hdrs)
+        free(self.laddr)
+        free(self.lens)
+        free(self.iov)
+        free(self.stat)
+        if self.own_stage:
+            free(self.stage)
+
+    @property
+    def statuses(self):
+        return [self.stat[i] for i in range(self.n)]
+
+    def step(self):
+        """Advance; DONE when every reply is in, WANT_READ/WANT_WRITE, PEER_CLOSED (the peer
+        closed right after a refusal, as the published server does), or ``-errno``
+        (``-100000``: bad status frame)."""
+        cdef long r
+        with nogil:
+            r = self._step()
+        return r
+
+    cdef long _step(self) noexcept nogil:
+        cdef ssize_t r
+        cdef int cnt
+        cdef uint64_t v
+        while self.iov_pos < self.niov:
+            cnt = <int>(self.niov - self.iov_pos)
+            if cnt > IOV_CHUNK:
+                cnt = IOV_CHUNK
+            r = writev(self.fd, self.iov + self.iov_pos, cnt)
+            if r < 0:
+                if errno == EINTR:
+                    continue
+                if errno == EAGAIN:
+                    return R_WANT_WRITE
+                return -errno
+            while r > 0 and self.iov_pos < self.niov:
+                if <size_t>r >= self.iov[self.iov_pos].iov_len:
+                    r -= self.iov[self.iov_pos].iov_len
+                    self.iov_pos += 1
+                else:
+                    self.iov[self.iov_pos].iov_base = <void *>(
+                        <uintptr_t>self.iov[self.iov_pos].iov_base + r)
+                    self.iov[self.iov_pos].iov_len -= r
+                    r = 0
+        if not self.v2:
+            # v1: no status frames; READ data follows directly, WRITE has no reply at all
+            if self.write_op:
+                while self.done < self.n:
+                    self.stat[self.done] = 0
+                    self.done += 1
+                return R_DONE
+            while self.rx < self.n:
+                if self.rx_got < self.lens[self.rx]:
+                    r = recv(self.fd, <void *>(self.laddr[self.rx] + self.rx_got),
+                             self.lens[self.rx] - self.rx_got, MSG_DONTWAIT)
+                    if r < 0:
+                        if errno == EINTR:
+                            continue
+                        if errno == EAGAIN:
+                            return R_WANT_READ
+                        return -errno
+                    if r == 0:
+                        return -ECONNRESET
+                    self.rx_got += r
+                    continue
+                self.stat[self.rx] = 0
+                self.rx += 1
+                self.done = self.rx
+                self.rx_got = 0
+            return R_DONE
+        cdef size_t avail, k, need
+        while self.rx < self.n:
+            avail = self.st_len - self.st_pos
+            if avail == 0:
+                # refill: big READ data goes straight into place, everything else is staged so
+                # that one recv brings in many statuses and small payloads
+                need = self.lens[self.rx] - self.rx_got if self.rx_phase == 1 else 0
+                if self.rx_phase == 1 and need >= DIRECT_MIN:
+                    r = recv(self.fd, <void *>(self.laddr[self.rx] + self.rx_got), need,
+                             MSG_DONTWAIT)
+                elif (self.rx_phase == 0 and not self.write_op
+                        and self.lens[self.rx] >= DIRECT_MIN):
+                    r = recv(self.fd, (<uint8_t *>&self.st) + self.rx_got,
+                             STATUS_SIZE - self.rx_got, MSG_DONTWAIT)
+                else:
+                    r = recv(self.fd, self.stage, STAGE_CAP, MSG_DONTWAIT)
+                    if r > 0:
+                        self.st_pos = 0
+                        self.st_len = r
+                        continue
+                if r < 0:
+                    if errno == EINTR:
+                        continue
+                    if errno == EAGAIN:
+                        return R_WANT_READ
+                    return -errno
+                if r == 0:
+                    if self.rx_phase == 0 and self.rx_got == 0 and self.last_refused:
+                        return R_PEER_CLOSED
+                    return -ECONNRESET
+                self.rx_got += r
+            elif self.rx_phase == 0:
+                k = STATUS_SIZE - self.rx_got
+                if k > avail:
+                    k = avail
+                memcpy((<uint8_t *>&self.st) + self.rx_got, self.stage + self.st_pos, k)
+                self.st_pos += k
+                self.rx_got += k
+            else:
+                k = self.lens[self.rx] - self.rx_got
+                if k > avail:
+                    k = avail
+                memcpy(<void *>(self.laddr[self.rx] + self.rx_got), self.stage + self.st_pos, k)
+                self.st_pos += k
+                self.rx_got += k
+            if self.rx_phase == 0:
+                if self.rx_got < STATUS_SIZE:
+                    continue
+                self.rx_got = 0
+                v = self.st
+                if (v & MC_STATUS_MASK) != MC_STATUS_MAGIC:
+                    return -E_PROTO
+                v = v & <uint64_t>0xFFFFFFFFU
+                if v > 1:
+                    return -E_PROTO
+                self.last_refused = v != 0
+                if v == 0 and not self.write_op and self.lens[self.rx] > 0:
+                    self.rx_phase = 1
+                    continue
+                self.stat[self.rx] = <signed char>v
+                self.rx += 1
+                self.done = self.rx
+            elif self.rx_got == self.lens[self.rx]:
+                self.rx_got = 0
+                self.rx_phase = 0
+                self.stat[self.rx] = 0
+                self.rx += 1
+                self.done = self.rx
+        return R_DONE
