@@ -99,6 +99,9 @@ _GFLAGS: dict[str, _Flag] = {
     "put_start_release_timeout_sec": _Flag(
         "state.put_start_release_timeout", lambda t: parse_duration(t, "s")
     ),
+    "enable_offload": _Flag("state.offload_on_evict", _bool, True),
+    "offload_on_evict": _Flag("state.offload_on_evict", _bool, True),
+    "demote_timeout_sec": _Flag("state.demote_timeout", lambda t: parse_duration(t, "s")),
     "memory_allocator": _Flag("memory_allocator", str),
     "version": _Flag("version", _bool, True),
     "help": _Flag("help", _bool, True),
@@ -298,6 +301,14 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--put-start-discard-timeout-sec", default=str(d.put_start_discard_timeout))
     p.add_argument("--put-start-release-timeout-sec", default=str(d.put_start_release_timeout))
+    p.add_argument(
+        "--offload-on-evict",
+        type=_bool,
+        default=d.offload_on_evict,
+        metavar="true|false",
+        help="demote evicted objects to the owning client's SSD tier when it has one",
+    )
+    p.add_argument("--demote-timeout-sec", default=str(d.demote_timeout))
     p.add_argument("--enable-http-metadata-server", action="store_true")
     p.add_argument("--http-metadata-server-host", default="127.0.0.1")
     p.add_argument("--http-metadata-server-port", type=int, default=8080)
@@ -320,6 +331,8 @@ def _run_args(args: argparse.Namespace) -> int:
             put_start_discard_timeout=parse_duration(args.put_start_discard_timeout_sec, "s"),
             put_start_release_timeout=parse_duration(args.put_start_release_timeout_sec, "s"),
             allocation_strategy=args.allocation_strategy,
+            offload_on_evict=args.offload_on_evict,
+            demote_timeout=parse_duration(args.demote_timeout_sec, "s"),
             seed=args.seed,
         )
         from mooncake._core.policies import make_policy
