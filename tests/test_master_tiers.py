@@ -411,3 +411,16 @@ class TierMachine(RuleBasedStateMachine):
 
 TestTierMachine = TierMachine.TestCase
 TestTierMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+
+
+def test_master_flags_for_tiers() -> None:
+    from mooncake._cli.master import parse_gflags
+
+    p = parse_gflags(["--enable_offload=false", "--demote_timeout_sec=5"])
+    assert (p.server.state.offload_on_evict, p.server.state.demote_timeout) == (False, 5.0)
+    m = MasterState(p.server.state)
+    m.mount_segment("c", seg(0), 0)
+    m.mount_local_disk("c", 1 << 30, 0)
+    fill(m, 10)  # offload off: evictions drop, nothing is demoted
+    assert m.fetch_tier_tasks("c", 1).demote == []
+    assert m.tiers["dram"].evictions > 0
