@@ -358,6 +358,17 @@ class MasterState:
         """Bytes of all mounted segments."""
         return self._capacity
 
+    def segment_tiers(self) -> dict[str, dict[str, int]]:
+        """Mounted segments by memory tier: ``gpu`` for ``cuda:N`` segments, ``dram`` for host
+        ones; for each, ``segments``, ``capacity`` and ``used`` bytes."""
+        out = {t: {"segments": 0, "capacity": 0, "used": 0} for t in ("dram", "gpu")}
+        for seg in self._segments.values():
+            t = out["gpu" if seg.segment.location.startswith("cuda:") else "dram"]
+            t["segments"] += 1
+            t["capacity"] += seg.alloc.capacity
+            t["used"] += seg.alloc.used
+        return out
+
     @property
     def object_count(self) -> int:
         """Objects with a readable version."""

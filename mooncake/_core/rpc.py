@@ -69,6 +69,7 @@ EvictDiskReplica       EvictDiskParams                  None
 PutLocal               PutLocalParams                   int (version id of the re-announced object)
 ExplainMiss            KeyParams                        MissInfo (no miss counted)
 GetTierStats           Empty                            dict[str, dict[str, int]] (per tier)
+GetSegmentTiers        Empty                            dict[str, dict[str, int]] (dram/gpu)
 ====================== ================================ ==========================================
 
 Semantics of each call are the master's (:mod:`mooncake._core.master`); this module only
@@ -330,6 +331,7 @@ METHODS: dict[str, MethodSpec] = {
         _spec("PutLocal", PutLocalParams, int),
         _spec("ExplainMiss", KeyParams, MissInfo),
         _spec("GetTierStats", Empty, dict[str, dict[str, int]]),
+        _spec("GetSegmentTiers", Empty, dict[str, dict[str, int]]),
     )
 }
 

@@ -102,6 +102,9 @@ class Segment(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
     size: int
     te_endpoint: str = ""
     protocol: str = "tcp"
+    location: str = "cpu:0"
+    """Where the segment's memory lives: ``cpu:N`` (host DRAM) or ``cuda:N`` (GPU memory).
+    Omitted on the wire when ``cpu:0``, so host segments encode exactly as before."""
 
 
 class ReplicateConfig(_Struct):

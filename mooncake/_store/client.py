@@ -28,6 +28,15 @@ client of the same host is a ``memcpy`` into that client's memfd mapping
 (:mod:`mooncake._store.shm`); anything else goes through the engine (TCP). ``MC_STORE_MEMCPY=0``
 sends same-host replicas through the engine too.
 
+GPU tier: with ``segment_location="cuda:N"`` the segment is device memory
+(``engine.allocate(segment_size, location="cuda:N")``, a :class:`DeviceMemory`) and none of the
+host paths above touch it: the client serves no memfd for it (same-host peers find no
+:class:`ShmServer` and go through their engine: the ``cuda`` transport, or TCP staging through
+pinned host memory), and replicas on the own device segment go through ``engine.transfer`` to
+the own segment (copies on the engine's CUDA stream). Such a segment is mounted with
+``Segment.location`` set, which the master reports per tier (``gpu``). Objects evicted from a
+device segment are not demoted to the SSD tier (dropped, as without one).
+
 Copying APIs (``put(key, bytes)``, ``get(key) -> bytes``) stage through a registered local buffer
 of ``local_buffer_size`` bytes when a replica is remote; as in the published client a value (or
 a batch) larger than that buffer is refused with ``INVALID_PARAMS``. Zero-copy APIs
@@ -50,7 +59,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -58,7 +67,7 @@ import numpy as np
 from mooncake import _fast
 from mooncake._core import rpc
 from mooncake._core import store_types as st
-from mooncake._core.gpu import device_of
+from mooncake._core.gpu import device_of, parse_location
 from mooncake._core.master import parse_miss
 from mooncake._core.memory import Region
 from mooncake._core.misses import Miss, MissReason
@@ -66,7 +75,7 @@ from mooncake._core.policies import EvictionPolicy
 from mooncake._core.staging import RangeAllocator
 from mooncake._core.tiers import Admission, SsdEntry, make_admission
 from mooncake._core.transfer import TransferRequest
-from mooncake._engine.engine import Buffer, Engine, open_engine
+from mooncake._engine.engine import Buffer, DeviceMemory, Engine, open_engine
 from mooncake._store.config import ReplicateConfig, to_wire
 from mooncake._store.master_conn import MasterConnection
 from mooncake._store.shm import MappedPeer, SharedSegment, ShmPeers, ShmServer
@@ -84,6 +93,9 @@ from mooncake.errors import (
     TierDataError,
     TransferError,
 )
+
+if TYPE_CHECKING:
+    from mooncake._fast.cuda import CudaRuntime
 
 log = logging.getLogger("mooncake.store")
 
@@ -148,15 +160,21 @@ class Store:
         *,
         segment_size: int,
         local_buffer_size: int,
+        segment_location: str = "cpu:0",
     ) -> None:
         if segment_size < 0 or local_buffer_size < 0:
             raise InvalidArgumentError("segment_size and local_buffer_size must be >= 0")
+        parse_location(segment_location)  # InvalidArgumentError naming a bad location
+        self.segment_location = segment_location
         self.master_address = master
         self.segment_size = segment_size
         self.local_buffer_size = local_buffer_size
         self.client_id = str(uuid.uuid4())
         self.master = MasterConnection(master)
         self.segment: SharedSegment | None = None
+        """The host (memfd) segment; None for a pure client or a device segment."""
+        self.device_segment: DeviceMemory | None = None
+        """The device segment when ``segment_location`` is ``cuda:N``."""
         self.mounted: st.Segment | None = None
         self.local_buffer: Buffer | None = None
         self._staging = RangeAllocator(0)
@@ -188,7 +206,21 @@ class Store:
         if self.local_buffer_size:
             self.local_buffer = await eng.allocate(self.local_buffer_size)
             self._staging = RangeAllocator(self.local_buffer.length)
-        if self.segment_size:
+        if self.segment_size and device_of(self.segment_location) is not None:
+            # device memory: no memfd, no ShmServer -- every peer goes through its engine
+            dm = await eng.allocate(self.segment_size, location=self.segment_location)
+            assert isinstance(dm, DeviceMemory)
+            self.device_segment = dm
+            self.mounted = st.Segment(
+                id=str(uuid.uuid4()),
+                name=eng.segment_name,
+                base=dm.addr,
+                size=dm.length,
+                te_endpoint=eng.segment_name,
+                protocol="tcp",
+                location=self.segment_location,
+            )
+        elif self.segment_size:
             seg = SharedSegment(self.segment_size)
             self.segment = seg
             await anyio.to_thread.run_sync(seg.prefault)
@@ -204,6 +236,7 @@ class Store:
                 te_endpoint=eng.segment_name,
                 protocol="tcp",
             )
+        if self.mounted is not None:
             await self.master.call(
                 "MountSegment",
                 rpc.MountSegmentParams(client_id=self.client_id, segment=self.mounted),
@@ -410,6 +443,12 @@ class Store:
             out["local_ssd"] = self.ssd.stats()
         return out
 
+    async def segment_tiers(self) -> dict[str, dict[str, int]]:
+        """The master's mounted segments by memory tier (``dram``, ``gpu``): ``segments``,
+        ``capacity`` and ``used`` bytes of each."""
+        out: dict[str, dict[str, int]] = await self.master.call("GetSegmentTiers", rpc.Empty())
+        return out
+
     async def _heartbeat(self) -> None:
         params = rpc.ClientParams(client_id=self.client_id)
         while True:
@@ -441,6 +480,10 @@ class Store:
                     log.warning("unmounting from the master failed: %s", e)
             self.master.close()
             self._shm.close()
+            dm, self.device_segment = self.device_segment, None
+            if dm is not None and not self.engine._closed:
+                # a shared engine outlives the store: give the device memory back now
+                await self.engine.unregister(dm)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1441,6 +1484,8 @@ async def open_store(
     promotion: Admission | str = "hits:2",
     ssd_direct_io: bool | None = None,
     ssd_sync: bool = True,
+    segment_location: str = "cpu:0",
+    cuda_runtime: CudaRuntime | None = None,
 ) -> AsyncIterator[Store]:
     """Connect to the master at ``master``, mount a segment and yield a :class:`Store`.
 
@@ -1456,10 +1501,19 @@ async def open_store(
     served from it (verified), and hits are promoted back to DRAM when ``promotion`` admits them
     (``"always"``, ``"never"``, ``"hits:N"``). Objects found in ``ssd_path`` at start are
     re-announced to the master (or dropped if their key was written again). See docs/tiers.md.
+
+    ``segment_location`` ``"cuda:N"`` makes the segment GPU memory on device ``N`` (the GPU
+    tier, see the module docstring); ``cuda_runtime`` is passed to the engine this opens (tests
+    pass :class:`mooncake.testing.fake_cuda.FakeCudaRuntime`; ignored with ``engine``).
     """
     if protocol not in ("tcp", ""):
         raise InvalidArgumentError(f"protocol {protocol!r} is not supported (use 'tcp')")
-    store = Store(master, segment_size=segment_size, local_buffer_size=local_buffer_size)
+    store = Store(
+        master,
+        segment_size=segment_size,
+        local_buffer_size=local_buffer_size,
+        segment_location=segment_location,
+    )
     store.admission = make_admission(promotion)
     async with AsyncExitStack() as stack:
         if ssd_path is not None:
@@ -1473,15 +1527,19 @@ async def open_store(
                     on_drop=store._on_ssd_drop,
                 )
             )
-        async with _open_with_engine(store, engine, hostname, metadata) as opened:
+        async with _open_with_engine(store, engine, hostname, metadata, cuda_runtime) as opened:
             yield opened
 
 
 @asynccontextmanager
 async def _open_with_engine(
-    store: Store, engine: Engine | None, hostname: str, metadata: str
+    store: Store,
+    engine: Engine | None,
+    hostname: str,
+    metadata: str,
+    cuda_runtime: CudaRuntime | None = None,
 ) -> AsyncIterator[Store]:
-    async with _engine_for(engine, hostname, metadata) as eng:
+    async with _engine_for(engine, hostname, metadata, cuda_runtime) as eng:
         store.engine = eng
         try:
             async with anyio.create_task_group() as tg:
@@ -1498,11 +1556,13 @@ async def _open_with_engine(
 
 
 @asynccontextmanager
-async def _engine_for(engine: Engine | None, hostname: str, metadata: str) -> AsyncIterator[Engine]:
+async def _engine_for(
+    engine: Engine | None, hostname: str, metadata: str, cuda_runtime: CudaRuntime | None = None
+) -> AsyncIterator[Engine]:
     if engine is not None:
         yield engine
         return
-    async with open_engine(hostname, metadata) as eng:
+    async with open_engine(hostname, metadata, cuda_runtime=cuda_runtime) as eng:
         yield eng
 
 

@@ -120,6 +120,7 @@ def _handlers() -> dict[str, Handler]:
         "PutLocal": lambda s, p, now: s.put_local(p.client_id, p.key, p.size, now),
         "ExplainMiss": lambda s, p, now: _miss_info(s.explain_miss(p.key)),
         "GetTierStats": lambda s, p, now: {t: c.as_dict() for t, c in s.tiers.items()},
+        "GetSegmentTiers": lambda s, p, now: s.segment_tiers(),
         "MountSegment": lambda s, p, now: s.mount_segment(p.client_id, p.segment, now),
         "ReMountSegment": lambda s, p, now: s.remount_segments(p.client_id, p.segments, now),
         "UnmountSegment": lambda s, p, now: s.unmount_segment(p.client_id, p.segment_id, now),
@@ -416,6 +417,16 @@ class _MasterCollector(Collector):
             for tier, c in s.tiers.items():
                 fam.add_metric([tier], getattr(c, what))
             yield fam
+        by_tier = s.segment_tiers()
+        for what in ("segments", "capacity", "used"):
+            g = GaugeMetricFamily(
+                f"master_tier_segment_{what}",
+                f"Mounted segments' {what} by memory tier (dram, gpu)",
+                labels=["tier"],
+            )
+            for tier, d in by_tier.items():
+                g.add_metric([tier], d[what])
+            yield g
         req = CounterMetricFamily(
             "master_rpc_requests", "RPC requests by method", labels=["method"]
         )

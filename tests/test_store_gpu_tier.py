@@ -1,0 +1,222 @@
+"""The store's GPU tier: a client whose segment is device memory (``segment_location="cuda:N"``).
+
+No GPU here: device memory is :class:`~mooncake.testing.fake_cuda.FakeCudaRuntime`'s (memfd-backed,
+copies on worker-thread "streams", counted), so what these tests check is the routing and the
+bytes: replicas on a device segment never take the host memfd/memcpy paths, they go through the
+engine (own segment: the engine's CUDA stream; another client: the ``cuda`` transport or TCP
+staging through pinned host memory), and the master reports the segment in its ``gpu`` tier.
+``benchmarks/gpu_tier_check.py`` does the same on a real GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import trio
+
+import mooncake
+from mooncake._core.master import MasterConfig
+from mooncake._engine.engine import open_engine
+from mooncake._store import client as client_mod
+from mooncake._store.client import Store
+from mooncake._store.master import MasterServerConfig, serve_master
+from mooncake.errors import InvalidArgumentError
+from mooncake.store import ReplicateConfig
+from mooncake.testing.fake_cuda import FakeCudaRuntime, view
+
+MIB = 1 << 20
+
+
+@asynccontextmanager
+async def master(**state: Any) -> AsyncIterator[str]:
+    cfg = MasterServerConfig(rpc_port=0, enable_metric_reporting=False, state=MasterConfig(**state))
+    async with anyio.create_task_group() as tg:
+        server = await tg.start(serve_master, cfg)
+        yield f"127.0.0.1:{server.rpc_port}"
+        tg.cancel_scope.cancel()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeCudaRuntime]:
+    rt = FakeCudaRuntime()
+    yield rt
+    rt.close()
+
+
+def pattern(n: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def on(store: Store) -> ReplicateConfig:
+    cfg = ReplicateConfig()
+    cfg.preferred_segment = store.segment_name
+    return cfg
+
+
+class CopySpy:
+    """Records every address range the same-host memcpy path (``Store._copy``) touched, and
+    every segment a get/put judged memcpy-able (``Store._is_copyable``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.ranges: list[tuple[int, int]] = []
+        self.copyable: set[str] = set()
+        real = Store._copy
+        real_copyable = Store._is_copyable
+
+        def copyable(store: Store, segment: str) -> bool:
+            ok = real_copyable(store, segment)
+            if ok:
+                self.copyable.add(segment)
+            return ok
+
+        monkeypatch.setattr(Store, "_is_copyable", copyable)
+
+        async def spy(store: Store, copies: list[tuple[int, int, int]], ops: Any) -> None:
+            for dst, src, n in copies:
+                self.ranges += [(dst, n), (src, n)]
+            await real(store, copies, ops)
+
+        monkeypatch.setattr(Store, "_copy", spy)
+
+    def touched(self, addr: int, length: int) -> bool:
+        return any(a < addr + length and addr < a + n for a, n in self.ranges)
+
+
+@pytest.mark.parametrize("peer_transports", [["tcp"], ["tcp", "cuda"]], ids=["tcp", "cuda"])
+def test_put_get_through_a_device_segment(
+    fake: FakeCudaRuntime, monkeypatch: pytest.MonkeyPatch, peer_transports: Sequence[str]
+) -> None:
+    """Client ``a`` mounts fake-device memory; ``a`` itself, a host-segment client ``b`` and a
+    pure client ``c`` put into it and get from it. Bytes land in (and come from) the device
+    memory, and no copy took the memfd/memcpy path for it."""
+    monkeypatch.setenv("MC_STORE_MEMCPY", "1")  # the same-host path is on: it must be skipped
+    spy = CopySpy(monkeypatch)
+
+    async def main() -> None:
+        async with (
+            master() as addr,
+            open_engine("127.0.0.1", transports=["tcp", "cuda"], cuda_runtime=fake) as ea,
+            open_engine("127.0.0.1", transports=peer_transports, cuda_runtime=fake) as eb,
+            open_engine("127.0.0.1", transports=peer_transports, cuda_runtime=fake) as ec,
+            mooncake.open_store(
+                addr, engine=ea, segment_size=4 * MIB, segment_location="cuda:0"
+            ) as a,
+            mooncake.open_store(addr, engine=eb, segment_size=4 * MIB) as b,
+            mooncake.open_store(addr, engine=ec, segment_size=0) as c,
+        ):
+            dev = a.device_segment
+            assert dev is not None and a.segment is None
+            assert a.mounted is not None and a.mounted.location == "cuda:0"
+            assert ea.registry.find(dev.addr, dev.length).location == "cuda:0"  # type: ignore[union-attr]
+            copies = fake.copies
+            for i, n in enumerate((1, 4096, 100_003, MIB)):
+                for writer in (a, b, c):
+                    key = f"k{i}-{writer is a}{writer is b}"
+                    v = pattern(n, i * 3 + (writer is b))
+                    await writer.put(key, v, on(a))
+                    (rep,) = await a.replica_descriptors(key)
+                    assert rep.segment_name == a.segment_name
+                    assert dev.addr <= rep.addr and rep.addr + n <= dev.addr + dev.length
+                    assert bytes(view(rep.addr, n)) == v  # in the device memory
+                    for reader in (a, b, c):
+                        assert await reader.get(key) == v
+            # batches too
+            vals = [pattern(5000 + i, 50 + i) for i in range(4)]
+            keys = [f"batch{i}" for i in range(4)]
+            assert await b.put_batch(keys, vals, on(a)) == [None] * 4
+            assert await c.get_batch(keys) == vals
+            assert await a.get_batch(keys) == vals
+            # every byte in or out of the device segment was a device copy, none a memcpy
+            assert fake.copies > copies
+            assert not spy.touched(dev.addr, dev.length)
+            assert a.segment_name not in spy.copyable
+            assert b._shm.cached(a.segment_name) is None  # nothing mapped: no memfd served
+            assert await b._shm.lookup(a.segment_name) is None
+            # b's host segment still takes the memcpy path from a same-host client
+            before = len(spy.ranges)
+            v = pattern(8192, 99)
+            await c.put("host", v, on(b))
+            assert await c.get("host") == v
+            assert len(spy.ranges) > before and b.segment_name in spy.copyable
+            assert c._shm.cached(b.segment_name) is not None
+            # the master knows the tiers apart
+            tiers = await c.segment_tiers()
+            assert tiers["gpu"]["segments"] == 1 and tiers["gpu"]["capacity"] == dev.length
+            assert tiers["gpu"]["used"] > 0
+            assert tiers["dram"]["segments"] == 1 and tiers["dram"]["capacity"] == 4 * MIB
+        # the store gave its device memory back (engines closed too: nothing left)
+        assert fake.live()["device"] == 0
+
+    trio.run(main)
+
+
+def test_zero_copy_into_and_out_of_a_device_segment(fake: FakeCudaRuntime) -> None:
+    """``put_from``/``get_into`` with host and device caller buffers, replica on the own device
+    segment: engine copies both ways, bytes exact."""
+
+    async def main() -> None:
+        async with (
+            master() as addr,
+            open_engine("127.0.0.1", transports=["tcp"], cuda_runtime=fake) as ea,
+            mooncake.open_store(
+                addr, engine=ea, segment_size=2 * MIB, segment_location="cuda:0"
+            ) as a,
+        ):
+            host = await ea.allocate(MIB)
+            devbuf = await ea.allocate(MIB, location="cuda:0")
+            v = pattern(300_001, 5)
+            host.numpy()[: len(v)] = np.frombuffer(v, np.uint8)
+            await a.put_from("h", host.addr, len(v))
+            view(devbuf.addr, len(v))[:] = np.frombuffer(v[::-1], np.uint8)
+            await a.put_from("d", devbuf.addr, len(v))
+            host.numpy()[:] = 0
+            assert await a.get_into("d", host.addr, len(v)) == len(v)
+            assert bytes(host.numpy()[: len(v)]) == v[::-1]
+            view(devbuf.addr, len(v))[:] = 0
+            assert await a.get_into("h", devbuf.addr, len(v)) == len(v)
+            assert bytes(view(devbuf.addr, len(v))) == v
+
+    trio.run(main)
+
+
+def test_cuda_runtime_threads_through_open_store(fake: FakeCudaRuntime) -> None:
+    """Without ``engine=``, ``cuda_runtime`` reaches the engine ``open_store`` opens."""
+
+    async def main() -> None:
+        async with (
+            master() as addr,
+            mooncake.open_store(
+                addr, segment_size=MIB, segment_location="cuda:0", cuda_runtime=fake
+            ) as a,
+        ):
+            assert a.device_segment is not None and fake.live()["device"] == 1
+            await a.put("k", b"abc" * 1000)
+            assert await a.get("k") == b"abc" * 1000
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("loc", ["gpu:0", "cuda", "cuda:-1", ""])
+def test_bad_segment_location_is_refused(loc: str) -> None:
+    async def main() -> None:
+        with pytest.raises(InvalidArgumentError, match="location"):
+            async with mooncake.open_store("127.0.0.1:1", segment_location=loc):
+                pass  # pragma: no cover
+
+    trio.run(main)
+
+
+def test_host_segment_is_unchanged() -> None:
+    """The default location mounts the memfd segment, omitted from the wire as before."""
+    import msgspec
+
+    from mooncake._core import store_types as st
+
+    seg = st.Segment(id="x", name="n", base=1, size=2)
+    assert seg.location == "cpu:0" and b"location" not in msgspec.msgpack.encode(seg)
+    assert client_mod.Store("m:1", segment_size=1, local_buffer_size=0).segment_location == "cpu:0"
