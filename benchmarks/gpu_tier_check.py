@@ -13,7 +13,13 @@ Steps, each reported as ok / skipped (why) / FAILED (what):
    pointers, ``put_from`` each object straight from device memory and ``get_into`` another
    device buffer, verified on the device (docs/gpu.md: same-host replicas are copied on the
    engine's CUDA stream).
-6. ``engine``: with step 3 done, a loopback ``engine.write`` from the device buffer into a host
+6. ``store-gpu-segment``: the GPU tier: a store client mounts a ``cuda:0`` segment
+   (``open_store(segment_location="cuda:0")``); it, a host-segment client and a pure client put
+   objects into that segment and get them back (all through the engine: own-segment copies on
+   its CUDA stream, the others over the ``cuda`` transport or TCP staging), verified byte for
+   byte, including the replica bytes read straight from device memory; the master must report
+   the segment in its ``gpu`` tier.
+7. ``engine``: with step 3 done, a loopback ``engine.write`` from the device buffer into a host
    buffer and back, verified.
 
 Exit status 0 if nothing FAILED (skips are fine), 1 otherwise. ``--json PATH`` writes the
@@ -143,6 +149,7 @@ async def run_checks(mib: int, objects: int, report: Report) -> None:
                     await device_zero_copy(store, cp, dev, objects, report)
             except Exception as e:
                 report.fail("store", "".join(traceback.format_exception_only(e)).strip())
+            await gpu_segment(addr, cp, min(size, 64 * MIB), objects, report)
             tg.cancel_scope.cancel()
 
         if region is None:
@@ -194,6 +201,58 @@ async def device_zero_copy(store: Any, cp: Any, dev: Any, objects: int, report: 
         report.fail("store-device", f"{bad} bytes differ after put_from/get_into on device memory")
     else:
         report.ok("store-device", objects=objects, bytes=size, seconds=round(dt, 4))
+
+
+async def gpu_segment(master: str, cp: Any, size: int, objects: int, report: Report) -> None:
+    """The GPU tier: objects stored in a ``cuda:0`` segment, written and read by its owner, by a
+    host-segment client and by a pure client; bytes verified (also on the device)."""
+    import numpy as np
+
+    from mooncake._store.client import open_store
+    from mooncake.store import ReplicateConfig
+
+    chunk = max(1, size // objects)
+    try:
+        async with (
+            open_store(master, segment_size=size + 16 * MIB, segment_location="cuda:0") as g,
+            open_store(master, segment_size=16 * MIB, local_buffer_size=chunk + MIB) as h,
+            open_store(master, segment_size=0, local_buffer_size=chunk + MIB) as p,
+        ):
+            on_g = ReplicateConfig()
+            on_g.preferred_segment = g.segment_name
+            rng = np.random.default_rng(7)
+            writers = {"owner": g, "host-client": h, "pure-client": p}
+            t0 = time.perf_counter()
+            moved = 0
+            for i in range(objects):
+                for wname, w in writers.items():
+                    key = f"gpu-seg-{i}-{wname}"
+                    v = rng.integers(0, 256, chunk, dtype=np.uint8).tobytes()
+                    await w.put(key, v, on_g)
+                    (r,) = await g.replica_descriptors(key)
+                    if r.segment_name != g.segment_name:
+                        raise AssertionError(f"{key}: replica on {r.segment_name}, not the GPU one")
+                    mem = cp.cuda.UnownedMemory(r.addr, chunk, None)
+                    on_dev = cp.ndarray((chunk,), cp.uint8, cp.cuda.MemoryPointer(mem, 0))
+                    if cp.asnumpy(on_dev).tobytes() != v:
+                        raise AssertionError(f"{key}: device memory differs from what was put")
+                    for rname, reader in writers.items():
+                        if await reader.get(key) != v:
+                            raise AssertionError(f"{key}: {rname} read different bytes")
+                    moved += 4 * chunk
+            dt = time.perf_counter() - t0
+            tiers = await p.segment_tiers()
+            if tiers.get("gpu", {}).get("segments") != 1:
+                raise AssertionError(f"master's segment tiers {tiers}: want one gpu segment")
+            report.ok(
+                "store-gpu-segment",
+                objects=3 * objects,
+                bytes_moved=moved,
+                seconds=round(dt, 4),
+                gpu_tier=tiers["gpu"],
+            )
+    except Exception as e:
+        report.fail("store-gpu-segment", "".join(traceback.format_exception_only(e)).strip())
 
 
 def main(argv: list[str] | None = None, run: Callable[..., Any] = anyio.run) -> int:
