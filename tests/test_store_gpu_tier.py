@@ -10,8 +10,13 @@ staging through pinned host memory), and the master reports the segment in its `
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -30,6 +35,8 @@ from mooncake.store import ReplicateConfig
 from mooncake.testing.fake_cuda import FakeCudaRuntime, view
 
 MIB = 1 << 20
+ROOT = Path(__file__).resolve().parent.parent
+HELPER = ROOT / "tests" / "helpers" / "gpu_store_peer.py"
 
 
 @asynccontextmanager
@@ -220,3 +227,103 @@ def test_host_segment_is_unchanged() -> None:
     seg = st.Segment(id="x", name="n", base=1, size=2)
     assert seg.location == "cpu:0" and b"location" not in msgspec.msgpack.encode(seg)
     assert client_mod.Store("m:1", segment_size=1, local_buffer_size=0).segment_location == "cpu:0"
+
+
+class GpuStorePeer:
+    """``tests/helpers/gpu_store_peer.py``: a store client with a fake-device segment, in a child
+    process."""
+
+    def __init__(self, master: str, transports: str) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HELPER), master, "--transports", transports],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.info = self._line()
+
+    def _line(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("gpu_store_peer exited")
+        out: dict[str, Any] = json.loads(line)
+        return out
+
+    async def cmd(self, **kw: Any) -> dict[str, Any]:
+        def call() -> dict[str, Any]:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps(kw) + "\n")
+            self.proc.stdin.flush()
+            return self._line()
+
+        out = await trio.to_thread.run_sync(call)
+        assert out.get("ok"), out
+        return out
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+
+
+@pytest.mark.parametrize("transports", ["tcp", "tcp,cuda"])
+def test_device_segment_in_another_process(
+    fake: FakeCudaRuntime, monkeypatch: pytest.MonkeyPatch, transports: str
+) -> None:
+    """The device segment's owner is another process on this host: a host-segment client and a
+    pure client put into it and read back (``cuda``: IPC handles opened across processes; ``tcp``:
+    the owner's server stages), the owner reads what they wrote and they read what it wrote.
+    No memfd is served for it, so nothing here maps it."""
+    monkeypatch.setenv("MC_STORE_MEMCPY", "1")
+    spy = CopySpy(monkeypatch)
+
+    async def main() -> None:
+        async with master() as addr:
+            peer = await trio.to_thread.run_sync(GpuStorePeer, addr, transports)
+            try:
+                seg = peer.info["segment"]
+                base, size = peer.info["base"], peer.info["size"]
+                cfg = ReplicateConfig()
+                cfg.preferred_segment = seg
+                async with (
+                    open_engine(
+                        "127.0.0.1", transports=transports.split(","), cuda_runtime=fake
+                    ) as eb,
+                    mooncake.open_store(addr, engine=eb, segment_size=2 * MIB) as b,
+                    mooncake.open_store(addr, segment_size=0) as c,
+                ):
+                    for i, n in enumerate((1, 4097, 300_000)):
+                        for w in (b, c):
+                            key = f"x{i}-{w is b}"
+                            v = pattern(n, 10 * i + (w is b))
+                            await w.put(key, v, cfg)
+                            (r,) = await b.replica_descriptors(key)
+                            assert r.segment_name == seg
+                            assert base <= r.addr and r.addr + n <= base + size
+                            assert await b.get(key) == v and await c.get(key) == v
+                            got = await peer.cmd(op="get", key=key)
+                            assert bytes.fromhex(got["data_hex"]) == v
+                        v = pattern(n, 100 + i)
+                        await peer.cmd(op="put", key=f"own{i}", data_hex=v.hex())
+                        assert await b.get(f"own{i}") == v and await c.get(f"own{i}") == v
+                    assert await b._shm.lookup(seg) is None and seg not in spy.copyable
+                    assert not spy.ranges  # no memcpy at all: b's segment was never used
+                    if transports == "tcp,cuda":
+                        assert fake.ipc_opens >= 1  # b really opened the peer's IPC handle
+                    stats = await peer.cmd(op="stats")
+                    assert stats["copies"] > 0
+                    assert (await c.segment_tiers())["gpu"]["segments"] == 1
+            finally:
+                await trio.to_thread.run_sync(peer.close)
+
+    trio.run(main)
