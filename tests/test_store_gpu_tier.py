@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -327,3 +328,61 @@ def test_device_segment_in_another_process(
                 await trio.to_thread.run_sync(peer.close)
 
     trio.run(main)
+
+
+def test_sync_fast_path_hands_device_replicas_to_the_loop(fake: FakeCudaRuntime) -> None:
+    """The sync facade's caller-thread path (``FastPath``) never memcpys a device-segment
+    replica: puts and gets on it go to the loop (``hits`` stays 0), bytes exact; a host-segment
+    replica still takes the fast path."""
+    from mooncake._store.fastpath import FastPath
+    from mooncake._sync import LoopThread
+
+    loop = LoopThread(name="gpu-tier-test")
+    ready: Any = {}
+
+    async def life(stop: Any) -> None:
+        async with (
+            master() as addr,
+            mooncake.open_store(
+                addr, segment_size=2 * MIB, segment_location="cuda:0", cuda_runtime=fake
+            ) as a,
+            mooncake.open_store(addr, segment_size=2 * MIB) as b,
+        ):
+            ready.update(a=a, b=b, stop=anyio.Event())
+            stop.set()
+            await ready["stop"].wait()
+
+    started = threading.Event()
+    fut = loop.submit(life, started)
+    try:
+        assert started.wait(30), fut.exception(0) if fut.done() else "store did not start"
+        a, b = ready["a"], ready["b"]
+        fp = FastPath(a, loop)
+        try:
+            dev = a.device_segment
+            v = pattern(70_000, 7)
+            src = np.frombuffer(v, np.uint8).copy()
+            fp.put("k", src.ctypes.data, len(v), on(a), upsert=False)
+            (r,) = loop.call(a.replica_descriptors, "k")
+            assert dev.addr <= r.addr < dev.addr + dev.length
+            assert bytes(view(r.addr, len(v))) == v
+            assert fp.get("k") == v
+            out = np.zeros(len(v), np.uint8)
+            loop.call(a.register_buffer, out.ctypes.data, len(v))
+            assert fp.get_into("k", out.ctypes.data, len(v)) == len(v)
+            assert out.tobytes() == v
+            assert fp.hits == 0  # all three went through the loop
+            # control: a replica on b's host segment is memcpy'd from this thread once mapped
+            # (the first put, on the loop, maps it)
+            fp.put("h", src.ctypes.data, len(v), on(b), upsert=False)
+            assert fp.get("h") == v and fp.hits == 1
+        finally:
+            fp.close()
+
+        async def stop() -> None:
+            ready["stop"].set()
+
+        loop.call(stop)
+        fut.result(30)
+    finally:
+        loop.close()
