@@ -24,6 +24,8 @@ import anyio
 import numpy as np
 import pytest
 import trio
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 import mooncake
 from mooncake._core.master import MasterConfig
@@ -41,12 +43,22 @@ HELPER = ROOT / "tests" / "helpers" / "gpu_store_peer.py"
 
 
 @asynccontextmanager
-async def master(**state: Any) -> AsyncIterator[str]:
+async def master_server(**state: Any) -> AsyncIterator[Any]:
     cfg = MasterServerConfig(rpc_port=0, enable_metric_reporting=False, state=MasterConfig(**state))
     async with anyio.create_task_group() as tg:
         server = await tg.start(serve_master, cfg)
-        yield f"127.0.0.1:{server.rpc_port}"
+        yield server
         tg.cancel_scope.cancel()
+
+
+def url(server: Any) -> str:
+    return f"127.0.0.1:{server.rpc_port}"
+
+
+@asynccontextmanager
+async def master(**state: Any) -> AsyncIterator[str]:
+    async with master_server(**state) as server:
+        yield f"127.0.0.1:{server.rpc_port}"
 
 
 @pytest.fixture
@@ -107,15 +119,15 @@ def test_put_get_through_a_device_segment(
 
     async def main() -> None:
         async with (
-            master() as addr,
+            master_server() as server,
             open_engine("127.0.0.1", transports=["tcp", "cuda"], cuda_runtime=fake) as ea,
             open_engine("127.0.0.1", transports=peer_transports, cuda_runtime=fake) as eb,
             open_engine("127.0.0.1", transports=peer_transports, cuda_runtime=fake) as ec,
             mooncake.open_store(
-                addr, engine=ea, segment_size=4 * MIB, segment_location="cuda:0"
+                url(server), engine=ea, segment_size=4 * MIB, segment_location="cuda:0"
             ) as a,
-            mooncake.open_store(addr, engine=eb, segment_size=4 * MIB) as b,
-            mooncake.open_store(addr, engine=ec, segment_size=0) as c,
+            mooncake.open_store(url(server), engine=eb, segment_size=4 * MIB) as b,
+            mooncake.open_store(url(server), engine=ec, segment_size=0) as c,
         ):
             dev = a.device_segment
             assert dev is not None and a.segment is None
@@ -157,6 +169,15 @@ def test_put_get_through_a_device_segment(
             assert tiers["gpu"]["segments"] == 1 and tiers["gpu"]["capacity"] == dev.length
             assert tiers["gpu"]["used"] > 0
             assert tiers["dram"]["segments"] == 1 and tiers["dram"]["capacity"] == 4 * MIB
+            metrics = {
+                (m.name, smp.labels.get("tier")): smp.value
+                for m in text_string_to_metric_families(generate_latest(server.registry).decode())
+                for smp in m.samples
+            }
+            assert metrics["master_tier_segments", "gpu"] == 1
+            assert metrics["master_tier_capacity_bytes", "gpu"] == dev.length
+            assert metrics["master_tier_used_bytes", "gpu"] == tiers["gpu"]["used"]
+            assert metrics["master_tier_segments", "dram"] == 1
         # the store gave its device memory back (engines closed too: nothing left)
         assert fake.live()["device"] == 0
 

@@ -418,12 +418,12 @@ class _MasterCollector(Collector):
                 fam.add_metric([tier], getattr(c, what))
             yield fam
         by_tier = s.segment_tiers()
-        for what in ("segments", "capacity", "used"):
-            g = GaugeMetricFamily(
-                f"master_tier_segment_{what}",
-                f"Mounted segments' {what} by memory tier (dram, gpu)",
-                labels=["tier"],
-            )
+        for what, name, doc in (
+            ("segments", "master_tier_segments", "Mounted segments by memory tier (dram, gpu)"),
+            ("capacity", "master_tier_capacity_bytes", "Mounted segment bytes by memory tier"),
+            ("used", "master_tier_used_bytes", "Allocated segment bytes by memory tier"),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["tier"])
             for tier, d in by_tier.items():
                 g.add_metric([tier], d[what])
             yield g
