@@ -59,6 +59,23 @@ class Report:
         self.steps.append({"step": step, "status": "skipped", "why": why})
         print(f"  skipped  {step}: {why}", flush=True)
 
+    def fail_exc(self, step: str, exc: BaseException) -> None:
+        """Record ``exc``; exception groups are reported by their leaves."""
+        leaves: list[BaseException] = []
+
+        def walk(e: BaseException) -> None:
+            subs = getattr(e, "exceptions", None)  # an exception group (3.11+ or the backport)
+            if isinstance(subs, tuple):
+                for sub in subs:
+                    walk(sub)
+            else:
+                leaves.append(e)
+
+        walk(exc)
+        self.fail(
+            step, "; ".join("".join(traceback.format_exception_only(e)).strip() for e in leaves)
+        )
+
     def fail(self, step: str, why: str) -> None:
         self.steps.append({"step": step, "status": "FAILED", "why": why})
         print(f"  FAILED   {step}: {why}", flush=True)
@@ -120,7 +137,7 @@ async def run_checks(mib: int, objects: int, report: Report) -> None:
             try:
                 async with open_store(
                     addr,
-                    segment_size=4 * size // objects + 64 * MIB,
+                    segment_size=3 * size + 64 * MIB,  # the host objects, then the zero-copy ones
                     local_buffer_size=size + 16 * MIB,
                 ) as store:
                     chunk = size // objects
@@ -148,7 +165,7 @@ async def run_checks(mib: int, objects: int, report: Report) -> None:
                         report.ok("store", objects=objects, bytes=size, seconds=round(dt, 4))
                     await device_zero_copy(store, cp, dev, objects, report)
             except Exception as e:
-                report.fail("store", "".join(traceback.format_exception_only(e)).strip())
+                report.fail_exc("store", e)
             await gpu_segment(addr, cp, min(size, 64 * MIB), objects, report)
             tg.cancel_scope.cancel()
 
@@ -172,7 +189,7 @@ async def run_checks(mib: int, objects: int, report: Report) -> None:
             else:
                 report.ok("engine", bytes=size)
         except Exception as e:
-            report.fail("engine", "".join(traceback.format_exception_only(e)).strip())
+            report.fail_exc("engine", e)
 
 
 async def device_zero_copy(store: Any, cp: Any, dev: Any, objects: int, report: Report) -> None:
@@ -194,7 +211,7 @@ async def device_zero_copy(store: Any, cp: Any, dev: Any, objects: int, report: 
         cp.cuda.runtime.deviceSynchronize()
         dt = time.perf_counter() - t0
     except Exception as e:
-        report.fail("store-device", "".join(traceback.format_exception_only(e)).strip())
+        report.fail_exc("store-device", e)
         return
     bad = int(cp.count_nonzero(back != dev))
     if bad:
@@ -252,7 +269,7 @@ async def gpu_segment(master: str, cp: Any, size: int, objects: int, report: Rep
                 gpu_tier=tiers["gpu"],
             )
     except Exception as e:
-        report.fail("store-gpu-segment", "".join(traceback.format_exception_only(e)).strip())
+        report.fail_exc("store-gpu-segment", e)
 
 
 def main(argv: list[str] | None = None, run: Callable[..., Any] = anyio.run) -> int:

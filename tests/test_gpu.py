@@ -9,6 +9,7 @@ a GPU machine and then measures throughput (docs/gpu.md).
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 with warnings.catch_warnings():  # cupy may warn at import (toolkit paths); not our concern
@@ -241,13 +243,17 @@ async def test_ipc_into_interior_region(peer: GpuPeer) -> None:
         whole = cupy.zeros(8 << 20, dtype=cupy.uint8)
         part = whole[3 << 20 :]
         region = await e.register(part)
-        out = peer.cmd(
-            op="push",
-            segment=e.segment_name,
-            remote=region.addr + 4096,
-            length=1 << 20,
-            seed=21,
-            transport="cuda",
+        # the peer calls back into this engine: never block our loop on its answer
+        out = await anyio.to_thread.run_sync(
+            functools.partial(
+                peer.cmd,
+                op="push",
+                segment=e.segment_name,
+                remote=region.addr + 4096,
+                length=1 << 20,
+                seed=21,
+                transport="cuda",
+            )
         )
         assert out["transfer_ok"], out
         got = part[4096 : 4096 + (1 << 20)]
