@@ -231,7 +231,8 @@ async def gpu_segment(master: str, cp: Any, size: int, objects: int, report: Rep
     chunk = max(1, size // objects)
     try:
         async with (
-            open_store(master, segment_size=size + 16 * MIB, segment_location="cuda:0") as g,
+            # three writers each put `objects` chunks into it: room for all of them
+            open_store(master, segment_size=3 * size + 16 * MIB, segment_location="cuda:0") as g,
             open_store(master, segment_size=16 * MIB, local_buffer_size=chunk + MIB) as h,
             open_store(master, segment_size=0, local_buffer_size=chunk + MIB) as p,
         ):
