@@ -107,6 +107,13 @@ class CopySpy:
         return any(a < addr + length and addr < a + n for a, n in self.ranges)
 
 
+@pytest.fixture(autouse=True)
+def _no_real_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests drive the FAKE runtime: on a GPU machine an engine opened with default
+    transports would add the real ``cuda`` transport and try the fake IPC handles with it."""
+    monkeypatch.setenv("MC_DISABLE_CUDA", "1")
+
+
 @pytest.mark.parametrize("peer_transports", [["tcp"], ["tcp", "cuda"]], ids=["tcp", "cuda"])
 def test_put_get_through_a_device_segment(
     fake: FakeCudaRuntime, monkeypatch: pytest.MonkeyPatch, peer_transports: Sequence[str]
