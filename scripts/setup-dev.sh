@@ -56,7 +56,9 @@ if [ "$anchor" = 1 ]; then
   done
   if [ -n "$ANCHOR_SETUP" ]; then
     log "published Mooncake wheel (anchor venv)"
-    bash "$ANCHOR_SETUP" "${MOONCAKE_ANCHOR_VENV:-$HOME/.cache/mooncake-anchor-venv}" 2>&1 \
+    # from a neutral directory: run here, `import mooncake` in its checks would find this checkout
+    ANCHOR_SETUP="$(cd "$(dirname "$ANCHOR_SETUP")" && pwd)/setup.sh"
+    (cd / && bash "$ANCHOR_SETUP" "${MOONCAKE_ANCHOR_VENV:-$HOME/.cache/mooncake-anchor-venv}") 2>&1 \
       | grep -E "^\[setup\]" | sed 's/^\[setup\]/[setup] anchor:/' \
       || log "anchor setup failed: interop tests will skip"
   else
