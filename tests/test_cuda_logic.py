@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -41,8 +40,8 @@ from mooncake.errors import (
     ProtocolError,
 )
 from mooncake.testing.fake_cuda import FakeCudaRuntime, view
+from tests.helpers.driver import LineDriver
 
-ROOT = Path(__file__).parent.parent
 HELPER = Path(__file__).parent / "helpers" / "fake_cuda_peer.py"
 
 
@@ -379,44 +378,11 @@ async def test_stager_failure_is_per_request(fake: FakeCudaRuntime) -> None:
 # -- handle cache (handles exported by a real second process) ---------------------------------
 
 
-class Peer:
+class Peer(LineDriver):
     """``tests/helpers/fake_cuda_peer.py`` in a child process."""
 
     def __init__(self, *extra: str) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HELPER), *extra],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("fake_cuda_peer did not start")
-        self.info: dict[str, Any] = json.loads(line)
-        self.segment: str = self.info["segment"]
-
-    def cmd(self, **kw: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(kw) + "\n")
-        self.proc.stdin.flush()
-        out: dict[str, Any] = json.loads(self.proc.stdout.readline())
-        assert out.get("ok"), out
-        return out
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc.stdout.close()
+        super().__init__([sys.executable, str(HELPER), *extra], what="fake_cuda_peer")
 
 
 @pytest.fixture

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import json
 import os
-import subprocess
 import sys
 import warnings
 from collections.abc import Iterator
@@ -35,6 +33,7 @@ from mooncake._core.transfer import TransferRequest
 from mooncake._engine.engine import open_engine
 from mooncake._engine.transports import TRANSPORTS
 from mooncake._fast import cuda
+from tests.helpers.driver import LineDriver
 
 
 def _gpu_usable() -> bool:
@@ -63,7 +62,6 @@ from gpu_peer import (  # type: ignore[import-not-found]  # noqa: E402
     host_pattern,
 )
 
-ROOT = Path(__file__).parent.parent
 HELPER = Path(__file__).parent / "helpers" / "gpu_peer.py"
 GiB = 1 << 30
 IPC_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20, GiB]
@@ -80,12 +78,10 @@ def peer_transports() -> str:
     return "tcp,cuda" + (",shm" if "shm" in TRANSPORTS else "")
 
 
-class GpuPeer:
+class GpuPeer(LineDriver):
     def __init__(self, transports: str = "", size: int = GiB) -> None:
         transports = transports or peer_transports()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        self.proc = subprocess.Popen(
+        super().__init__(
             [
                 sys.executable,
                 str(HELPER),
@@ -96,36 +92,9 @@ class GpuPeer:
                 "--transports",
                 transports,
             ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
+            what="gpu_peer",
+            close_timeout=30,
         )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("gpu_peer did not start (see its stderr above)")
-        self.info: dict[str, Any] = json.loads(line)
-        self.segment: str = self.info["segment"]
-
-    def cmd(self, **kw: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(kw) + "\n")
-        self.proc.stdin.flush()
-        out: dict[str, Any] = json.loads(self.proc.stdout.readline())
-        assert out.get("ok"), out
-        return out
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc.stdout.close()
 
 
 @pytest.fixture(scope="module")

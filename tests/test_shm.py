@@ -27,6 +27,7 @@ from mooncake._engine.engine import open_engine
 from mooncake._engine.transports import default_transports
 from mooncake._engine.transports.shm import available
 from mooncake.errors import PeerDiedError, RemoteAccessError
+from tests.helpers.driver import LineDriver
 
 pytestmark = [
     pytest.mark.anyio,
@@ -43,47 +44,16 @@ def anyio_backend() -> str:
     return "trio"
 
 
-class Peer:
+class Peer(LineDriver):
     def __init__(self, alloc: int = SIZE, array: int = SIZE, no_dumpable: bool = False) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        self.proc = subprocess.Popen(
+        super().__init__(
             [sys.executable, str(HELPER), "--alloc", str(alloc), "--array", str(array)]
             + (["--no-dumpable"] if no_dumpable else []),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
+            what="engine_peer",
         )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("engine_peer did not start")
-        self.info: dict[str, Any] = json.loads(line)
-        self.segment: str = self.info["segment"]
-
-    def cmd(self, **kw: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(kw) + "\n")
-        self.proc.stdin.flush()
-        out: dict[str, Any] = json.loads(self.proc.stdout.readline())
-        assert out.get("ok"), out
-        return out
 
     def dump(self, which: str, off: int, n: int) -> bytes:
         return bytes.fromhex(self.cmd(op="dump", which=which, offset=off, length=n)["data_hex"])
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc.stdin.close()
-        self.proc.stdout.close()
 
 
 @pytest.fixture
