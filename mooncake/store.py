@@ -14,13 +14,11 @@ forms.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import anyio
 import numpy as np
 
 from mooncake._core import rpc
@@ -137,8 +135,6 @@ class MooncakeDistributedStore:
     def __init__(self) -> None:
         self._loop: LoopThread | None = None
         self._store: Store | None = None
-        self._life: concurrent.futures.Future[None] | None = None
-        self._stop: anyio.Event | None = None
         self._fast: FastPath | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -155,26 +151,11 @@ class MooncakeDistributedStore:
             log.error("setup: %s", e)
             return to_code(e)
         loop = LoopThread(name="mooncake-store")
-        ready: concurrent.futures.Future[Store] = concurrent.futures.Future()
-
-        async def life() -> None:
-            try:
-                async with open_store(**opts) as store:
-                    self._stop = anyio.Event()
-                    ready.set_result(store)
-                    await self._stop.wait()
-            except BaseException as e:
-                if not ready.done():
-                    ready.set_exception(e)
-                raise
-
-        self._life = loop.submit(life)
         try:
-            self._store = ready.result()
+            self._store = loop.enter(open_store(**opts))
         except BaseException as e:
             log.error("setup failed: %s", e)
             loop.close()
-            self._life = None
             return to_code(e)
         self._loop = loop
         if os.environ.get("MC_STORE_SYNC_FASTPATH", "1") not in ("0", "false", "False"):
@@ -190,18 +171,9 @@ class MooncakeDistributedStore:
         if fast is not None:
             fast.close()
 
-        async def stop() -> None:
-            if self._stop is not None:
-                self._stop.set()
-
         try:
-            loop.call(stop)
-            if self._life is not None:
-                self._life.result(timeout=30)
-        except BaseException as e:
-            log.warning("close: %s", e)
+            loop.close()  # exits open_store on the loop (unmount), then stops the loop
         finally:
-            loop.close()
             self._store = None
         return 0
 
