@@ -17,6 +17,7 @@ Differences from the published engine, on purpose:
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import itertools
 import logging
@@ -253,8 +254,6 @@ class TransferEngine:
         if region is None:
             log.error("write_bytes_to_buffer: [%#x, +%d) not registered", dest_address, length)
             return -1
-        import ctypes
-
         ctypes.memmove(dest_address, src, length)
         return 0
 
@@ -263,8 +262,6 @@ class TransferEngine:
         if region is None:
             log.error("read_bytes_from_buffer: [%#x, +%d) not registered", source_address, length)
             return b""
-        import ctypes
-
         return ctypes.string_at(source_address, length)
 
     # -- transfers ------------------------------------------------------------------------
@@ -348,12 +345,9 @@ class TransferEngine:
         notify: TransferNotify | None = None,
         transport_hint: str = "",
     ) -> int:
-        try:
-            reqs = self._requests(opcode, [buffer], [peer_buffer_address], [length])
-        except (MooncakeError, ValueError) as e:
-            log.error("transfer_sync: %s", e)
-            return -1
-        return self._sync(target_hostname, reqs, notify)
+        return self.batch_transfer_sync(
+            target_hostname, [buffer], [peer_buffer_address], [length], opcode, notify
+        )
 
     def batch_transfer_sync_write(
         self,
