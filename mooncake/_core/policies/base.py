@@ -105,6 +105,15 @@ def check_pin(pin: Pin) -> Pin:
         raise InvalidArgumentError(f"pin must be Pin.NONE, Pin.SOFT or Pin.HARD, got {pin!r}")
 
 
+def record_pin(pins: dict[Key, Pin], key: Key, pin: Pin) -> None:
+    """Store ``pin`` for ``key`` in a table that holds only pinned keys (``Pin.NONE`` unpins)."""
+    pin = check_pin(pin)
+    if pin is Pin.NONE:
+        pins.pop(key, None)
+    else:
+        pins[key] = pin
+
+
 def select_victims(
     order: Iterable[Key],
     sizes: dict[Key, int],

@@ -11,8 +11,8 @@ from mooncake._core.policies.base import (
     EvictionPolicy,
     Key,
     Pin,
-    check_pin,
     check_size,
+    record_pin,
     select_victims,
 )
 
@@ -97,11 +97,7 @@ class LFUPolicy(EvictionPolicy):
     def set_pin(self, key: Key, pin: Pin) -> None:
         if key not in self._size:
             raise KeyError(key)
-        pin = check_pin(pin)
-        if pin is Pin.NONE:
-            self._pins.pop(key, None)
-        else:
-            self._pins[key] = pin
+        record_pin(self._pins, key, pin)
 
     def _order(self) -> Iterator[Key]:
         buckets = self._buckets

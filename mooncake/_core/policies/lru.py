@@ -9,8 +9,8 @@ from mooncake._core.policies.base import (
     EvictionPolicy,
     Key,
     Pin,
-    check_pin,
     check_size,
+    record_pin,
     select_victims,
 )
 
@@ -55,11 +55,7 @@ class LRUPolicy(EvictionPolicy):
     def set_pin(self, key: Key, pin: Pin) -> None:
         if key not in self._order:
             raise KeyError(key)
-        pin = check_pin(pin)
-        if pin is Pin.NONE:
-            self._pins.pop(key, None)
-        else:
-            self._pins[key] = pin
+        record_pin(self._pins, key, pin)
 
     def victims(self, nbytes: int, can_evict: CanEvict) -> list[Key]:
         if nbytes <= 0:

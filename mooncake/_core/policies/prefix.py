@@ -34,8 +34,8 @@ from mooncake._core.policies.base import (
     EvictionPolicy,
     Key,
     Pin,
-    check_pin,
     check_size,
+    record_pin,
 )
 from mooncake.errors import InvalidArgumentError
 
@@ -188,11 +188,7 @@ class PrefixLRUPolicy(EvictionPolicy):
     def set_pin(self, key: Key, pin: Pin) -> None:
         if key not in self._size:
             raise KeyError(key)
-        pin = check_pin(pin)
-        if pin is Pin.NONE:
-            self._pins.pop(key, None)
-        else:
-            self._pins[key] = pin
+        record_pin(self._pins, key, pin)
 
     # -- queries --------------------------------------------------------------------------
 

@@ -9,8 +9,8 @@ from mooncake._core.policies.base import (
     EvictionPolicy,
     Key,
     Pin,
-    check_pin,
     check_size,
+    record_pin,
 )
 from mooncake.errors import InvalidArgumentError
 
@@ -113,11 +113,7 @@ class S3FIFOPolicy(EvictionPolicy):
     def set_pin(self, key: Key, pin: Pin) -> None:
         if key not in self._size:
             raise KeyError(key)
-        pin = check_pin(pin)
-        if pin is Pin.NONE:
-            self._pins.pop(key, None)
-        else:
-            self._pins[key] = pin
+        record_pin(self._pins, key, pin)
 
     def victims(self, nbytes: int, can_evict: CanEvict) -> list[Key]:
         if nbytes <= 0 or not self._size:

@@ -7,8 +7,8 @@ from mooncake._core.policies.base import (
     EvictionPolicy,
     Key,
     Pin,
-    check_pin,
     check_size,
+    record_pin,
 )
 
 __all__ = ["SIEVEPolicy"]
@@ -91,11 +91,7 @@ class SIEVEPolicy(EvictionPolicy):
     def set_pin(self, key: Key, pin: Pin) -> None:
         if key not in self._nodes:
             raise KeyError(key)
-        pin = check_pin(pin)
-        if pin is Pin.NONE:
-            self._pins.pop(key, None)
-        else:
-            self._pins[key] = pin
+        record_pin(self._pins, key, pin)
 
     def victims(self, nbytes: int, can_evict: CanEvict) -> list[Key]:
         if nbytes <= 0 or self._tail is None:
