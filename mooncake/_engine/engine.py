@@ -764,11 +764,11 @@ class Engine:
             try:
                 if len(routes) == 1:
                     ((t, idx),) = routes.items()
-                    await self._execute(t, peer, reqs, idx, results)
+                    await self._execute(t, peer, reqs, regs, idx, results)
                 elif routes:
                     async with anyio.create_task_group() as tg:
                         for t, idx in routes.items():
-                            tg.start_soon(self._execute_part, t, peer, reqs, idx, results)
+                            tg.start_soon(self._execute_part, t, peer, reqs, regs, idx, results)
             finally:
                 for region in held:
                     self.release_region(region)
@@ -816,13 +816,14 @@ class Engine:
         t: Transport,
         peer: PeerInfo,
         reqs: list[TransferRequest],
+        regs: list[Region],
         idx: list[int],
         results: list[TransferResult | None],
     ) -> None:
         """One transport's share of a batch split over several: a batch-level failure of that
         transport fails its requests only (and never leaves as an exception group)."""
         try:
-            await self._execute(t, peer, reqs, idx, results)
+            await self._execute(t, peer, reqs, regs, idx, results)
         except MooncakeError as e:
             for i in idx:
                 results[i] = failed(e)
@@ -832,14 +833,13 @@ class Engine:
         t: Transport,
         peer: PeerInfo,
         reqs: list[TransferRequest],
+        regs: list[Region],
         idx: list[int],
         results: list[TransferResult | None],
     ) -> None:
         sub = [reqs[i] for i in idx]
-        devices = []
-        for r in sub:
-            region = self.registry.find(r.local_addr, r.length)
-            devices.append(device_of(region.location) if region is not None else None)
+        # the local regions were looked up (and pinned) by transfer(): no second lookup here
+        devices = [] if t.device_memory else [device_of(regs[i].location) for i in idx]
         if t.device_memory or all(d is None for d in devices):
             out = await t.execute(peer, sub)
         else:
