@@ -148,3 +148,29 @@ def test_published_names_exist() -> None:
     ):
         assert callable(getattr(TransferEngine, method)), method
     assert int(TransferOpcode.Read) == 0 and int(TransferOpcode.Write) == 1
+
+
+def test_silent_peer_times_out_with_minus_two(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that accepts and never answers: the batch ends at MC_TRANSFER_TIMEOUT (-2), and
+    the sync forms fail (-1) instead of hanging."""
+    import socket
+
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")  # the published minimum
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    seg = f"127.0.0.1:{silent.getsockname()[1]}"
+    te = TransferEngine()
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    try:
+        addr = te.allocate_managed_buffer(1 << 16)
+        bid = te.transfer_submit_write(seg, addr, 0x10000, 4096)
+        assert bid > 0
+        deadline = time.monotonic() + 60  # hang guard, not a timing assertion
+        while (st := te.transfer_check_status(bid)) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert st == -2
+        assert te.transfer_sync_write(seg, addr, 0x10000, 4096) == -1
+    finally:
+        te.close()
+        silent.close()
