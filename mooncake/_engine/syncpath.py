@@ -48,6 +48,7 @@ from mooncake import _fast
 from mooncake._core.gpu import device_of
 from mooncake._core.memory import Region
 from mooncake._core.transfer import Opcode, TransferRequest, TransferResult
+from mooncake._engine import _sockio
 from mooncake._engine.transports import shm as shm_mod
 from mooncake._engine.transports import tcp as tcp_mod
 from mooncake._engine.transports.base import PeerInfo
@@ -91,7 +92,7 @@ class LanePool:
                 return self._idle.pop()
         sock = socket.create_connection((self.host, self.port), timeout=max(timeout_s, 0.001))
         try:
-            tcp_mod._sockio.tune(sock)  # non-blocking, no Nagle, keepalive
+            _sockio.tune(sock)  # non-blocking, no Nagle, keepalive
             lane = tcp_mod._Lane(sock)
         except BaseException:
             sock.close()
