@@ -291,3 +291,51 @@ def test_run_blocking_times_out_against_a_silent_server() -> None:
     finally:
         c.close()
         silent.close()
+
+
+def test_shm_revoke_while_threads_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Freeing a buffer that caller-thread shm copies are using: the free completes (the
+    revoke waits for the pins, then is acknowledged), every call returns 0 or -1, and after
+    the free nothing reaches the old mapping: calls to it fail with -1."""
+    monkeypatch.delenv("MOONCAKE_SYNC_FASTPATH", raising=False)
+    monkeypatch.setenv("MOONCAKE_TRANSPORTS", "shm,tcp")
+    a, b = TransferEngine(), TransferEngine()
+    try:
+        assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        seg_b = f"127.0.0.1:{b.get_rpc_port()}"
+        fp = _fast(a)
+        src = a.allocate_managed_buffer(1 << 20)
+        dst = b.allocate_managed_buffer(1 << 20)
+        keep = b.allocate_managed_buffer(1 << 16)  # b stays reachable after the free
+        assert a.write_bytes_to_buffer(src, bytes(range(256)) * 16, 4096) == 0
+        assert a.transfer_sync_write(seg_b, src, dst, 4096) == 0  # first contact
+        assert a.transfer_sync_write(seg_b, src, dst, 4096) == 0
+        assert fp.hits == 1 and fp._pools == {}
+        assert b.read_bytes_from_buffer(dst, 4096) == bytes(range(256)) * 16
+        stop = threading.Event()
+        codes: list[int] = []
+
+        def hammer(t: int) -> None:
+            k = 0
+            while not stop.is_set() and k < 2000:
+                off = ((t * 97 + k) % 255) * 4096
+                codes.append(a.transfer_sync_write(seg_b, src + off, dst + off, 4096))
+                k += 1
+
+        ts = [threading.Thread(target=hammer, args=(t,)) for t in range(4)]
+        for t in ts:
+            t.start()
+        while len(codes) < 50 and any(t.is_alive() for t in ts):
+            time.sleep(0.001)
+        assert b.free_managed_buffer(dst, 1 << 20) == 0
+        stop.set()
+        for t in ts:
+            t.join(60)
+        assert not any(t.is_alive() for t in ts)
+        assert set(codes) <= {0, -1} and 0 in codes
+        assert a.transfer_sync_write(seg_b, src, dst, 4096) == -1  # revoked
+        assert a.transfer_sync_write(seg_b, src, keep, 4096) == 0  # the rest still works
+    finally:
+        a.close()
+        b.close()
