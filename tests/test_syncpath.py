@@ -256,6 +256,43 @@ def test_unregister_waits_for_a_caller_thread_transfer(
         silent.close()
 
 
+def test_close_waits_for_a_caller_thread_transfer(
+    monkeypatch: pytest.MonkeyPatch, peer: PeerProc
+) -> None:
+    """close() returns only after running caller-thread calls ended (the engine unmaps its
+    buffers next); later calls fail cleanly."""
+    monkeypatch.delenv("MOONCAKE_SYNC_FASTPATH", raising=False)
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
+    te = _facade(monkeypatch, None)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        addr = te.allocate_managed_buffer(1 << 16)  # engine memory: unmapped by close()
+        assert te.transfer_sync_write(peer.segment, addr, peer.addr, 4096) == 0
+        info = te._engine._peers[peer.segment]  # type: ignore[union-attr]
+        info.descriptor = info.descriptor.replace(tcp_data_port=silent.getsockname()[1])
+        fp = _fast(te)
+        rc: list[int] = []
+        t = threading.Thread(
+            target=lambda: rc.append(te.transfer_sync_write(peer.segment, addr, peer.addr, 4096))
+        )
+        t.start()
+        conn, _ = silent.accept()
+        assert conn.recv(4096), "the caller thread closed before its deadline"
+        assert fp._inflight == 1
+        te.close()
+        assert fp._inflight == 0  # the call had ended (at its deadline) before close went on
+        t.join(60)
+        assert rc == [-1]
+        with pytest.raises(Exception, match="not initialized"):
+            te.transfer_sync_write(peer.segment, addr, peer.addr, 4096)
+        conn.close()
+    finally:
+        te.close()
+        silent.close()
+
+
 def test_fast_path_off_uses_the_loop(monkeypatch: pytest.MonkeyPatch, peer: PeerProc) -> None:
     monkeypatch.setenv("MOONCAKE_SYNC_FASTPATH", "0")
     te = _facade(monkeypatch, None)

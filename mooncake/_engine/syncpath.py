@@ -127,6 +127,9 @@ class SyncPath:
         self.loop = loop
         self._pools: dict[tuple[str, int], LanePool] = {}
         self._lock = threading.Lock()
+        self._idle_cv = threading.Condition(self._lock)
+        self._inflight = 0
+        self._closed = False
         # per peer: the last remote buffer used (descriptor, start, end, transport); the
         # descriptor object changes whenever the loop refreshes it, so a stale entry never hits
         self._routes: dict[int, tuple[Any, int, int, Any]] = {}
@@ -134,7 +137,12 @@ class SyncPath:
         self.hits = 0  #: batches done here (tests and logs)
 
     def close(self) -> None:
-        with self._lock:
+        """Refuse new calls, wait for the running ones (each ends by its deadline at the latest:
+        the engine may unmap their memory next), then close the pooled connections."""
+        with self._idle_cv:
+            self._closed = True
+            while self._inflight:
+                self._idle_cv.wait()
             pools, self._pools = list(self._pools.values()), {}
         for p in pools:
             p.close()
@@ -164,12 +172,37 @@ class SyncPath:
         if peer is None:
             return None  # first contact (or a forgotten peer, or ourselves): the loop path
         total = 0
-        for ln in lens:
-            if type(ln) is not int or ln <= 0:
+        for la, ra, ln in zip(las, ras, lens, strict=True):
+            if type(ln) is not int or type(la) is not int or type(ra) is not int or ln <= 0:
                 return None  # the loop path says what is wrong
             total += ln
         if total > SMALL_MAX:
             return None
+        with self._lock:
+            if self._closed:
+                return None
+            self._inflight += 1
+        out = None
+        try:
+            out = self._run(peer, op, las, ras, lens, timeout_s)
+        finally:
+            with self._lock:
+                self._inflight -= 1
+                if out is not None:
+                    self.hits += 1
+                if self._closed and not self._inflight:
+                    self._idle_cv.notify_all()
+        return out
+
+    def _run(
+        self,
+        peer: PeerInfo,
+        op: Opcode,
+        las: Sequence[int],
+        ras: Sequence[int],
+        lens: Sequence[int],
+        timeout_s: float,
+    ) -> list[TransferResult] | None:
         regions = self._local_regions(las, lens)
         if regions is None:
             return None
@@ -181,15 +214,10 @@ class SyncPath:
             return None
         try:
             if transport.name == "tcp":
-                out = self._tcp(peer, op, las, ras, lens, deadline)
-            else:
-                out = self._shm(transport, peer, op, las, ras, lens)
+                return self._tcp(peer, op, las, ras, lens, deadline)
+            return self._shm(transport, peer, op, las, ras, lens)
         finally:
             self._unpin(regions)
-        if out is not None:
-            with self._lock:
-                self.hits += 1
-        return out
 
     def _local_regions(self, las: Sequence[int], lens: Sequence[int]) -> list[Region] | None:
         """The distinct host regions holding every local range, or None (the loop path then
@@ -265,7 +293,7 @@ class SyncPath:
         for reg in regions:
             reg.users -= 1
             if reg.closing:  # an unregister may be waiting for this pin on the loop thread
-                self.loop.loop.call_soon_threadsafe(_settle_region, reg)
+                _on_loop(self.loop, _settle_region, reg)
 
     # -- tcp ------------------------------------------------------------------------------
 
@@ -391,7 +419,7 @@ class SyncPath:
         for e in entries:
             e.users -= 1
             if e.dead or e.idle is not None:  # a revoke or an unmap may wait for this pin
-                self.loop.loop.call_soon_threadsafe(_settle_entry, e)
+                _on_loop(self.loop, _settle_entry, e)
 
 
 def _alive(sock: socket.socket) -> bool:
@@ -402,6 +430,13 @@ def _alive(sock: socket.socket) -> bool:
         return True
     except OSError:
         return False
+
+
+def _on_loop(loop: LoopThread, fn: Any, arg: Any) -> None:
+    try:
+        loop.loop.call_soon_threadsafe(fn, arg)
+    except RuntimeError:  # the loop is closed: nobody is waiting any more
+        pass
 
 
 def _settle_region(region: Region) -> None:
