@@ -316,11 +316,9 @@ class TransferEngine:
         target: str,
         reqs: list[TransferRequest],
         notify: TransferNotify | None = None,
-        timeout: float | None = None,
     ) -> int:
         loop, engine = self._e()
-        if timeout is None:
-            timeout = _timeout_s(sum(r.length for r in reqs), self._tbase)
+        timeout = _timeout_s(sum(r.length for r in reqs), self._tbase)
         try:
             results = loop.call(_transfer_with_deadline, engine, target, reqs, timeout)
         except (MooncakeError, TimeoutError) as e:

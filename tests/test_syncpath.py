@@ -97,6 +97,35 @@ def test_small_calls_run_on_the_caller_thread(
         te.close()
 
 
+def test_notify_after_a_caller_thread_transfer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """transfer_sync with a notification: the bytes on the caller thread, then the notify (on
+    the loop), in that order, as on the loop path."""
+    from mooncake.engine import TransferNotify, TransferOpcode
+
+    monkeypatch.delenv("MOONCAKE_SYNC_FASTPATH", raising=False)
+    a = _facade(monkeypatch, None)
+    b = _facade(monkeypatch, None)
+    try:
+        seg_b = f"127.0.0.1:{b.get_rpc_port()}"
+        ab = a.allocate_managed_buffer(1 << 16)
+        bb = b.allocate_managed_buffer(1 << 16)
+        assert a.transfer_sync_write(seg_b, ab, bb, 16) == 0  # first contact
+        assert a.write_bytes_to_buffer(ab, b"kv block ready!!", 16) == 0
+        note = TransferNotify("req-1", "layer 0")
+        assert a.transfer_sync(seg_b, ab, bb, 16, TransferOpcode.Write, note) == 0
+        assert _fast(a).hits == 1
+        assert b.read_bytes_from_buffer(bb, 16) == b"kv block ready!!"
+        assert [(n.name, n.msg) for n in b.get_notifies()] == [("req-1", "layer 0")]
+        # a failed transfer sends no notification
+        assert a.transfer_sync(seg_b, ab, bb + (1 << 16), 16, TransferOpcode.Write, note) == -1
+        assert b.get_notifies() == []
+    finally:
+        a.close()
+        b.close()
+
+
 def test_errors_keep_their_codes(te: TransferEngine, peer: PeerProc) -> None:
     """Misses, bad arguments and a dead peer: -1 as on the loop path, no hang."""
     fp = _fast(te)
