@@ -375,7 +375,10 @@ class SyncPath:
         entries: list[shm_mod._Entry] = []
         plan: list[shm_mod._Entry] = []
         for ra, ln in zip(ras, lens, strict=True):
-            e = s.find(ra, ln)
+            try:
+                e = s.find(ra, ln)
+            except IndexError:  # the loop thread is replacing the list: a miss
+                return None
             if e is None:
                 return None  # the loop refreshes the list
             plan.append(e)
