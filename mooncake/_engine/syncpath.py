@@ -20,10 +20,13 @@ deadline: ``TimeoutError``); request outcomes are the same :class:`TransferResul
 :meth:`SyncPath.transfer` returns None, leaving the batch to the loop path unchanged, for
 anything not small and simple: a peer not contacted yet (the loop fetches its descriptor), a
 remote range outside the cached descriptor (the loop refreshes it), device memory, a batch that
-mixes opcodes or transports or goes to rdma/cuda, more than :data:`MAX_REQUESTS` requests or
+spans transports or goes to rdma/cuda, more than :data:`MAX_REQUESTS` requests or
 :data:`SMALL_MAX` bytes, a region being unregistered, an shm session not established or closed,
 and any connection failure (the loop path then retries, forgets a dead peer and reports it, as
 it always has). Re-running a batch is safe: a READ or WRITE of the same bytes to the same place.
+A request the peer's server refuses is a failed result here too (its connection is closed: the
+published server closes after a refusal). :meth:`SyncPath.close` refuses new calls and waits for
+the running ones, which end by their deadline at the latest, before the engine unmaps memory.
 
 Pins are counted in the same ``users`` fields the loop thread uses (``Region.users``,
 shm ``_Entry.users``). A pin is taken first and the ``closing``/``dead`` flag checked after it;
