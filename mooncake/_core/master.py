@@ -39,7 +39,9 @@ Model
 * **Clients**: ``Ping``, ``MountSegment`` and ``ReMountSegment`` keep a client alive until
   ``now + client_ttl``. :meth:`sweep` drops clients past their deadline: their segments are
   unmounted, replicas on them dropped, objects left without replicas removed. ``Ping`` from an
-  unknown (new or expired) client answers ``NEED_REMOUNT``.
+  unknown (new or expired) client answers ``NEED_REMOUNT``. Time the master itself was
+  unresponsive is credited to every client (:meth:`credit_stall`), so a stall of the master
+  never reads as silence of its clients.
 
 Upsert: ``UpsertStart`` on a readable key allocates a new version (fresh extents) beside the old
 one; readers keep getting the old version until ``UpsertEnd`` swaps them.
@@ -194,6 +196,8 @@ class MasterStats:
     zombies_discarded: int = 0
     zombies_released: int = 0
     clients_expired: int = 0
+    stall_seconds: float = 0.0
+    """Time credited to clients because the master was unresponsive (:meth:`credit_stall`)."""
 
 
 # -- internal records ------------------------------------------------------------------------
@@ -512,6 +516,16 @@ class MasterState:
             for t, reps in self._deferred
             if (kept := [r for r in reps if r.seg is not seg])
         ]
+
+    def credit_stall(self, seconds: float) -> None:
+        """The master itself could not serve requests for ``seconds`` (its loop was busy or
+        the process was stopped): that time does not count toward any client's silence, so
+        every client deadline moves by it. A client is expired only after ``client_ttl`` of
+        time during which the master was responsive and heard nothing from it."""
+        if seconds > 0:
+            for client in self._clients.values():
+                client.deadline += seconds
+            self.stats.stall_seconds += seconds
 
     def expire_clients(self, now: float) -> list[str]:
         """Drop clients whose deadline passed (their segments and replicas); returns their ids."""
@@ -849,13 +863,29 @@ class MasterState:
     def get_replica_list_by_regex(
         self, regex: str, now: float
     ) -> dict[str, list[ReplicaDescriptor]]:
-        """Replicas of every readable key matching ``regex`` (``re.search``); leases them."""
+        """Replicas of every readable key matching ``regex`` (``re.search``); leases them.
+
+        Runs the pattern over every key in the caller's thread: the server does not call this
+        (it matches in a worker thread within a time budget, :mod:`mooncake._store.keyscan`,
+        then calls :meth:`replica_lists_of`).
+        """
         pattern = _compile(regex)
-        return {
-            key: self.get_replica_list(key, now).replicas
-            for key, obj in list(self._objects.items())
-            if obj.readable is not None and pattern.search(key)
-        }
+        return self.replica_lists_of([k for k in self.readable_keys() if pattern.search(k)], now)
+
+    def readable_keys(self) -> list[str]:
+        """A snapshot of the keys with a readable version (for matching outside the state)."""
+        return [key for key, obj in self._objects.items() if obj.readable is not None]
+
+    def replica_lists_of(
+        self, keys: Iterable[str], now: float
+    ) -> dict[str, list[ReplicaDescriptor]]:
+        """Replicas of those of ``keys`` still readable (leasing them, as ``GetReplicaList``)."""
+        out: dict[str, list[ReplicaDescriptor]] = {}
+        for key in keys:
+            obj = self._objects.get(key)
+            if obj is not None and obj.readable is not None:
+                out[key] = self.get_replica_list(key, now).replicas
+        return out
 
     def exist_key(self, key: str, now: float) -> bool:
         """Whether ``key`` is readable; a true answer extends its lease (as Mooncake does)."""
@@ -898,16 +928,27 @@ class MasterState:
     def remove_by_regex(self, regex: str, force: bool, now: float) -> int:
         """Remove every removable readable key matching ``regex``; returns how many."""
         pattern = _compile(regex)
-        return self._remove_matching(lambda k: pattern.search(k) is not None, force, now)
+        return self.remove_keys([k for k in self.readable_keys() if pattern.search(k)], force, now)
+
+    def remove_keys(self, keys: Iterable[str], force: bool, now: float) -> int:
+        """``RemoveAll``'s rules applied to ``keys`` only (each re-checked now); how many went."""
+        objs = (self._objects.get(k) for k in dict.fromkeys(keys))
+        return self._remove_objects([o for o in objs if o is not None], force, now)
 
     def remove_all(self, force: bool, now: float) -> int:
         """Remove every removable readable object; returns how many (leased ones stay unless ``force``)."""
         return self._remove_matching(lambda k: True, force, now)
 
     def _remove_matching(self, match: Callable[[str], bool], force: bool, now: float) -> int:
+        return self._remove_objects(
+            [obj for key, obj in self._objects.items() if match(key)], force, now
+        )
+
+    def _remove_objects(self, objs: list[_Object], force: bool, now: float) -> int:
         n = 0
-        for key, obj in list(self._objects.items()):
-            if obj.readable is None or obj.pending is not None or obj.task or not match(key):
+        for obj in objs:
+            key = obj.key
+            if obj.readable is None or obj.pending is not None or obj.task:
                 continue
             if obj.lease_deadline > now and not force:
                 self.stats.lease_refusals += 1
