@@ -76,6 +76,7 @@ from mooncake._core.staging import RangeAllocator
 from mooncake._core.tiers import Admission, SsdEntry, make_admission
 from mooncake._core.transfer import TransferRequest
 from mooncake._engine.engine import Buffer, DeviceMemory, Engine, open_engine
+from mooncake._store.bounds import check_replica_list, own_extent
 from mooncake._store.config import ReplicateConfig, to_wire
 from mooncake._store.master_conn import MasterConnection
 from mooncake._store.shm import MappedPeer, SharedSegment, ShmPeers, ShmServer
@@ -393,8 +394,11 @@ class Store:
         try:
             addr, n, keep = _value_addr(data)
             r = reps[0]
-            if self._is_copyable(r.segment_name) and r.segment_name == self.segment_name:
-                ctypes.memmove(r.addr, addr, n)
+            if r.length != n:
+                raise TransferError(f"PromoteStart gave a {r.length}-byte replica for {n} bytes")
+            seg = self.segment
+            if seg is not None and r.segment_name == self.segment_name:
+                ctypes.memmove(own_extent(seg.addr, seg.size, r.addr, n), addr, n)
             else:
                 off = await self._stage(n)
                 try:
@@ -561,14 +565,13 @@ class Store:
             seg = op.replica.segment_name
             if seg == own and self.segment is not None:
                 peer = None
-                base, size = self.segment.addr, self.segment.size
-                addr = op.replica.addr
-                if addr < base or addr + op.length > base + size:
-                    op.error = TransferError(
-                        f"replica [{addr:#x}, +{op.length}) outside own segment"
+                try:
+                    remote_local = own_extent(
+                        self.segment.addr, self.segment.size, op.replica.addr, op.length
                     )
+                except TransferError as e:
+                    op.error = e
                     continue
-                remote_local = addr
             else:
                 peer = await self._shm.lookup(seg)
                 if peer is None:
@@ -1049,7 +1052,7 @@ class Store:
         except ObjectNotFoundError as e:
             e.miss = parse_miss(key, str(e))
             raise
-        return resp, t0 + _read_ttl(resp)
+        return check_replica_list(key, resp), t0 + _read_ttl(resp)
 
     async def _batch_query(
         self, keys: Sequence[str], *, for_read: bool = True
@@ -1061,9 +1064,12 @@ class Store:
             "BatchGetReplicaList", rpc.KeysParams(keys=list(keys), for_read=for_read)
         )
         out: list[st.GetReplicaListResponse | MooncakeError] = []
-        for it in items:
+        for key, it in zip(keys, items, strict=False):
             if it.code == 0 and it.value is not None:
-                out.append(it.value)
+                try:
+                    out.append(check_replica_list(key, it.value))
+                except TransferError as e:
+                    out.append(e)
             else:
                 out.append(error_from_code(it.code))
         return out, t0
@@ -1144,7 +1150,11 @@ class Store:
             peer = (
                 None if r.segment_name == self.segment_name else self._route_cached(r.segment_name)
             )
-            src = r.addr if peer is None else peer.local(r.addr, n)
+            if peer is None:
+                assert self.segment is not None  # _is_copyable of our own segment
+                src = own_extent(self.segment.addr, self.segment.size, r.addr, n)
+            else:
+                src = peer.local(r.addr, n)
             if peer is not None and not peer.acquire():
                 self._shm.forget(r.segment_name)
                 raise PeerDiedError(f"{r.segment_name}: its owner is gone")
@@ -1189,7 +1199,10 @@ class Store:
         if n > size:
             raise InvalidArgumentError(f"buffer of {size} bytes is smaller than the {n}-byte value")
         if not resp.replicas and resp.disk_clients:
-            ctypes.memmove(addr, await self._read_ssd(key, resp), n)
+            data = await self._read_ssd(key, resp)
+            if len(data) != n:
+                raise TransferError(f"the SSD copy of {key!r} has {len(data)} bytes, not {n}")
+            ctypes.memmove(addr, data, n)
             return n
         await self._read_one(resp, addr, n, deadline)
         return n

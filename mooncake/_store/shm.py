@@ -262,7 +262,7 @@ class MappedPeer:
         return not self.dead
 
     def local(self, remote_addr: int, length: int) -> int:
-        if remote_addr < self.base or remote_addr + length > self.base + self.size:
+        if length < 0 or remote_addr < self.base or remote_addr + length > self.base + self.size:
             raise PeerDiedError(
                 f"{self.segment}: [{remote_addr:#x}, +{length}) is outside its segment"
             )
