@@ -411,6 +411,14 @@ class MasterState:
             client.deadline = now + self.config.client_ttl
         return client
 
+    def _renew_known(self, client_id: str, now: float) -> _Client | None:
+        """Renew ``client_id`` if the master knows it; None (and no record made) if not, so
+        that its next ``Ping`` still answers ``NEED_REMOUNT``."""
+        client = self._clients.get(client_id)
+        if client is not None:
+            client.deadline = now + self.config.client_ttl
+        return client
+
     def mount_segment(self, client_id: str, segment: Segment, now: float) -> None:
         """Mount ``segment`` for ``client_id`` (idempotent for the same client and range)."""
         _check_client_id(client_id)
@@ -1285,9 +1293,12 @@ class MasterState:
         self._touch_client(client_id, now).ssd_capacity = capacity
 
     def fetch_tier_tasks(self, client_id: str, now: float) -> TierTasks:
-        """Take ``client_id``'s queued demotions and SSD copies to delete."""
+        """Take ``client_id``'s queued demotions and SSD copies to delete (none for a client
+        the master does not know: polling does not make it known, mounting does)."""
         _check_client_id(client_id)
-        client = self._touch_client(client_id, now)
+        client = self._renew_known(client_id, now)
+        if client is None:
+            return TierTasks(demote=[], drop=[])
         out = TierTasks(demote=client.demote_tasks, drop=client.disk_drops)
         client.demote_tasks, client.disk_drops = [], []
         return out
@@ -1337,9 +1348,13 @@ class MasterState:
         """``client_id`` holds version ``vid`` of ``key`` on its SSD: free the memory replicas.
 
         ``OBJECT_NOT_FOUND`` if that version is gone (the client must delete its copy);
-        ``ILLEGAL_CLIENT`` if no demotion of it to this client is in progress.
+        ``ILLEGAL_CLIENT`` if no demotion of it to this client is in progress. Idempotent: a
+        repeat after it was applied (the client lost the first answer) succeeds.
         """
         obj, ver = self._tier_object(client_id, key, vid)
+        if obj.demoting is None and client_id in ver.disk:
+            self._touch_client(client_id, now)
+            return
         if obj.demoting is None or obj.demoting.client_id != client_id:
             raise IllegalClientError(f"no demotion of {key!r} to client {client_id} is in progress")
         self._clear_demoting(obj)
@@ -1420,9 +1435,9 @@ class MasterState:
         The object is dropped if that was its last replica. A version already gone is a no-op.
         """
         _check_client_id(client_id)
-        client = self._touch_client(client_id, now)
+        client = self._renew_known(client_id, now)
         obj = self._objects.get(key)
-        if obj is None or obj.readable is None or obj.readable.vid != vid:
+        if client is None or obj is None or obj.readable is None or obj.readable.vid != vid:
             return
         ver = obj.readable
         if client_id not in ver.disk:

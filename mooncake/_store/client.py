@@ -91,6 +91,7 @@ from mooncake.errors import (
     ObjectAlreadyExistsError,
     ObjectNotFoundError,
     PeerDiedError,
+    RpcError,
     TierDataError,
     TransferError,
 )
@@ -191,6 +192,8 @@ class Store:
         self._disk_evictions: dict[str, tuple[int, str, str]] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         self._tier_lock = anyio.Lock()
+        # demotions whose DemoteEnd answer was lost: key -> task (settled in a later round)
+        self._unsettled: dict[str, st.DemoteTask] = {}
         self._misses: collections.Counter[tuple[str, str, str]] = collections.Counter()
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -259,26 +262,49 @@ class Store:
 
     async def _start_ssd(self) -> None:
         """Mount the SSD tier at the master and re-announce what it recovered."""
+        assert self.ssd is not None
+        await self._announce_ssd([e.key for e in self.ssd.recovered])
+
+    async def _announce_ssd(self, keys: Sequence[str]) -> None:
+        """``MountLocalDisk``, then ``PutLocal`` each of ``keys`` still on the SSD tier (each
+        gets a new version id); a key the master already has lives elsewhere now: its copy
+        here is deleted, so no stale copy stays reachable."""
         tier = self.ssd
         assert tier is not None
         await self.master.call(
             "MountLocalDisk",
             rpc.LocalDiskParams(client_id=self.client_id, capacity=tier.capacity),
         )
-        for entry in tier.recovered:
-            if entry.key not in tier:
+        for key in keys:
+            if key not in tier:
                 continue
             try:
                 vid: int = await self.master.call(
                     "PutLocal",
-                    rpc.PutLocalParams(client_id=self.client_id, key=entry.key, size=entry.size),
+                    rpc.PutLocalParams(client_id=self.client_id, key=key, size=tier.size_of(key)),
                 )
             except (ObjectAlreadyExistsError, InvalidArgumentError):
                 # the key was written again meanwhile (or cannot be announced): drop our copy
-                self._ssd_vid.pop(entry.key, None)
-                await tier.remove(entry.key)
+                self._ssd_vid.pop(key, None)
+                await tier.remove(key)
                 continue
-            self._ssd_vid[entry.key] = vid
+            self._ssd_vid[key] = vid
+
+    async def _remount(self) -> None:
+        """After ``NEED_REMOUNT`` (the master restarted, or expired this client): mount the
+        segment again and re-announce every object of the SSD tier (the master has forgotten
+        them, and the version ids it gave them)."""
+        if self.mounted is not None:
+            await self.master.call(
+                "ReMountSegment",
+                rpc.ReMountSegmentParams(client_id=self.client_id, segments=[self.mounted]),
+            )
+        if self.ssd is not None:
+            async with self._tier_lock:
+                self._unsettled.clear()
+                self._disk_evictions.clear()  # versions the master no longer knows
+                self._ssd_vid.clear()
+                await self._announce_ssd(self.ssd.keys())
 
     async def _tier_loop(self) -> None:
         """Every ``TIER_POLL_S``: one :meth:`_tier_round`."""
@@ -292,6 +318,8 @@ class Store:
     async def _tier_round(self) -> None:
         """Report SSD evictions, delete copies the master no longer lists, do its demotions."""
         async with self._tier_lock:
+            for t in list(self._unsettled.values()):
+                await self._end_demotion(t)
             await self._report_disk_evictions()
             tasks: st.TierTasks = await self.master.call(
                 "FetchTierTasks", rpc.ClientParams(client_id=self.client_id)
@@ -322,6 +350,7 @@ class Store:
         ok = (
             seg is not None
             and t.segment_name == self.segment_name
+            and t.size > 0
             and seg.addr <= t.addr
             and t.addr + t.size <= seg.addr + seg.size
         )
@@ -341,15 +370,40 @@ class Store:
                 pass
             return
         self._ssd_vid[t.key] = t.vid
-        try:
-            await self.master.call("DemoteEnd", params)
-        except MooncakeError:
-            # removed or replaced while we copied: our copy must never be served
-            if self._ssd_vid.get(t.key) == t.vid:
-                del self._ssd_vid[t.key]
-                await tier.remove(t.key)
+        await self._end_demotion(t)
+
+    async def _end_demotion(self, t: st.DemoteTask) -> None:
+        """``DemoteEnd`` for a copy on the SSD tier.
+
+        The master's answer decides: success keeps the copy; an error answer (the version was
+        removed or replaced, or the demotion was revoked) deletes it, since it must never be
+        served. A *lost* answer (connection reset: the master may or may not have applied it)
+        decides nothing: ``DemoteEnd`` is idempotent, so it is retried, and a copy whose outcome
+        is still unknown is kept for the next tier round (it is served only while the master
+        lists it, with its version).
+        """
+        tier = self.ssd
+        assert tier is not None
+        params = rpc.TierKeyParams(client_id=self.client_id, key=t.key, vid=t.vid)
+        for attempt in range(3):
+            try:
+                await self.master.call("DemoteEnd", params)
+            except RpcError as e:
+                log.info("DemoteEnd of %r: answer lost (%s); retrying", t.key, e)
+                await anyio.sleep(0.05 * (attempt + 1))
+                continue
+            except MooncakeError:
+                if self._unsettled.get(t.key) is t:
+                    del self._unsettled[t.key]
+                if self._ssd_vid.get(t.key) == t.vid:
+                    del self._ssd_vid[t.key]
+                    await tier.remove(t.key)
+                return
+            if self._unsettled.get(t.key) is t:
+                del self._unsettled[t.key]
+            tier.counters.demotions += 1
             return
-        tier.counters.demotions += 1
+        self._unsettled[t.key] = t
 
     async def _read_ssd(self, key: str, resp: st.GetReplicaListResponse) -> bytes:
         """The bytes of an object the master lists only on SSD copies (ours, if any)."""
@@ -459,12 +513,11 @@ class Store:
             await anyio.sleep(HEARTBEAT_S)
             try:
                 resp: st.PingResponse = await self.master.call("Ping", params)
-                if resp.client_status == st.ClientStatus.NEED_REMOUNT and self.mounted is not None:
+                if resp.client_status == st.ClientStatus.NEED_REMOUNT and (
+                    self.mounted is not None or self.ssd is not None
+                ):
                     log.warning("master asked %s to remount its segment", self.client_id)
-                    await self.master.call(
-                        "ReMountSegment",
-                        rpc.ReMountSegmentParams(client_id=self.client_id, segments=[self.mounted]),
-                    )
+                    await self._remount()
             except MooncakeError as e:
                 log.warning("heartbeat to the master at %s failed: %s", self.master_address, e)
 
