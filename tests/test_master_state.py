@@ -688,7 +688,11 @@ def test_task_errors_and_failures() -> None:
     m.task_revoke("a", tid, "transfer failed", 0)
     info = m.query_task(tid)
     assert info.status == TaskStatus.FAILED and info.message == "transfer failed"
+    assert m.used_bytes == 2048  # the revoked target is held for put_revoke_hold
+    m.sweep(m.config.put_revoke_hold)
     assert m.used_bytes == 1024
+    m.ping("a", 0)
+    m.ping("b", 0)
     with pytest.raises(InvalidWriteError):
         m.task_end("a", tid, 0)
     # the target's owner dies mid-task: the task fails, the object keeps its replica

@@ -199,6 +199,9 @@ def test_promote_revoke_frees_and_promotion_needs_space() -> None:
     m.promote_start("c", key, vid, 3)
     assert m.used_bytes == used + 8 * KiB
     m.promote_revoke("c", key, vid, 4)
+    assert m.used_bytes == used + 8 * KiB  # held for put_revoke_hold: the write may be landing
+    m.ping("c", 4 + m.config.put_revoke_hold)
+    m.sweep(4 + m.config.put_revoke_hold)
     assert m.used_bytes == used
     m.check_invariants()
     m2 = master()

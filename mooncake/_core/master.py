@@ -141,6 +141,10 @@ class MasterConfig:
     """A demotion not ended within this many seconds is revoked (the object is dropped)."""
     max_disk_drops: int = 1 << 16
     """Bound of each client's queue of SSD copies to delete (oldest notices dropped beyond)."""
+    put_revoke_hold: float = 10.0
+    """Space of a revoked write (PutRevoke/UpsertRevoke, PromoteRevoke, TaskRevoke) is reused
+    only this many seconds later: the writer's transfer may have been cancelled mid-way, and
+    the segment owner's server may still be copying bytes it had already received."""
 
     def validate(self) -> None:
         """Raise :class:`InvalidArgumentError` naming the first bad setting."""
@@ -156,6 +160,7 @@ class MasterConfig:
             "demote_timeout",
             "pending_task_timeout",
             "processing_task_timeout",
+            "put_revoke_hold",
         ):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -312,6 +317,8 @@ class _Client:
 
 
 _Deferred = tuple[float, list[_Replica]]
+# Extents of an expired client's segment that others may still touch: (until, addr, length).
+_InUse = list[tuple[float, int, int]]
 
 
 class MasterState:
@@ -335,6 +342,8 @@ class MasterState:
         self._seg_list: list[_Seg] = []
         self._clients: dict[str, _Client] = {}
         self._deferred: list[_Deferred] = []
+        # segment id -> (segment as mounted, extents still in use when its owner expired)
+        self._in_use: dict[str, tuple[Segment, _InUse]] = {}
         self._soft_pinned: set[str] = set()
         self._writing: set[str] = set()  # keys that had a pending write (pruned by sweep)
         self._tasks: dict[str, _Task] = {}
@@ -458,6 +467,51 @@ class MasterState:
         self._seg_list.append(seg)
         client.segments.add(segment.id)
         self._capacity += segment.size
+        self._hold_in_use(seg, now)
+
+    def _remember_in_use(self, seg: _Seg, now: float) -> None:
+        """Before an expired client's segment is dropped: note the extents that other clients
+        may still write (pending writes, replica tasks, promotions) or read (open read
+        windows), and until when, so that a re-mount of the same segment does not hand them
+        out while they do (:meth:`_hold_in_use`)."""
+        held: _InUse = []
+        cfg = self.config
+        for key in seg.keys:
+            obj = self._objects.get(key)
+            if obj is None:
+                continue
+            mine = [
+                (obj.pending.started + cfg.put_start_release_timeout, obj.pending.version.replicas)
+                if obj.pending is not None
+                else (0.0, []),
+                (obj.read_deadline, obj.readable.replicas if obj.readable else []),
+                (
+                    obj.promoting.started + cfg.put_start_discard_timeout,
+                    obj.promoting.replicas,
+                )
+                if obj.promoting is not None
+                else (0.0, []),
+            ]
+            for until, reps in mine:
+                held += [(until, r.addr, r.length) for r in reps if r.seg is seg and until > now]
+        for task in self._active_tasks.values():
+            until = task.started + cfg.processing_task_timeout
+            held += [(until, r.addr, r.length) for r in task.allocated if r.seg is seg]
+        for until, reps in self._deferred:
+            held += [(until, r.addr, r.length) for r in reps if r.seg is seg]
+        if held:
+            self._in_use[seg.segment.id] = (seg.segment, held)
+
+    def _hold_in_use(self, seg: _Seg, now: float) -> None:
+        """A re-mounted segment: keep what was in use when its owner expired allocated (as
+        deferred frees) until then."""
+        entry = self._in_use.pop(seg.segment.id, None)
+        if entry is None or entry[0] != seg.segment:
+            return
+        for until, addr, length in entry[1]:
+            if until > now and seg.alloc.reserve(addr, length):
+                self._used += seg.alloc.extent(addr)
+                self._deferred.append((until, [_Replica(seg, addr, length)]))
 
     def remount_segments(self, client_id: str, segments: Iterable[Segment], now: float) -> None:
         """Mount each of ``segments`` not mounted yet (after ``NEED_REMOUNT``)."""
@@ -543,6 +597,7 @@ class MasterState:
             for sid in list(client.segments):
                 seg = self._segments.get(sid)
                 if seg is not None:
+                    self._remember_in_use(seg, now)
                     self._drop_segment(seg, owner_died=True)
             lost = []
             for key in client.ssd_keys:
@@ -757,11 +812,12 @@ class MasterState:
     upsert_end = put_end
 
     def put_revoke(self, client_id: str, key: str, now: float) -> None:
-        """Abandon the pending write of ``key``; its space is freed (an older version stays)."""
+        """Abandon the pending write of ``key``; its space is freed after ``put_revoke_hold``
+        (an older version stays)."""
         obj, pending = self._pending_of(client_id, key)
         obj.pending = None
         self._unlink(key, pending.version)
-        self._free_version(pending.version)
+        self._hold_written(pending.version.replicas, now)
         if obj.readable is None:
             del self._objects[key]
         self.stats.puts_revoked += 1
@@ -1098,6 +1154,8 @@ class MasterState:
     def task_revoke(self, client_id: str, task_id: str, message: str, now: float) -> None:
         """The executor gave up: targets are freed, the task FAILED."""
         task = self._active_task(client_id, task_id)
+        self._hold_written(task.allocated, now)
+        task.allocated = []
         self._fail_task(task, message or "revoked by the executor")
 
     def _active_task(self, client_id: str, task_id: str) -> _Task:
@@ -1181,6 +1239,12 @@ class MasterState:
         self._release_zombies(now)
         self._expire_tasks(now)
         self._release_deferred(now)
+        if self._in_use:
+            self._in_use = {
+                sid: (sg, kept)
+                for sid, (sg, held) in self._in_use.items()
+                if (kept := [h for h in held if h[0] > now])
+            }
         self._expire_soft_pins(now)
         self._expire_tier_moves(now)
         if self._capacity and (
@@ -1425,7 +1489,7 @@ class MasterState:
         if p is None or p.client_id != client_id:
             raise IllegalClientError(f"no promotion of {key!r} by client {client_id}")
         obj.promoting = None
-        self._free_replicas(p.replicas)
+        self._hold_written(p.replicas, now)
 
     def evict_disk_replica(
         self, client_id: str, key: str, vid: int, policy: str, now: float
@@ -1532,6 +1596,16 @@ class MasterState:
             self._deferred.append((obj.read_deadline, ver.replicas))
         else:
             self._free_version(ver)
+
+    def _hold_written(self, reps: list[_Replica], now: float) -> None:
+        """Free extents a writer gave up on, after ``put_revoke_hold`` (bytes of its cancelled
+        transfer may still land in them until then)."""
+        if not reps:
+            return
+        if self.config.put_revoke_hold > 0:
+            self._deferred.append((now + self.config.put_revoke_hold, reps))
+        else:
+            self._free_replicas(reps)
 
     def _free_version(self, ver: _Version) -> None:
         self._free_replicas(ver.replicas)
