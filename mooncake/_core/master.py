@@ -476,29 +476,28 @@ class MasterState:
         out while they do (:meth:`_hold_in_use`)."""
         held: _InUse = []
         cfg = self.config
+
+        def note(until: float, reps: list[_Replica]) -> None:
+            if until > now:
+                held.extend((until, r.addr, r.length) for r in reps if r.seg is seg)
+
         for key in seg.keys:
             obj = self._objects.get(key)
             if obj is None:
                 continue
-            mine = [
-                (obj.pending.started + cfg.put_start_release_timeout, obj.pending.version.replicas)
-                if obj.pending is not None
-                else (0.0, []),
-                (obj.read_deadline, obj.readable.replicas if obj.readable else []),
-                (
-                    obj.promoting.started + cfg.put_start_discard_timeout,
-                    obj.promoting.replicas,
+            if obj.pending is not None:
+                note(
+                    obj.pending.started + cfg.put_start_release_timeout,
+                    obj.pending.version.replicas,
                 )
-                if obj.promoting is not None
-                else (0.0, []),
-            ]
-            for until, reps in mine:
-                held += [(until, r.addr, r.length) for r in reps if r.seg is seg and until > now]
+            if obj.readable is not None:
+                note(obj.read_deadline, obj.readable.replicas)
+            if obj.promoting is not None:
+                note(obj.promoting.started + cfg.put_start_release_timeout, obj.promoting.replicas)
         for task in self._active_tasks.values():
-            until = task.started + cfg.processing_task_timeout
-            held += [(until, r.addr, r.length) for r in task.allocated if r.seg is seg]
+            note(task.started + cfg.processing_task_timeout, task.allocated)
         for until, reps in self._deferred:
-            held += [(until, r.addr, r.length) for r in reps if r.seg is seg]
+            note(until, reps)
         if held:
             self._in_use[seg.segment.id] = (seg.segment, held)
 
