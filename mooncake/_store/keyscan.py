@@ -7,8 +7,10 @@ pings with it). So the server matches with the ``regex`` package instead, whose 
 
 * releases the GIL (``concurrent=True``): the loop keeps serving while a scan runs, and
 * stops at a deadline (``timeout=``): a scan that has not finished within
-  :attr:`KeyScanner.budget` seconds of matching fails with ``INVALID_PARAMS`` (``-600``) naming
-  the pattern, and changes nothing.
+  :attr:`KeyScanner.budget` seconds fails with ``INVALID_PARAMS`` (``-600``) naming the
+  pattern, and changes nothing. The budget is wall-clock time checked between keys; inside one
+  key the ``regex`` package measures it as the process's CPU time, so on a loaded host one
+  pathological key can take longer in wall time (the loop is still never blocked).
 
 Contract of :meth:`KeyScanner.matching`: the keys of a snapshot taken on the loop that match
 (``search`` semantics, Python ``re`` syntax); at most ``concurrency`` scans run at once (others
