@@ -31,7 +31,7 @@ import anyio
 
 from mooncake._core.transfer import Opcode, TransferRequest, TransferResult
 from mooncake._engine.engine import Buffer, Engine, open_engine
-from mooncake._sync import LoopThread
+from mooncake._sync import LoopThread, close_at_exit, close_in_background, forget_at_exit
 from mooncake.errors import InvalidArgumentError, MooncakeError
 
 log = logging.getLogger("mooncake.engine")
@@ -91,6 +91,8 @@ class TransferEngine:
     def __init__(self) -> None:
         self._loop: LoopThread | None = None
         self._engine: Engine | None = None
+        self._owns_loop = True  # False for the view a store's get_engine() returns
+        self._exit_token: int | None = None
         self._managed: dict[int, Buffer] = {}
         self._batches: dict[int, _Batch] = {}
         self._ids = itertools.count(1)
@@ -136,20 +138,23 @@ class TransferEngine:
             loop.close()
             return -1
         self._loop = loop
+        self._exit_token = close_at_exit(self)
         return 0
 
     def close(self) -> None:
-        """Stop the engine and its loop thread (not in the published API; idempotent)."""
-        if self._loop is not None:
-            self._loop.close()
-        self._loop = None
+        """Stop the engine and its loop thread (not in the published API; idempotent). The
+        view of a store's engine (``MooncakeDistributedStore.get_engine()``) only lets go."""
+        loop, self._loop = self._loop, None
         self._engine = None
+        forget_at_exit(self._exit_token)
+        if loop is not None and self._owns_loop:
+            loop.close()
 
     def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        # never blocks: at interpreter exit the atexit hook has closed it already
+        loop = getattr(self, "_loop", None)
+        if loop is not None and getattr(self, "_owns_loop", False):
+            close_in_background(loop.close)
 
     def _e(self) -> tuple[LoopThread, Engine]:
         if self._loop is None or self._engine is None:

@@ -929,6 +929,50 @@ class MasterState:
             self._forget_disk(obj.key, ver)
             obj.readable = None
 
+    def batch_replica_clear(
+        self, client_id: str, keys: list[str], segment_name: str, now: float
+    ) -> list[str]:
+        """Clear the replicas of ``client_id``'s objects among ``keys`` whose lease has ended.
+
+        With ``segment_name`` empty every cleared object is removed; otherwise only its
+        replicas on that segment are dropped (the object goes when none is left). Objects
+        written by another client, leased, being written, or with a task in flight are left
+        alone. Returns the keys cleared, in order.
+        """
+        out: list[str] = []
+        for key in dict.fromkeys(keys):
+            obj = self._objects.get(key)
+            if (
+                obj is None
+                or obj.readable is None
+                or obj.pending is not None
+                or obj.task is not None
+                or obj.writer != client_id
+                or obj.lease_deadline > now
+            ):
+                continue
+            ver = obj.readable
+            if segment_name:
+                gone = [r for r in ver.replicas if r.seg.segment.name == segment_name]
+                if not gone:
+                    continue
+                if len(gone) < len(ver.replicas):
+                    ver.replicas = [r for r in ver.replicas if r not in gone]
+                    for r in gone:
+                        if not any(o.seg is r.seg for o in ver.replicas):
+                            r.seg.keys.discard(key)
+                    if obj.read_deadline > now:
+                        self._deferred.append((obj.read_deadline, gone))
+                    else:
+                        self._free_replicas(gone)
+                    out.append(key)
+                    continue
+            self._drop_object(obj, now)
+            self.misses.record_removal(key, now=now)
+            self.stats.removes += 1
+            out.append(key)
+        return out
+
     # -- replica tasks (copy / move) -----------------------------------------------------
 
     def create_copy_task(self, key: str, targets: list[str], now: float) -> str:

@@ -82,6 +82,7 @@ from mooncake._store.shm import MappedPeer, SharedSegment, ShmPeers, ShmServer
 from mooncake._store.ssd import SsdTier, open_ssd_tier
 from mooncake.errors import (
     ClosedError,
+    ErrorCode,
     InvalidArgumentError,
     LeaseExpiredError,
     MooncakeError,
@@ -90,6 +91,7 @@ from mooncake.errors import (
     ObjectAlreadyExistsError,
     ObjectNotFoundError,
     PeerDiedError,
+    SegmentNotFoundError,
     TierDataError,
     TransferError,
 )
@@ -100,6 +102,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("mooncake.store")
 
 HEARTBEAT_S = 1.0
+#: how often a client asks the master for copy/move tasks to run (at once after creating one)
+TASK_POLL_S = 0.2
 #: how often a client with an SSD tier asks the master for demotions to do
 TIER_POLL_S = 0.02
 #: copies below this many bytes run on the loop thread; larger ones in worker threads
@@ -109,17 +113,33 @@ SPLIT_COPY = 8 << 20
 MAX_KEY_BYTES = 1 << 20
 
 Config = ReplicateConfig | st.ReplicateConfig | None
+Source = int | Sequence[tuple[int, int]]
+"""A put's source: one address, or ``(address, length)`` parts whose concatenation is the value."""
+
+
+def _parts_of(src: Source, size: int) -> list[tuple[int, int]]:
+    """``src`` as ``(address, length)`` parts."""
+    if isinstance(src, int):
+        return [(src, size)]
+    return list(src)
 
 
 @dataclass(slots=True)
 class _Op:
-    """One replica read or write: ``length`` bytes between ``local`` and the replica."""
+    """One replica read or write: ``length`` bytes between ``local`` and the replica, at
+    ``offset`` bytes into it (the ranged and multi-buffer forms use several ops per replica)."""
 
     write: bool
     local: int
     replica: st.ReplicaDescriptor
     length: int
     error: MooncakeError | None = None
+    offset: int = 0
+
+    @property
+    def remote(self) -> int:
+        """The replica-side address of this op."""
+        return self.replica.addr + self.offset
 
 
 def _check_key(key: Any) -> str:
@@ -176,6 +196,9 @@ class Store:
         self.device_segment: DeviceMemory | None = None
         """The device segment when ``segment_location`` is ``cuda:N``."""
         self.mounted: st.Segment | None = None
+        self.extra_segments: dict[str, st.Segment] = {}
+        self._extra_owners: dict[str, Any] = {}
+        """Segments mounted after setup (``mount_segment``, ``allocate_and_mount_segment``), by id."""
         self.local_buffer: Buffer | None = None
         self._staging = RangeAllocator(0)
         self._staging_freed = anyio.Event()
@@ -191,6 +214,12 @@ class Store:
         self._tg: anyio.abc.TaskGroup | None = None
         self._tier_lock = anyio.Lock()
         self._misses: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self._get_sessions: dict[str, tuple[st.GetReplicaListResponse, float]] = {}
+        self._put_sessions: dict[str, tuple[list[st.ReplicaDescriptor], int]] = {}
+        self._task_kick = anyio.Event()
+        self.offload_reads = 0
+        self._ssd_draining = False
+        """Reads served from the SSD (offload) tier (``get_offload_rpc_read_count``)."""
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -246,6 +275,8 @@ class Store:
             await self._start_ssd()
             tg.start_soon(self._tier_loop)
         tg.start_soon(self._heartbeat)
+        if self.mounted is not None:
+            tg.start_soon(self._task_loop)
 
     # -- SSD tier ---------------------------------------------------------------------------
 
@@ -320,6 +351,7 @@ class Store:
         params = rpc.TierKeyParams(client_id=self.client_id, key=t.key, vid=t.vid)
         ok = (
             seg is not None
+            and not self._ssd_draining
             and t.segment_name == self.segment_name
             and seg.addr <= t.addr
             and t.addr + t.size <= seg.addr + seg.size
@@ -350,6 +382,23 @@ class Store:
             return
         tier.counters.demotions += 1
 
+    async def drain_ssd(self, grace_s: float = 0.0) -> None:
+        """Stop using the SSD tier (``unmount_local_disk_segment``): after ``grace_s`` seconds
+        every copy on it is dropped and reported to the master, and no more are demoted to it
+        (the master then drops objects it evicts from this client's memory, as without one)."""
+        self._check_open()
+        tier = self.ssd
+        if tier is None:
+            return
+        self._ssd_draining = True
+        await anyio.sleep(grace_s)
+        async with self._tier_lock:
+            for key, vid in list(self._ssd_vid.items()):
+                del self._ssd_vid[key]
+                self._disk_evictions[key] = (vid, tier.index.policy.name, "drained")
+                await tier.remove(key)
+            await self._report_disk_evictions()
+
     async def _read_ssd(self, key: str, resp: st.GetReplicaListResponse) -> bytes:
         """The bytes of an object the master lists only on SSD copies (ours, if any)."""
         tier = self.ssd
@@ -375,6 +424,7 @@ class Store:
             raise err
         try:
             data = await tier.get(key)
+            self.offload_reads += 1
         except TierDataError:
             # already dropped from the tier; _on_ssd_drop queued the report to the master
             raise
@@ -455,29 +505,34 @@ class Store:
             await anyio.sleep(HEARTBEAT_S)
             try:
                 resp: st.PingResponse = await self.master.call("Ping", params)
-                if resp.client_status == st.ClientStatus.NEED_REMOUNT and self.mounted is not None:
+                segs = self.mounted_segments()
+                if resp.client_status == st.ClientStatus.NEED_REMOUNT and segs:
                     log.warning("master asked %s to remount its segment", self.client_id)
                     await self.master.call(
                         "ReMountSegment",
-                        rpc.ReMountSegmentParams(client_id=self.client_id, segments=[self.mounted]),
+                        rpc.ReMountSegmentParams(client_id=self.client_id, segments=segs),
                     )
             except MooncakeError as e:
                 log.warning("heartbeat to the master at %s failed: %s", self.master_address, e)
 
+    def mounted_segments(self) -> list[st.Segment]:
+        """Every segment this client has mounted at the master (setup's first)."""
+        out = [self.mounted] if self.mounted is not None else []
+        return out + list(self.extra_segments.values())
+
     async def _aclose(self) -> None:
         self._closed = True
         with anyio.CancelScope(shield=True):
-            if self.mounted is not None:
+            for seg in self.mounted_segments():
                 try:
                     with anyio.move_on_after(2):
                         await self.master.call(
                             "UnmountSegment",
-                            rpc.UnmountSegmentParams(
-                                client_id=self.client_id, segment_id=self.mounted.id
-                            ),
+                            rpc.UnmountSegmentParams(client_id=self.client_id, segment_id=seg.id),
                         )
                 except MooncakeError as e:
                     log.warning("unmounting from the master failed: %s", e)
+            self._release_extra()
             self.master.close()
             self._shm.close()
             dm, self.device_segment = self.device_segment, None
@@ -559,11 +614,10 @@ class Store:
         net: dict[str, list[_Op]] = {}
         for op in ops:
             seg = op.replica.segment_name
-            if seg == own and self.segment is not None:
+            if seg == own and self._owns_any():
                 peer = None
-                base, size = self.segment.addr, self.segment.size
-                addr = op.replica.addr
-                if addr < base or addr + op.length > base + size:
+                addr = op.remote
+                if not self._owns(addr, op.length):
                     op.error = TransferError(
                         f"replica [{addr:#x}, +{op.length}) outside own segment"
                     )
@@ -571,11 +625,15 @@ class Store:
                 remote_local = addr
             else:
                 peer = await self._shm.lookup(seg)
-                if peer is None:
+                if peer is None or not (
+                    peer.base <= op.remote and op.remote + op.length <= peer.base + peer.size
+                ):
+                    # no mapping, or a segment of that client its memfd does not cover
+                    # (mounted with mount_segment): the engine reaches every registered buffer
                     net.setdefault(seg, []).append(op)
                     continue
                 try:
-                    remote_local = peer.local(op.replica.addr, op.length)
+                    remote_local = peer.local(op.remote, op.length)
                 except MooncakeError as e:
                     op.error = e
                     continue
@@ -640,9 +698,9 @@ class Store:
 
     async def _move_net(self, segment: str, ops: list[_Op]) -> None:
         reqs = [
-            TransferRequest.write(op.local, op.replica.addr, op.length)
+            TransferRequest.write(op.local, op.remote, op.length)
             if op.write
-            else TransferRequest.read(op.local, op.replica.addr, op.length)
+            else TransferRequest.read(op.local, op.remote, op.length)
             for op in ops
         ]
         try:
@@ -783,7 +841,7 @@ class Store:
     async def _put_addrs(
         self,
         keys: Sequence[str],
-        addrs: Sequence[int],
+        addrs: Sequence[Source],
         sizes: Sequence[int],
         config: Config,
         *,
@@ -826,7 +884,7 @@ class Store:
     async def _put_addrs_once(
         self,
         keys: Sequence[str],
-        addrs: Sequence[int],
+        addrs: Sequence[Source],
         sizes: Sequence[int],
         config: Config,
         *,
@@ -895,7 +953,7 @@ class Store:
                         if copy and not self._is_copyable(r.segment_name):
                             need_stage.append(i)
                             break
-                local = list(addrs)
+                local = [_parts_of(a, n) for a, n in zip(addrs, sizes, strict=True)]
                 if need_stage:
                     # one staging range for the batch: remote replicas need registered sources
                     tot = sum(sizes[i] for i in need_stage)
@@ -905,9 +963,11 @@ class Store:
                     base = self.local_buffer.addr + off
                     copies = []
                     for i in need_stage:
-                        copies.append((base, addrs[i], sizes[i]))
-                        local[i] = base
-                        base += sizes[i]
+                        start = base
+                        for pa, pn in local[i]:
+                            copies.append((base, pa, pn))
+                            base += pn
+                        local[i] = [(start, sizes[i])]
                     await _memcpy_many(copies)
                 for i in started:
                     if out[i] is not None:
@@ -920,7 +980,10 @@ class Store:
                                 f"master allocated {r.length} bytes for {sizes[i]}-byte {keys[i]!r}"
                             )
                             break
-                        ops.append((i, _Op(True, local[i], r, sizes[i])))
+                        roff = 0
+                        for pa, pn in local[i]:
+                            ops.append((i, _Op(True, pa, r, pn, offset=roff)))
+                            roff += pn
                 await self._move([op for _, op in ops])
                 for i, op in ops:
                     if op.error is not None and out[i] is None:
@@ -982,8 +1045,22 @@ class Store:
     def _is_copyable(self, segment: str) -> bool:
         """Whether writes to ``segment`` are memcpys (own or a live same-host mapping)."""
         if segment == self.segment_name:
-            return self.segment is not None
+            return self._owns_any()
         return self._route_cached(segment) is not None
+
+    def _owns_any(self) -> bool:
+        """Whether this client holds any mounted memory of its own (host memory)."""
+        return self.segment is not None or bool(self.extra_segments)
+
+    def _owns(self, addr: int, length: int) -> bool:
+        """Whether ``[addr, +length)`` lies inside one of this client's host segments."""
+        seg = self.segment
+        if seg is not None and seg.addr <= addr and addr + length <= seg.addr + seg.size:
+            return True
+        return any(
+            e.base <= addr and addr + length <= e.base + e.size
+            for e in self.extra_segments.values()
+        )
 
     async def _finish(
         self,
@@ -1323,8 +1400,13 @@ class Store:
         addrs: Sequence[int],
         sizes: Sequence[int],
         t0: float,
+        parts: Sequence[Sequence[tuple[int, int, int]]] | None = None,
     ) -> list[MooncakeError | None]:
-        """Read every answered key (first replica, then failover rounds); fenced per key."""
+        """Read every answered key (first replica, then failover rounds); fenced per key.
+
+        Key ``i`` lands at ``addrs[i]`` (``sizes[i]`` bytes from the object's start), or, with
+        ``parts``, as ``(address, length, object offset)`` ranges; a key fails if any of its
+        ranges does."""
         errs: list[MooncakeError | None] = [None] * len(resps)
         orders: dict[int, list[st.ReplicaDescriptor]] = {}
         for i, r in enumerate(resps):
@@ -1338,16 +1420,26 @@ class Store:
         attempt = 0
         todo = list(orders)
         while todo:
-            ops = [(i, _Op(False, addrs[i], orders[i][attempt], sizes[i])) for i in todo]
+            ops: list[tuple[int, _Op]] = []
+            for i in todo:
+                rep = orders[i][attempt]
+                if parts is None:
+                    ops.append((i, _Op(False, addrs[i], rep, sizes[i])))
+                else:
+                    ops += [(i, _Op(False, a, rep, n, offset=o)) for a, n, o in parts[i] if n]
             await self._move([op for _, op in ops])
-            nxt = []
+            failed: dict[int, MooncakeError] = {}
             for i, op in ops:
-                if op.error is None:
+                if op.error is not None and i not in failed:
+                    failed[i] = op.error
+            nxt = []
+            for i in todo:
+                if i not in failed:
                     errs[i] = None
                 elif attempt + 1 < len(orders[i]):
                     nxt.append(i)
                 else:
-                    errs[i] = op.error
+                    errs[i] = failed[i]
             todo = nxt
             attempt += 1
         now = anyio.current_time()
@@ -1426,6 +1518,496 @@ class Store:
         self._check_open()
         n: int = await self.master.call("RemoveAll", rpc.ForceParams(force=force))
         return n
+
+    # -- multi-buffer, ranges and sessions ------------------------------------------------
+
+    def _check_parts(self, parts: Sequence[tuple[int, int]], what: str) -> int:
+        """Validate registered ``(address, length)`` parts; their total length."""
+        total = 0
+        for j, (a, n) in enumerate(parts):
+            self._require_local(a, n, f"{what}[{j}]")
+            total += n
+        if not parts:
+            raise InvalidArgumentError(f"{what}: no buffers")
+        return total
+
+    async def batch_put_parts(
+        self,
+        keys: Sequence[str],
+        parts: Sequence[Sequence[tuple[int, int]]],
+        config: Config = None,
+        *,
+        upsert: bool = False,
+    ) -> list[MooncakeError | None]:
+        """Zero-copy batch put where key ``i``'s value is the concatenation of its registered
+        ``(address, length)`` buffers ``parts[i]``; one result (None = ok) per key."""
+        self._check_open()
+        if len(keys) != len(parts):
+            err = InvalidArgumentError(f"{len(keys)} keys but {len(parts)} buffer lists")
+            return [err] * len(keys)
+        out: list[MooncakeError | None] = [None] * len(keys)
+        good: list[int] = []
+        sizes: dict[int, int] = {}
+        for i, p in enumerate(parts):
+            try:
+                sizes[i] = self._check_parts(p, f"batch_put_from_multi_buffers[{i}]")
+                good.append(i)
+            except MooncakeError as e:
+                out[i] = e
+        if good:
+            res = await self._put_addrs(
+                [keys[i] for i in good],
+                [list(parts[i]) for i in good],
+                [sizes[i] for i in good],
+                config,
+                upsert=upsert,
+                batch=True,
+            )
+            for i, r in zip(good, res, strict=True):
+                out[i] = r
+        return out
+
+    async def batch_get_parts(
+        self, keys: Sequence[str], parts: Sequence[Sequence[tuple[int, int]]]
+    ) -> list[int | MooncakeError]:
+        """Read key ``i`` scattered in order over its registered buffers ``parts[i]``; the
+        object's length per key (an exception where it failed: missing, or larger than the
+        buffers together)."""
+        self._check_open()
+        if len(keys) != len(parts):
+            err = InvalidArgumentError(f"{len(keys)} keys but {len(parts)} buffer lists")
+            return [err] * len(keys)
+        if not keys:
+            return []
+        out: list[int | MooncakeError] = [0] * len(keys)
+        try:
+            for k in keys:
+                _check_key(k)
+            resps, t0 = await self._batch_query(keys)
+        except MooncakeError as e:
+            return [e] * len(keys)
+        ranges: list[list[tuple[int, int, int]]] = [[] for _ in keys]
+        for i, r in enumerate(resps):
+            if isinstance(r, MooncakeError):
+                out[i] = r
+                continue
+            try:
+                cap = self._check_parts(parts[i], f"batch_get_into_multi_buffers[{i}]")
+                n = self._size_of(r)
+                if n > cap:
+                    raise InvalidArgumentError(
+                        f"buffers of {cap} bytes are smaller than the {n}-byte value"
+                    )
+            except MooncakeError as e:
+                out[i] = resps[i] = e
+                continue
+            left, off = n, 0
+            for a, pn in parts[i]:
+                take = min(pn, left)
+                if take:
+                    ranges[i].append((a, take, off))
+                off += take
+                left -= take
+            out[i] = n
+        errs = await self._read_many(resps, [0] * len(keys), [0] * len(keys), t0, ranges)
+        for i, read_err in enumerate(errs):
+            if read_err is not None and not isinstance(resps[i], MooncakeError):
+                out[i] = read_err
+                self._note_miss(read_err)
+        return out
+
+    async def get_into_ranges(
+        self,
+        buffers: Sequence[int],
+        all_keys: Sequence[Sequence[str]],
+        all_dst: Sequence[Sequence[Sequence[int]]],
+        all_src: Sequence[Sequence[Sequence[int]]],
+        all_sizes: Sequence[Sequence[Sequence[int]]],
+    ) -> list[list[list[int]]]:
+        """Byte ranges of objects into registered buffers: range ``k`` of key ``j`` of buffer
+        ``i`` copies ``all_sizes[i][j][k]`` bytes from object offset ``all_src[i][j][k]`` to
+        ``buffers[i] + all_dst[i][j][k]``. Result per range: bytes copied or a negative code
+        (``INVALID_PARAMS`` for a range outside the buffer or the object, or mismatched
+        lists; the key's error code where it could not be read)."""
+        self._check_open()
+        bad = int(ErrorCode.INVALID_PARAMS)
+        results: list[list[list[int]]] = [
+            [[bad] * len(all_dst[i][j]) if j < len(all_dst[i]) else [] for j in range(len(keys))]
+            if i < len(all_dst)
+            else [[] for _ in keys]
+            for i, keys in enumerate(all_keys)
+        ]
+        n_buf = len(buffers)
+        if not (n_buf == len(all_keys) == len(all_dst) == len(all_src) == len(all_sizes)):
+            return results
+        uniq = list(dict.fromkeys(k for keys in all_keys for k in keys))
+        if not uniq:
+            return results
+        try:
+            for key in uniq:
+                _check_key(key)
+            resps, t0 = await self._batch_query(uniq)
+        except MooncakeError as e:
+            return [[[int(e.code)] * len(r) for r in row] for row in results]
+        by_key = dict(zip(uniq, resps, strict=True))
+        entries: list[tuple[int, int, list[int]]] = []  # (buffer, key slot, range indices)
+        e_resps: list[st.GetReplicaListResponse | MooncakeError] = []
+        e_parts: list[list[tuple[int, int, int]]] = []
+        for i, keys in enumerate(all_keys):
+            region = self.engine.registry.find(buffers[i], 1) if buffers[i] else None
+            cap = region.addr + region.length - buffers[i] if region is not None else 0
+            for j, key in enumerate(keys):
+                dst, src, sz = all_dst[i][j], all_src[i][j], all_sizes[i][j]
+                if not (len(dst) == len(src) == len(sz)) or cap <= 0:
+                    continue
+                r = by_key[key]
+                if isinstance(r, MooncakeError):
+                    results[i][j] = [int(r.code)] * len(dst)
+                    continue
+                n = self._size_of(r)
+                idx: list[int] = []
+                part: list[tuple[int, int, int]] = []
+                for kk, (d, so, ln) in enumerate(zip(dst, src, sz, strict=True)):
+                    if d < 0 or so < 0 or ln < 0 or d + ln > cap or so + ln > n:
+                        continue
+                    idx.append(kk)
+                    part.append((buffers[i] + d, ln, so))
+                if idx:
+                    entries.append((i, j, idx))
+                    e_resps.append(r)
+                    e_parts.append(part)
+        errs = await self._read_many(e_resps, [0] * len(entries), [0] * len(entries), t0, e_parts)
+        for (i, j, idx), err, part in zip(entries, errs, e_parts, strict=True):
+            for kk, (_, ln, _) in zip(idx, part, strict=True):
+                results[i][j][kk] = int(err.code) if err is not None else ln
+        return results
+
+    async def get_session_start(self, keys: Sequence[str]) -> list[int]:
+        """Query ``keys`` once and keep their replicas for ranged reads; a code per key."""
+        self._check_open()
+        if not keys:
+            return []
+        for k in keys:
+            _check_key(k)
+        resps, t0 = await self._batch_query(keys)
+        out: list[int] = []
+        for k, r in zip(keys, resps, strict=True):
+            self._get_sessions.pop(k, None)
+            if isinstance(r, MooncakeError):
+                out.append(int(r.code))
+            elif not self._order(r.replicas):
+                out.append(int(ErrorCode.INVALID_REPLICA))
+            else:
+                self._get_sessions[k] = (r, t0 + _read_ttl(r))
+                out.append(0)
+        return out
+
+    def get_session_end(self, keys: Sequence[str]) -> None:
+        for k in keys:
+            self._get_sessions.pop(k, None)
+
+    async def get_session_ranges(
+        self,
+        keys: Sequence[str],
+        parts: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        src_offsets: Sequence[Sequence[int]],
+    ) -> list[int]:
+        """Ranged reads of session keys into registered buffers (no master call); bytes read
+        per key, ``INVALID_PARAMS`` without a session or for a range outside the object,
+        ``LEASE_EXPIRED`` once the session's lease has run out."""
+        self._check_open()
+        bad = int(ErrorCode.INVALID_PARAMS)
+        out = [bad] * len(keys)
+        if not (len(keys) == len(parts) == len(sizes) == len(src_offsets)):
+            return out
+        idx: list[int] = []
+        e_resps: list[st.GetReplicaListResponse | MooncakeError] = []
+        e_parts: list[list[tuple[int, int, int]]] = []
+        now = anyio.current_time()
+        for i, k in enumerate(keys):
+            sess = self._get_sessions.get(k)
+            if sess is None or not (len(parts[i]) == len(sizes[i]) == len(src_offsets[i])):
+                continue
+            resp, deadline = sess
+            if now >= deadline:
+                del self._get_sessions[k]
+                out[i] = int(ErrorCode.LEASE_EXPIRED)
+                continue
+            n = self._size_of(resp)
+            try:
+                for j, (a, ln) in enumerate(zip(parts[i], sizes[i], strict=True)):
+                    self._require_local(a, ln, f"batch_get_into_multi_buffer_ranges[{i}][{j}]")
+            except MooncakeError:
+                continue
+            if any(o < 0 or o + ln > n for o, ln in zip(src_offsets[i], sizes[i], strict=True)):
+                continue
+            idx.append(i)
+            e_resps.append(resp)
+            e_parts.append(list(zip(parts[i], sizes[i], src_offsets[i], strict=True)))
+        errs = await self._read_many(e_resps, [0] * len(idx), [0] * len(idx), now, e_parts)
+        done = anyio.current_time()
+        for i, err, part in zip(idx, errs, e_parts, strict=True):
+            sess = self._get_sessions.get(keys[i])
+            if err is not None:
+                out[i] = int(err.code)
+            elif sess is None or done >= sess[1]:
+                self._get_sessions.pop(keys[i], None)
+                out[i] = int(ErrorCode.LEASE_EXPIRED)
+            else:
+                out[i] = sum(ln for _, ln, _ in part)
+        return out
+
+    async def put_session_start(
+        self, keys: Sequence[str], sizes: Sequence[int], config: Config = None
+    ) -> list[int]:
+        """Reserve ``keys`` (``BatchPutStart``) for ranged writes; a code per key."""
+        self._check_open()
+        bad = int(ErrorCode.INVALID_PARAMS)
+        if len(keys) != len(sizes):
+            return [bad] * len(keys)
+        wire = to_wire(config)
+        out = [0] * len(keys)
+        todo = []
+        for i, k in enumerate(keys):
+            _check_key(k)
+            if k in self._put_sessions or not isinstance(sizes[i], int) or sizes[i] <= 0:
+                out[i] = bad
+            else:
+                todo.append(i)
+        if not todo:
+            return out
+        items: list[rpc.Item[list[st.ReplicaDescriptor]]] = await self.master.call(
+            "BatchPutStart",
+            rpc.BatchPutStartParams(
+                client_id=self.client_id,
+                keys=[keys[i] for i in todo],
+                sizes=[sizes[i] for i in todo],
+                config=wire,
+            ),
+        )
+        for i, item in zip(todo, items, strict=True):
+            if item.code != 0 or item.value is None:
+                out[i] = item.code or int(ErrorCode.INVALID_REPLICA)
+            else:
+                self._put_sessions[keys[i]] = (list(item.value), sizes[i])
+        return out
+
+    async def put_session_ranges(
+        self,
+        keys: Sequence[str],
+        parts: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        dst_offsets: Sequence[Sequence[int]],
+    ) -> list[int]:
+        """Write registered buffers at object offsets of session keys, to every replica;
+        bytes written per key (``INVALID_PARAMS`` without a session, or out of range)."""
+        self._check_open()
+        bad = int(ErrorCode.INVALID_PARAMS)
+        out = [bad] * len(keys)
+        if not (len(keys) == len(parts) == len(sizes) == len(dst_offsets)):
+            return out
+        ops: list[tuple[int, _Op]] = []
+        idx: list[int] = []
+        for i, k in enumerate(keys):
+            sess = self._put_sessions.get(k)
+            if sess is None or not (len(parts[i]) == len(sizes[i]) == len(dst_offsets[i])):
+                continue
+            reps, n = sess
+            try:
+                for j, (a, ln) in enumerate(zip(parts[i], sizes[i], strict=True)):
+                    self._require_local(a, ln, f"batch_put_from_multi_buffer_ranges[{i}][{j}]")
+            except MooncakeError:
+                continue
+            if any(o < 0 or o + ln > n for o, ln in zip(dst_offsets[i], sizes[i], strict=True)):
+                continue
+            idx.append(i)
+            for r in reps:
+                for a, ln, o in zip(parts[i], sizes[i], dst_offsets[i], strict=True):
+                    ops.append((i, _Op(True, a, r, ln, offset=o)))
+        await self._move([op for _, op in ops])
+        for i in idx:
+            out[i] = sum(sizes[i])
+        for i, op in ops:
+            if op.error is not None:
+                out[i] = int(op.error.code)
+        return out
+
+    async def put_session_finish(self, keys: Sequence[str], *, revoke: bool) -> list[int]:
+        """``BatchPutEnd`` (or ``BatchPutRevoke``) the session keys; a code per key."""
+        self._check_open()
+        out = [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        idx = [i for i, k in enumerate(keys) if k in self._put_sessions]
+        if not idx:
+            return out
+        method = "BatchPutRevoke" if revoke else "BatchPutEnd"
+        codes: list[int] = await self.master.call(
+            method,
+            rpc.BatchKeyClientParams(client_id=self.client_id, keys=[keys[i] for i in idx]),
+        )
+        for i, c in zip(idx, codes, strict=True):
+            out[i] = c
+            self._put_sessions.pop(keys[i], None)
+        return out
+
+    # -- replica admin: clear, copy / move tasks -------------------------------------------
+
+    async def batch_replica_clear(self, keys: Sequence[str], segment_name: str = "") -> list[str]:
+        """Drop this client's objects among ``keys`` whose lease has ended (only their
+        replicas on ``segment_name`` when given); the keys cleared."""
+        self._check_open()
+        if not keys:
+            return []
+        cleared: list[str] = await self.master.call(
+            "BatchReplicaClear",
+            rpc.ReplicaClearParams(
+                client_id=self.client_id, keys=list(keys), segment_name=segment_name
+            ),
+        )
+        return cleared
+
+    async def create_copy_task(self, key: str, targets: Sequence[str]) -> str:
+        """Queue a copy of ``key`` onto segments ``targets``; its task id."""
+        self._check_open()
+        tid: str = await self.master.call(
+            "CreateCopyTask", rpc.CopyTaskParams(key=_check_key(key), targets=list(targets))
+        )
+        self._task_kick.set()
+        return tid
+
+    async def create_move_task(self, key: str, source: str, target: str) -> str:
+        """Queue a move of ``key``'s replica on ``source`` to ``target``; its task id."""
+        self._check_open()
+        tid: str = await self.master.call(
+            "CreateMoveTask",
+            rpc.MoveTaskParams(key=_check_key(key), source=source, target=target),
+        )
+        self._task_kick.set()
+        return tid
+
+    async def query_task(self, task_id: str) -> st.ReplicaTask:
+        self._check_open()
+        task: st.ReplicaTask = await self.master.call(
+            "QueryTask", rpc.TaskIdParams(task_id=task_id)
+        )
+        return task
+
+    async def _task_loop(self) -> None:
+        """Run the copy/move tasks the master assigns to this client (it owns their source):
+        every ``TASK_POLL_S``, or at once after this client created one."""
+        while True:
+            with anyio.move_on_after(TASK_POLL_S):
+                await self._task_kick.wait()
+            self._task_kick = anyio.Event()
+            try:
+                tasks: list[st.ReplicaTask] = await self.master.call(
+                    "FetchTasks", rpc.ClientParams(client_id=self.client_id)
+                )
+            except MooncakeError as e:
+                log.debug("fetching replica tasks failed: %s", e)
+                continue
+            for t in tasks:
+                await self._run_task(t.id)
+
+    async def _run_task(self, task_id: str) -> None:
+        """TaskStart -> write the source replica into every target -> TaskEnd (or Revoke)."""
+        params = rpc.TaskParams(client_id=self.client_id, task_id=task_id)
+        try:
+            plan: st.TaskStartResponse = await self.master.call("TaskStart", params)
+        except MooncakeError as e:
+            log.warning("replica task %s did not start: %s", task_id, e)
+            return
+        src = plan.source
+        err: MooncakeError | None = None
+        if src.segment_name != self.segment_name or not self._owns(src.addr, plan.size):
+            err = TransferError(f"task source {src.segment_name!r} is not this client's segment")
+        else:
+            ops = [_Op(True, src.addr, r, plan.size) for r in plan.targets]
+            await self._move(ops)
+            err = next((op.error for op in ops if op.error is not None), None)
+        try:
+            if err is None:
+                await self.master.call("TaskEnd", params)
+            else:
+                await self.master.call(
+                    "TaskRevoke",
+                    rpc.TaskRevokeParams(
+                        client_id=self.client_id, task_id=task_id, message=str(err)
+                    ),
+                )
+        except MooncakeError as e:
+            log.warning("finishing replica task %s failed: %s", task_id, e)
+
+    # -- segments mounted after setup ------------------------------------------------------
+
+    async def mount_memory(self, addr: int, size: int, owner: Any, location: str = "") -> str:
+        """Register ``[addr, +size)`` (kept alive by ``owner``, closed at unmount) with the
+        engine and mount it at the master as one more segment of this client; its id."""
+        self._check_open()
+        region = await self.engine.register((addr, size))
+        region.owner = owner
+        seg = st.Segment(
+            id=str(uuid.uuid4()),
+            name=self.segment_name,
+            base=addr,
+            size=size,
+            te_endpoint=self.segment_name,
+            protocol="tcp",
+            location=location or "cpu:0",
+        )
+        try:
+            await self.master.call(
+                "MountSegment", rpc.MountSegmentParams(client_id=self.client_id, segment=seg)
+            )
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.engine.unregister(addr)
+            raise
+        self.extra_segments[seg.id] = seg
+        self._extra_owners[seg.id] = owner
+        return seg.id
+
+    async def unmount_memory(self, segment_id: str, grace_s: float = 0.0) -> None:
+        """Unmount a segment :meth:`mount_memory` mounted; its memory is released after
+        ``grace_s`` seconds (readers already granted a lease may still be copying)."""
+        self._check_open()
+        seg = self.extra_segments.get(segment_id)
+        if seg is None:
+            raise SegmentNotFoundError(f"no segment {segment_id!r} mounted by this client")
+        await self.master.call(
+            "UnmountSegment",
+            rpc.UnmountSegmentParams(client_id=self.client_id, segment_id=segment_id),
+        )
+        del self.extra_segments[segment_id]
+        owner = self._extra_owners.pop(segment_id)
+
+        async def release() -> None:
+            await anyio.sleep(grace_s)
+            with anyio.CancelScope(shield=True):
+                await self.engine.unregister(seg.base)
+                _close_owner(owner)
+
+        if grace_s > 0 and self._tg is not None:
+            self._tg.start_soon(release)
+        else:
+            await self.engine.unregister(seg.base)
+            _close_owner(owner)
+
+    def _release_extra(self) -> None:
+        for sid in list(self._extra_owners):
+            _close_owner(self._extra_owners.pop(sid))
+        self.extra_segments.clear()
+
+
+def _close_owner(owner: Any) -> None:
+    """Close what kept a mounted segment's memory alive (an mmap, a SharedSegment)."""
+    close = getattr(owner, "close", None)
+    if close is None:
+        return
+    try:
+        close()
+    except (BufferError, OSError, ValueError) as e:  # still exported: dies with the process
+        log.warning("releasing segment memory: %s", e)
 
 
 def _read_ttl(resp: st.GetReplicaListResponse) -> float:
@@ -1506,8 +2088,8 @@ async def open_store(
     tier, see the module docstring); ``cuda_runtime`` is passed to the engine this opens (tests
     pass :class:`mooncake.testing.fake_cuda.FakeCudaRuntime`; ignored with ``engine``).
     """
-    if protocol not in ("tcp", ""):
-        raise InvalidArgumentError(f"protocol {protocol!r} is not supported (use 'tcp')")
+    if protocol not in ("tcp", "rdma", ""):
+        raise InvalidArgumentError(f"protocol {protocol!r} is not supported (use 'tcp' or 'rdma')")
     store = Store(
         master,
         segment_size=segment_size,
