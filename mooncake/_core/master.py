@@ -55,6 +55,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from mooncake._core.allocator import DEFAULT_ALIGNMENT, OffsetAllocator
 from mooncake._core.misses import Miss, MissLedger, MissReason
 from mooncake._core.policies import EvictionPolicy, Pin, make_policy
@@ -259,6 +261,7 @@ class _Object:
     demoting: _Demote | None = None
     promoting: _Promote | None = None
     task: _Task | None = None
+    group: str = ""
 
 
 @dataclass(slots=True, eq=False)
@@ -334,6 +337,7 @@ class MasterState:
         self._soft_pinned: set[str] = set()
         self._writing: set[str] = set()  # keys that had a pending write (pruned by sweep)
         self._tasks: dict[str, _Task] = {}
+        self._groups: dict[str, set[str]] = {}  # group id -> keys of its readable members
         self._active_tasks: dict[str, _Task] = {}
         self._finished_tasks: deque[str] = deque()
         self._used = 0
@@ -581,6 +585,10 @@ class MasterState:
             raise InvalidArgumentError(f"object size must be positive, got {size}")
         if config.replica_num < 1:
             raise InvalidArgumentError(f"replica_num must be >= 1, got {config.replica_num}")
+        if config.group_ids is not None and len(config.group_ids) != 1:
+            raise InvalidArgumentError(
+                f"a put of one key takes one group id, got {len(config.group_ids)}"
+            )
         if config.soft_pin_ttl_ms is not None:
             if config.soft_pin_action != SoftPinAction.ENABLE:
                 raise InvalidArgumentError(
@@ -707,6 +715,7 @@ class MasterState:
         obj.pending = None
         obj.writer = client_id
         cfg = pending.config
+        self._set_group(obj, cfg.group_ids[0] if cfg.group_ids else "")
         obj.hard_pinned = cfg.with_hard_pin
         kept = obj.soft_pin_deadline if old is not None else None
         obj.soft_pin_deadline = None
@@ -772,11 +781,17 @@ class MasterState:
         """PutStart (or UpsertStart) per key; per-key codes, never one failure for all."""
         if len(keys) != len(sizes):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(sizes)} sizes")
+        groups = config.group_ids
+        if groups is not None and len(groups) != len(keys):
+            raise InvalidArgumentError(f"{len(groups)} group_ids for {len(keys)} keys")
         start = self.upsert_start if upsert else self.put_start
         out: list[Item[list[ReplicaDescriptor]]] = []
-        for key, size in zip(keys, sizes, strict=True):
+        for n, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+            cfg = (
+                config if groups is None else msgspec.structs.replace(config, group_ids=[groups[n]])
+            )
             try:
-                out.append(Item(code=0, value=start(client_id, key, size, config, now)))
+                out.append(Item(code=0, value=start(client_id, key, size, cfg, now)))
             except MooncakeError as e:
                 out.append(Item(code=int(e.code)))
         return out
@@ -810,7 +825,7 @@ class MasterState:
                 f"object {key!r} not found {format_miss(self.misses.classify(key))}"
             )
         ttl = self.config.default_kv_lease_ttl
-        obj.lease_deadline = max(obj.lease_deadline, now + ttl)
+        self._extend_lease(obj, now + ttl)
         ver = obj.readable
         read_ttl = min(
             ttl,
@@ -862,8 +877,28 @@ class MasterState:
         obj = self._objects.get(key)
         if obj is None or obj.readable is None:
             return False
-        obj.lease_deadline = max(obj.lease_deadline, now + self.config.default_kv_lease_ttl)
+        self._extend_lease(obj, now + self.config.default_kv_lease_ttl)
         return True
+
+    def _extend_lease(self, obj: _Object, deadline: float) -> None:
+        """Lease ``obj`` until ``deadline`` -- and every current member of its group."""
+        obj.lease_deadline = max(obj.lease_deadline, deadline)
+        if not obj.group:
+            return
+        members = self._groups.get(obj.group, set())
+        for key in list(members):
+            other = self._objects.get(key)
+            if other is None or other.group != obj.group or other.readable is None:
+                members.discard(key)
+                continue
+            other.lease_deadline = max(other.lease_deadline, deadline)
+
+    def _set_group(self, obj: _Object, group: str) -> None:
+        if obj.group and obj.group != group:
+            self._groups.get(obj.group, set()).discard(obj.key)
+        obj.group = group
+        if group:
+            self._groups.setdefault(group, set()).add(obj.key)
 
     def batch_exist_key(self, keys: list[str], now: float) -> list[int]:
         return [1 if self.exist_key(k, now) else 0 for k in keys]
@@ -921,6 +956,12 @@ class MasterState:
     def _drop_object(self, obj: _Object, now: float) -> None:
         ver = obj.readable
         del self._objects[obj.key]
+        if obj.group:
+            members = self._groups.get(obj.group)
+            if members is not None:
+                members.discard(obj.key)
+                if not members:
+                    del self._groups[obj.group]
         if ver is not None:
             self._unlink(obj.key, ver)
             self._release_after_lease(obj, ver, now)

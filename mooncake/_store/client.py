@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 import numpy as np
 
 from mooncake import _fast
@@ -115,6 +116,14 @@ MAX_KEY_BYTES = 1 << 20
 Config = ReplicateConfig | st.ReplicateConfig | None
 Source = int | Sequence[tuple[int, int]]
 """A put's source: one address, or ``(address, length)`` parts whose concatenation is the value."""
+
+
+def _subset(config: Config, idx: Sequence[int], n: int) -> Config:
+    """``config`` for the keys ``idx`` of an ``n``-key batch (its per-key group ids follow)."""
+    wire = to_wire(config)
+    if wire.group_ids is None or len(wire.group_ids) != n or len(idx) == n:
+        return wire
+    return msgspec.structs.replace(wire, group_ids=[wire.group_ids[i] for i in idx])
 
 
 def _parts_of(src: Source, size: int) -> list[tuple[int, int]]:
@@ -793,7 +802,7 @@ class Store:
                 [keys[i] for i in good],
                 [addrs[i] for i in good],
                 [sizes[i] for i in good],
-                config,
+                _subset(config, good, len(keys)),
                 upsert=upsert,
                 batch=True,
             )
@@ -870,7 +879,7 @@ class Store:
                 [keys[i] for i in again],
                 [addrs[i] for i in again],
                 [sizes[i] for i in again],
-                config,
+                _subset(config, again, len(keys)),
                 upsert=upsert,
                 batch=batch,
                 copy=copy,
@@ -1559,7 +1568,7 @@ class Store:
                 [keys[i] for i in good],
                 [list(parts[i]) for i in good],
                 [sizes[i] for i in good],
-                config,
+                _subset(config, good, len(keys)),
                 upsert=upsert,
                 batch=True,
             )

@@ -29,13 +29,25 @@ from mooncake._core.staging import RangeAllocator
 from mooncake._store import standalone as wire
 from mooncake.errors import ErrorCode, MooncakeError, to_code
 from mooncake.store._base import StoreBase
+from mooncake.store._bytes import BufferHandle
 from mooncake.store._types import shared_memory_of
 
 log = logging.getLogger("mooncake.store")
 
 _RAISE = {"TypeError": TypeError, "ValueError": ValueError, "AttributeError": AttributeError}
-_BYTES_PUTS = {"put": 1, "upsert": 1}
 _TUPLE_RESULTS = {"create_copy_task", "create_move_task", "query_task"}
+_STAGED = (
+    "put",
+    "upsert",
+    "put_parts",
+    "upsert_parts",
+    "put_batch",
+    "upsert_batch",
+    "get",
+    "get_batch",
+    "get_buffer",
+    "batch_get_buffer",
+)
 
 
 class _Connection:
@@ -48,28 +60,68 @@ class _Connection:
         self.maps: dict[int, int] = {}  # shared base -> size, known to the standalone client
         self.pool: mmap.mmap | None = None
         self.pool_base = 0
+        self.staging: mmap.mmap | None = None
+        self.staging_base = 0
+        self.stage_lock = threading.Lock()
         self.alloc_ranges = RangeAllocator(0)
         try:
             self.sock.connect(wire.socket_name(server_address))
             (self.hostname,) = self.request(["hello", local_buffer_size])
             if mem_pool_size:
-                fd = os.memfd_create("mooncake-dummy-pool", os.MFD_CLOEXEC)
-                try:
-                    os.ftruncate(fd, mem_pool_size)
-                    self.pool = mmap.mmap(fd, mem_pool_size, mmap.MAP_SHARED)
-                    view = ctypes.c_char.from_buffer(self.pool)
-                    self.pool_base = ctypes.addressof(view)
-                    del view
-                    (rc,) = self.request(["map", self.pool_base, mem_pool_size], [fd])
-                finally:
-                    os.close(fd)
-                if rc != 0:
-                    raise OSError(f"the standalone client could not map the pool ({rc})")
-                self.maps[self.pool_base] = mem_pool_size
+                self.pool, self.pool_base = self._share(mem_pool_size, "mooncake-dummy-pool")
                 self.alloc_ranges = RangeAllocator(mem_pool_size, align=64)
+            if local_buffer_size:
+                self.staging, self.staging_base = self._share(
+                    local_buffer_size, "mooncake-dummy-local-buffer"
+                )
         except BaseException:
             self.close()
             raise
+
+    def _share(self, size: int, name: str) -> tuple[mmap.mmap, int]:
+        """``size`` bytes of memfd memory, mapped here and by the standalone client."""
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
+            view = ctypes.c_char.from_buffer(mm)
+            base = ctypes.addressof(view)
+            del view
+            (rc,) = self.request(["map", base, size], [fd])
+        finally:
+            os.close(fd)
+        if rc != 0:
+            mm.close()
+            raise OSError(f"the standalone client could not map {name} ({rc})")
+        self.maps[base] = size
+        return mm, base
+
+    # -- bytes calls: staged through the shared local buffer ------------------------------
+
+    def put_value(self, method: str, key: str, value: Any, config: Any) -> int:
+        """``put``/``upsert`` of a Python buffer: copied into the local buffer, then stored
+        by the standalone client with ``put_from``/``upsert_from``."""
+        try:
+            mv = memoryview(value).cast("B")
+        except TypeError:
+            raise TypeError(f"value must support the buffer protocol, got {type(value).__name__}")
+        n = mv.nbytes
+        if n == 0 or n > self.local_buffer_size or self.staging is None:
+            return int(ErrorCode.INVALID_PARAMS)
+        with self.stage_lock:
+            ctypes.memmove(self.staging_base, bytes(mv), n)
+            rc = self.call(f"{method}_from", key, self.staging_base, n, config)
+        return int(rc)
+
+    def get_value(self, key: str) -> bytes:
+        """``get`` through the local buffer (``b""`` when missing, failed or too large)."""
+        if self.staging is None:
+            return b""
+        with self.stage_lock:
+            n = self.call("get_into", key, self.staging_base, self.local_buffer_size)
+            if not isinstance(n, int) or n <= 0:
+                return b""
+            return ctypes.string_at(self.staging_base, n)
 
     def request(self, msg: list[Any], fds: list[int] | None = None) -> list[Any]:
         with self.lock:
@@ -84,11 +136,6 @@ class _Connection:
         return list(reply[1:])
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        limit = _BYTES_PUTS.get(method)
-        if limit is not None and len(args) > limit:
-            n = memoryview(args[limit]).nbytes if not isinstance(args[limit], int) else 0
-            if n > self.local_buffer_size:
-                return int(ErrorCode.INVALID_PARAMS)
         msg = [
             "call",
             method,
@@ -142,12 +189,14 @@ class _Connection:
         try:
             self.sock.close()
         finally:
-            if self.pool is not None:
+            for mm in (self.pool, self.staging):
+                if mm is None:
+                    continue
                 try:
-                    self.pool.close()
+                    mm.close()
                 except BufferError:
-                    log.warning("the dummy client's pool is still in use; it stays mapped")
-                self.pool = None
+                    log.warning("the dummy client's shared memory is still in use; it stays mapped")
+            self.pool = self.staging = None
 
 
 class DummyMethods(StoreBase):
@@ -170,6 +219,9 @@ class DummyMethods(StoreBase):
         self._dummy = conn
         for name in wire.FORWARDED:
             setattr(self, name, functools.partial(self._forward, name))
+        # the bytes calls: staged through the shared local buffer, as the published dummy does
+        for name in _STAGED:
+            setattr(self, name, getattr(self, f"_dummy_{name}"))
         self.register_buffer = conn.register  # type: ignore[method-assign]
         self.unregister_buffer = conn.unregister  # type: ignore[method-assign]
         self.get_hostname = lambda: str(conn.hostname)  # type: ignore[method-assign]
@@ -184,3 +236,63 @@ class DummyMethods(StoreBase):
         except (OSError, EOFError) as e:
             log.error("%s: the standalone client is unreachable: %s", name, e)
             return int(ErrorCode.RPC_FAIL)
+
+    # -- the bytes calls of a dummy (bound by setup_dummy) ---------------------------------
+
+    def _conn(self) -> _Connection:
+        conn: _Connection | None = self._dummy
+        if conn is None:
+            raise OSError("the dummy client is closed")
+        return conn
+
+    def _dummy_put(self, key: str, value: Any, config: Any = None) -> int:
+        try:
+            return self._conn().put_value("put", key, value, config)
+        except (OSError, EOFError):
+            return int(ErrorCode.RPC_FAIL)
+
+    def _dummy_upsert(self, key: str, value: Any, config: Any = None) -> int:
+        try:
+            return self._conn().put_value("upsert", key, value, config)
+        except (OSError, EOFError):
+            return int(ErrorCode.RPC_FAIL)
+
+    def _dummy_put_parts(self, key: str, *parts: Any, config: Any = None) -> int:
+        return self._dummy_put(key, b"".join(bytes(memoryview(p)) for p in parts), config)
+
+    def _dummy_upsert_parts(self, key: str, *parts: Any, config: Any = None) -> int:
+        return self._dummy_upsert(key, b"".join(bytes(memoryview(p)) for p in parts), config)
+
+    def _dummy_put_batch(self, keys: list[str], values: list[Any], config: Any = None) -> int:
+        if len(keys) != len(values):
+            return int(ErrorCode.INVALID_PARAMS)
+        for k, v in zip(keys, values, strict=True):
+            rc = self._dummy_put(k, v, config)
+            if rc != 0:
+                return rc
+        return 0
+
+    def _dummy_upsert_batch(self, keys: list[str], values: list[Any], config: Any = None) -> int:
+        if len(keys) != len(values):
+            return int(ErrorCode.INVALID_PARAMS)
+        for k, v in zip(keys, values, strict=True):
+            rc = self._dummy_upsert(k, v, config)
+            if rc != 0:
+                return rc
+        return 0
+
+    def _dummy_get(self, key: str) -> bytes:
+        try:
+            return self._conn().get_value(key)
+        except (OSError, EOFError):
+            return b""
+
+    def _dummy_get_batch(self, keys: list[str]) -> list[bytes]:
+        return [self._dummy_get(k) for k in keys]
+
+    def _dummy_get_buffer(self, key: str) -> BufferHandle | None:
+        data = self._dummy_get(key)
+        return BufferHandle(data) if data else None
+
+    def _dummy_batch_get_buffer(self, keys: list[str]) -> list[BufferHandle | None]:
+        return [self._dummy_get_buffer(k) for k in keys]
