@@ -234,10 +234,16 @@ def decode_arg(value: Any) -> Any:
     from mooncake._store.config import ReplicateConfig
 
     if isinstance(value, dict) and set(value) == {"__rc__"} and isinstance(value["__rc__"], dict):
+        from mooncake._core.store_types import ObjectDataType, SoftPinAction
+
         cfg = ReplicateConfig()
         for f, v in value["__rc__"].items():
+            if f == "soft_pin_action":
+                v = SoftPinAction(v)
+            elif f == "data_type":
+                v = ObjectDataType(v)
             if f in _RC_FIELDS:
-                setattr(cfg, f, v)
+                setattr(cfg, f, v)  # TypeError / ValueError for a bad one: answered, not fatal
         return cfg
     if isinstance(value, list):
         return [decode_arg(v) for v in value]
@@ -404,11 +410,11 @@ class StandaloneServer:
                 or not isinstance(kwargs, dict)
             ):
                 return ["raise", "AttributeError", f"no forwarded method {method!r}"]
-            args = [decode_arg(a) for a in args]
-            kwargs = {str(k): decode_arg(v) for k, v in kwargs.items()}
-            self._translate(method, args, kwargs, maps)
             fn: Callable[..., Any] = getattr(self.store, method)
             try:
+                args = [decode_arg(a) for a in args]
+                kwargs = {str(k): decode_arg(v) for k, v in kwargs.items()}
+                self._translate(method, args, kwargs, maps)
                 return ["ok", encode_result(fn(*args, **kwargs))]
             except (TypeError, ValueError) as e:
                 return ["raise", type(e).__name__, str(e)]
