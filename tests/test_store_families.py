@@ -103,7 +103,7 @@ def test_multi_buffer_put_is_the_concatenation_and_get_scatters_in_order(
     cuts = [100, 5000, len(want0) - 5100 + 7]  # the last one has room to spare
     dptrs = [[dst.p, dst.p + 10_000, dst.p + 20_000], [dst.p + 900_000]]
     got = store.batch_get_into_multi_buffers(
-        keys + ["missing"], dptrs + [[dst.p]], [cuts, [333], [8]]
+        [*keys, "missing"], [*dptrs, [dst.p]], [cuts, [333], [8]]
     )
     assert got == [len(want0), 333, NOT_FOUND]
     scattered = dst.at(0, 100) + dst.at(10_000, 5000) + dst.at(20_000, len(want0) - 5100)
