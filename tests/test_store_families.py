@@ -479,3 +479,12 @@ def test_info_calls_before_and_after_setup(master: Master) -> None:
         assert name(cap) == b"mooncake.store.PyClient"
     finally:
         s.close()
+
+
+def test_the_readme_store_example_runs(master: Master) -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("and so does the store")[1].split("```python")[1].split("```")[0]
+    assert "batch_put_from_multi_buffers" in block
+    exec(block.replace('"127.0.0.1:50051"', repr(master.address)), {})
