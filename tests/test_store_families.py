@@ -488,3 +488,35 @@ def test_the_readme_store_example_runs(master: Master) -> None:
     block = readme.split("and so does the store")[1].split("```python")[1].split("```")[0]
     assert "batch_put_from_multi_buffers" in block
     exec(block.replace('"127.0.0.1:50051"', repr(master.address)), {})
+
+
+def test_ssd_offload_serves_evicted_objects_and_counts_them(tmp_path: str) -> None:
+    m = Master("--offload-on-evict", "true", "--default-kv-lease-ttl", "50")
+    s = MooncakeDistributedStore()
+    try:
+        path = os.path.join(str(tmp_path), "ssd")
+        assert (
+            s.setup(
+                "127.0.0.1", "P2PHANDSHAKE", MIB, 4 * MIB, "tcp", "", m.address, None, True, path
+            )
+            == 0
+        )
+        values = {f"k{i}": os.urandom(64 * 1024) for i in range(40)}  # 2.5 MiB into 1 MiB
+        for k, v in values.items():
+            for _ in range(500):
+                rc = s.put(k, v)
+                if rc != NO_HANDLE:  # the segment is full while demotions are being copied
+                    break
+                time.sleep(0.02)
+            assert rc == 0, k
+        assert s.get_offload_rpc_read_count() == 0
+        assert all(s.get(k) == v for k, v in values.items())
+        served = s.get_offload_rpc_read_count()
+        assert served >= 20  # most of them came back from the SSD tier
+        # draining the tier drops what only it held
+        assert s.unmount_local_disk_segment() == 0
+        alive = sum(s.is_exist(k) for k in values)
+        assert alive <= len(values) - served
+    finally:
+        s.close()
+        m.stop()
