@@ -520,3 +520,32 @@ def test_ssd_offload_serves_evicted_objects_and_counts_them(tmp_path: str) -> No
     finally:
         s.close()
         m.stop()
+
+
+def test_setup_retries_another_port_when_the_random_one_is_taken(
+    master: Master, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    from mooncake.store import _setup
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    real, picks = _setup.pick_port, []
+
+    def first_taken(host: str) -> int:
+        picks.append(host)
+        return port if len(picks) == 1 else real(host)
+
+    monkeypatch.setattr(_setup, "pick_port", first_taken)
+    s = MooncakeDistributedStore()
+    try:
+        assert s.setup("127.0.0.1", "P2PHANDSHAKE", MIB, MIB, "tcp", "", master.address) == 0
+        assert len(picks) == 2 and s.get_hostname() != f"127.0.0.1:{port}"
+        t = MooncakeDistributedStore()  # an explicit port is used as given: no retry
+        assert t.setup(f"127.0.0.1:{port}", "P2PHANDSHAKE", MIB, MIB, "tcp", "", master.address) < 0
+    finally:
+        s.close()
+        taken.close()

@@ -29,6 +29,18 @@ log = logging.getLogger("mooncake.store")
 _CAPSULE_NAME = b"mooncake.store.PyClient"
 
 
+def _os_error(e: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``e`` (a task group wraps a failed bind), if any."""
+    if isinstance(e, OSError):
+        return e
+    if isinstance(e, BaseExceptionGroup):
+        for sub in e.exceptions:
+            found = _os_error(sub)
+            if found is not None:
+                return found
+    return None
+
+
 class StoreBase:
     """Lifecycle (``setup``, ``init_all``, ``close``), info and the call plumbing."""
 
@@ -73,16 +85,13 @@ class StoreBase:
             loop = LoopThread(name="mooncake-store")
             try:
                 store = loop.enter(open_store(**opts))
-            except OSError as e:
+            except Exception as e:
                 loop.close()
-                if _setup.has_port(host) or attempt + 1 >= retries:
-                    log.error("setup failed: %s", e)
-                    return to_code(e)
-                continue  # the random port was taken meanwhile: another one
-            except BaseException as e:
-                log.error("setup failed: %s", e)
-                loop.close()
-                return to_code(e)
+                cause = _os_error(e)
+                if cause is not None and not _setup.has_port(host) and attempt + 1 < retries:
+                    continue  # the random port was taken meanwhile: another one
+                log.error("setup failed: %s", cause or e)
+                return to_code(cause or e)
             self._adopt(loop, store, owns_loop=True)
             return 0
         return int(ErrorCode.INTERNAL_ERROR)
