@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +24,9 @@ from mooncake._store.fastpath import FastPath
 from mooncake._sync import LoopThread, close_at_exit, close_in_background, forget_at_exit
 from mooncake.errors import ClosedError, ErrorCode, MooncakeError, to_code
 from mooncake.store import _setup
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 log = logging.getLogger("mooncake.store")
 
