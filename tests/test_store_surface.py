@@ -115,3 +115,51 @@ def test_no_method_answers_for_unpublished_names() -> None:
         n for n in ours - published if not n.startswith("_") and n not in ("get_engine",)
     )
     assert extra == []  # get_engine: what setup(engine=...) takes
+
+
+def test_module_helpers_behave() -> None:
+    import ctypes
+    import os
+
+    a = store.MooncakeHostMemAllocator()
+    p = a.alloc(10_000)
+    assert p % 4096 == 0
+    ctypes.memmove(p, b"abc", 3)
+    assert ctypes.string_at(p, 3) == b"abc"
+    assert a.free(p) == 0 and a.free(p) == -1 and a.alloc(0) == 0
+    with pytest.raises(TypeError):
+        a.alloc("1")  # type: ignore[arg-type]
+    malloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t)(store.get_alloc_func_addr())
+    free = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(store.get_free_func_addr())
+    q = malloc(64)
+    assert q
+    free(q)
+    before = os.sched_getaffinity(0)
+    try:
+        store.bind_to_numa_node(0)
+        node0 = Path("/sys/devices/system/node/node0/cpulist")
+        if node0.exists():
+            cpus: set[int] = set()
+            for part in node0.read_text().strip().split(","):
+                lo, _, hi = part.partition("-")
+                cpus.update(range(int(lo), int(hi or lo) + 1))
+            assert os.sched_getaffinity(0) == cpus
+        store.bind_to_numa_node(4096)  # no such node: a warning, nothing else
+    finally:
+        os.sched_setaffinity(0, before)
+    assert (
+        store.PENDING == store.TaskStatus.PENDING
+        and store.REPLICA_MOVE == store.TaskType.REPLICA_MOVE
+    )
+    ax, tp = store.ParallelAxis(), store.TensorParallelism()
+    assert (ax.rank, ax.size, tp.axes) == (0, 1, [])
+
+
+def test_init_all_is_setup_with_the_published_arguments() -> None:
+    s = MooncakeDistributedStore()
+    seen: list[tuple[Any, ...]] = []
+    s.setup = lambda *a, **k: seen.append(a) or 0  # type: ignore[method-assign]
+    assert s.init_all("tcp", "mlx5_0") == 0
+    assert seen == [
+        ("localhost:12345", "127.0.0.1:2379", 16 << 20, 1 << 30, "tcp", "mlx5_0", "127.0.0.1:50051")
+    ]
