@@ -689,9 +689,12 @@ class Store:
         with a ``cuda:N`` location), which goes through the engine's CUDA stream instead."""
         host: list[tuple[int, int, int]] = []
         device: dict[int, list[tuple[tuple[int, int, int], _Op]]] = {}
+        region: Region | None = None
+        dev: int | None = None
         for c, op in zip(copies, ops, strict=True):
-            region = self.engine.registry.find(op.local, op.length)
-            dev = device_of(region.location) if region is not None else None
+            if region is None or not region.covers(op.local, op.length):
+                region = self.engine.registry.find(op.local, op.length)
+                dev = device_of(region.location) if region is not None else None
             if dev is None:
                 host.append(c)
             else:
@@ -1531,10 +1534,23 @@ class Store:
     # -- multi-buffer, ranges and sessions ------------------------------------------------
 
     def _check_parts(self, parts: Sequence[tuple[int, int]], what: str) -> int:
-        """Validate registered ``(address, length)`` parts; their total length."""
+        """Validate registered ``(address, length)`` parts; their total length. (Parts are
+        usually slices of one registered region: a hit on the last region found skips the
+        registry lookup.)"""
         total = 0
+        last: Region | None = None
         for j, (a, n) in enumerate(parts):
-            self._require_local(a, n, f"{what}[{j}]")
+            if (
+                last is not None
+                and type(a) is int
+                and type(n) is int
+                and a > 0
+                and n > 0
+                and last.covers(a, n)
+            ):
+                total += n
+                continue
+            last = self._require_local(a, n, f"{what}[{j}]")
             total += n
         if not parts:
             raise InvalidArgumentError(f"{what}: no buffers")
