@@ -100,7 +100,7 @@ def test_multi_buffer_put_is_the_concatenation_and_get_scatters_in_order(
     assert store.get_size("mb0") == len(want0)
     assert store.get("mb0") == want0
     # scatter over buffers of other lengths: in order, the total per key
-    cuts = [100, 5000, len(want0) - 5100 + 7]  # the last one has room to spare
+    cuts = [100, 5000, len(want0) - 5100]
     dptrs = [[dst.p, dst.p + 10_000, dst.p + 20_000], [dst.p + 900_000]]
     got = store.batch_get_into_multi_buffers(
         [*keys, "missing"], [*dptrs, [dst.p]], [cuts, [333], [8]]
@@ -108,6 +108,10 @@ def test_multi_buffer_put_is_the_concatenation_and_get_scatters_in_order(
     assert got == [len(want0), 333, NOT_FOUND]
     scattered = dst.at(0, 100) + dst.at(10_000, 5000) + dst.at(20_000, len(want0) - 5100)
     assert scattered == want0
+    # as published, buffers larger than the value fail (it reads every buffer in full)
+    assert store.batch_get_into_multi_buffers(["mb1"], [[dst.p]], [[334]]) == [
+        int(ErrorCode.TRANSFER_FAIL)
+    ]
     assert dst.at(900_000, 333) == src.at(500_000, 333)
 
 
@@ -161,6 +165,11 @@ def test_get_into_ranges_copies_exact_fragments(store: MooncakeDistributedStore)
     res = store.get_into_ranges([out.p], [["r1"]], [[[0, 4090]]], [[[8, 0]]], [[[3, 10]]])
     assert res == [[[INVALID, INVALID]]]
     assert store.get_into_ranges([out.p], [["r1"]], [[[0]]], [[[0, 1]]], [[[1]]]) == [[[INVALID]]]
+    # lists of different lengths: one row per buffer, as the published client shapes it
+    assert store.get_into_ranges([out.p, out.p], [["r1"]], [[[0]]], [[[0]]], [[[1]]]) == [
+        [[INVALID]],
+        [[INVALID]],
+    ]
 
 
 def test_get_session_reads_ranges_until_its_lease_ends(store: MooncakeDistributedStore) -> None:
@@ -307,9 +316,11 @@ def test_copy_and_move_tasks_run_and_report(master: Master) -> None:
         assert b.get("c") == b"copy me" and b.get("m") == b"move me"
         assert b.create_copy_task("nope", [hb]) == ((0, 0), NOT_FOUND)
         assert b.create_copy_task("c", ["bogus:1"]) == ((0, 0), INVALID)
-        assert b.create_copy_task("c", [hb]) == ((0, 0), INVALID)  # already there
+        tid, code = b.create_copy_task("c", [hb])  # already there: nothing to do, as published
+        assert code == 0 and _wait_task(b, tid).status == TaskStatus.SUCCESS
         assert b.create_move_task("c", hb, hb) == ((0, 0), INVALID)
-        assert b.query_task((1, 2)) == (None, INVALID)
+        assert b.create_move_task("m", "bogus:1", hb) == ((0, 0), INVALID)  # no replica there
+        assert b.query_task((1, 2)) == (None, -1400)  # the published TASK_NOT_FOUND
         with pytest.raises(TypeError):
             b.query_task("not a pair")  # type: ignore[arg-type]
     finally:

@@ -1050,6 +1050,7 @@ class MasterState:
     ) -> str:
         assert obj.readable is not None
         held = {id(r.seg) for r in obj.readable.replicas}
+        held_names = {r.seg.segment.name for r in obj.readable.replicas}
         segs: list[_Seg] = []
         for name in targets:
             seg = next(
@@ -1061,12 +1062,17 @@ class MasterState:
                 None,
             )
             if seg is None:
+                if ttype is TaskType.REPLICA_COPY and name in held_names:
+                    continue  # a copy onto a segment that holds one already: nothing to do there
                 raise SegmentNotFoundError(
                     f"no mounted segment {name!r} without a replica of {obj.key!r}"
                 )
             segs.append(seg)
         task = _Task(uuid.uuid4().hex, ttype, obj.key, source, segs, source.seg.client_id, now)
         self._tasks[task.id] = task
+        if not segs:  # every target holds a replica already: done, as Mooncake answers it
+            self._finish_task(task, TaskStatus.SUCCESS, "every target already holds a replica")
+            return task.id
         self._active_tasks[task.id] = task
         obj.task = task
         return task.id

@@ -1623,6 +1623,10 @@ class Store:
                     raise InvalidArgumentError(
                         f"buffers of {cap} bytes are smaller than the {n}-byte value"
                     )
+                if n < cap:  # the published client reads every buffer in full: past the end
+                    raise TransferError(
+                        f"buffers of {cap} bytes are larger than the {n}-byte value"
+                    )
             except MooncakeError as e:
                 out[i] = resps[i] = e
                 continue
@@ -1656,11 +1660,14 @@ class Store:
         lists; the key's error code where it could not be read)."""
         self._check_open()
         bad = int(ErrorCode.INVALID_PARAMS)
+        # shaped as the published client shapes it: one row per buffer, one range where the
+        # lists do not say how many
         results: list[list[list[int]]] = [
-            [[bad] * len(all_dst[i][j]) if j < len(all_dst[i]) else [] for j in range(len(keys))]
-            if i < len(all_dst)
-            else [[] for _ in keys]
-            for i, keys in enumerate(all_keys)
+            [
+                [bad] * (len(all_dst[i][j]) if i < len(all_dst) and j < len(all_dst[i]) else 1)
+                for j in range(len(all_keys[i]) if i < len(all_keys) else 1)
+            ]
+            for i in range(len(buffers))
         ]
         n_buf = len(buffers)
         if not (n_buf == len(all_keys) == len(all_dst) == len(all_src) == len(all_sizes)):

@@ -281,7 +281,7 @@ def decode_result(value: Any) -> Any:
     from mooncake._core import store_types as st
     from mooncake._store.config import ReplicaDescriptor
     from mooncake.store._bytes import BufferHandle
-    from mooncake.store._types import QueryTaskResponse
+    from mooncake.store._types import QueryTaskResponse, TaskStatus
 
     if isinstance(value, list) and value and isinstance(value[0], str):
         tag = value[0]
@@ -293,7 +293,7 @@ def decode_result(value: Any) -> Any:
         if tag == "__qt__":
             q = QueryTaskResponse()
             q.id = (value[1][0], value[1][1])
-            q.type, q.status = st.TaskType(value[2]), st.TaskStatus(value[3])
+            q.type, q.status = st.TaskType(value[2]), TaskStatus(value[3])
             q.message, q.assigned_client = value[4], value[5]
             return q
         if tag == "__bh__":

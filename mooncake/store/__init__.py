@@ -33,13 +33,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from mooncake._core.store_types import (
-    ObjectDataType,
-    ReplicaStatus,
-    SoftPinAction,
-    TaskStatus,
-    TaskType,
-)
+from mooncake._core.store_types import ObjectDataType, ReplicaStatus, SoftPinAction, TaskType
 from mooncake._store.config import (
     Descriptor,
     DiskDescriptor,
@@ -54,13 +48,16 @@ from mooncake.store._multi import MultiBufferMethods
 from mooncake.store._ranges import RangeMethods
 from mooncake.store._segments import SegmentMethods
 from mooncake.store._types import (
+    FAILED,
     PENDING,
+    PROCESSING,
     REPLICA_COPY,
     REPLICA_MOVE,
     SUCCESS,
     MooncakeHostMemAllocator,
     ParallelAxis,
     QueryTaskResponse,
+    TaskStatus,
     TensorParallelism,
     bind_to_numa_node,
     get_alloc_func_addr,
@@ -81,7 +78,8 @@ from mooncake.store._upsert import UpsertMethods
     METADATA,
     GENERAL,
 ) = ObjectDataType
-UNDEFINED, INITIALIZED, PROCESSING, COMPLETE, REMOVED, FAILED = ReplicaStatus
+# (PROCESSING and FAILED are the task states, as in the published module: see _types)
+UNDEFINED, INITIALIZED, _PROCESSING, COMPLETE, REMOVED, _FAILED = ReplicaStatus
 
 
 def _tensor_methods() -> type:

@@ -17,14 +17,21 @@ from typing import Any
 
 from mooncake._core import store_types as st
 from mooncake._store.config import ReplicaDescriptor
-from mooncake.errors import ErrorCode, SegmentNotFoundError, to_code
+from mooncake.errors import ErrorCode, ReplicaNotFoundError, SegmentNotFoundError, to_code
 from mooncake.store._base import StoreBase
-from mooncake.store._types import QueryTaskResponse, task_id_str, task_id_tuple
+from mooncake.store._types import (
+    TASK_NOT_FOUND,
+    QueryTaskResponse,
+    TaskStatus,
+    task_id_str,
+    task_id_tuple,
+)
 
 
 def _task_code(e: BaseException) -> int:
-    # the published master answers INVALID_PARAMS for a target it cannot use
-    if isinstance(e, SegmentNotFoundError):
+    # the published master answers INVALID_PARAMS for a segment it cannot use (an unknown
+    # target, a move source holding no replica)
+    if isinstance(e, (SegmentNotFoundError, ReplicaNotFoundError)):
         return int(ErrorCode.INVALID_PARAMS)
     return to_code(e)
 
@@ -74,11 +81,12 @@ class AdminMethods(StoreBase):
         try:
             task: st.ReplicaTask = self._call(self._s.query_task, tid)
         except Exception as e:
-            return None, to_code(e)
+            code = to_code(e)
+            return None, TASK_NOT_FOUND if code == int(ErrorCode.INVALID_PARAMS) else code
         out = QueryTaskResponse()
         out.id = task_id
         out.type = st.TaskType(task.type)
-        out.status = st.TaskStatus(task.status)
+        out.status = TaskStatus.of(task.status)
         out.message = task.message
         out.assigned_client = task.executor
         return out, 0

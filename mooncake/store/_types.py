@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import enum
 import logging
 import mmap
 import os
@@ -12,14 +13,35 @@ import threading
 import uuid
 from typing import Any
 
-from mooncake._core.store_types import TaskStatus, TaskType
+from mooncake._core import store_types as st
+from mooncake._core.store_types import TaskType
 
 log = logging.getLogger("mooncake.store")
 
+
+class TaskStatus(enum.IntEnum):
+    """State of a copy or move task, with the published values (the wire's differ)."""
+
+    PENDING = 0
+    PROCESSING = 1
+    SUCCESS = 3
+    FAILED = 2
+
+    @classmethod
+    def of(cls, wire: st.TaskStatus) -> TaskStatus:
+        return cls[st.TaskStatus(wire).name]
+
+
+# module-level members as the published module exports them (its TaskStatus members were
+# exported last, so FAILED and PROCESSING are the task states there, not the replica states)
 PENDING = TaskStatus.PENDING
+PROCESSING = TaskStatus.PROCESSING
 SUCCESS = TaskStatus.SUCCESS
+FAILED = TaskStatus.FAILED
 REPLICA_COPY = TaskType.REPLICA_COPY
 REPLICA_MOVE = TaskType.REPLICA_MOVE
+#: the published ``TASK_NOT_FOUND`` code (``query_task`` of an id the master does not know)
+TASK_NOT_FOUND = -1400
 
 
 def task_id_tuple(task_id: str) -> tuple[int, int]:
