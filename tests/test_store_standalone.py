@@ -90,7 +90,7 @@ def test_dummy_clients_use_the_standalone_clients_segment(
     d = MooncakeDistributedStore()
     assert d.setup_dummy(16 * MIB, 4 * MIB, address) == 0
     try:
-        assert d.get_hostname() == segment and d.health_check() == 0
+        assert d.get_hostname() == "" and d.health_check() == 0  # no segment of its own
         assert d.put("bytes", b"hello") == 0 and d.get("bytes") == b"hello"
         assert d.get_size("bytes") == 5 and d.is_exist("bytes") == 1
         assert d.put("big", b"x" * (5 * MIB)) == INVALID  # larger than the local buffer
@@ -117,7 +117,11 @@ def test_dummy_clients_use_the_standalone_clients_segment(
         assert ctypes.string_at(h, 4096) == payload
         assert d.unregister_buffer(h) == 0 and host.free(h) == 0
         plain = np.zeros(64, np.uint8)
-        assert d.register_buffer(int(plain.ctypes.data), 64) == INVALID
+        assert d.register_buffer(int(plain.ctypes.data), 64) == -1  # as published
+        assert d.put_from("plain", int(plain.ctypes.data), 64) == INVALID
+        extra = d.alloc_from_mem_pool(32 * MIB)  # more than the pool: a fresh shared allocation
+        assert extra != 0 and d.register_buffer(extra, 32 * MIB) == 0
+        assert d.get_into("zc", extra, 4096) == 4096 and ctypes.string_at(extra, 4096) == payload
         # a second dummy, in another process, sees the same objects
         other = _run(
             f"""

@@ -6,9 +6,10 @@ dummy creates a shared ``mem_pool_size``-byte pool (memfd) that the standalone c
 registers; ``alloc_from_mem_pool(size)`` hands out addresses in it, and the zero-copy calls take
 those (or memory of :class:`~mooncake.store.MooncakeHostMemAllocator`, which
 ``register_buffer`` shares with the standalone client). Other memory cannot be shared:
-``register_buffer`` answers ``INVALID_PARAMS`` for it. Bytes calls carry their values in the
-request; values larger than ``local_buffer_size`` are refused with ``INVALID_PARAMS``, as the
-published dummy's staging buffer refuses them.
+``register_buffer`` answers -1 for it, as published. Bytes calls are staged through a shared
+``local_buffer_size``-byte buffer; larger values are refused with ``INVALID_PARAMS``, as the
+published dummy refuses them. ``alloc_from_mem_pool`` past the pool's capacity returns a fresh
+shared allocation; ``get_hostname()`` is ``""`` (a dummy owns no segment), as published.
 
 Once set up, the published methods of the instance forward to the standalone client (bound on
 the instance, so the class and a real client are untouched); :meth:`close` detaches.
@@ -30,7 +31,7 @@ from mooncake._store import standalone as wire
 from mooncake.errors import ErrorCode, MooncakeError, to_code
 from mooncake.store._base import StoreBase
 from mooncake.store._bytes import BufferHandle
-from mooncake.store._types import shared_memory_of
+from mooncake.store._types import MooncakeHostMemAllocator, shared_memory_of
 
 log = logging.getLogger("mooncake.store")
 
@@ -64,6 +65,7 @@ class _Connection:
         self.staging_base = 0
         self.stage_lock = threading.Lock()
         self.alloc_ranges = RangeAllocator(0)
+        self.overflow = MooncakeHostMemAllocator()
         try:
             self.sock.connect(wire.socket_name(server_address))
             (self.hostname,) = self.request(["hello", local_buffer_size])
@@ -149,10 +151,14 @@ class _Connection:
         return out
 
     def alloc(self, size: int) -> int:
-        if self.pool is None or size <= 0:
+        """An address of ``size`` bytes in the pool; past what the pool holds, a fresh shared
+        allocation (as the published dummy does), shared on ``register_buffer``."""
+        if size <= 0:
             return 0
-        off = self.alloc_ranges.alloc(size)
-        return 0 if off is None else self.pool_base + off
+        off = self.alloc_ranges.alloc(size) if self.pool is not None else None
+        if off is not None:
+            return self.pool_base + off
+        return self.overflow.alloc(size)
 
     def register(self, ptr: int, size: int) -> int:
         for base, n in self.maps.items():
@@ -165,7 +171,7 @@ class _Connection:
                 "(alloc_from_mem_pool or MooncakeHostMemAllocator)",
                 ptr,
             )
-            return int(ErrorCode.INVALID_PARAMS)
+            return -1  # as the published dummy answers
         fd, base, n = found
         (rc,) = self.request(["map", base, n], [fd])
         if rc == 0:
@@ -224,7 +230,7 @@ class DummyMethods(StoreBase):
             setattr(self, name, getattr(self, f"_dummy_{name}"))
         self.register_buffer = conn.register  # type: ignore[method-assign]
         self.unregister_buffer = conn.unregister  # type: ignore[method-assign]
-        self.get_hostname = lambda: str(conn.hostname)  # type: ignore[method-assign]
+        self.get_hostname = lambda: ""  # type: ignore[method-assign]  # published: a dummy has no segment
         return 0
 
     def _forward(self, name: str, *args: Any, **kwargs: Any) -> Any:
