@@ -176,3 +176,31 @@ def test_a_process_that_never_closes_exits_and_unmounts(master: Master) -> None:
         assert writer.get("after-exit") == b"v" * 1000
     finally:
         writer.close()
+
+
+def test_mooncake_client_flags_parse_as_the_published_binary() -> None:
+    from mooncake._cli.real_client import main, parse_flags
+
+    f = parse_flags(
+        [
+            "--host=10.0.0.1",
+            "--port",
+            "50100",
+            "--global_segment_size=4 GB",
+            "--enable_offload",
+            "--nostart_offload_rpc_server",
+            "--threads=4",
+        ]
+    )
+    assert (f["host"], f["port"], f["global_segment_size"], f["threads"]) == (
+        "10.0.0.1",
+        50100,
+        "4 GB",
+        4,
+    )
+    assert f["enable_offload"] is True and f["start_offload_rpc_server"] is False
+    assert f["master_server_address"] == "127.0.0.1:50051" and f["local_buffer_size"] == "0"
+    for bad in (["--no_such_flag=1"], ["--port"], ["--enable_offload=maybe"], ["stray"]):
+        with pytest.raises(ValueError):
+            parse_flags(bad)
+    assert main(["--bogus"]) == 2
