@@ -204,3 +204,46 @@ def test_mooncake_client_flags_parse_as_the_published_binary() -> None:
         with pytest.raises(ValueError):
             parse_flags(bad)
     assert main(["--bogus"]) == 2
+
+
+def test_hostile_dummies_cannot_crash_the_standalone_client(
+    master: Master, standalone: tuple[str, str]
+) -> None:
+    import socket
+    import struct
+
+    from mooncake._store import standalone as wire
+
+    address, _ = standalone
+
+    def connect() -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(wire.socket_name(address))
+        s.settimeout(30)
+        return s
+
+    s = connect()
+    unsealed = os.memfd_create("unsealed")
+    os.ftruncate(unsealed, 1 << 20)
+    wire.send_frame(s, ["map", 1 << 40, 1 << 20], [unsealed])
+    assert wire.recv_frame(s)[0] == ["ok", INVALID]  # could be shrunk under the reader
+    short = wire.shared_fd(4096, "short")
+    wire.send_frame(s, ["map", 1 << 40, 1 << 30], [short])  # claims more than the file holds
+    assert wire.recv_frame(s)[0] == ["ok", INVALID]
+    wire.send_frame(s, ["call", "no_such_method", [], {}])
+    assert wire.recv_frame(s)[0][0] == "raise"
+    wire.send_frame(s, ["call", "put_from", ["k", 12345, 10, {"__rc__": {"replica_num": -3}}], {}])
+    assert wire.recv_frame(s)[0][0] == "raise"  # TypeError for the bad config, answered
+    os.close(unsealed)
+    os.close(short)
+    s.sendall(b"\x00\x00\x00\x05garba")  # not msgpack: this connection is dropped
+    assert s.recv(16) == b""
+    s.close()
+    s = connect()
+    s.sendall(struct.pack(">I", (1 << 31)))  # a frame over the bound: dropped too
+    assert s.recv(16) == b""
+    s.close()
+    d = MooncakeDistributedStore()  # the standalone client still serves
+    assert d.setup_dummy(0, 1 * MIB, address) == 0
+    assert d.put("after", b"ok") == 0 and d.get("after") == b"ok"
+    d.close()

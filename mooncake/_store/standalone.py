@@ -7,7 +7,9 @@ segment and no engine, and every store call they make is executed by the standal
 
 Transport: a Unix stream socket in the abstract namespace, ``@mooncake_client_<port>.sock``
 (``<port>`` from ``server_address``, as the published client names it), so only processes of
-this host (and network namespace) reach it. Frames are a 4-byte big-endian length and a
+this host (and network namespace) reach it; connections from another uid are refused.
+Memory a dummy shares must be a memfd holding the size it claims and sealed against
+shrinking (``F_SEAL_SHRINK``), so a dummy cannot make the standalone client fault. Frames are a 4-byte big-endian length and a
 msgpack array; memory is shared by passing ``memfd`` descriptors (``SCM_RIGHTS``):
 
 * ``["hello", local_buffer_size]`` -> ``["ok", hostname]``
@@ -30,8 +32,10 @@ from __future__ import annotations
 
 import array
 import ctypes
+import fcntl
 import logging
 import mmap
+import os
 import socket
 import struct
 import threading
@@ -177,12 +181,44 @@ def recv_frame(sock: socket.socket) -> tuple[Any, list[int]]:
 
 
 def _close_fd(fd: int) -> None:
-    import os
-
     try:
         os.close(fd)
     except OSError:
         pass
+
+
+def shared_fd(size: int, name: str) -> int:
+    """A memfd of ``size`` bytes sealed against shrinking, as the standalone client requires
+    of memory it maps (a shrunk file would fault its reads)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_shared_fd(fd: int, size: int) -> str | None:
+    """Why the standalone client must not map ``size`` bytes of ``fd`` (None: it may): the
+    file must hold them and be sealed against shrinking."""
+    try:
+        st = os.fstat(fd)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as e:
+        return f"not a sealable memfd ({e})"
+    if st.st_size < size:
+        return f"the file holds {st.st_size} bytes, not {size}"
+    if not seals & fcntl.F_SEAL_SHRINK:
+        return "the memfd is not sealed against shrinking"
+    return None
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[1])
 
 
 # -- values -------------------------------------------------------------------------------
@@ -338,6 +374,16 @@ class StandaloneServer:
                 continue
             except OSError:
                 break
+            try:
+                uid = peer_uid(conn)
+            except OSError:
+                uid = -1
+            if uid != os.getuid():
+                log.warning(
+                    "refusing a dummy client of uid %d (this client runs as %d)", uid, os.getuid()
+                )
+                conn.close()
+                continue
             with self._lock:
                 if len(self._conns) >= MAX_DUMMIES:
                     log.warning("refusing a dummy client: %d connected already", MAX_DUMMIES)
@@ -365,6 +411,9 @@ class StandaloneServer:
                 try:
                     msg, fds = recv_frame(conn)
                 except (EOFError, OSError):
+                    return
+                except (InvalidArgumentError, msgspec.MsgspecError) as e:
+                    log.warning("dropping a dummy client: %s", e)
                     return
                 try:
                     reply = self._handle(msg, fds, maps)
@@ -421,6 +470,10 @@ class StandaloneServer:
         raise InvalidArgumentError(f"unknown request {kind!r}")
 
     def _map(self, fd: int, base: int, size: int, maps: list[_Mapping]) -> Any:
+        why = check_shared_fd(fd, size)
+        if why is not None:
+            log.warning("refusing a dummy client's memory: %s", why)
+            return ["ok", int(InvalidArgumentError.code)]
         try:
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ValueError) as e:

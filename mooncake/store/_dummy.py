@@ -82,9 +82,8 @@ class _Connection:
 
     def _share(self, size: int, name: str) -> tuple[mmap.mmap, int]:
         """``size`` bytes of memfd memory, mapped here and by the standalone client."""
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        fd = wire.shared_fd(size, name)
         try:
-            os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
             view = ctypes.c_char.from_buffer(mm)
             base = ctypes.addressof(view)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import enum
+import fcntl
 import logging
 import mmap
 import os
@@ -161,8 +162,9 @@ class MooncakeHostMemAllocator:
         n = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
         fd = -1
         try:
-            fd = os.memfd_create("mooncake-host-mem", os.MFD_CLOEXEC)
+            fd = os.memfd_create("mooncake-host-mem", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(fd, n)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)  # shareable: never shrinks
             m = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
             if fd >= 0:
