@@ -45,6 +45,15 @@ def _os_error(e: BaseException) -> OSError | None:
     return None
 
 
+def _kw(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
+    """``fn`` with keyword arguments bound, for :meth:`StoreBase._call` (positional only)."""
+
+    async def call(*args: Any) -> Any:
+        return await fn(*args, **kwargs)
+
+    return call
+
+
 class StoreBase:
     """Lifecycle (``setup``, ``init_all``, ``close``), info and the call plumbing."""
 

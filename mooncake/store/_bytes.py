@@ -9,7 +9,6 @@ names the upsert forms. Small values take the caller-thread fast path
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,7 @@ from mooncake._store.client import Store, _check_key, _value_addr
 from mooncake._store.config import ReplicateConfig
 from mooncake._store.fastpath import FAST_MAX
 from mooncake.errors import InvalidArgumentError, MooncakeError, to_code
-from mooncake.store._base import StoreBase
+from mooncake.store._base import StoreBase, _kw
 
 log = logging.getLogger("mooncake.store")
 
@@ -39,13 +38,6 @@ class BufferHandle(bytearray):
 
     def size(self) -> int:
         return len(self)
-
-
-def _kw(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
-    async def call(*args: Any) -> Any:
-        return await fn(*args, **kwargs)
-
-    return call
 
 
 def _joined(parts: tuple[Any, ...]) -> bytes:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from mooncake._store.config import ReplicateConfig
 from mooncake.errors import ErrorCode, to_code
-from mooncake.store._base import StoreBase
+from mooncake.store._base import StoreBase, _kw
 
 
 class RangeMethods(StoreBase):
@@ -105,11 +105,8 @@ class RangeMethods(StoreBase):
             return [to_code(e)] * len(keys)
 
     def _put_session_finish(self, keys: list[str], revoke: bool) -> list[int]:
-        async def finish(store: object = None) -> list[int]:
-            return await self._s.put_session_finish(keys, revoke=revoke)
-
         try:
-            return list(self._call(finish))
+            return list(self._call(_kw(self._s.put_session_finish, revoke=revoke), keys))
         except Exception as e:
             return [to_code(e)] * len(keys)
 
