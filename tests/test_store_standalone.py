@@ -212,7 +212,7 @@ def test_hostile_dummies_cannot_crash_the_standalone_client(
     import socket
     import struct
 
-    from mooncake._store import standalone as wire
+    from mooncake.store import _standalone as wire
 
     address, _ = standalone
 

@@ -2,7 +2,7 @@
 
 It owns a segment (``--global_segment_size``), a transfer engine and the master connection,
 and serves dummy clients of this host (``setup_dummy(..., "host:<--port>")``) on the abstract
-socket ``@mooncake_client_<port>.sock`` (:mod:`mooncake._store.standalone`). Flags as the
+socket ``@mooncake_client_<port>.sock`` (:mod:`mooncake.store._standalone`). Flags as the
 published binary spells them (gflags style, ``--flag=value`` or ``--flag value``; booleans
 also as ``--flag`` / ``--noflag``)::
 
@@ -96,8 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from mooncake._store.standalone import StandaloneServer
     from mooncake.store import MooncakeDistributedStore
+    from mooncake.store._standalone import StandaloneServer
 
     host = flags["host"]
     if host in ("0.0.0.0", "", "::"):

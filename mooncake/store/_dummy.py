@@ -1,7 +1,7 @@
 """The dummy client: ``setup_dummy(mem_pool_size, local_buffer_size, server_address)``.
 
 A dummy client owns no segment, engine or master connection: a ``mooncake_client`` process on
-the same host (:mod:`mooncake._store.standalone`) does, and executes the dummy's calls. The
+the same host (:mod:`mooncake.store._standalone`) does, and executes the dummy's calls. The
 dummy creates a shared ``mem_pool_size``-byte pool (memfd) that the standalone client maps and
 registers; ``alloc_from_mem_pool(size)`` hands out addresses in it, and the zero-copy calls take
 those (or memory of :class:`~mooncake.store.MooncakeHostMemAllocator`, which
@@ -27,8 +27,8 @@ import threading
 from typing import Any
 
 from mooncake._core.staging import RangeAllocator
-from mooncake._store import standalone as wire
 from mooncake.errors import ErrorCode, MooncakeError, to_code
+from mooncake.store import _standalone as wire
 from mooncake.store._base import StoreBase
 from mooncake.store._bytes import BufferHandle
 from mooncake.store._types import MooncakeHostMemAllocator, shared_memory_of

@@ -44,7 +44,12 @@ from typing import Any
 
 import msgspec
 
+from mooncake._core import store_types as st
+from mooncake._core.store_types import ObjectDataType, SoftPinAction
+from mooncake._store.config import ReplicaDescriptor, ReplicateConfig
 from mooncake.errors import InvalidArgumentError
+from mooncake.store._bytes import BufferHandle
+from mooncake.store._types import QueryTaskResponse, TaskStatus
 
 log = logging.getLogger("mooncake.store.standalone")
 
@@ -241,8 +246,6 @@ _RC_FIELDS = (
 
 def encode_arg(value: Any) -> Any:
     """A call argument for the wire (``ReplicateConfig`` as a tagged dict)."""
-    from mooncake._store.config import ReplicateConfig
-
     if isinstance(value, ReplicateConfig):
         return {"__rc__": {f: _plain(getattr(value, f)) for f in _RC_FIELDS}}
     if isinstance(value, (bytes, bytearray, memoryview)):
@@ -267,11 +270,7 @@ def _plain(v: Any) -> Any:
 
 
 def decode_arg(value: Any) -> Any:
-    from mooncake._store.config import ReplicateConfig
-
     if isinstance(value, dict) and set(value) == {"__rc__"} and isinstance(value["__rc__"], dict):
-        from mooncake._core.store_types import ObjectDataType, SoftPinAction
-
         cfg = ReplicateConfig()
         for f, v in value["__rc__"].items():
             if f == "soft_pin_action":
@@ -289,9 +288,6 @@ def decode_arg(value: Any) -> Any:
 def encode_result(value: Any) -> Any:
     """A facade result for the wire: replica descriptors, task responses and buffer handles
     become tagged lists."""
-    from mooncake._store.config import ReplicaDescriptor
-    from mooncake.store._types import QueryTaskResponse
-
     if isinstance(value, ReplicaDescriptor):
         d = value.get_memory_descriptor().buffer_descriptor
         return ["__rd__", int(value.status), d.buffer_address, d.size, d.transport_endpoint]
@@ -314,11 +310,6 @@ def encode_result(value: Any) -> Any:
 
 
 def decode_result(value: Any) -> Any:
-    from mooncake._core import store_types as st
-    from mooncake._store.config import ReplicaDescriptor
-    from mooncake.store._bytes import BufferHandle
-    from mooncake.store._types import QueryTaskResponse, TaskStatus
-
     if isinstance(value, list) and value and isinstance(value[0], str):
         tag = value[0]
         if tag == "__rd__":
