@@ -20,6 +20,7 @@ The class is composed of one module per family, all on the async client's reques
 ``_segments``             ``mount_segment`` & co., ``alloc_from_mem_pool``
 ``_admin``                replica descriptors, ``batch_replica_clear``, copy/move tasks
 ``_dummy``                ``setup_dummy`` (a client of a ``mooncake_client`` process)
+``_standalone``           the ``mooncake_client`` side and the wire between the two
 ``_types``                task and parallelism types, ``MooncakeHostMemAllocator``, helpers
 ========================  ==============================================================
 
