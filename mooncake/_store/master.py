@@ -17,6 +17,14 @@ call is a short synchronous state change, so no request waits on another's I/O).
 bounded by ``max_frame``; a frame that does not parse drops that connection only. An unknown
 method or malformed params is answered with an error and the connection kept.
 
+Regex requests (``GetReplicaListByRegex``, ``RemoveByRegex``) match in a worker thread within
+``regex_budget`` seconds (:mod:`mooncake._store.keyscan`): a pathological pattern fails that
+request with ``-600`` and never stalls the loop.
+
+Liveness: the sweeper measures how late it wakes; time the loop could not run (beyond one
+``sweep_interval``) is credited to every client (:meth:`MasterState.credit_stall`) before any
+is expired, so a stall of the master never expires a client that kept pinging.
+
 Time: every ``now`` comes from ``anyio.current_time()``, the event loop's clock, so trio's
 ``MockClock`` drives leases, client TTLs and zombie timeouts in tests. A background task calls
 :meth:`MasterState.sweep` every ``sweep_interval`` seconds (client expiry, zombie release,
@@ -50,6 +58,7 @@ from mooncake._core import rpc
 from mooncake._core.master import MasterConfig, MasterState
 from mooncake._core.misses import Miss
 from mooncake._core.store_types import MissInfo
+from mooncake._store.keyscan import DEFAULT_BUDGET_S, SCAN_METHODS, KeyScanner
 from mooncake.errors import (
     ErrorCode,
     InvalidArgumentError,
@@ -87,10 +96,16 @@ class MasterServerConfig:
     sweep_interval: float = 0.05
     max_frame: int = DEFAULT_SERVER_MAX_FRAME
     max_connections: int = 4096
+    regex_budget: float = DEFAULT_BUDGET_S
     state: MasterConfig = field(default_factory=MasterConfig)
 
 
 Handler = Callable[[MasterState, Any, float], Any]
+# The regex methods applied to keys matched beforehand (off the loop) by a KeyScanner.
+_SCAN_APPLY: dict[str, Callable[[MasterState, Any, list[str], float], Any]] = {
+    "GetReplicaListByRegex": lambda s, p, keys, now: s.replica_lists_of(keys, now),
+    "RemoveByRegex": lambda s, p, keys, now: s.remove_keys(keys, p.force, now),
+}
 
 
 def _miss_info(miss: Miss) -> MissInfo:
@@ -187,17 +202,26 @@ class MasterServer:
         self.registry.register(_MasterCollector(self))
         self._limiter = anyio.CapacityLimiter(config.max_connections)
         self._http_limiter = anyio.CapacityLimiter(_HTTP_MAX_CONNECTIONS)
+        self.scanner = KeyScanner(config.regex_budget)
 
     # -- RPC -------------------------------------------------------------------------------
 
-    def handle_request(self, req: rpc.Request, now: float) -> bytes:
-        """Answer one decoded request (a framed response; never raises for request errors)."""
+    def handle_request(
+        self, req: rpc.Request, now: float, matched: list[str] | None = None
+    ) -> bytes:
+        """Answer one decoded request (a framed response; never raises for request errors).
+
+        ``matched``: for a regex method, the keys its pattern matched (:meth:`handle_scan`).
+        """
         max_frame = self.config.max_frame
         name = req.method
         try:
             params = rpc.decode_params(req)
             self.requests[name] += 1
-            result = self.handlers[name](self.state, params, now)
+            if matched is not None:
+                result = _SCAN_APPLY[name](self.state, params, matched, now)
+            else:
+                result = self.handlers[name](self.state, params, now)
             try:
                 return rpc.encode_result(req.id, result, max_frame=max_frame)
             except InvalidArgumentError as e:  # answer too large for one frame
@@ -213,6 +237,27 @@ class MasterServer:
             return rpc.encode_error(
                 req.id, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}", max_frame=max_frame
             )
+
+    async def handle_scan(self, req: rpc.Request) -> bytes:
+        """Answer a regex request: match in a worker thread, then apply on the loop."""
+        try:
+            params = rpc.decode_params(req)
+            assert isinstance(params, rpc.RegexParams)
+            keys = await self.scanner.matching(self.state.readable_keys(), params.regex)
+        except MooncakeError as e:
+            self.requests[req.method] += 1
+            self.failures[req.method] += 1
+            return rpc.encode_error(req.id, e, max_frame=self.config.max_frame)
+        except Exception as e:  # a bug here must not take the master down
+            log.exception("master: %s failed", req.method)
+            self.failures[req.method] += 1
+            return rpc.encode_error(
+                req.id,
+                ErrorCode.INTERNAL_ERROR,
+                f"{type(e).__name__}: {e}",
+                max_frame=self.config.max_frame,
+            )
+        return self.handle_request(req, anyio.current_time(), matched=keys)
 
     async def serve_connection(self, sock: socket.socket) -> None:
         """Serve one RPC connection (a connected non-blocking socket, closed on return) until
@@ -254,7 +299,10 @@ class MasterServer:
                 for msg in decoder:
                     if not isinstance(msg, rpc.Request):
                         raise ProtocolError("a client sent a response frame")
-                    out.append(self.handle_request(msg, anyio.current_time()))
+                    if msg.method in SCAN_METHODS:
+                        out.append(await self.handle_scan(msg))
+                    else:
+                        out.append(self.handle_request(msg, anyio.current_time()))
                 if out:
                     await _send_all(sock, b"".join(out) if len(out) > 1 else out[0])
                 busy += 1
@@ -269,11 +317,21 @@ class MasterServer:
             log.info("master: connection lost: %s", e)
 
     async def sweeper(self) -> None:
-        """Periodic time-driven work on the state (see :meth:`MasterState.sweep`)."""
+        """Periodic time-driven work on the state (see :meth:`MasterState.sweep`).
+
+        Each round measures how late it woke: lateness beyond one interval is time the loop
+        could not run, credited to the clients (:meth:`MasterState.credit_stall`) first.
+        """
+        interval = self.config.sweep_interval
+        last = anyio.current_time()
         while True:
-            await anyio.sleep(self.config.sweep_interval)
+            await anyio.sleep(interval)
+            now = anyio.current_time()
+            stalled, last = now - last - 2 * interval, now
             try:
-                self.state.sweep(anyio.current_time())
+                if stalled > 0:
+                    self.state.credit_stall(stalled + interval)
+                self.state.sweep(now)
             except Exception:
                 log.exception("master: sweep failed")
 
@@ -404,6 +462,16 @@ class _MasterCollector(Collector):
         yield counter("master_zombie_puts_released", "Zombie writes released", st.zombies_released)
         yield counter(
             "master_clients_expired", "Clients dropped after client_ttl", st.clients_expired
+        )
+        yield counter(
+            "master_stall_seconds",
+            "Time the master could not serve, credited to every client's TTL",
+            st.stall_seconds,
+        )
+        yield counter(
+            "master_regex_timeouts",
+            "Regex requests refused past their budget",
+            self.server.scanner.timeouts,
         )
         misses = CounterMetricFamily(
             "master_misses",
