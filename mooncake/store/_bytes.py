@@ -15,9 +15,10 @@ import numpy as np
 
 from mooncake._core import rpc
 from mooncake._core.gpu import device_of
-from mooncake._store.client import Store, _check_key, _value_addr
+from mooncake._store.client import Store
 from mooncake._store.config import ReplicateConfig
 from mooncake._store.fastpath import FAST_MAX
+from mooncake._store.moves import _check_key, _value_addr
 from mooncake.errors import InvalidArgumentError, MooncakeError, to_code
 from mooncake.store._base import StoreBase, _kw
 
