@@ -96,6 +96,20 @@ def _tensor_methods() -> type:
 _TensorMethods: Any = _tensor_methods()
 
 
+def _tensor_support() -> Any:
+    try:
+        return importlib.import_module("mooncake._store.tensor_support")
+    except ImportError:
+        return None
+
+
+_ts = _tensor_support()
+if _ts is not None:  # the tensor family's own parallelism types, which its methods take
+    ParallelAxis = _ts.ParallelAxis  # type: ignore[misc]
+    TensorParallelism = _ts.TensorParallelism  # type: ignore[misc]
+    ReadTarget = _ts.ReadTarget
+
+
 class MooncakeDistributedStore(
     UpsertMethods,
     MultiBufferMethods,
