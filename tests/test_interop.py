@@ -171,7 +171,7 @@ async def test_published_reads_and_writes_our_memory(published: Published) -> No
 @pytest.mark.slow
 def test_anchor_te_bench_runs_unchanged_against_our_facade(tmp_path: Any) -> None:
     bench = None
-    for d in (ROOT.parent / "shared" / "anchor", ROOT / "shared" / "anchor"):
+    for d in (ROOT / "benchmarks" / "anchor", ROOT.parent / "shared" / "anchor"):
         if (d / "mooncake_te_bench.py").exists():
             bench = d / "mooncake_te_bench.py"
     if bench is None:

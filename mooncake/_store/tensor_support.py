@@ -63,13 +63,17 @@ def full_header(tensor: Any) -> tl.TensorMetadata:
 
 
 def tensor_from_buffer(meta: tl.TensorMetadata, buf: Any, offset: int) -> Any:
-    """A tensor viewing ``buf[offset : offset + meta.data_bytes]`` (``buf`` kept alive)."""
+    """A tensor viewing ``buf[offset : offset + meta.data_bytes]`` (``buf`` kept alive).
+
+    A 0-dim tensor comes back 1-dim with its one element, as the published binding returns it.
+    """
     t = torch()
     dtype = getattr(t, tl.TensorDtype(meta.dtype).torch_name)
     if meta.data_bytes == 0:
         return t.empty(meta.local_shape, dtype=dtype)
     raw = t.frombuffer(buf, dtype=t.uint8, count=meta.data_bytes, offset=offset)
-    return raw.view(dtype).reshape(meta.local_shape)
+    flat = raw.view(dtype)
+    return flat.reshape(meta.local_shape) if meta.local_shape else flat
 
 
 def tensor_at(meta: tl.TensorMetadata, addr: int, total: int) -> Any:
