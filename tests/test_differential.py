@@ -2,9 +2,11 @@
 
 * the API surface: every method, argument and module of the published ``mooncake.store`` that
   ours lacks is listed in ``PENDING`` (families still being built) or it is a failure;
-* tensors: the same put/get/upsert/remove sequence (hypothesis: dtypes, shapes, a small key
-  space) runs on both; codes, ``get_size``, the stored object's bytes (``get``) and the tensors
-  read back are compared call by call.
+* call sequences: the same sequence of tensor and byte calls (hypothesis over a small key space,
+  dtypes and shapes: put/upsert/get/remove of tensors; put/upsert/get/exist/size of bytes,
+  put_batch/get_batch/batch_is_exist/batch_remove, a remove under a read lease) runs on both;
+  codes, sizes, the stored bytes and the tensors read back are compared call by call. The
+  multi-buffer family is added here when the facade has it (``PENDING``).
 """
 
 from __future__ import annotations
@@ -150,6 +152,17 @@ try:
                                                    raw.hex(), s.get_size(key)])
             elif op == "remove":
                 res.append([s.remove(key, True)])
+            elif op == "remove_leased":
+                res.append([s.remove(key)])
+            elif op in ("bput", "bupsert"):
+                value = (key * 7 + dtype).encode() * (1 + len(shape))
+                res.append([(s.put if op == "bput" else s.upsert)(key, value)])
+            elif op == "bget":
+                res.append([s.get(key).hex(), s.get_size(key), s.is_exist(key)])
+            elif op == "batch":
+                ks = [key, key + "b"]
+                res.append([s.put_batch(ks, [b"x" * len(shape), b"yy"]), [v.hex() for v in s.get_batch(ks)],
+                            s.batch_is_exist(ks), s.batch_remove(ks, True)])
           except Exception as e:
             res.append(["driver error", type(e).__name__])
         print(json.dumps(res), flush=True)

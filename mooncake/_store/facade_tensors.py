@@ -74,6 +74,7 @@ class _Staging:
         self.buf: np.ndarray[Any, Any] | None = None
         self.addr = 0
         self.owner: object = None  # the client the buffer is registered with
+        self.slot = _MIN_STAGING  # bytes per key in batch reads (the largest object seen)
 
 
 def _code(fn: Callable[[], int]) -> int:
@@ -160,42 +161,52 @@ class TensorMethods(ParallelTensorMethods):
 
     def _tm_get(self, key: str) -> Any:
         """The tensor stored under ``key`` (a fresh CPU tensor) or None."""
-        st = self._tm_staging()
-        with st.lock:
-            addr = self._tm_reserve(st, _MIN_STAGING)
-            n = self.get_into(key, addr, st.buf.nbytes if st.buf is not None else 0)
-            if n == _INVALID:  # maybe larger than the staging buffer
-                size = self.get_size(key)
-                if size > 0 and st.buf is not None and size > st.buf.nbytes:
-                    addr = self._tm_reserve(st, size)
-                    n = self.get_into(key, addr, size)
-            if n < 0:
-                log.debug("get_tensor(%r): %d", key, n)
-                return None
-            try:
-                meta = tl.parse_metadata(
-                    memoryview((ctypes.c_char * n).from_address(addr)).cast("B"), n
-                )
-            except tl.TensorLayoutError as e:
-                log.error("get_tensor(%r): %s", key, e)
-                return None
-            return ts.tensor_at(meta, addr, n).clone()
+        r = self._tm_read([key])[0]
+        return None if r is None else r[1]
 
     def _tm_read(self, keys: Sequence[str]) -> list[tuple[tl.TensorMetadata, Any] | None]:
-        """``(header, tensor)`` per key (the tensor views a buffer of its own), or None."""
-        out: list[tuple[tl.TensorMetadata, Any] | None] = []
-        for k, h in zip(keys, self.batch_get_buffer(list(keys)), strict=True):
-            if h is None:
-                out.append(None)
-                continue
-            try:
-                meta = tl.parse_metadata(h, len(h))
-            except tl.TensorLayoutError as e:
-                log.error("tensor read %r: %s", k, e)
-                out.append(None)
-                continue
-            out.append((meta, ts.tensor_from_buffer(meta, h, meta.data_offset)))
+        """``(header, tensor)`` per key, or None: read into the staging buffer (one slot per
+        key, sized by the largest object seen so far; a key that does not fit is read again on
+        its own at its size) and copied out once into memory of the tensor's own."""
+        out: list[tuple[tl.TensorMetadata, Any] | None] = [None] * len(keys)
+        if not keys:
+            return out
+        st = self._tm_staging()
+        with st.lock:
+            slot = st.slot
+            base = self._tm_reserve(st, slot * len(keys))
+            ptrs = [base + i * slot for i in range(len(keys))]
+            if len(keys) == 1:
+                codes = [self.get_into(keys[0], ptrs[0], slot)]
+            else:
+                codes = list(self.batch_get_into(list(keys), ptrs, [slot] * len(keys)))
+            retry = []
+            for i, (k, n) in enumerate(zip(keys, codes, strict=True)):
+                if n == _INVALID:  # maybe larger than its slot
+                    retry.append(i)
+                elif n >= 0:
+                    out[i] = self._tm_copy_out(k, ptrs[i], n)
+            for i in retry:
+                size = self.get_size(keys[i])
+                if size <= slot:
+                    continue
+                st.slot = max(st.slot, 1 << (size - 1).bit_length())
+                addr = self._tm_reserve(st, size)
+                n = self.get_into(keys[i], addr, size)
+                if n >= 0:
+                    out[i] = self._tm_copy_out(keys[i], addr, n)
         return out
+
+    @staticmethod
+    def _tm_copy_out(key: str, addr: int, n: int) -> tuple[tl.TensorMetadata, Any] | None:
+        try:
+            meta = tl.parse_metadata(
+                memoryview((ctypes.c_char * n).from_address(addr)).cast("B"), n
+            )
+        except tl.TensorLayoutError as e:
+            log.error("tensor read %r: %s", key, e)
+            return None
+        return meta, ts.tensor_copy(meta, addr)
 
     def _tm_get_many(self, keys: Sequence[str]) -> list[Any]:
         return [None if r is None else r[1] for r in self._tm_read(keys)]

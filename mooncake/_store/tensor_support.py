@@ -12,6 +12,8 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+import numpy as np
+
 from mooncake._core import tensor_layout as tl
 from mooncake.errors import InvalidArgumentError, NotSupportedError
 
@@ -80,6 +82,21 @@ def tensor_at(meta: tl.TensorMetadata, addr: int, total: int) -> Any:
     """A tensor viewing memory at ``addr`` (the caller keeps that memory alive)."""
     arr = (ctypes.c_char * total).from_address(addr)
     return tensor_from_buffer(meta, arr, meta.data_offset)
+
+
+def tensor_copy(meta: tl.TensorMetadata, addr: int) -> Any:
+    """A tensor with its own copy of the data of the object at ``addr``.
+
+    The copy lands in a numpy buffer (malloc reuses freed pages; torch's allocator hands out
+    fresh, unfaulted pages for large tensors, which costs more than the copy itself here)."""
+    t = torch()
+    dtype = getattr(t, tl.TensorDtype(meta.dtype).torch_name)
+    if meta.data_bytes == 0:
+        return t.empty(meta.local_shape, dtype=dtype)
+    arr = np.empty(meta.data_bytes, dtype=np.uint8)
+    ctypes.memmove(arr.ctypes.data, addr + meta.data_offset, meta.data_bytes)
+    flat = t.from_numpy(arr).view(dtype)
+    return flat.reshape(meta.local_shape) if meta.local_shape else flat
 
 
 def narrow_shard(tensor: Any, split_dim: int, rank: int, count: int) -> Any:
