@@ -3,7 +3,8 @@
 * the API surface: every method, argument and module of the published ``mooncake.store`` that
   ours lacks is listed in ``PENDING`` (families still being built) or it is a failure;
 * call sequences: the same sequence of tensor and byte calls (hypothesis over a small key space,
-  dtypes and shapes: put/upsert/get/remove of tensors; put/upsert/get/exist/size of bytes,
+  dtypes and shapes: put/upsert/get/remove of tensors, TP shards, pub with pins and a bad
+  config; put/upsert/get/exist/size of bytes,
   put_batch/get_batch/batch_is_exist/batch_remove, a remove under a read lease) runs on both;
   codes, sizes, the stored bytes and the tensors read back are compared call by call. The
   multi-buffer family is added here when the facade has it (``PENDING``).
@@ -100,6 +101,7 @@ import json, os, socket, subprocess, sys, time
 sys.path.insert(0, os.environ["MC_DIFF_HERE"]) if os.environ.get("MC_DIFF_HERE") else None
 import torch
 PUBLISHED = os.environ.get("MC_DIFF_PUBLISHED") == "1"
+from mooncake.store import ReplicateConfig
 if PUBLISHED:
     from mooncake.store import MooncakeDistributedStore as S
 else:
@@ -152,6 +154,24 @@ try:
                                                    raw.hex(), s.get_size(key)])
             elif op == "remove":
                 res.append([s.remove(key, True)])
+            elif op == "tp":
+                t = torch.arange(24, dtype=torch.float32).reshape(4, 6).to(getattr(torch, dtype))
+                n = 1 + len(shape)
+                rc = s.put_tensor_with_tp(key, t, 0, n, 1 if n in (2, 3) else 0)
+                shards = [s.get_tensor_with_tp(key, r, n) for r in range(n)]
+                res.append([rc, [None if x is None else [list(x.shape),
+                                 x.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes().hex()]
+                                 for x in shards],
+                            [s.get(f"{key}_tp_{r}").hex() for r in range(n)]])
+                for r in range(n):
+                    s.remove(f"{key}_tp_{r}", True)
+            elif op == "pub":
+                cfg = ReplicateConfig()
+                cfg.with_hard_pin = bool(len(shape) % 2)
+                if len(shape) == 3:
+                    cfg.preferred_segments = ["a", "b"]  # does not match replica_num: -600
+                t = torch.ones(shape, dtype=getattr(torch, dtype))
+                res.append([s.pub_tensor(key, t, cfg), s.get(key).hex()])
             elif op == "remove_leased":
                 res.append([s.remove(key)])
             elif op in ("bput", "bupsert"):
