@@ -140,7 +140,7 @@ def main() -> int:
     sides = ["ours", "published"] if not args.only else [args.only]
     if "published" in sides and anchor_py is None:
         print(
-            "published Mooncake venv not found (run shared/anchor/setup.sh); measuring ours only",
+            "published Mooncake venv not found (run scripts/setup-anchor.sh); measuring ours only",
             file=sys.stderr,
         )
         sides = ["ours"]
