@@ -93,12 +93,9 @@ def worker(side: str, cases: list[str], seconds: float) -> dict[str, float]:
     if published:
         from mooncake.store import MooncakeDistributedStore as Store
     else:
-        from mooncake._store.facade_tensors import TensorMethods
         from mooncake.store import MooncakeDistributedStore
 
         Store = MooncakeDistributedStore
-        if not issubclass(Store, TensorMethods):
-            Store = type("Store", (TensorMethods, MooncakeDistributedStore), {})
     master, rpc = start_master(published)
     out: dict[str, float] = {}
     try:

@@ -1,13 +1,12 @@
 """Ours against the published wheel (its own venv, its own ``mooncake_master``), call by call.
 
 * the API surface: every method, argument and module of the published ``mooncake.store`` that
-  ours lacks is listed in ``PENDING`` (families still being built) or it is a failure;
+  ours lacks is a failure;
 * call sequences: the same sequence of tensor and byte calls (hypothesis over a small key space,
   dtypes and shapes: put/upsert/get/remove of tensors, TP shards, pub with pins and a bad
   config; put/upsert/get/exist/size of bytes,
   put_batch/get_batch/batch_is_exist/batch_remove, a remove under a read lease) runs on both;
-  codes, sizes, the stored bytes and the tensors read back are compared call by call. The
-  multi-buffer family is added here when the facade has it (``PENDING``).
+  codes, sizes, the stored bytes and the tensors read back are compared call by call.
 """
 
 from __future__ import annotations
@@ -36,27 +35,6 @@ pytestmark = [
 ]
 SURFACE = ROOT / "benchmarks" / "anchor" / "api_surface.py"
 
-# published store methods whose families are not part of this package yet
-PENDING = {
-    "_get_pyclient_capsule",
-    "alloc_from_mem_pool",
-    "allocate_and_mount_segment",
-    "batch_get_into_multi_buffer_ranges",
-    "batch_get_session_end",
-    "batch_get_session_start",
-    "batch_put_from_multi_buffer_ranges",
-    "batch_put_session_end",
-    "batch_put_session_revoke",
-    "batch_put_session_start",
-    "batch_replica_clear",
-    "create_copy_task",
-    "create_move_task",
-    "get_into_ranges",
-    "mount_segment",
-    "query_task",
-}
-
-
 def anchor_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["MC_LOG_LEVEL"] = "ERROR"
@@ -84,12 +62,7 @@ def test_api_surface_has_every_published_store_method() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     ours_md = surface(sys.executable, env, str(ROOT))
     ours = store_methods(ours_md) if "MooncakeDistributedStore" in ours_md else {}
-    from mooncake._store.facade_tensors import TensorMethods
-    from mooncake.store import MooncakeDistributedStore
-
-    if not issubclass(MooncakeDistributedStore, TensorMethods):  # until the facade mixes it in
-        ours.update({n: "" for n in dir(TensorMethods) if not n.startswith("_")})
-    missing = sorted(set(published) - set(ours) - PENDING)
+    missing = sorted(set(published) - set(ours))
     assert len(published) > 90
     assert not missing, f"published methods ours lacks: {missing}"
 
@@ -102,13 +75,7 @@ sys.path.insert(0, os.environ["MC_DIFF_HERE"]) if os.environ.get("MC_DIFF_HERE")
 import torch
 PUBLISHED = os.environ.get("MC_DIFF_PUBLISHED") == "1"
 from mooncake.store import ReplicateConfig
-if PUBLISHED:
-    from mooncake.store import MooncakeDistributedStore as S
-else:
-    from mooncake.store import MooncakeDistributedStore
-    from mooncake._store.facade_tensors import TensorMethods
-    class S(TensorMethods, MooncakeDistributedStore):
-        pass
+from mooncake.store import MooncakeDistributedStore as S
 
 def port():
     s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p

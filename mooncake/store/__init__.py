@@ -24,8 +24,8 @@ The class is composed of one module per family, all on the async client's reques
 ``_types``                task and parallelism types, ``MooncakeHostMemAllocator``, helpers
 ========================  ==============================================================
 
-The tensor calls come from :mod:`mooncake._store.facade_tensors` when it is installed (built
-on the byte-level calls above). Names the published binding does not have raise
+The tensor calls come from :mod:`mooncake._store.facade_tensors` (built on the byte-level calls
+above; torch is needed only when one is made). Names the published binding does not have raise
 ``AttributeError``.
 """
 
@@ -42,6 +42,15 @@ from mooncake._store.config import (
     ReplicaDescriptor,
     ReplicateConfig,
 )
+from mooncake._store.facade_tensors import TensorMethods
+from mooncake._store.tensor_support import (
+    ParallelAxis,
+    ReadTarget,
+    TensorParallelism,
+    _deserialize_tensor,
+    _serialize_tensor,
+    _tensor_metadata_size,
+)
 from mooncake.store._admin import AdminMethods
 from mooncake.store._bytes import BufferHandle
 from mooncake.store._dummy import DummyMethods
@@ -56,10 +65,8 @@ from mooncake.store._types import (
     REPLICA_MOVE,
     SUCCESS,
     MooncakeHostMemAllocator,
-    ParallelAxis,
     QueryTaskResponse,
     TaskStatus,
-    TensorParallelism,
     bind_to_numa_node,
     get_alloc_func_addr,
     get_free_func_addr,
@@ -83,33 +90,6 @@ from mooncake.store._upsert import UpsertMethods
 UNDEFINED, INITIALIZED, _PROCESSING, COMPLETE, REMOVED, _FAILED = ReplicaStatus
 
 
-def _tensor_methods() -> type:
-    """The tensor family's mixin when its module is installed, else a class with none."""
-    try:
-        mod = importlib.import_module("mooncake._store.facade_tensors")
-    except ImportError:
-        return type("TensorMethods", (), {"__doc__": "No tensor calls are installed."})
-    cls: type = mod.TensorMethods
-    return cls
-
-
-_TensorMethods: Any = _tensor_methods()
-
-
-def _tensor_support() -> Any:
-    try:
-        return importlib.import_module("mooncake._store.tensor_support")
-    except ImportError:
-        return None
-
-
-_ts = _tensor_support()
-if _ts is not None:  # the tensor family's own parallelism types, which its methods take
-    ParallelAxis = _ts.ParallelAxis  # type: ignore[misc]
-    TensorParallelism = _ts.TensorParallelism  # type: ignore[misc]
-    ReadTarget = _ts.ReadTarget
-
-
 class MooncakeDistributedStore(
     UpsertMethods,
     MultiBufferMethods,
@@ -117,7 +97,7 @@ class MooncakeDistributedStore(
     SegmentMethods,
     AdminMethods,
     DummyMethods,
-    _TensorMethods,  # type: ignore[misc]
+    TensorMethods,
 ):
     """The published sync store client. Call :meth:`setup` (or :meth:`setup_dummy`) first,
     :meth:`close` at the end (or let the interpreter exit: open clients are closed then)."""
@@ -166,6 +146,7 @@ __all__ = [
     "ObjectDataType",
     "ParallelAxis",
     "QueryTaskResponse",
+    "ReadTarget",
     "ReplicaDescriptor",
     "ReplicaStatus",
     "ReplicateConfig",
@@ -173,6 +154,9 @@ __all__ = [
     "TaskStatus",
     "TaskType",
     "TensorParallelism",
+    "_deserialize_tensor",
+    "_serialize_tensor",
+    "_tensor_metadata_size",
     "bind_to_numa_node",
     "get_alloc_func_addr",
     "get_free_func_addr",

@@ -97,39 +97,6 @@ class QueryTaskResponse:
         )
 
 
-class ParallelAxis:
-    """One axis of a tensor's parallel layout (published ``ParallelAxis``): ``kind``, ``rank``,
-    ``size``, ``split_dim`` and, for expert/pipeline axes, ``expert_id`` / ``stage_id``."""
-
-    __slots__ = ("expert_id", "kind", "rank", "size", "split_dim", "stage_id")
-
-    def __init__(self) -> None:
-        self.kind: Any = ""
-        self.rank = 0
-        self.size = 1
-        self.split_dim: int | None = None
-        self.expert_id: int | None = None
-        self.stage_id: int | None = None
-
-    def __repr__(self) -> str:
-        return (
-            f"ParallelAxis(kind={self.kind!r}, rank={self.rank}, size={self.size}, "
-            f"split_dim={self.split_dim}, expert_id={self.expert_id}, stage_id={self.stage_id})"
-        )
-
-
-class TensorParallelism:
-    """A tensor's parallel layout: ``axes``, a list of :class:`ParallelAxis`."""
-
-    __slots__ = ("axes",)
-
-    def __init__(self) -> None:
-        self.axes: list[ParallelAxis] = []
-
-    def __repr__(self) -> str:
-        return f"TensorParallelism(axes={self.axes!r})"
-
-
 _SHARED: dict[int, tuple[int, int]] = {}  # base -> (memfd, size) of live allocations
 _SHARED_LOCK = threading.Lock()
 
