@@ -359,6 +359,17 @@ class Engine:
                     log.warning("freeing %r at close failed: %s", dm, e)
             self._device_mem.clear()
 
+    async def _withdraw(self) -> None:
+        """First step of closing, while the servers still run: refuse new users of every
+        region and have each transport withdraw what its peers were granted."""
+        for region in self.registry.regions():
+            region.closing = True
+        for t in self.transports:
+            try:
+                await t.on_close()
+            except MooncakeError as e:
+                log.warning("closing %s: %s", t.name, e)
+
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("engine is closed")
@@ -1132,6 +1143,7 @@ async def open_engine(
                 engine._closed = True
                 with anyio.CancelScope(shield=True):
                     await engine._unpublish()
+                    await engine._withdraw()
                 tg.cancel_scope.cancel()
         if start_error is not None:
             raise start_error

@@ -265,6 +265,10 @@ class _Session:
         self.closed = False
         self.vm_denied = False
         self._page: list[_Entry] = []
+        #: batches copying through this session right now: while any runs, ``close`` keeps the
+        #: socket open, so the server (waiting for our revoke acknowledgements, or for the
+        #: connection to end) cannot conclude we stopped while a worker thread still copies
+        self.busy = 0
 
     def find(self, addr: int, length: int) -> _Entry | None:
         i = bisect.bisect_right(self.starts, addr) - 1
@@ -421,7 +425,16 @@ class _Session:
         for e in self.entries:
             e.unmap_when_idle()
         self.entries, self.starts = [], []
-        _sockio.close(self.sock)
+        if not self.busy:
+            _sockio.close(self.sock)
+
+    def enter(self) -> None:
+        self.busy += 1
+
+    def leave(self) -> None:
+        self.busy -= 1
+        if self.busy == 0 and self.closed:
+            _sockio.close(self.sock)  # the close deferred while copies ran
 
 
 # -- server side ---------------------------------------------------------------------------
@@ -550,20 +563,35 @@ class ShmTransport(Transport):
                 await _send(client.sock, {"op": "buffers", "pid": os.getpid(), "buffers": []})
 
     async def on_unregister(self, region: Region) -> None:
-        if not self._clients:
+        await self._revoke([region.addr])
+
+    async def on_close(self) -> None:
+        """Revoke every buffer from every client before the engine's tasks stop: a client
+        copying with process_vm would otherwise learn of the close only from the connection
+        ending, after ``close`` had returned."""
+        await self._revoke([r.addr for r in self.engine.registry.regions() if r.remote_accessible])
+
+    async def _revoke(self, addrs: list[int]) -> None:
+        """Send a revoke per address to every client; wait (at most ``REVOKE_ACK_S`` per
+        client) until each acknowledged all of them, its connection ended, or it was dropped."""
+        if not self._clients or not addrs:
             return
-        self._seq += 1
-        seq = self._seq
 
         async def revoke(client: _Client) -> None:
-            ev = client.acks[seq] = anyio.Event()
+            events = []
             try:
                 async with client.lock:
-                    await _send(client.sock, {"op": "revoke", "addr": region.addr, "seq": seq})
+                    for addr in addrs:
+                        self._seq += 1
+                        seq = self._seq
+                        ev = client.acks[seq] = anyio.Event()
+                        events.append(ev)
+                        await _send(client.sock, {"op": "revoke", "addr": addr, "seq": seq})
             except MooncakeError:
-                return
+                return  # gone: its connection's end sets every event
             with anyio.move_on_after(REVOKE_ACK_S) as scope:
-                await ev.wait()
+                for ev in events:
+                    await ev.wait()
             if scope.cancelled_caught:
                 log.warning(
                     "shm client did not confirm unmapping within %s s; dropped", REVOKE_ACK_S
@@ -673,6 +701,7 @@ class ShmTransport(Transport):
         pinned = list({id(ent): ent for _, ent in plan}.values())
         for ent in pinned:
             ent.pin()
+        s.enter()
         try:
             mapped = [(i, x) for i, x in plan if x.mm is not None]
             vm = [(i, x) for i, x in plan if x.mm is None]
@@ -683,6 +712,7 @@ class ShmTransport(Transport):
         finally:
             for ent in pinned:
                 ent.release()
+            s.leave()
         rest = [i for i, _ in plan if results[i] is None]  # process_vm refused by the kernel
         if rest:
             await self._over_tcp(peer, requests, rest, results, "process_vm refused (EPERM)")
