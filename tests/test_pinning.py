@@ -200,3 +200,48 @@ async def test_shm_entry_revoked_during_a_refresh_is_not_used(
         assert isinstance(out[0].error, RemoteAccessError), out[0]
         assert out[1].ok
         assert (arr == 0x5A).all()  # not one byte written after its unregister returned
+
+
+async def test_own_segment_device_copy_pins_both_regions() -> None:
+    """The store's own-segment GPU path: a device copy held on its stream keeps both regions
+    pinned; unregister of the host side returns only after the copy ran (fake CUDA runtime)."""
+    from mooncake.testing.fake_cuda import FakeCudaRuntime
+
+    rt = FakeCudaRuntime()
+    try:
+        async with open_engine("127.0.0.1", transports=["tcp"], cuda_runtime=rt) as engine:
+            dev = await engine.allocate(1 << 20, location="cuda:0")
+            host = np.full(1 << 20, 3, dtype=np.uint8)
+            rhost = await engine.register(host)
+            order: list[str] = []
+            rt.gate.clear()  # every stream worker waits: the copy stays enqueued
+
+            async def copy() -> None:
+                (res,) = await engine.transfer(
+                    engine.segment_name, [R.read(dev.addr, addr(host), 1 << 20)]
+                )
+                order.append("copied" if res.ok else f"failed: {res.error}")
+
+            async def unregister() -> None:
+                await engine.unregister(host)
+                order.append("unregistered")
+
+            async with anyio.create_task_group() as tg:
+                try:
+                    tg.start_soon(copy)
+                    await anyio.wait_all_tasks_blocked()
+                    assert rhost.users == 1 and dev.region.users == 1
+                    tg.start_soon(unregister)
+                    await anyio.wait_all_tasks_blocked()
+                    assert order == []  # unregister waits for the held copy
+                finally:
+                    rt.gate.set()
+            assert order == ["copied", "unregistered"]
+            out = np.zeros(1 << 20, dtype=np.uint8)
+            await engine.register(out)
+            (res,) = await engine.transfer(
+                engine.segment_name, [R.read(addr(out), dev.addr, 1 << 20)]
+            )
+            assert res.ok and (out == 3).all()
+    finally:
+        rt.close()
