@@ -578,18 +578,20 @@ class ShmTransport(Transport):
             return
 
         async def revoke(client: _Client) -> None:
-            events = []
-            try:
-                async with client.lock:
-                    for addr in addrs:
-                        self._seq += 1
-                        seq = self._seq
-                        ev = client.acks[seq] = anyio.Event()
-                        events.append(ev)
-                        await _send(client.sock, {"op": "revoke", "addr": addr, "seq": seq})
-            except MooncakeError:
-                return  # gone: its connection's end sets every event
+            # one deadline for sending and acknowledging: a client that stops reading cannot
+            # hold an unregister by filling its socket buffer either
             with anyio.move_on_after(REVOKE_ACK_S) as scope:
+                events = []
+                try:
+                    async with client.lock:
+                        for addr in addrs:
+                            self._seq += 1
+                            seq = self._seq
+                            ev = client.acks[seq] = anyio.Event()
+                            events.append(ev)
+                            await _send(client.sock, {"op": "revoke", "addr": addr, "seq": seq})
+                except MooncakeError:
+                    return  # gone: its connection's end sets every event
                 for ev in events:
                     await ev.wait()
             if scope.cancelled_caught:
