@@ -334,3 +334,34 @@ async def test_a_lying_shm_server_cannot_crash_the_client(case: int) -> None:
                 os.close(fd)
             except OSError:
                 pass
+
+
+@pytest.mark.parametrize("reads", [True, False])
+async def test_a_client_that_never_acknowledges_cannot_hold_unregister(
+    monkeypatch: pytest.MonkeyPatch, reads: bool
+) -> None:
+    """A same-uid client that lists, then never answers a revoke (or stops reading at all, so
+    the revokes fill its socket): unregister returns after REVOKE_ACK_S and drops it."""
+    monkeypatch.setattr(shm_mod, "REVOKE_ACK_S", 0.5)
+    async with open_engine("127.0.0.1") as server:
+        bufs = [await server.allocate(4096) for _ in range(4)]
+        sock = _raw_client(shm_socket_name(server))
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.send(b'{"op": "list"}')
+            if reads:
+                await anyio.to_thread.run_sync(lambda: socket.recv_fds(sock, 1 << 18, 64))
+            with anyio.fail_after(30):  # hang guard
+                for b in bufs:
+                    await server.unregister(b)
+            with pytest.raises(OSError):  # dropped: a reset, or the end of the stream
+                sock.setblocking(True)
+                sock.settimeout(5)
+                while True:
+                    data, fds, _, _ = socket.recv_fds(sock, 1 << 18, 64)
+                    for fd in fds:
+                        os.close(fd)
+                    if not data:
+                        raise ConnectionResetError("closed")
+        finally:
+            sock.close()
