@@ -680,18 +680,19 @@ class ShmTransport(Transport):
                 log.warning("shm: not using shared memory with %s: %s", peer.segment, s.reason)
             await self._over_tcp(peer, requests, list(range(len(requests))), results, s.reason)
             return [r if r is not None else failed(TransferError("not attempted")) for r in results]
-        if any(s.find(r.remote_addr, r.length) is None for r in requests):
-            # the peer may have registered more since we listed
+        # Entries are looked up after the last await (a revoke or a new listing may replace
+        # entries found before one) and pinned, below, with no await in between.
+        ents = [s.find(r.remote_addr, r.length) for r in requests]
+        if None in ents:  # the peer may have registered more since we listed
             try:
                 await s.refresh()
             except PeerDiedError as err:
                 return [failed(err)] * len(requests)
-        # Look every entry up now, after the last await (a revoke or a new listing may have
-        # replaced entries found before it), and pin them until the copies are done.
+            ents = [s.find(r.remote_addr, r.length) for r in requests]
         plan: list[tuple[int, _Entry]] = []
-        for i, r in enumerate(requests):
-            ent = s.find(r.remote_addr, r.length)
+        for i, ent in enumerate(ents):
             if ent is None:
+                r = requests[i]
                 results[i] = failed(
                     RemoteAccessError(
                         f"peer refused {r.opcode.name} of [{r.remote_addr:#x}, +{r.length}): "
