@@ -59,6 +59,7 @@ ERR_REFUSED = 1   # ibv_post_send refused the WR (code: errno)
 ERR_NO_RAIL = 2   # no usable rail for this slice
 ERR_BAD_RKEY = 3  # the peer's descriptor has no valid rkey for the chosen device (code: device)
 ERR_UNQUEUED = 4  # taken off a rail whose endpoint could not be made (unqueue)
+ERR_WC_STALE = 5  # a completion with this status from an endpoint the rail no longer uses
 
 STATE_NAMES = {S_NEW: "new", S_QUEUED: "queued", S_POSTED: "posted", S_DONE: "done",
                S_HELD: "held", S_DROPPED: "dropped"}
@@ -125,7 +126,7 @@ cdef class BatchEngine:
     def batches(self):
         return [b for b in self.table if b is not None]
 
-    cdef int _settle(self, uint64_t cookie, int status) except -1:
+    cdef int _settle(self, uint64_t cookie, int status, QP qp) except -1:
         """One WR of the batch ``cookie`` names is over (its slab slot is already free)."""
         cdef uint64_t key = cookie >> 32
         if key == SENTINEL_KEY or key >= <uint64_t>len(self.table):
@@ -151,10 +152,12 @@ cdef class BatchEngine:
             b._push_error(i, ERR_WC, status, ridx)  # counted (stats), not retried
         else:
             b.s_state[i] = S_HELD
-            b._push_error(i, ERR_WC, status, ridx)
             rail = b.rails[ridx]
-            if rail is not None:
+            if rail is not None and qp in (<Rail>rail).qps:
+                b._push_error(i, ERR_WC, status, ridx)
                 (<Rail>rail)._break(self)
+            else:  # posted on an earlier endpoint of this rail, already replaced
+                b._push_error(i, ERR_WC_STALE, status, ridx)
             self._wake(b)
         if b.outstanding == 0 and b.queued == 0:
             self._wake(b)
@@ -259,7 +262,7 @@ cdef class Rail:
             except Exception as e:  # gone from our side either way
                 errors.append(e)
             for c in cookies:
-                self.pump.engine._settle(c, WC_FLUSH)
+                self.pump.engine._settle(c, WC_FLUSH, qp)
         if errors:
             raise errors[0]
 
@@ -294,11 +297,11 @@ cdef class NicPump:
     def __dealloc__(self):
         PyMem_Free(self.wc)
 
-    cdef int _retire_slot(self, uint32_t slot, int status) except -1:
+    cdef int _retire_slot(self, uint32_t slot, int status, QP qp) except -1:
         cdef CQ cq = self.cq
         cdef uint64_t cookie = cq.cookies[slot]
         cq.slab_put(slot)
-        self.engine._settle(cookie, status)
+        self.engine._settle(cookie, status, qp)
         return 0
 
     cdef int _reap(self) except -1:
@@ -330,8 +333,8 @@ cdef class NicPump:
                 qp.fifo_count -= 1
                 if s2 == slot:
                     break
-                self._retire_slot(s2, 0)
-            self._retire_slot(slot, self.wc[i].status)
+                self._retire_slot(s2, 0, qp)
+            self._retire_slot(slot, self.wc[i].status, qp)
         self.completions += n
         return n
 
@@ -925,6 +928,16 @@ cdef class SliceBatch:
             if self.s_req[i] == req and (self.s_state[i] == S_NEW or self.s_state[i] == S_HELD):
                 self.s_state[i] = S_DROPPED
                 self.r_remaining[req] -= 1
+
+    def forget_posted(self):
+        """Posted slices are dropped uncounted: only once every QP they were posted on is
+        destroyed (no device touches their memory any more) and their completions are gone."""
+        cdef int32_t i
+        for i in range(self.nslices):
+            if self.s_state[i] == S_POSTED:
+                self.s_state[i] = S_DROPPED
+                self.r_remaining[self.s_req[i]] -= 1
+        self.outstanding = 0
 
     def held(self):
         """Slices held (each waits for retry/fail/a refresh)."""

@@ -439,11 +439,11 @@ class RdmaTransport(Transport):
         finally:
             nic.continuing = False
 
-    def _log_pause(self, ep: _Endpoint) -> None:
+    def _log_pause(self, nic: str, peer_path: str) -> None:
         log.warning(
             "rdma: rail %s -> %s paused for %.0f s after repeated errors",
-            ep.nic.name,
-            ep.peer_path,
+            nic,
+            peer_path,
             self.rails.pause,
         )
 

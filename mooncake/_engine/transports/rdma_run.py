@@ -284,17 +284,21 @@ class BatchRun:
         if not errs:
             return
         for i, kind, code, ridx in errs:
-            if kind == verbs.ERR_WC:
+            if kind in (verbs.ERR_WC, verbs.ERR_WC_STALE):
                 name = verbs.wc_status_name(code)
                 t.stats[f"wc_{name}"] += 1
-                ep = self.eps.get(ridx)
+                # a stale one came from an endpoint of this rail that was already retired
+                ep = self.eps.get(ridx) if kind == verbs.ERR_WC else None
                 if ep is not None:
                     t._retire(ep)
                 if sb.cancelled:
                     continue
                 req, off, n, _, _, _ = sb.slice_info(i)
                 op = "READ" if self.requests[req].opcode is Opcode.READ else "WRITE"
-                via = f"{ep.nic.name} -> {ep.peer_path}" if ep is not None else "?"
+                li, pi = divmod(ridx, self.npeer)
+                assert self.seg is not None
+                path = nic_path(self.peer.segment, self.seg.devices[pi].name)
+                via = f"{t.nics[li].name} -> {path}"
                 what = (
                     f"{op} of [{self.requests[req].remote_addr + off:#x}, +{n}) via {via}: {name}"
                 )
@@ -309,10 +313,8 @@ class BatchRun:
                             i, RemoteAccessError(f"{what}: the peer refused the range or rkey")
                         )
                 else:
-                    if ep is not None and t.rails.record_error(
-                        (ep.nic.index, ep.peer_path), anyio.current_time()
-                    ):
-                        t._log_pause(ep)
+                    if t.rails.record_error((li, path), anyio.current_time()):
+                        t._log_pause(t.nics[li].name, path)
                     self._retry(i, PeerDiedError(what))
             elif sb.cancelled:
                 continue
@@ -430,4 +432,6 @@ class BatchRun:
                 for ep in self.endpoints:
                     ep.close()  # settles the unreaped WRs of every batch using them (flushed)
                     t._draining.discard(ep)
+                if sb.outstanding:  # their QPs were destroyed elsewhere (transport closing)
+                    sb.forget_posted()
             self._classify()  # count the flushes
