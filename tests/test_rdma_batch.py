@@ -159,3 +159,18 @@ if os.path.exists(v.soft_provider_path()) and not os.environ.get("MC_RDMA_TEST_D
         assert not t._inflight
         for region in engine.registry.regions():
             assert all(mr.inflight == 0 for mr in region.meta.get("rdma_mrs", []))
+
+    @pytest.mark.anyio
+    async def test_a_pump_out_of_budget_yields_and_finishes_later(engine: Any, rpeer: Any) -> None:
+        buf = await engine.allocate(1 << 20)
+        buf.numpy()[:] = pattern(78, 1 << 20)
+        t = _t(engine)
+        t.cfg.slice_size = 4096
+        t.pump_budget = 8  # every run stops after 8 WRs: the rest is posted from later runs
+        reqs = [R.write(buf.addr + (i << 18), rpeer.addr + (i << 18), 1 << 18) for i in range(4)]
+        res = await engine.transfer(rpeer.segment, reqs)
+        assert all(r.ok for r in res)
+        assert t.stats["posted"] == 256
+        assert (await rpeer.cmd(op="digest", offset=0, length=1 << 20))["digest"] == digest(
+            pattern(78, 1 << 20)
+        )

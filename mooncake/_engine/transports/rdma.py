@@ -91,6 +91,7 @@ _ACCESS_STATUSES = frozenset(
 )
 POLL_BATCH = 64
 SIGNAL_EVERY = 16  # one signaled WR per 16 (and the last of every chain)
+PUMP_BUDGET = 1 << 16  # WRs reaped + posted per pump run before yielding to the loop
 CANCEL_GRACE_S = 10.0
 
 
@@ -261,6 +262,7 @@ class RdmaTransport(Transport):
         self.rails = RailHealth(pause=self.cfg.rail_pause_s)
         self._rng = random.Random(self.cfg.seed)
         self.batches: Any = None  # verbs.BatchEngine: the live batches, by WR cookie
+        self.pump_budget = PUMP_BUDGET
         self._active: dict[tuple[int, str], _Endpoint] = {}
         self._connecting: dict[tuple[int, str], anyio.Event] = {}
         self._passive: collections.OrderedDict[tuple[int, str], _Endpoint] = (
@@ -411,7 +413,7 @@ class RdmaTransport(Transport):
         """Reap ``nic``'s completions and post what its rails have queued (compiled loop);
         wake the batches that finished or need a decision. True if work is left."""
         pump = nic.pump
-        more = bool(pump.run())
+        more = bool(pump.run(self.pump_budget))
         self.stats["posted"] += pump.posted - nic.seen_posted
         self.stats["completions"] += pump.completions - nic.seen_completions
         nic.seen_posted = pump.posted
