@@ -556,6 +556,8 @@ class Engine:
         if region.closing:
             raise RegistrationError(f"region at {addr:#x} is already being unregistered")
         region.closing = True
+        for t in self.transports:
+            t.abort_users(region)
         while region.users:
             released = region.meta["released"] = anyio.Event()
             await released.wait()
