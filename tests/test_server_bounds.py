@@ -7,6 +7,7 @@ Timeouts here are hang guards (a failure is a hang on the old code), never speed
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
 from collections.abc import AsyncIterator
@@ -16,12 +17,19 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import mooncake
+from mooncake._core import auth
+from mooncake._core.handshake import Frame, FrameDecoder, FrameType, encode_frame
 from mooncake._core.transfer import TransferRequest
+from mooncake._engine import handshake
 from mooncake._engine.engine import Engine
+from mooncake._engine.handshake import HandshakeServer
 from mooncake._engine.metadata.p2p import split_segment
 from mooncake._engine.transports.tcp import TcpTransport
+from mooncake.errors import AuthError
 
 pytestmark = pytest.mark.anyio
 
@@ -67,6 +75,18 @@ async def closed_by_server(s: anyio.abc.SocketStream) -> bool:
 def data_addr(engine: Engine) -> tuple[str, int]:
     host, _ = split_segment(engine.segment_name)
     return host, engine.descriptor().tcp_data_port
+
+
+def flood(host: str, port: int, n: int) -> list[socket.socket]:
+    """``n`` idle connections, opened without blocking (past the listen backlog the kernel
+    keeps retrying their SYNs; they connect as the server accepts)."""
+    out = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setblocking(False)
+        s.connect_ex((host, port))
+        out.append(s)
+    return out
 
 
 async def wait_for(cond: Any, what: str) -> None:
@@ -163,7 +183,7 @@ async def test_idle_flood_past_the_cap_evicts_idle_connections(
         ibuf = await initiator.allocate(4096)
         ibuf.numpy()[:] = 7
         host, port = data_addr(target)
-        flood = [socket.create_connection((host, port)) for _ in range(40)]
+        flood_ = flood(host, port, 40)
         try:
             await wait_for(lambda: t._slots.evicted > 0, "cap reached")
             for _ in range(20):  # the rest wait in the listen backlog, idle ones give way
@@ -178,7 +198,7 @@ async def test_idle_flood_past_the_cap_evicts_idle_connections(
             assert t._slots.evicted > 0
             assert len(t._slots) <= 16
         finally:
-            for f in flood:
+            for f in flood_:
                 f.close()
 
 
@@ -198,9 +218,9 @@ async def test_busy_flood_at_the_cap_waits_for_the_progress_deadline(
         ibuf = await initiator.allocate(4096)
         host, port = data_addr(target)
         # mid-request connections are never evicted; their progress deadline frees the slots
-        flood = [socket.create_connection((host, port)) for _ in range(8)]
+        flood_ = [socket.create_connection((host, port)) for _ in range(8)]
         try:
-            for f in flood:
+            for f in flood_:
                 f.sendall(struct.pack("<QQB7x", 4096, buf.addr, V2_WRITE) + b"z" * 100)
             with anyio.fail_after(30):
                 (res,) = await initiator.transfer(
@@ -208,7 +228,7 @@ async def test_busy_flood_at_the_cap_waits_for_the_progress_deadline(
                 )
             assert res.ok, res
         finally:
-            for f in flood:
+            for f in flood_:
                 f.close()
 
 
@@ -227,3 +247,137 @@ async def test_idle_lane_closed_by_the_server_is_retried() -> None:
             )
             assert res.ok, res
             await wait_for(lambda: len(t._slots) == 0, "idle lane closed by the server")
+
+
+# -- P2P handshake server --------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def handshake_server(**kw: Any) -> AsyncIterator[tuple[HandshakeServer, int]]:
+    server = HandshakeServer(**kw)
+
+    async def probe(frame: Frame) -> Any:
+        return {"status": "success"}
+
+    async def notify(frame: Frame) -> Any:
+        obj = frame.json()
+        return {"name": "", "notify_msg": obj["notify_msg"]}  # KeyError/TypeError on junk
+
+    server.handlers[FrameType.PROBE] = probe
+    server.handlers[FrameType.NOTIFY] = notify
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(server.serve, "127.0.0.1", 0)
+        yield server, port
+        tg.cancel_scope.cancel()
+
+
+async def test_handshake_idle_flood_past_the_cap_then_a_probe_is_served() -> None:
+    async with handshake_server() as (server, port):
+        cap = server.slots.cap
+        flood_ = flood("127.0.0.1", port, cap + 44)
+        try:
+            await wait_for(lambda: server.slots.evicted > 0, "cap reached")
+            assert len(server.slots) <= cap
+            with anyio.fail_after(30):  # old code: the probe timed out behind the idle sockets
+                reply = await handshake.request("127.0.0.1", port, FrameType.PROBE, {})
+            assert reply.json() == {"status": "success"}
+            assert len(server.slots) <= cap
+        finally:
+            for f in flood_:
+                f.close()
+
+
+async def test_handshake_partial_frame_is_dropped_and_handler_errors_stay_local() -> None:
+    async with handshake_server(max_connections=4, request_timeout=0.3) as (server, port):
+        async with raw_conn("127.0.0.1", port) as s:
+            await s.send(struct.pack("<QB", 100, int(FrameType.PROBE)) + b'{"a":')
+            assert await closed_by_server(s)
+        for junk in (b"[1,2]", b'{"notify_msg": 1}', b"{}", b'"x"'):
+            async with raw_conn("127.0.0.1", port) as s:
+                await s.send(struct.pack("<QB", len(junk) + 1, int(FrameType.NOTIFY)) + junk)
+                assert await closed_by_server(s)
+        reply = await handshake.request("127.0.0.1", port, FrameType.PROBE, {})
+        assert reply.json() == {"status": "success"}
+        assert server.rejected >= 4
+
+
+json_leaf = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=20)
+)
+json_any = st.recursive(
+    json_leaf,
+    lambda kids: (
+        st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4)
+    ),
+    max_leaves=12,
+)
+FIELDS = ("name", "notify_msg", "status", "reply_msg", "local_nic_path", "qp_num", "nonce")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    ftype=st.sampled_from([0, 1, 2, 3, 16]),
+    obj=st.one_of(json_any, st.fixed_dictionaries({}, optional=dict.fromkeys(FIELDS, json_any))),
+    raw=st.booleans(),
+    cut=st.integers(min_value=0, max_value=200),
+)
+def test_handshake_fuzz_one_byte_at_a_time(ftype: int, obj: Any, raw: bool, cut: int) -> None:
+    """Any JSON in any field of any frame type, sent a byte at a time (whole or cut short):
+    the engine drops or answers that connection and keeps serving."""
+
+    async def main() -> None:
+        async with mooncake.open_engine(transports=["tcp"]) as engine:
+            host, port = split_segment(engine.segment_name)
+            body = json.dumps(obj).encode()
+            frame = struct.pack("<QB", len(body) + 1, ftype) + body
+            if raw:
+                frame = frame[: cut % (len(frame) + 1)]
+            with socket.create_connection((host, port)) as s:
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                for b in frame:
+                    try:
+                        s.send(bytes([b]))
+                    except OSError:
+                        break
+                s.shutdown(socket.SHUT_WR)
+                with anyio.fail_after(30):
+                    await anyio.to_thread.run_sync(s.recv, 65536)
+            assert await engine.probe(engine.segment_name)
+
+    anyio.run(main, backend="trio")
+
+
+# -- cluster secret on the handshake ---------------------------------------------------------
+
+
+async def test_handshake_cluster_secret() -> None:
+    async with handshake_server(secret="s3cret") as (_server, port):
+        reply = await handshake.request("127.0.0.1", port, FrameType.PROBE, {}, secret="s3cret")
+        assert reply.json() == {"status": "success"}
+        with pytest.raises(AuthError, match="requires the cluster secret"):
+            await handshake.request("127.0.0.1", port, FrameType.PROBE, {}, secret="")
+        with pytest.raises(AuthError, match="does not know the cluster secret"):
+            await handshake.request("127.0.0.1", port, FrameType.PROBE, {}, secret="other")
+    async with handshake_server(secret="") as (_server, port):
+        with pytest.raises(AuthError, match="does not take the cluster secret"):
+            await handshake.request("127.0.0.1", port, FrameType.PROBE, {}, secret="s3cret")
+
+
+async def test_handshake_proof_is_bound_to_the_request() -> None:
+    """A client proof replayed in front of another request is refused."""
+    key = b"k"
+    async with handshake_server(secret=key) as (_server, port):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            cn = auth.new_nonce()
+            s.sendall(encode_frame(FrameType.AUTH, {"nonce": cn.hex()}))
+            dec = FrameDecoder()
+            while (f := dec.next_frame()) is None:
+                dec.feed(await anyio.to_thread.run_sync(s.recv, 4096))
+            sn = bytes.fromhex(f.json()["nonce"])
+            signed = encode_frame(FrameType.PROBE, {})
+            other = encode_frame(FrameType.NOTIFY, {"name": "x", "notify_msg": "y"})
+            proof = auth.client_proof(key, "handshake", cn, sn, signed)
+            s.sendall(encode_frame(FrameType.AUTH, {"proof": proof.hex()}) + other)
+            while (f := dec.next_frame()) is None:
+                dec.feed(await anyio.to_thread.run_sync(s.recv, 4096))
+            assert f.json() == {"reply_msg": "authentication failed"}
