@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -27,7 +28,10 @@ from mooncake._core.transfer import TransferRequest
 from mooncake._engine import handshake
 from mooncake._engine.engine import Engine
 from mooncake._engine.handshake import HandshakeServer
+from mooncake._engine.metadata import server as metadata_server_mod
+from mooncake._engine.metadata.http import HttpKV
 from mooncake._engine.metadata.p2p import split_segment
+from mooncake._engine.metadata.server import HttpMetadataServer, http_auth_bound
 from mooncake._engine.transports.tcp import TcpTransport
 from mooncake.errors import AuthError
 
@@ -381,3 +385,126 @@ async def test_handshake_proof_is_bound_to_the_request() -> None:
             while (f := dec.next_frame()) is None:
                 dec.feed(await anyio.to_thread.run_sync(s.recv, 4096))
             assert f.json() == {"reply_msg": "authentication failed"}
+
+
+# -- HTTP metadata server --------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def metadata_server(**kw: Any) -> AsyncIterator[tuple[HttpMetadataServer, str]]:
+    server = HttpMetadataServer(**kw)
+    async with anyio.create_task_group() as tg:
+        host, port = await tg.start(server.serve, "127.0.0.1", 0)
+        yield server, f"http://{host}:{port}/metadata"
+        tg.cancel_scope.cancel()
+
+
+async def test_metadata_idle_flood_past_the_cap_then_a_client_is_served() -> None:
+    async with metadata_server() as (server, url):
+        cap = server.slots.cap
+        flood_ = flood("127.0.0.1", int(url.split(":")[2].split("/")[0]), cap + 50)
+        try:
+            await wait_for(lambda: server.evicted > 0, "cap reached")
+            assert server.active <= cap
+            kv = HttpKV(url)
+            with anyio.fail_after(30):  # old code: 503 past the cap
+                await kv.put("k", b'"v"')
+                assert await kv.get("k") == b'"v"'
+            await kv.aclose()
+            assert server.active <= cap
+        finally:
+            for f in flood_:
+                f.close()
+
+
+@pytest.mark.parametrize(
+    "partial",
+    [
+        b"GET /metadata?key=k HTTP/1.1\r\nHo",
+        b"PUT /metadata?key=k HTTP/1.1\r\nContent-Length: 9\r\n\r\n{",
+    ],
+)
+async def test_metadata_slowloris_is_dropped(
+    partial: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(metadata_server_mod, "REQUEST_S", 0.3)
+    async with metadata_server() as (server, url):
+        port = int(url.split(":")[2].split("/")[0])
+        async with raw_conn("127.0.0.1", port) as s:
+            await s.send(partial)
+            assert await closed_by_server(s)
+        async with raw_conn("127.0.0.1", port) as s:  # nothing at all, from accept
+            assert await closed_by_server(s)
+        assert server.store.get("k") is None
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    method=st.sampled_from([b"GET", b"PUT", b"DELETE", b"POST", b"\x00", b"G\xffT"]),
+    key=st.binary(max_size=20),
+    body=st.one_of(st.binary(max_size=60), json_any.map(lambda o: json.dumps(o).encode())),
+    headers=st.lists(
+        st.tuples(st.binary(min_size=1, max_size=10), st.binary(max_size=20)), max_size=3
+    ),
+    cut=st.integers(min_value=0, max_value=400),
+)
+def test_metadata_fuzz_one_byte_at_a_time(
+    method: bytes, key: bytes, body: bytes, headers: list[tuple[bytes, bytes]], cut: int
+) -> None:
+    async def main() -> None:
+        async with metadata_server() as (_server, url):
+            port = int(url.split(":")[2].split("/")[0])
+            head = method + b" /metadata?key=" + key + b" HTTP/1.1\r\nHost: x\r\n"
+            for name, value in headers:
+                head += name + b": " + value + b"\r\n"
+            req = head + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            req = req[: cut % (len(req) + 1)] if cut % 3 == 0 else req
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                for b in req:
+                    try:
+                        s.send(bytes([b]))
+                    except OSError:
+                        break
+                try:
+                    s.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                with anyio.fail_after(30):
+                    out = await anyio.to_thread.run_sync(s.recv, 65536)
+            assert out == b"" or out.startswith(b"HTTP/1.1 "), out[:80]
+            kv = HttpKV(url)
+            assert await kv.get("surely-absent") is None  # and it still serves
+            await kv.aclose()
+
+    anyio.run(main, backend="trio")
+
+
+async def test_metadata_cluster_secret() -> None:
+    async with metadata_server(secret="s3cret") as (_server, url):
+        good = HttpKV(url, secret="s3cret")
+        await good.put("k", b'{"a": 1}')
+        assert await good.get("k") == b'{"a": 1}'
+        assert await good.delete("k")
+        for secret, match in (("", "refused"), ("other", "does not know")):
+            kv = HttpKV(url, secret=secret)
+            with pytest.raises(AuthError, match=match):
+                await kv.get("k")
+            await kv.aclose()
+        # a captured proof is single use
+        cn = auth.new_nonce()
+        async with httpx.AsyncClient() as c:
+            ch = (await c.get(url, params={"auth_challenge": cn.hex()})).json()
+            sn = bytes.fromhex(ch["nonce"])
+            req = c.build_request("GET", url, params={"key": "k"})
+            bound = http_auth_bound(b"GET", req.url.raw_path, b"")
+            proof = auth.client_proof(b"s3cret", "http", cn, sn, bound)
+            req.headers["X-Mooncake-Auth"] = f"{cn.hex()}:{sn.hex()}:{proof.hex()}"
+            assert (await c.send(req)).status_code == 404  # authenticated; key gone
+            req2 = c.build_request("GET", url, params={"key": "k"}, headers=dict(req.headers))
+            assert (await c.send(req2)).status_code == 401
+        await good.aclose()
+    async with metadata_server() as (_server, url):
+        kv = HttpKV(url, secret="s3cret")
+        with pytest.raises(AuthError, match="does not take"):
+            await kv.get("k")
+        await kv.aclose()

@@ -176,3 +176,23 @@ async def _run(
             except Exception:
                 pass
             sock.close()
+
+
+def listen_tcp(host: str, port: int, backlog: int = 128) -> socket.socket:
+    """A bound, listening, non-blocking TCP socket on ``host:port`` (``OSError`` on failure).
+
+    ``host`` must be a literal address or a name that resolves synchronously (loopback, a local
+    name); servers bind exactly what they are given.
+    """
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, stype, proto, _, addr = infos[0]
+    lsock = socket.socket(family, stype, proto)
+    try:
+        lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        lsock.bind(addr)
+        lsock.listen(backlog)
+        lsock.setblocking(False)
+    except BaseException:
+        lsock.close()
+        raise
+    return lsock
