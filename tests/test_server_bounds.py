@@ -17,12 +17,13 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import httpx
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mooncake
-from mooncake._core import auth
+from mooncake._core import auth, rpc
 from mooncake._core.handshake import Frame, FrameDecoder, FrameType, encode_frame
 from mooncake._core.transfer import TransferRequest
 from mooncake._engine import handshake
@@ -33,7 +34,9 @@ from mooncake._engine.metadata.http import HttpKV
 from mooncake._engine.metadata.p2p import split_segment
 from mooncake._engine.metadata.server import HttpMetadataServer, http_auth_bound
 from mooncake._engine.transports.tcp import TcpTransport
-from mooncake.errors import AuthError
+from mooncake._store.master import MasterServer, MasterServerConfig, serve_master
+from mooncake._store.master_conn import MasterConnection
+from mooncake.errors import AuthError, MooncakeError
 
 pytestmark = pytest.mark.anyio
 
@@ -508,3 +511,147 @@ async def test_metadata_cluster_secret() -> None:
         with pytest.raises(AuthError, match="does not take"):
             await kv.get("k")
         await kv.aclose()
+
+
+# -- store master RPC ------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def master(**kw: Any) -> AsyncIterator[tuple[MasterServer, str]]:
+    cfg = MasterServerConfig(rpc_port=0, enable_metric_reporting=False, **kw)
+    async with anyio.create_task_group() as tg:
+        server = await tg.start(serve_master, cfg)
+        yield server, f"127.0.0.1:{server.rpc_port}"
+        tg.cancel_scope.cancel()
+
+
+async def test_master_idle_flood_past_the_cap_then_a_client_is_served() -> None:
+    async with master(max_connections=16) as (server, address):
+        flood_ = flood("127.0.0.1", server.rpc_port, 40)
+        try:
+            await wait_for(lambda: server.slots.evicted > 0, "cap reached")
+            assert len(server.slots) <= 16
+            conn = MasterConnection(address)
+            with anyio.fail_after(30):  # old code: closed on accept past the cap
+                assert await conn.call("ServiceReady", rpc.Empty()) == rpc.VERSION
+            conn.close()
+            assert len(server.slots) <= 16
+        finally:
+            for f in flood_:
+                f.close()
+
+
+async def test_master_deadlines_from_accept_and_inside_a_frame() -> None:
+    async with master(request_timeout=0.3, progress_timeout=0.3, idle_timeout=0.5) as (server, _):
+        async with raw_conn("127.0.0.1", server.rpc_port) as s:  # nothing at all
+            assert await closed_by_server(s)
+        frame = rpc.encode_request(1, "ServiceReady", rpc.Empty())
+        async with raw_conn("127.0.0.1", server.rpc_port) as s:  # slowloris: a cut frame
+            await s.send(frame[:3])
+            assert await closed_by_server(s)
+        async with raw_conn("127.0.0.1", server.rpc_port) as s:  # served, then idle
+            await s.send(frame)
+            assert await s.receive()
+            assert await closed_by_server(s)
+        assert server.connections_dropped >= 3
+
+
+def _garbage() -> st.SearchStrategy[Any]:
+    leaf = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1),
+        st.floats(),
+        st.text(max_size=10),
+        st.binary(max_size=10),
+    )
+    return st.recursive(
+        leaf,
+        lambda kids: (
+            st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=6), kids, max_size=3)
+        ),
+        max_leaves=8,
+    )
+
+
+def _params_for(method: str) -> st.SearchStrategy[Any]:
+    fields = rpc.METHODS[method].params.__struct_fields__
+    return st.one_of(
+        _garbage(), st.fixed_dictionaries({}, optional=dict.fromkeys(fields, _garbage()))
+    )
+
+
+@st.composite
+def rpc_frames(draw: st.DrawFn) -> bytes:
+    method = draw(st.sampled_from(sorted(rpc.METHODS)) | st.text(max_size=8))
+    params = draw(_params_for(method) if method in rpc.METHODS else _garbage())
+    envelope = draw(
+        st.sampled_from(["ok", "id", "method", "tag", "short", "long"]),
+    )
+    msg: list[Any] = [0, draw(st.integers(0, 1000)), method, params]
+    if envelope == "id":
+        msg[1] = draw(_garbage())
+    elif envelope == "method":
+        msg[2] = draw(_garbage())
+    elif envelope == "tag":
+        msg[0] = draw(_garbage())
+    elif envelope == "short":
+        msg = msg[: draw(st.integers(0, 3))]
+    elif envelope == "long":
+        msg.append(draw(_garbage()))
+    body = msgspec.msgpack.encode(msg)
+    return struct.pack(">I", len(body)) + body
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(frames=st.lists(rpc_frames(), min_size=1, max_size=3), onebyte=st.booleans())
+def test_master_fuzz_every_field_of_every_method(frames: list[bytes], onebyte: bool) -> None:
+    """Garbage of every msgpack type in every params field of every method (and in the
+    envelope), one byte at a time or whole: each frame gets an error/result answer or drops
+    the connection, and the master keeps serving."""
+
+    async def main() -> None:
+        async with master() as (server, address):
+            data = b"".join(frames)
+            with socket.create_connection(("127.0.0.1", server.rpc_port)) as s:
+                chunks = [data[i : i + 1] for i in range(len(data))] if onebyte else [data]
+                for c in chunks:
+                    try:
+                        s.sendall(c)
+                    except OSError:
+                        break
+                s.shutdown(socket.SHUT_WR)
+                got = b""
+                with anyio.fail_after(30):
+                    while chunk := await anyio.to_thread.run_sync(s.recv, 65536):
+                        got += chunk
+            dec = rpc.MessageDecoder()
+            dec.feed(got)
+            for msg in dec:
+                assert isinstance(msg, rpc.Response)
+            conn = MasterConnection(address)
+            assert await conn.call("ServiceReady", rpc.Empty()) == rpc.VERSION
+            conn.close()
+
+    anyio.run(main, backend="trio")
+
+
+async def test_master_cluster_secret() -> None:
+    async with master(cluster_secret="s3cret") as (server, address):
+        good = MasterConnection(address, secret="s3cret")
+        assert await good.call("ServiceReady", rpc.Empty()) == rpc.VERSION
+        good.close()
+        plain = MasterConnection(address, secret="")
+        with pytest.raises(MooncakeError, match="authentication required"):
+            await plain.call("ServiceReady", rpc.Empty())
+        plain.close()
+        wrong = MasterConnection(address, secret="other")
+        with pytest.raises(AuthError, match="does not know"):
+            await wrong.call("ServiceReady", rpc.Empty())
+        wrong.close()
+        assert server.auth_failures >= 1
+    async with master(cluster_secret="") as (_server, address):
+        conn = MasterConnection(address, secret="s3cret")
+        with pytest.raises(AuthError, match="takes no cluster secret"):
+            await conn.call("ServiceReady", rpc.Empty())
+        conn.close()
