@@ -655,3 +655,22 @@ async def test_master_cluster_secret() -> None:
         with pytest.raises(AuthError, match="takes no cluster secret"):
             await conn.call("ServiceReady", rpc.Empty())
         conn.close()
+
+
+async def test_master_admin_http_idle_flood_then_health() -> None:
+    cfg = MasterServerConfig(rpc_port=0, metrics_port=0)
+    async with anyio.create_task_group() as tg:
+        server = await tg.start(serve_master, cfg)
+        assert server.metrics_port
+        flood_ = flood("127.0.0.1", server.metrics_port, server.http_slots.cap + 30)
+        try:
+            await wait_for(lambda: server.http_slots.evicted > 0, "cap reached")
+            async with httpx.AsyncClient() as c:
+                with anyio.fail_after(30):  # old code: closed on accept past the cap
+                    r = await c.get(f"http://127.0.0.1:{server.metrics_port}/health")
+            assert r.status_code == 200
+            assert len(server.http_slots) <= server.http_slots.cap
+        finally:
+            for f in flood_:
+                f.close()
+        tg.cancel_scope.cancel()

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -51,7 +51,6 @@ import anyio.abc
 import anyio.lowlevel
 import h11
 import msgspec
-from anyio.streams.stapled import MultiListener
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -207,7 +206,7 @@ class MasterServer:
         self.slots = _accept.Slots(config.max_connections, "master")
         self.secret = auth.load_secret(config.cluster_secret)
         self.auth_failures = 0
-        self._http_limiter = anyio.CapacityLimiter(_HTTP_MAX_CONNECTIONS)
+        self.http_slots = _accept.Slots(_HTTP_MAX_CONNECTIONS, "master-http")
 
     # -- RPC -------------------------------------------------------------------------------
 
@@ -391,20 +390,20 @@ class MasterServer:
             return 200, "application/json", msgspec.json.encode(self.state.all_segments())
         return 404, "text/plain", b"not found\n"
 
-    async def serve_http_connection(self, stream: anyio.abc.ByteStream) -> None:
-        """One admin HTTP connection (keep-alive; at most ``_HTTP_MAX_CONNECTIONS`` at once,
-        heads bounded by h11, closed after ``_HTTP_IDLE_S`` idle)."""
+    async def serve_http_connection(self, sock: socket.socket, slot: _accept.Slot) -> None:
+        """One admin HTTP connection (keep-alive; at most ``_HTTP_MAX_CONNECTIONS`` live, the
+        longest-idle giving way to a new one at the cap; heads bounded by h11; each request,
+        the first from accept, must be complete within ``_HTTP_IDLE_S``)."""
+        stream = await anyio.abc.SocketStream.from_socket(sock)
         async with stream:
-            if self._http_limiter.available_tokens < 1:
-                return
-            async with self._http_limiter:
-                await self._serve_http(stream)
+            await self._serve_http(stream, slot)
 
-    async def _serve_http(self, stream: anyio.abc.ByteStream) -> None:
+    async def _serve_http(self, stream: anyio.abc.ByteStream, slot: _accept.Slot) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_HTTP_MAX_HEAD)
         try:
             while True:
                 request: h11.Request | None = None
+                slot.rest()
                 with anyio.move_on_after(_HTTP_IDLE_S):  # whole request, body drained
                     event = await _next_http_event(conn, stream)
                     if not isinstance(event, h11.Request):
@@ -414,6 +413,7 @@ class MasterServer:
                     request = event
                 if request is None:
                     return
+                slot.busy()
                 status, ctype, body = self.http_response(
                     request.method.decode("ascii", "replace"),
                     request.target.decode("ascii", "replace"),
@@ -532,13 +532,6 @@ class _MasterCollector(Collector):
         yield fail
 
 
-async def _listen(host: str, port: int) -> MultiListener[anyio.abc.SocketStream]:
-    try:
-        return await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
-    except OSError as e:
-        raise InvalidArgumentError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-
-
 async def _send_all(sock: socket.socket, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -563,16 +556,15 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _port(listener: MultiListener[anyio.abc.SocketStream]) -> int:
-    return int(listener.listeners[0].extra(anyio.abc.SocketAttribute.local_port))
-
-
-async def _serve_closing(
-    listener: MultiListener[anyio.abc.SocketStream],
-    handler: Callable[[anyio.abc.SocketStream], Any],
+async def _serve_raw(
+    lsock: socket.socket,
+    slots: _accept.Slots,
+    handler: Callable[[socket.socket, _accept.Slot], Awaitable[None]],
 ) -> None:
-    async with listener:
-        await listener.serve(handler)
+    try:
+        await _accept.accept_loop(lsock, slots, handler)
+    finally:
+        lsock.close()
 
 
 async def serve_master(
@@ -590,9 +582,9 @@ async def serve_master(
     server = MasterServer(config, state)
     async with anyio.create_task_group() as tg:
         if config.enable_metric_reporting and config.metrics_port >= 0:
-            mlistener = await _listen(config.metrics_host, config.metrics_port)
-            server.metrics_port = _port(mlistener)
-            tg.start_soon(_serve_closing, mlistener, server.serve_http_connection)
+            msock = await _raw_listener(config.metrics_host, config.metrics_port)
+            server.metrics_port = int(msock.getsockname()[1])
+            tg.start_soon(_serve_raw, msock, server.http_slots, server.serve_http_connection)
         if config.enable_http_metadata_server:
             from mooncake._engine.metadata.server import serve_http_metadata
 
