@@ -674,3 +674,36 @@ async def test_master_admin_http_idle_flood_then_health() -> None:
             for f in flood_:
                 f.close()
         tg.cancel_scope.cancel()
+
+
+# -- cluster secret, end to end --------------------------------------------------------------
+
+
+async def test_engines_with_a_cluster_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOONCAKE_CLUSTER_SECRET", "s3cret")
+    async with (
+        mooncake.open_engine(transports=["tcp"]) as target,
+        mooncake.open_engine(transports=["tcp"]) as initiator,
+    ):
+        buf = await target.allocate(1 << 20)
+        ibuf = await initiator.allocate(4096)
+        ibuf.numpy()[:] = 9
+        (res,) = await initiator.transfer(target.segment_name, [R.write(ibuf.addr, buf.addr, 4096)])
+        assert res.ok, res
+        assert (buf.numpy()[:4096] == 9).all()
+        assert await initiator.probe(target.segment_name)
+        # a client without the secret reaches neither port
+        host, rpc_port = split_segment(target.segment_name)
+        with pytest.raises(AuthError):
+            await handshake.request(host, rpc_port, FrameType.PROBE, {}, secret="")
+        async with raw_conn(*data_addr(target)) as s:
+            await s.send(struct.pack("<QQB7x", 16, buf.addr, V2_READ))
+            assert await closed_by_server(s)
+        async with mooncake.open_engine(transports=["tcp"]) as other:
+            tcp_of(other).secret = None  # its data client without the secret
+            obuf = await other.allocate(4096)
+            (res,) = await other.transfer(target.segment_name, [R.read(obuf.addr, buf.addr, 16)])
+            assert isinstance(res.error, AuthError) and "requires the cluster secret" in str(
+                res.error
+            )
+        assert tcp_of(target).auth_failures >= 1

@@ -17,6 +17,16 @@ one opcode and at most ``PIPELINE_DEPTH`` replies, neither side can block the ot
 socket buffer. A published server closes after a refusal, so requests behind a refused one on the
 same lane are re-sent on a fresh connection.
 
+Bounds (server): at most ``MC_TCP_MAX_CONNECTIONS`` live connections (the longest-idle gives
+way to a new one at the cap), ``MC_TCP_IDLE_TIMEOUT`` idle between requests, and
+``MC_TCP_PROGRESS_TIMEOUT`` without a byte moved inside a request; ``unregister()`` drops the
+connections inside a request on the region at once (:meth:`TcpTransport.abort_users`).
+
+Cluster secret: with ``MOONCAKE_CLUSTER_SECRET`` set, the descriptor says ``tcp_auth: 1`` and every
+connection starts with the challenge-response of :mod:`mooncake._core.auth` (channel ``tcp``;
+``docs/protocol.md``) before its first request; a peer on the other side of the setting is
+refused with :class:`AuthError`.
+
 Cancellation: a lane that is cancelled mid-group is closed, never reused; the peer may have
 written part of a WRITE's bytes, and no bytes arrive into local memory after the call returns.
 """
@@ -34,13 +44,14 @@ from typing import Any
 import anyio
 
 from mooncake import _fast
-from mooncake._core import tcpwire
+from mooncake._core import auth, tcpwire
 from mooncake._core.gpu import device_of
 from mooncake._core.memory import Region
 from mooncake._core.transfer import Opcode, TransferRequest, TransferResult, completed, failed
 from mooncake._engine import _accept, _sockio
 from mooncake._engine.transports.base import PeerInfo, Transport
 from mooncake.errors import (
+    AuthError,
     InvalidArgumentError,
     MooncakeError,
     PeerDiedError,
@@ -57,6 +68,9 @@ DRAIN_LIMIT = 64 << 20
 MAX_CONNECTIONS = 1024  # MC_TCP_MAX_CONNECTIONS
 PROGRESS_TIMEOUT_S = 20.0  # MC_TCP_PROGRESS_TIMEOUT
 IDLE_TIMEOUT_S = 300.0  # MC_TCP_IDLE_TIMEOUT
+
+AUTH_HELLO = b"MCTAUTH1"  # + client nonce
+AUTH_OK = b"MCTAUTHK"
 
 # the v2 OK status frame at a stable address (sent from, never written after import)
 _STATUS_OK = _sockio.Scratch(tcpwire.STATUS_SIZE)
@@ -139,6 +153,9 @@ class TcpTransport(Transport):
         self._refused = 0
         self.served_connections = 0
         self.aborted_connections = 0
+        #: the cluster secret peers must prove on the data port (None: the published protocol)
+        self.secret = auth.load_secret()
+        self.auth_failures = 0
 
     # -- server ---------------------------------------------------------------------------
 
@@ -165,11 +182,14 @@ class TcpTransport(Transport):
         self.engine.task_group.start_soon(self._accept_loop, sock, name="tcp-accept")
 
     def descriptor_fields(self) -> dict[str, Any]:
-        return {
+        fields: dict[str, Any] = {
             "tcp_data_host": self.engine.hostname,
             "tcp_data_port": self.port,
             "tcp_proto_version": tcpwire.PROTO_VERSION,
         }
+        if self.secret is not None:
+            fields["tcp_auth"] = 1
+        return fields
 
     async def _accept_loop(self, lsock: socket.socket) -> None:
         try:
@@ -229,6 +249,9 @@ class TcpTransport(Transport):
         request), on a thread of its own blocking in ``poll`` (``serve_threads``) or stepped
         by this task between readiness waits."""
         self.served_connections += 1
+        if self.secret is not None and not await self._server_auth(sock):
+            self.auth_failures += 1
+            return
         if self._device_regions:
             await self._serve_conn_staged(sock, slot)
             return
@@ -366,6 +389,30 @@ class TcpTransport(Transport):
         finally:
             _sockio.close(sock)
 
+    async def _server_auth(self, sock: socket.socket) -> bool:
+        """The server side of the challenge-response, before the first request."""
+        assert self.secret is not None
+        scratch = _sockio.Scratch(64)
+        p = self.progress_timeout
+        try:
+            with anyio.fail_after(p):  # from accept
+                magic = await _sockio.recv_exact(sock, 8, scratch, "auth")
+            if magic != AUTH_HELLO:
+                log.info("tcp: refused a connection without the cluster secret")
+                return False
+            cn = await _sockio.recv_exact(sock, auth.NONCE_BYTES, scratch, "auth", progress=p)
+            sn = auth.new_nonce()
+            await self._send(sock, sn + auth.server_proof(self.secret, "tcp", cn, sn))
+            got = await _sockio.recv_exact(sock, auth.PROOF_BYTES, scratch, "auth", progress=p)
+            if not auth.verify(auth.client_proof(self.secret, "tcp", cn, sn), got):
+                log.warning("tcp: a peer failed the cluster-secret proof")
+                return False
+            await self._send(sock, AUTH_OK)
+            return True
+        except (MooncakeError, OSError, TimeoutError) as e:
+            log.debug("tcp auth: connection dropped: %s", e)
+            return False
+
     async def _serve_device(self, sock: socket.socket, hdr: tcpwire.Header, device: int) -> None:
         """Serve a request on a device region through the engine's pinned staging chunks.
 
@@ -463,6 +510,7 @@ class TcpTransport(Transport):
                     if lane is None:
                         sock = await _sockio.connect(peer.data_host, peer.descriptor.tcp_data_port)
                         lane = _Lane(sock)
+                        await self._client_auth(lane.sock, peer)
                     done, reusable = await self._pipeline(lane, requests, pending, results, v2)
                 except PeerDiedError as e:
                     if lane is not None:
@@ -501,6 +549,33 @@ class TcpTransport(Transport):
                     results[i] = failed(PeerDiedError(f"{peer.segment}: connection lost"))
                 return
             pending = rest
+
+    async def _client_auth(self, sock: socket.socket, peer: PeerInfo) -> None:
+        wants = bool(peer.descriptor.extra.get("tcp_auth"))
+        if self.secret is None:
+            if wants:
+                raise AuthError(f"{peer.segment} requires the cluster secret ({auth.SECRET_ENV})")
+            return
+        if not wants:
+            raise AuthError(f"{peer.segment} does not take the cluster secret on its data port")
+        scratch = _sockio.Scratch(64)
+        p = self.progress_timeout
+        cn = auth.new_nonce()
+        await self._send(sock, AUTH_HELLO + cn)
+        try:
+            reply = await _sockio.recv_exact(sock, 64, scratch, "auth", progress=p)
+        except PeerDiedError:
+            raise AuthError(f"{peer.segment} closed the data connection during auth") from None
+        sn, sp = reply[:32], reply[32:]
+        if not auth.verify(auth.server_proof(self.secret, "tcp", cn, sn), sp):
+            raise AuthError(f"{peer.segment} does not know the cluster secret")
+        await self._send(sock, auth.client_proof(self.secret, "tcp", cn, sn))
+        try:
+            ok = await _sockio.recv_exact(sock, 8, scratch, "auth", progress=p)
+        except PeerDiedError:
+            ok = b""
+        if ok != AUTH_OK:
+            raise AuthError(f"{peer.segment} refused our cluster-secret proof")
 
     async def _pipeline(
         self,
