@@ -227,6 +227,19 @@ cdef class RegionTable:
             pthread_mutex_unlock(&self.mu)
         return users > 0
 
+    def reopen(self, uintptr_t start):
+        """Undo :meth:`close` (an unregistration that did not go through); False if absent."""
+        cdef Py_ssize_t i
+        cdef bint found = False
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            i = self._bisect(start)
+            if i >= 0 and self.regs[i].start == start:
+                self.regs[i].closing = 0
+                found = True
+            pthread_mutex_unlock(&self.mu)
+        return found
+
     def find(self, uintptr_t addr, size_t length):
         """Whether one open range holds all of ``[addr, addr+length)`` (for tests and logs)."""
         cdef region_t *r = self.acquire(addr, length)

@@ -88,6 +88,14 @@ class RegionTable:
             r.closing = True
             return r.users > 0
 
+    def reopen(self, start: int) -> bool:
+        with self._cv:
+            i = bisect.bisect_left(self._starts, start)
+            if i >= len(self._starts) or self._starts[i] != start:
+                return False
+            self._regs[i].closing = False
+            return True
+
     def find(self, addr: int, length: int) -> bool:
         r = self.acquire(addr, length)
         if r is None:
