@@ -101,6 +101,8 @@ class Slots:
             with anyio.move_on_after(EVICT_WAIT_S if idle else 1.0):
                 await self._freed.wait()
             asked &= self.live  # forget those that went
+            if not idle:
+                asked.clear()  # one that refused (it was busy) may be idle by now
 
     def open(self, sock: socket.socket) -> Slot:
         slot = Slot(sock)

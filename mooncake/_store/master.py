@@ -14,7 +14,7 @@ default). The RPC listener is bound last, so once it accepts connections the met
 Connections: one task each, at most ``max_connections`` live. At the cap the master stops
 accepting (the rest wait in the listen backlog) and closes the longest-idle connection (no
 partial frame, nothing being answered) in favour of the new one: a store client reconnects on
-its next call. Deadlines: the first frame must be complete within ``request_timeout`` of accept;
+its next call. Deadlines: the first byte must arrive within ``request_timeout`` of accept;
 a frame that has begun must keep arriving (no ``progress_timeout`` without a byte); a connection
 idle between frames for ``idle_timeout`` is closed (store clients heartbeat far more often).
 A connection is served request by request in arrival order (answers in the same order; each
@@ -100,7 +100,7 @@ class MasterServerConfig:
     sweep_interval: float = 0.05
     max_frame: int = DEFAULT_SERVER_MAX_FRAME
     max_connections: int = 4096
-    #: seconds from accept to the first complete frame
+    #: seconds from accept to the first byte
     request_timeout: float = 10.0
     #: seconds a begun frame may go without a byte
     progress_timeout: float = 20.0

@@ -501,6 +501,7 @@ class TcpTransport(Transport):
     ) -> None:
         pending = group
         attempts = 0
+        fresh_retry = True
         while pending:
             attempts += 1
             async with pl.limiter:
@@ -515,11 +516,14 @@ class TcpTransport(Transport):
                 except PeerDiedError as e:
                     if lane is not None:
                         lane.close()
-                    if reused and all(results[i] is None for i in pending):
-                        # An idle lane the server closed meanwhile (idle deadline, evicted at
-                        # its connection cap): no reply came, so all of it goes again on a
-                        # fresh connection (re-sending a READ or WRITE is idempotent).
-                        log.debug("tcp: idle lane to %s was closed (%s); retrying", peer.segment, e)
+                    if (reused or fresh_retry) and all(results[i] is None for i in pending):
+                        # A lane the server closed before reading anything of ours (an idle
+                        # lane past its idle deadline, or evicted at the server's connection
+                        # cap): no reply came, so all of it goes again on a fresh connection
+                        # (re-sending a READ or WRITE is idempotent); a fresh lane once only.
+                        log.debug("tcp: lane to %s was closed (%s); retrying", peer.segment, e)
+                        if not reused:
+                            fresh_retry = False
                         attempts -= 1
                         continue
                     for i in pending:
