@@ -27,7 +27,7 @@ from mooncake._core import auth, rpc
 from mooncake._core.handshake import Frame, FrameDecoder, FrameType, encode_frame
 from mooncake._core.transfer import TransferRequest
 from mooncake._engine import handshake
-from mooncake._engine.engine import Engine
+from mooncake._engine.engine import Engine, open_engine
 from mooncake._engine.handshake import HandshakeServer
 from mooncake._engine.metadata import server as metadata_server_mod
 from mooncake._engine.metadata.http import HttpKV
@@ -37,6 +37,7 @@ from mooncake._engine.transports.tcp import TcpTransport
 from mooncake._store.master import MasterServer, MasterServerConfig, serve_master
 from mooncake._store.master_conn import MasterConnection
 from mooncake.errors import AuthError, MooncakeError
+from mooncake.testing.fake_cuda import FakeCudaRuntime
 
 pytestmark = pytest.mark.anyio
 
@@ -707,3 +708,35 @@ async def test_engines_with_a_cluster_secret(monkeypatch: pytest.MonkeyPatch) ->
                 res.error
             )
         assert tcp_of(target).auth_failures >= 1
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+async def test_unregister_drops_a_silent_peer_on_device_memory(
+    op: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staging server (device regions, here the fake CUDA runtime's) under a peer that stops
+    mid-WRITE or stops reading a READ: unregister ends it and returns."""
+    monkeypatch.setenv("MC_CUDA_STAGING_CHUNK", "4096")
+    rt = FakeCudaRuntime()
+    try:
+        async with open_engine("127.0.0.1", transports=["tcp"], cuda_runtime=rt) as target:
+            t = tcp_of(target)
+            t.progress_timeout = 3600.0
+            size = 4 << 20
+            dev = await target.allocate(size, location="cuda:0")
+            host, port = data_addr(target)
+            sock = socket.create_connection((host, port))
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                opcode = V2_WRITE if op == "write" else V2_READ
+                sock.sendall(struct.pack("<QQB7x", size, dev.addr, opcode))
+                if op == "write":
+                    sock.sendall(b"d" * 100_000)
+                await wait_for(lambda: t._staged_holds, "server inside the request")
+                with anyio.fail_after(30):
+                    await target.unregister(dev)
+                assert t.aborted_connections >= 1
+            finally:
+                sock.close()
+    finally:
+        rt.close()
