@@ -740,3 +740,63 @@ async def test_unregister_drops_a_silent_peer_on_device_memory(
                 sock.close()
     finally:
         rt.close()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    reqs=st.lists(
+        st.tuples(
+            st.sampled_from([0, 1, 0x80, 0x81]) | st.integers(0, 255),
+            st.integers(-8192, 1 << 21) | st.integers(0, (1 << 64) - 1),
+            st.integers(0, 70_000) | st.integers(0, (1 << 64) - 1),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    mode=st.sampled_from(MODES),
+    cut=st.integers(0, 1 << 20),
+)
+def test_tcp_data_fuzz_one_byte_at_a_time(
+    reqs: list[tuple[int, int, int]], mode: str, cut: int
+) -> None:
+    """Any opcode byte, address (around the registered buffer, or anywhere) and size, with or
+    without payload, a byte at a time: the data server answers, refuses or drops the connection
+    and keeps serving."""
+
+    async def main() -> None:
+        async with mooncake.open_engine(transports=["tcp"]) as target:
+            t = tcp_of(target)
+            t.progress_timeout = 2.0
+            set_mode(t, mode)
+            buf = await target.allocate(1 << 20)
+            data = b""
+            for op, off, size in reqs:
+                addr = (buf.addr + off) % (1 << 64) if off < (1 << 21) else off
+                data += struct.pack("<QQB7x", size % (1 << 64), addr, op)
+                if op & 0x7F == 1:
+                    data += b"p" * min(size, 600)
+            data = data[: cut % (len(data) + 1)] if cut % 2 else data
+            with socket.create_connection(data_addr(target)) as s:
+                for i in range(len(data)):
+                    try:
+                        s.send(data[i : i + 1])
+                    except OSError:
+                        break
+                try:
+                    s.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                with anyio.fail_after(30):
+                    while True:
+                        try:
+                            got = await anyio.to_thread.run_sync(s.recv, 1 << 20)
+                        except OSError:
+                            break
+                        if not got:
+                            break
+            async with mooncake.open_engine(transports=["tcp"]) as ini:
+                ib = await ini.allocate(4096)
+                (res,) = await ini.transfer(target.segment_name, [R.read(ib.addr, buf.addr, 4096)])
+                assert res.ok, res
+
+    anyio.run(main, backend="trio")
