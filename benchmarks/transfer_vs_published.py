@@ -17,6 +17,17 @@ Usage (from the repository root, extensions built)::
 ``/opt/anchor-venv/bin/python`` (``bash ../shared/anchor/setup.sh`` creates the first); without
 one the published columns are left empty. ``--facade`` also runs the anchor's script unchanged
 against our sync facade ``mooncake.engine.TransferEngine`` (when it exists).
+
+``--small-ops`` measures the small-op latency table instead (4 KiB x 1 unless ``--tcp-sizes`` /
+``--batches`` say otherwise), each round in alternating order: the published engine with the
+anchor's script (``MC_FORCE_TCP=1`` and default), the same script unchanged against our facade
+(caller-thread path over tcp, over shm with ``MOONCAKE_TRANSPORTS=shm,tcp``, and through the loop
+thread with ``MOONCAKE_SYNC_FASTPATH=0``), and our async API (``mooncake bench transfer``, tcp
+and shm). It writes ``small-ops.md``/``small-ops.json`` (medians of p50 and p99 per series, and
+the ratio of each p50 median to the published one of the same run)::
+
+    .venv/bin/python benchmarks/transfer_vs_published.py --small-ops --rounds 5 \
+        --case-seconds 2 --buffer 64M --out bench-results/small-ops
 """
 
 from __future__ import annotations
@@ -120,7 +131,12 @@ def ours(
 
 
 def published(
-    args: argparse.Namespace, py: str, script_dir: Path, out: Path, facade: bool = False
+    args: argparse.Namespace,
+    py: str,
+    script_dir: Path,
+    out: Path,
+    facade: bool = False,
+    extra_env: dict[str, str] | None = None,
 ) -> dict[str, Any] | None:
     cmd = [
         py,
@@ -143,7 +159,93 @@ def published(
     env = clean_env()
     if facade:
         env["PYTHONPATH"] = str(ROOT)
+    env.update(extra_env or {})
     return run_json(cmd, out, env=env, cwd=script_dir)
+
+
+#: the series of --small-ops: (name, kind, extra environment)
+SMALL_SERIES: list[tuple[str, str, dict[str, str]]] = [
+    ("published tcp (MC_FORCE_TCP=1)", "published", {"MC_FORCE_TCP": "1"}),
+    ("published (default)", "published", {}),
+    ("ours sync tcp", "facade", {"MOONCAKE_SYNC_FASTPATH": "1"}),
+    ("ours sync shm", "facade", {"MOONCAKE_TRANSPORTS": "shm,tcp"}),
+    ("ours sync via loop thread", "facade", {"MOONCAKE_SYNC_FASTPATH": "0"}),
+    ("ours async tcp", "ours-tcp", {}),
+    ("ours async shm", "ours-shm", {}),
+]
+
+
+def small_ops(args: argparse.Namespace, outdir: Path) -> int:
+    """The small-op latency table (see the module docstring)."""
+    py = args.anchor_python
+    anchor_dir = find_anchor_dir()
+    raw: dict[str, list[dict[str, Any]]] = {}
+    loads: list[list[float]] = []
+    for rnd in range(args.rounds):
+        order = SMALL_SERIES if rnd % 2 == 0 else list(reversed(SMALL_SERIES))
+        loads.append([round(x, 2) for x in os.getloadavg()])
+        for k, (name, kind, env) in enumerate(order):
+            f = outdir / f"small-{rnd}-{k}.json"
+            f.unlink(missing_ok=True)
+            if kind in ("published", "facade"):
+                if anchor_dir is None or (kind == "published" and not py):
+                    continue
+                r = published(
+                    args,
+                    py if kind == "published" else sys.executable,
+                    anchor_dir,
+                    f,
+                    facade=kind == "facade",
+                    extra_env=env,
+                )
+            else:
+                r = ours(args, kind.split("-")[1], args.tcp_sizes, f, env)
+            if r is not None:
+                raw.setdefault(name, []).append(r)
+    loads.append([round(x, 2) for x in os.getloadavg()])
+    summary: dict[str, Any] = {"loadavg": loads, "series": {}}
+    for name, runs in raw.items():
+        acc: dict[str, dict[str, list[float]]] = {}
+        for run in runs:
+            for c in run.get("cases") or run.get("python_api", {}).get("cases", []):
+                if "skipped" in c or c.get("errors"):
+                    continue
+                d = acc.setdefault(f"{c['op']}/{c['block']}/{c['batch']}", {"p50": [], "p99": []})
+                d["p50"].append(c["call_us_p50"])
+                d["p99"].append(c["call_us_p99"])
+        summary["series"][name] = {
+            k: {"p50": med(v["p50"]), "p99": med(v["p99"]), "n": len(v["p50"])}
+            for k, v in acc.items()
+        }
+    (outdir / "small-ops.json").write_text(json.dumps({"raw": raw, "summary": summary}, indent=1))
+    ser = summary["series"]
+    ref = ser.get(SMALL_SERIES[0][0], {})
+    keys = sorted(
+        {k for v in ser.values() for k in v}, key=lambda k: (k.split("/")[0] != "write", k)
+    )
+    lines = [
+        "| op | block | batch | series | p50 µs | p99 µs | p50 / published tcp |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for k in keys:
+        op, b, bt = k.split("/")
+        for name, _, _ in SMALL_SERIES:
+            v = ser.get(name, {}).get(k)
+            if v is None:
+                continue
+            r = ref.get(k)
+            ratio = f"**{v['p50'] / r['p50']:.2f}x**" if r and r["p50"] else "-"
+            lines.append(
+                f"| {op} | {fmt_block(int(b))} | {bt} | {name} | {v['p50']:.1f} | {v['p99']:.1f} "
+                f"| {ratio} |"
+            )
+    md = "\n".join(lines) + (
+        f"\n\n{args.rounds} rounds of {args.case_seconds} s cases; load average (1, 5, 15 min) "
+        f"at the start of each round and at the end: {loads}\n"
+    )
+    (outdir / "small-ops.md").write_text(md)
+    print(md)
+    return 0
 
 
 def limits(py: str, script_dir: Path, out: Path) -> dict[str, Any] | None:
@@ -424,10 +526,19 @@ def main() -> int:
     )
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "te"))
     ap.add_argument("--summarize-only", action="store_true", help="re-summarize OUT/raw.json")
+    ap.add_argument(
+        "--small-ops", action="store_true", help="the small-op latency table (module docstring)"
+    )
     args = ap.parse_args()
 
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
+    if args.small_ops:
+        if args.tcp_sizes == ap.get_default("tcp_sizes"):
+            args.tcp_sizes = "4K"
+        if args.batches == ap.get_default("batches"):
+            args.batches = "1"
+        return small_ops(args, outdir)
     anchor_dir = find_anchor_dir()
     raw: dict[str, list[dict[str, Any]]] = {}
     if args.summarize_only:

@@ -12,7 +12,13 @@ Differences from the published engine, on purpose:
   bug into silent corruption;
 * servers bind the host given to ``initialize`` (loopback stays loopback);
 * the ``protocol`` argument is honoured for ``tcp``; other names fall back to the transports
-  this machine has (as the published non-EFA builds do), and the choice is logged.
+  this machine has (as the published non-EFA builds do), and the choice is logged;
+  ``MOONCAKE_TRANSPORTS=a,b`` overrides both.
+
+Small synchronous transfers (host memory, tcp or shm, a peer already contacted) run on the
+calling thread without a crossing to the loop thread (:mod:`mooncake._engine.syncpath`;
+``MOONCAKE_SYNC_FASTPATH=0`` sends everything through the loop); results, bounds, pinning and
+timeouts are the same either way.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from mooncake._core.transfer import Opcode, TransferRequest, TransferResult
+from mooncake._engine import syncpath
 from mooncake._engine.engine import Buffer, Engine, open_engine
 from mooncake._sync import LoopThread
 from mooncake.errors import InvalidArgumentError, MooncakeError
@@ -66,13 +73,23 @@ class TransferNotify:
         return f"TransferNotify(name={self.name!r}, msg={self.msg!r})"
 
 
-def _timeout_s(length: int) -> float:
-    """``MC_TRANSFER_TIMEOUT`` (default 30 s, at least 5 s) plus 1 ns per byte, as published."""
+def _timeout_base() -> float:
+    """``MC_TRANSFER_TIMEOUT`` in seconds (default 30, at least 5), read at ``initialize`` as
+    the published engine does."""
     try:
         base = float(os.environ.get("MC_TRANSFER_TIMEOUT", "30"))
     except ValueError:
         base = 30.0
-    return max(base, 5.0) + length * 1e-9
+    return max(base, 5.0)
+
+
+def _timeout_s(length: int, base: float | None = None) -> float:
+    """The deadline of a transfer: ``MC_TRANSFER_TIMEOUT`` plus 1 ns per byte, as published."""
+    return (_timeout_base() if base is None else base) + length * 1e-9
+
+
+# opcode ints (and the enum members, equal to them) -> the engine's opcodes, without an enum call
+_OPCODES: dict[int, Opcode] = {0: Opcode.READ, 1: Opcode.WRITE}
 
 
 @dataclass
@@ -94,6 +111,8 @@ class TransferEngine:
         self._managed: dict[int, Buffer] = {}
         self._batches: dict[int, _Batch] = {}
         self._ids = itertools.count(1)
+        self._fast: syncpath.SyncPath | None = None
+        self._tbase = 30.0
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -122,8 +141,11 @@ class TransferEngine:
             log.error("initialize: engine already initialized")
             return -1
         transports = ["tcp"] if (protocol or "tcp").lower() == "tcp" else None
-        if transports is None:
+        if os.environ.get("MOONCAKE_TRANSPORTS", "").strip():
+            transports = None  # the explicit list wins (open_engine reads it)
+        elif transports is None:
             log.warning("protocol %r: using the transports available here", protocol)
+        self._tbase = _timeout_base()
         loop = LoopThread(name="mooncake-engine")
         try:
             self._engine = loop.enter(
@@ -136,10 +158,15 @@ class TransferEngine:
             loop.close()
             return -1
         self._loop = loop
+        if syncpath.enabled():
+            self._fast = syncpath.SyncPath(self._engine, loop)
         return 0
 
     def close(self) -> None:
         """Stop the engine and its loop thread (not in the published API; idempotent)."""
+        if self._fast is not None:
+            self._fast.close()
+            self._fast = None
         if self._loop is not None:
             self._loop.close()
         self._loop = None
@@ -291,29 +318,66 @@ class TransferEngine:
         notify: TransferNotify | None = None,
     ) -> int:
         loop, engine = self._e()
-        total = sum(r.length for r in reqs)
+        timeout = _timeout_s(sum(r.length for r in reqs), self._tbase)
         try:
-            results = loop.call(_transfer_with_deadline, engine, target, reqs, _timeout_s(total))
+            results = loop.call(_transfer_with_deadline, engine, target, reqs, timeout)
         except (MooncakeError, TimeoutError) as e:
             log.error("transfer to %s failed: %s", target, e)
             return -1
         bad = [r for r in results if not r.ok]
+        return self._finish(target, bad, len(results), notify)
+
+    def _finish(
+        self, target: str, bad: list[TransferResult], n: int, notify: TransferNotify | None
+    ) -> int:
         if bad:
             log.error(
-                "transfer to %s: %d/%d requests failed: %s",
-                target,
-                len(bad),
-                len(results),
-                bad[0].error,
+                "transfer to %s: %d/%d requests failed: %s", target, len(bad), n, bad[0].error
             )
             return -1
         if notify is not None:
+            loop, engine = self._e()
             try:
                 loop.call(engine.notify, target, notify.name, notify.msg)
             except MooncakeError as e:
                 log.error("notify to %s failed: %s", target, e)
                 return -1
         return 0
+
+    def _sync_lists(
+        self,
+        target: str,
+        opcode: int,
+        buffers: Sequence[int],
+        peer_addresses: Sequence[int],
+        lengths: Sequence[int],
+        notify: TransferNotify | None,
+    ) -> int:
+        """A sync batch: on the calling thread when small and simple, else through the loop."""
+        fast = self._fast
+        bad: list[TransferResult] | None = None
+        if fast is not None:
+            try:
+                op = _OPCODES.get(opcode) if type(opcode) is not bool else None
+                same = len(buffers) == len(peer_addresses) == len(lengths)
+                timeout = _timeout_s(sum(lengths), self._tbase) if op is not None and same else None
+            except TypeError:  # unhashable opcode, lengths that are not numbers...
+                timeout = None
+            if timeout is not None:
+                assert op is not None
+                try:
+                    bad = fast.transfer(target, op, buffers, peer_addresses, lengths, timeout)
+                except (MooncakeError, TimeoutError) as e:
+                    log.error("transfer to %s failed: %s", target, e)
+                    return -1
+            if bad is not None:
+                return self._finish(target, bad, len(lengths), notify)
+        try:
+            reqs = self._requests(opcode, buffers, peer_addresses, lengths)
+        except (MooncakeError, ValueError) as e:
+            log.error("batch_transfer_sync: %s", e)
+            return -1
+        return self._sync(target, reqs, notify)
 
     def transfer_sync_write(
         self,
@@ -323,7 +387,9 @@ class TransferEngine:
         length: int,
         transport_hint: str = "",
     ) -> int:
-        return self.transfer_sync(target_hostname, buffer, peer_buffer_address, length, Write)
+        return self._sync_lists(
+            target_hostname, Write, [buffer], [peer_buffer_address], [length], None
+        )
 
     def transfer_sync_read(
         self,
@@ -333,7 +399,9 @@ class TransferEngine:
         length: int,
         transport_hint: str = "",
     ) -> int:
-        return self.transfer_sync(target_hostname, buffer, peer_buffer_address, length, Read)
+        return self._sync_lists(
+            target_hostname, Read, [buffer], [peer_buffer_address], [length], None
+        )
 
     def transfer_sync(
         self,
@@ -345,8 +413,8 @@ class TransferEngine:
         notify: TransferNotify | None = None,
         transport_hint: str = "",
     ) -> int:
-        return self.batch_transfer_sync(
-            target_hostname, [buffer], [peer_buffer_address], [length], opcode, notify
+        return self._sync_lists(
+            target_hostname, opcode, [buffer], [peer_buffer_address], [length], notify
         )
 
     def batch_transfer_sync_write(
@@ -357,8 +425,8 @@ class TransferEngine:
         lengths: list[int],
         transport_hint: str = "",
     ) -> int:
-        return self.batch_transfer_sync(
-            target_hostname, buffers, peer_buffer_addresses, lengths, Write
+        return self._sync_lists(
+            target_hostname, Write, buffers, peer_buffer_addresses, lengths, None
         )
 
     def batch_transfer_sync_read(
@@ -369,8 +437,8 @@ class TransferEngine:
         lengths: list[int],
         transport_hint: str = "",
     ) -> int:
-        return self.batch_transfer_sync(
-            target_hostname, buffers, peer_buffer_addresses, lengths, Read
+        return self._sync_lists(
+            target_hostname, Read, buffers, peer_buffer_addresses, lengths, None
         )
 
     def batch_transfer_sync(
@@ -383,12 +451,9 @@ class TransferEngine:
         notify: TransferNotify | None = None,
         transport_hint: str = "",
     ) -> int:
-        try:
-            reqs = self._requests(opcode, buffers, peer_buffer_addresses, lengths)
-        except (MooncakeError, ValueError) as e:
-            log.error("batch_transfer_sync: %s", e)
-            return -1
-        return self._sync(target_hostname, reqs, notify)
+        return self._sync_lists(
+            target_hostname, opcode, buffers, peer_buffer_addresses, lengths, notify
+        )
 
     def batch_transfer_async_write(
         self,
@@ -432,7 +497,7 @@ class TransferEngine:
             log.error("batch_transfer_async: %s", e)
             return 0
         total = sum(r.length for r in reqs)
-        timeout = _timeout_s(total)
+        timeout = _timeout_s(total, self._tbase)
         fut = loop.submit(_transfer_with_deadline, engine, target_hostname, reqs, timeout)
         bid = next(self._ids)
         self._batches[bid] = _Batch(fut, time.monotonic() + timeout, total)

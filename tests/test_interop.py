@@ -207,3 +207,41 @@ def test_anchor_te_bench_runs_unchanged_against_our_facade(tmp_path: Any) -> Non
     api = json.loads(out.read_text())["python_api"]
     assert api["verify_read"] and api["verify_write"]
     assert api["unregistered_remote_read_rc"] != 0
+
+
+def test_facade_sync_calls_against_the_published_server(published: Published) -> None:
+    """Our sync facade's caller-thread path (pooled lanes, ClientPipe.run_blocking) against the
+    published TCP server: bytes both ways; a refused request (the published server closes the
+    connection after it) gives -1 and the next calls work on a fresh connection."""
+    from mooncake._core.descriptor import BufferDesc
+    from mooncake.engine import TransferEngine
+
+    te = TransferEngine()
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    try:
+        addr = te.allocate_managed_buffer(1 << 20)
+        data = pattern(31, 64 * 1024).tobytes()
+        assert te.write_bytes_to_buffer(addr, data, len(data)) == 0
+        assert te.transfer_sync_write(published.segment, addr, published.addr, 4096) == 0
+        fp = te._fast
+        assert fp is not None
+        for k in range(16):
+            off = k * 4096
+            rc = te.transfer_sync_write(published.segment, addr + off, published.addr + off, 4096)
+            assert rc == 0
+        assert fp.hits == 16
+        got = published.cmd_sync({"op": "dump", "offset": 0, "length": 64 * 1024})
+        assert bytes.fromhex(got["data_hex"]) == data
+        blob = pattern(32, 3000).tobytes()
+        published.cmd_sync({"op": "fill", "offset": 8000, "data_hex": blob.hex()})
+        assert te.transfer_sync_read(published.segment, addr, published.addr + 8000, 3000) == 0
+        assert te.read_bytes_from_buffer(addr, 3000) == blob
+        assert fp.hits == 17
+        # make our cached descriptor claim everything, so the refusal comes from their server
+        info = te._engine._peers[published.segment]  # type: ignore[union-attr]
+        info.descriptor = info.descriptor.replace(buffers=(BufferDesc("all", 0, 2**63),))
+        assert te.transfer_sync_read(published.segment, addr, 4096, 100) == -1
+        assert te.transfer_sync_read(published.segment, addr, published.addr + 8000, 3000) == 0
+        assert te.read_bytes_from_buffer(addr, 3000) == blob
+    finally:
+        te.close()

@@ -346,6 +346,7 @@ CLIENTS = ["c0", "c1", "c2"]
 KEYS = [f"k{i}" for i in range(48)]
 TTL = 10.0
 LEASE = 5.0
+RELEASE = 16.0  # > TTL: a write may outlive its segment owner's expiry
 
 
 class MasterMachine(RuleBasedStateMachine):
@@ -357,7 +358,7 @@ class MasterMachine(RuleBasedStateMachine):
                 client_ttl=TTL,
                 default_kv_lease_ttl=LEASE,
                 put_start_discard_timeout=3.0,
-                put_start_release_timeout=6.0,
+                put_start_release_timeout=RELEASE,
             )
         )
         self.now = 0.0
@@ -372,6 +373,11 @@ class MasterMachine(RuleBasedStateMachine):
         self.killed: set[str] = set()
         self.inflight: set[str] = set()  # keys with a replica task in flight
         self._cfg_hard: dict[str, bool] = {}
+        self.segs: dict[str, Segment] = {}
+        # extents handed to writers that did not end their write: (segment, addr) ->
+        # (size, until, key); nothing may be allocated over them before `until` (the release
+        # timeout), whatever the master did with the write meanwhile (expiry, revoke, zombie)
+        self.given: dict[tuple[str, int], tuple[int, float, str]] = {}
 
     # -- actions ---------------------------------------------------------------------------
 
@@ -383,6 +389,17 @@ class MasterMachine(RuleBasedStateMachine):
         self.alive[client] = True
         self.killed.discard(client)
         self.seg_owner[s.name] = client
+        self.segs[s.name] = s
+
+    @rule(client=st.sampled_from(CLIENTS))
+    def revive(self, client: str) -> None:
+        """A client the master expired comes back and re-mounts the same segments."""
+        if client not in self.killed or self.m.has_client(client):
+            return
+        self.killed.discard(client)
+        assert self.m.ping(client, self.now).client_status == ClientStatus.NEED_REMOUNT
+        mine = [self.segs[n] for n, c in sorted(self.seg_owner.items()) if c == client]
+        self.m.remount_segments(client, mine, self.now)
 
     @rule(client=st.sampled_from(CLIENTS))
     def ping(self, client: str) -> None:
@@ -424,6 +441,17 @@ class MasterMachine(RuleBasedStateMachine):
         assert 1 <= len(reps) <= n
         assert len({r.segment_name for r in reps}) == len(reps)
         assert all(r.length == size and r.status == ReplicaStatus.PROCESSING for r in reps)
+        for r in reps:
+            for (gs, ga), (gn, until, gk) in self.given.items():
+                assert not (
+                    gs == r.segment_name
+                    and until > self.now
+                    and ga < r.addr + size
+                    and r.addr < ga + gn
+                ), f"{key} got [{r.addr:#x}, +{size}) over {gk}'s unfinished write on {gs}"
+        self.given = {g: v for g, v in self.given.items() if v[1] > self.now}
+        for r in reps:
+            self.given[(r.segment_name, r.addr)] = (size, self.now + RELEASE, key)
         self.pending[key] = (client, size, [(r.segment_name, r.addr) for r in reps], self.now)
         self.hard.discard(key) if not hard else None
         self._cfg_hard[key] = hard
@@ -458,8 +486,15 @@ class MasterMachine(RuleBasedStateMachine):
         live_reps = [r for r in reps if self._seg_alive(r[0])]
         if revoke:
             self.m.put_revoke(client, key, self.now)
+            hold = self.now + self.m.config.put_revoke_hold  # the writer said it stopped
+            for r in reps:
+                if r in self.given:
+                    n, until, k = self.given[r]
+                    self.given[r] = (n, min(until, hold), k)
         else:
             self.m.put_end(client, key, self.now)
+            for r in reps:  # ended: its extents belong to the object now
+                self.given.pop(r, None)
             self.readable[key] = (size, live_reps)
             if self._cfg_hard.get(key):
                 self.hard.add(key)
@@ -579,7 +614,7 @@ class MasterMachine(RuleBasedStateMachine):
             self.m.sweep(self.now)
             self._reconcile(before)
         # zombies past release timeout are gone
-        for key in [k for k, p in self.pending.items() if self.now - p[3] >= 6.0]:
+        for key in [k for k, p in self.pending.items() if self.now - p[3] >= RELEASE]:
             del self.pending[key]
 
     # -- model upkeep ----------------------------------------------------------------------
@@ -609,6 +644,9 @@ class MasterMachine(RuleBasedStateMachine):
                 _, reps = self.readable[key]
                 assert not any(self._seg_alive(r[0]) for r in reps)
                 del self.readable[key]
+            else:  # replicas on dropped segments are gone, also if the segment comes back
+                size, reps = self.readable[key]
+                self.readable[key] = (size, [r for r in reps if self._seg_alive(r[0])])
         for key in list(self.pending):
             if self.m._objects.get(key) is None or self.m._objects[key].pending is None:
                 del self.pending[key]
@@ -688,7 +726,11 @@ def test_task_errors_and_failures() -> None:
     m.task_revoke("a", tid, "transfer failed", 0)
     info = m.query_task(tid)
     assert info.status == TaskStatus.FAILED and info.message == "transfer failed"
+    assert m.used_bytes == 2048  # the revoked target is held for put_revoke_hold
+    m.sweep(m.config.put_revoke_hold)
     assert m.used_bytes == 1024
+    m.ping("a", 0)
+    m.ping("b", 0)
     with pytest.raises(InvalidWriteError):
         m.task_end("a", tid, 0)
     # the target's owner dies mid-task: the task fails, the object keeps its replica

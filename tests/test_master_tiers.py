@@ -118,8 +118,12 @@ def test_eviction_demotes_to_the_owners_ssd() -> None:
     r = m.get_replica_list(t.key, 3)
     assert r.replicas == [] and r.disk_clients == ["c"] and r.size == 8 * KiB
     assert m.tiers["ssd"].demotions == before + 1 and m.tiers["ssd"].hits == 1
+    # a repeat (the client lost the first answer) succeeds and changes nothing
+    m.demote_end("c", t.key, t.vid, 4)
+    m.check_invariants()
+    assert m.used_bytes == used - 8 * KiB and m.tiers["ssd"].demotions == before + 1
     with pytest.raises(IllegalClientError):
-        m.demote_end("c", t.key, t.vid, 4)
+        m.demote_end("other", t.key, t.vid, 4)  # never demoting to that client
 
 
 def test_demote_revoke_and_timeout_drop_the_object() -> None:
@@ -195,6 +199,9 @@ def test_promote_revoke_frees_and_promotion_needs_space() -> None:
     m.promote_start("c", key, vid, 3)
     assert m.used_bytes == used + 8 * KiB
     m.promote_revoke("c", key, vid, 4)
+    assert m.used_bytes == used + 8 * KiB  # held for put_revoke_hold: the write may be landing
+    m.ping("c", 4 + m.config.put_revoke_hold)
+    m.sweep(4 + m.config.put_revoke_hold)
     assert m.used_bytes == used
     m.check_invariants()
     m2 = master()

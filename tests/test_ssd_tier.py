@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import zlib
 from pathlib import Path
 from typing import Any
@@ -466,15 +467,46 @@ async def test_concurrent_eviction_and_reput(tmp_path: Path) -> None:
 
 
 async def test_cancelled_put_still_commits_or_leaves_nothing(tmp_path: Path) -> None:
+    """Cancelled while its file is being written (the worker thread is held inside the write
+    until the cancellation has been requested): the write completes and is committed, whole;
+    cancelled before it started: nothing is left."""
+    data = _payload(1 << 20)
     async with open_ssd_tier(tmp_path, 1 << 24) as tier:
-        with anyio.CancelScope() as scope:
-            scope.cancel()
-            await tier.put("k", _payload(1 << 20))
-        # cancelled before the write started (the lock is a checkpoint) or after it finished
-        if "k" in tier:
-            assert await tier.get("k") == _payload(1 << 20)
-        else:
-            assert tier.used == 0
+        in_write, release = threading.Event(), threading.Event()
+        real_write = tier._io.write
+
+        def write(res: Any, mv: memoryview) -> int:
+            in_write.set()
+            release.wait(30)
+            return real_write(res, mv)
+
+        tier._io.write = write  # type: ignore[method-assign]
+        scope = anyio.CancelScope()
+        state: list[str] = []
+
+        async def put() -> None:
+            with scope:
+                await tier.put("k", data)
+                state.append("returned")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(put)
+            await anyio.to_thread.run_sync(in_write.wait)
+            scope.cancel()  # mid-write
+            await anyio.sleep(0.05)
+            assert state == [] and "k" not in tier  # still writing: the cancel did not cut it
+            release.set()
+        # the shielded write finished and was committed; the put either returned or had its
+        # cancellation delivered after the commit
+        assert "k" in tier and await tier.get("k") == data
+        assert os.listdir(tmp_path / "tmp") == []
+        assert tier.used > 0
+
+        tier._io.write = real_write  # type: ignore[method-assign]
+        with anyio.CancelScope() as before:
+            before.cancel()
+            await tier.put("k2", data)  # cancelled at its first checkpoint, before any write
+        assert before.cancelled_caught and "k2" not in tier
         assert os.listdir(tmp_path / "tmp") == []
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import pytest
 
 from mooncake._core.master import MasterConfig
@@ -21,7 +22,7 @@ from mooncake._core.misses import MissReason
 from mooncake._core.tiers import file_name
 from mooncake._store.client import Store, open_store
 from mooncake._store.master import MasterServerConfig, serve_master
-from mooncake.errors import NoAvailableHandleError, ObjectNotFoundError, TierDataError
+from mooncake.errors import NoAvailableHandleError, ObjectNotFoundError, RpcError, TierDataError
 
 pytestmark = pytest.mark.anyio
 
@@ -317,4 +318,90 @@ async def test_metrics_export_misses_and_tier_counters(tmp_path: Path) -> None:
                 if ln.startswith('master_tier_demotions_total{tier="ssd"}')
             )
             assert float(line.split()[-1]) >= 1
+        tg.cancel_scope.cancel()
+
+
+async def test_a_lost_demote_end_answer_keeps_the_ssd_copy(tmp_path: Path) -> None:
+    """The master applied DemoteEnd but its answer was lost (a reset): the copy must stay,
+    since the master now lists it as the object's only replica."""
+    async with (
+        running_master() as addr,
+        open_store(
+            addr, segment_size=MiB, ssd_path=str(tmp_path), ssd_capacity=64 * MiB, promotion="never"
+        ) as s,
+    ):
+        real = s.master.call
+        lost: list[str] = []
+
+        async def call(method: str, params: Any) -> Any:
+            res = await real(method, params)
+            if method == "DemoteEnd" and not lost:
+                lost.append(params.key)
+                raise RpcError("master RPC DemoteEnd failed: connection reset (after it applied)")
+            return res
+
+        s.master.call = call  # type: ignore[method-assign]
+        keys = await fill_and_demote(s, 40)
+
+        async def one_lost() -> bool:
+            return bool(lost)
+
+        await eventually(one_lost, "a demotion")
+        key = lost[0]
+        assert await where(s, key) == "ssd"
+        assert s.ssd is not None and key in s.ssd
+        assert await s.get(key) == value(keys.index(key))  # readable: on main, a dangling key
+        assert not s._unsettled
+
+
+async def test_master_restart_reannounces_the_ssd_tier(tmp_path: Path) -> None:
+    """A restarted master knows nothing; the client's NEED_REMOUNT re-mounts its segment and
+    re-announces every SSD object, which stays readable."""
+    scopes: list[anyio.CancelScope] = []
+    stopped = anyio.Event()
+
+    async def serve(
+        cfg: MasterServerConfig,
+        *,
+        task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with anyio.CancelScope() as scope:
+            scopes.append(scope)
+            await serve_master(cfg, task_status=task_status)
+        stopped.set()  # its listener is closed
+
+    def config(port: int) -> MasterServerConfig:
+        return MasterServerConfig(
+            rpc_port=port,
+            enable_metric_reporting=False,
+            sweep_interval=0.02,
+            state=MasterConfig(seed=1, default_kv_lease_ttl=0.05),
+        )
+
+    async with anyio.create_task_group() as tg:
+        server = await tg.start(serve, config(0))
+        port = server.rpc_port
+        async with open_store(
+            f"127.0.0.1:{port}",
+            segment_size=MiB,
+            ssd_path=str(tmp_path),
+            ssd_capacity=64 * MiB,
+            promotion="never",
+        ) as s:
+            keys = await fill_and_demote(s, 30)
+            await eventually(lambda: _any_on_ssd(s, keys), "a demotion")
+            on_ssd = await ssd_keys(s, keys)
+            scopes[0].cancel()  # the master dies ...
+            await stopped.wait()
+            server2 = await tg.start(serve, config(port))  # ... and comes back, empty
+
+            async def reannounced() -> bool:
+                return server2.state.has_client(s.client_id) and all(
+                    [await where(s, k) == "ssd" for k in on_ssd]
+                )
+
+            await eventually(reannounced, "the SSD objects to be re-announced")
+            for k in on_ssd:
+                assert await s.get(k) == value(keys.index(k))
+            assert server2.state.segment_count == 1
         tg.cancel_scope.cancel()

@@ -120,6 +120,29 @@ class OffsetAllocator:
         self._used += need
         return start
 
+    def reserve(self, addr: int, length: int) -> bool:
+        """Allocate exactly the extent at ``addr`` (``length`` rounded up) if all of it is free
+        and ``addr`` is aligned as :meth:`allocate` would place it; False otherwise."""
+        if length <= 0:
+            raise InvalidArgumentError(f"reservation length must be positive, got {length}")
+        a = self._alignment
+        need = (length + a - 1) & ~(a - 1)
+        if (addr - self.base) % a:
+            return False
+        j = bisect.bisect_right(self._starts, addr) - 1
+        if j < 0:
+            return False
+        start = self._starts[j]
+        blen = self._free[start]
+        if addr + need > start + blen:
+            return False
+        self._remove_free(start, blen)
+        self._insert_free(start, addr - start)
+        self._insert_free(addr + need, start + blen - addr - need)
+        self._allocated[addr] = need
+        self._used += need
+        return True
+
     def free(self, addr: int) -> None:
         """Return the extent at ``addr``; coalesces with free neighbours."""
         length = self._allocated.pop(addr, None)

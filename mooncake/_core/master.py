@@ -39,7 +39,9 @@ Model
 * **Clients**: ``Ping``, ``MountSegment`` and ``ReMountSegment`` keep a client alive until
   ``now + client_ttl``. :meth:`sweep` drops clients past their deadline: their segments are
   unmounted, replicas on them dropped, objects left without replicas removed. ``Ping`` from an
-  unknown (new or expired) client answers ``NEED_REMOUNT``.
+  unknown (new or expired) client answers ``NEED_REMOUNT``. Time the master itself was
+  unresponsive is credited to every client (:meth:`credit_stall`), so a stall of the master
+  never reads as silence of its clients.
 
 Upsert: ``UpsertStart`` on a readable key allocates a new version (fresh extents) beside the old
 one; readers keep getting the old version until ``UpsertEnd`` swaps them.
@@ -139,6 +141,10 @@ class MasterConfig:
     """A demotion not ended within this many seconds is revoked (the object is dropped)."""
     max_disk_drops: int = 1 << 16
     """Bound of each client's queue of SSD copies to delete (oldest notices dropped beyond)."""
+    put_revoke_hold: float = 10.0
+    """Space of a revoked write (PutRevoke/UpsertRevoke, PromoteRevoke, TaskRevoke) is reused
+    only this many seconds later: the writer's transfer may have been cancelled mid-way, and
+    the segment owner's server may still be copying bytes it had already received."""
 
     def validate(self) -> None:
         """Raise :class:`InvalidArgumentError` naming the first bad setting."""
@@ -154,6 +160,7 @@ class MasterConfig:
             "demote_timeout",
             "pending_task_timeout",
             "processing_task_timeout",
+            "put_revoke_hold",
         ):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -194,6 +201,8 @@ class MasterStats:
     zombies_discarded: int = 0
     zombies_released: int = 0
     clients_expired: int = 0
+    stall_seconds: float = 0.0
+    """Time credited to clients because the master was unresponsive (:meth:`credit_stall`)."""
 
 
 # -- internal records ------------------------------------------------------------------------
@@ -308,6 +317,8 @@ class _Client:
 
 
 _Deferred = tuple[float, list[_Replica]]
+# Extents of an expired client's segment that others may still touch: (until, addr, length).
+_InUse = list[tuple[float, int, int]]
 
 
 class MasterState:
@@ -331,6 +342,8 @@ class MasterState:
         self._seg_list: list[_Seg] = []
         self._clients: dict[str, _Client] = {}
         self._deferred: list[_Deferred] = []
+        # segment id -> (segment as mounted, extents still in use when its owner expired)
+        self._in_use: dict[str, tuple[Segment, _InUse]] = {}
         self._soft_pinned: set[str] = set()
         self._writing: set[str] = set()  # keys that had a pending write (pruned by sweep)
         self._tasks: dict[str, _Task] = {}
@@ -407,6 +420,14 @@ class MasterState:
             client.deadline = now + self.config.client_ttl
         return client
 
+    def _renew_known(self, client_id: str, now: float) -> _Client | None:
+        """Renew ``client_id`` if the master knows it; None (and no record made) if not, so
+        that its next ``Ping`` still answers ``NEED_REMOUNT``."""
+        client = self._clients.get(client_id)
+        if client is not None:
+            client.deadline = now + self.config.client_ttl
+        return client
+
     def mount_segment(self, client_id: str, segment: Segment, now: float) -> None:
         """Mount ``segment`` for ``client_id`` (idempotent for the same client and range)."""
         _check_client_id(client_id)
@@ -446,6 +467,50 @@ class MasterState:
         self._seg_list.append(seg)
         client.segments.add(segment.id)
         self._capacity += segment.size
+        self._hold_in_use(seg, now)
+
+    def _remember_in_use(self, seg: _Seg, now: float) -> None:
+        """Before an expired client's segment is dropped: note the extents that other clients
+        may still write (pending writes, replica tasks, promotions) or read (open read
+        windows), and until when, so that a re-mount of the same segment does not hand them
+        out while they do (:meth:`_hold_in_use`)."""
+        held: _InUse = []
+        cfg = self.config
+
+        def note(until: float, reps: list[_Replica]) -> None:
+            if until > now:
+                held.extend((until, r.addr, r.length) for r in reps if r.seg is seg)
+
+        for key in seg.keys:
+            obj = self._objects.get(key)
+            if obj is None:
+                continue
+            if obj.pending is not None:
+                note(
+                    obj.pending.started + cfg.put_start_release_timeout,
+                    obj.pending.version.replicas,
+                )
+            if obj.readable is not None:
+                note(obj.read_deadline, obj.readable.replicas)
+            if obj.promoting is not None:
+                note(obj.promoting.started + cfg.put_start_release_timeout, obj.promoting.replicas)
+        for task in self._active_tasks.values():
+            note(task.started + cfg.processing_task_timeout, task.allocated)
+        for until, reps in self._deferred:
+            note(until, reps)
+        if held:
+            self._in_use[seg.segment.id] = (seg.segment, held)
+
+    def _hold_in_use(self, seg: _Seg, now: float) -> None:
+        """A re-mounted segment: keep what was in use when its owner expired allocated (as
+        deferred frees) until then."""
+        entry = self._in_use.pop(seg.segment.id, None)
+        if entry is None or entry[0] != seg.segment:
+            return
+        for until, addr, length in entry[1]:
+            if until > now and seg.alloc.reserve(addr, length):
+                self._used += seg.alloc.extent(addr)
+                self._deferred.append((until, [_Replica(seg, addr, length)]))
 
     def remount_segments(self, client_id: str, segments: Iterable[Segment], now: float) -> None:
         """Mount each of ``segments`` not mounted yet (after ``NEED_REMOUNT``)."""
@@ -513,6 +578,16 @@ class MasterState:
             if (kept := [r for r in reps if r.seg is not seg])
         ]
 
+    def credit_stall(self, seconds: float) -> None:
+        """The master itself could not serve requests for ``seconds`` (its loop was busy or
+        the process was stopped): that time does not count toward any client's silence, so
+        every client deadline moves by it. A client is expired only after ``client_ttl`` of
+        time during which the master was responsive and heard nothing from it."""
+        if seconds > 0:
+            for client in self._clients.values():
+                client.deadline += seconds
+            self.stats.stall_seconds += seconds
+
     def expire_clients(self, now: float) -> list[str]:
         """Drop clients whose deadline passed (their segments and replicas); returns their ids."""
         dead = [cid for cid, c in self._clients.items() if c.deadline < now]
@@ -521,6 +596,7 @@ class MasterState:
             for sid in list(client.segments):
                 seg = self._segments.get(sid)
                 if seg is not None:
+                    self._remember_in_use(seg, now)
                     self._drop_segment(seg, owner_died=True)
             lost = []
             for key in client.ssd_keys:
@@ -735,11 +811,12 @@ class MasterState:
     upsert_end = put_end
 
     def put_revoke(self, client_id: str, key: str, now: float) -> None:
-        """Abandon the pending write of ``key``; its space is freed (an older version stays)."""
+        """Abandon the pending write of ``key``; its space is freed after ``put_revoke_hold``
+        (an older version stays)."""
         obj, pending = self._pending_of(client_id, key)
         obj.pending = None
         self._unlink(key, pending.version)
-        self._free_version(pending.version)
+        self._hold_written(pending.version.replicas, now)
         if obj.readable is None:
             del self._objects[key]
         self.stats.puts_revoked += 1
@@ -849,13 +926,29 @@ class MasterState:
     def get_replica_list_by_regex(
         self, regex: str, now: float
     ) -> dict[str, list[ReplicaDescriptor]]:
-        """Replicas of every readable key matching ``regex`` (``re.search``); leases them."""
+        """Replicas of every readable key matching ``regex`` (``re.search``); leases them.
+
+        Runs the pattern over every key in the caller's thread: the server does not call this
+        (it matches in a worker thread within a time budget, :mod:`mooncake._store.keyscan`,
+        then calls :meth:`replica_lists_of`).
+        """
         pattern = _compile(regex)
-        return {
-            key: self.get_replica_list(key, now).replicas
-            for key, obj in list(self._objects.items())
-            if obj.readable is not None and pattern.search(key)
-        }
+        return self.replica_lists_of([k for k in self.readable_keys() if pattern.search(k)], now)
+
+    def readable_keys(self) -> list[str]:
+        """A snapshot of the keys with a readable version (for matching outside the state)."""
+        return [key for key, obj in self._objects.items() if obj.readable is not None]
+
+    def replica_lists_of(
+        self, keys: Iterable[str], now: float
+    ) -> dict[str, list[ReplicaDescriptor]]:
+        """Replicas of those of ``keys`` still readable (leasing them, as ``GetReplicaList``)."""
+        out: dict[str, list[ReplicaDescriptor]] = {}
+        for key in keys:
+            obj = self._objects.get(key)
+            if obj is not None and obj.readable is not None:
+                out[key] = self.get_replica_list(key, now).replicas
+        return out
 
     def exist_key(self, key: str, now: float) -> bool:
         """Whether ``key`` is readable; a true answer extends its lease (as Mooncake does)."""
@@ -898,16 +991,27 @@ class MasterState:
     def remove_by_regex(self, regex: str, force: bool, now: float) -> int:
         """Remove every removable readable key matching ``regex``; returns how many."""
         pattern = _compile(regex)
-        return self._remove_matching(lambda k: pattern.search(k) is not None, force, now)
+        return self.remove_keys([k for k in self.readable_keys() if pattern.search(k)], force, now)
+
+    def remove_keys(self, keys: Iterable[str], force: bool, now: float) -> int:
+        """``RemoveAll``'s rules applied to ``keys`` only (each re-checked now); how many went."""
+        objs = (self._objects.get(k) for k in dict.fromkeys(keys))
+        return self._remove_objects([o for o in objs if o is not None], force, now)
 
     def remove_all(self, force: bool, now: float) -> int:
         """Remove every removable readable object; returns how many (leased ones stay unless ``force``)."""
         return self._remove_matching(lambda k: True, force, now)
 
     def _remove_matching(self, match: Callable[[str], bool], force: bool, now: float) -> int:
+        return self._remove_objects(
+            [obj for key, obj in self._objects.items() if match(key)], force, now
+        )
+
+    def _remove_objects(self, objs: list[_Object], force: bool, now: float) -> int:
         n = 0
-        for key, obj in list(self._objects.items()):
-            if obj.readable is None or obj.pending is not None or obj.task or not match(key):
+        for obj in objs:
+            key = obj.key
+            if obj.readable is None or obj.pending is not None or obj.task:
                 continue
             if obj.lease_deadline > now and not force:
                 self.stats.lease_refusals += 1
@@ -1049,6 +1153,8 @@ class MasterState:
     def task_revoke(self, client_id: str, task_id: str, message: str, now: float) -> None:
         """The executor gave up: targets are freed, the task FAILED."""
         task = self._active_task(client_id, task_id)
+        self._hold_written(task.allocated, now)
+        task.allocated = []
         self._fail_task(task, message or "revoked by the executor")
 
     def _active_task(self, client_id: str, task_id: str) -> _Task:
@@ -1132,6 +1238,12 @@ class MasterState:
         self._release_zombies(now)
         self._expire_tasks(now)
         self._release_deferred(now)
+        if self._in_use:
+            self._in_use = {
+                sid: (sg, kept)
+                for sid, (sg, held) in self._in_use.items()
+                if (kept := [h for h in held if h[0] > now])
+            }
         self._expire_soft_pins(now)
         self._expire_tier_moves(now)
         if self._capacity and (
@@ -1244,9 +1356,12 @@ class MasterState:
         self._touch_client(client_id, now).ssd_capacity = capacity
 
     def fetch_tier_tasks(self, client_id: str, now: float) -> TierTasks:
-        """Take ``client_id``'s queued demotions and SSD copies to delete."""
+        """Take ``client_id``'s queued demotions and SSD copies to delete (none for a client
+        the master does not know: polling does not make it known, mounting does)."""
         _check_client_id(client_id)
-        client = self._touch_client(client_id, now)
+        client = self._renew_known(client_id, now)
+        if client is None:
+            return TierTasks(demote=[], drop=[])
         out = TierTasks(demote=client.demote_tasks, drop=client.disk_drops)
         client.demote_tasks, client.disk_drops = [], []
         return out
@@ -1296,9 +1411,13 @@ class MasterState:
         """``client_id`` holds version ``vid`` of ``key`` on its SSD: free the memory replicas.
 
         ``OBJECT_NOT_FOUND`` if that version is gone (the client must delete its copy);
-        ``ILLEGAL_CLIENT`` if no demotion of it to this client is in progress.
+        ``ILLEGAL_CLIENT`` if no demotion of it to this client is in progress. Idempotent: a
+        repeat after it was applied (the client lost the first answer) succeeds.
         """
         obj, ver = self._tier_object(client_id, key, vid)
+        if obj.demoting is None and client_id in ver.disk:
+            self._touch_client(client_id, now)
+            return
         if obj.demoting is None or obj.demoting.client_id != client_id:
             raise IllegalClientError(f"no demotion of {key!r} to client {client_id} is in progress")
         self._clear_demoting(obj)
@@ -1369,7 +1488,7 @@ class MasterState:
         if p is None or p.client_id != client_id:
             raise IllegalClientError(f"no promotion of {key!r} by client {client_id}")
         obj.promoting = None
-        self._free_replicas(p.replicas)
+        self._hold_written(p.replicas, now)
 
     def evict_disk_replica(
         self, client_id: str, key: str, vid: int, policy: str, now: float
@@ -1379,9 +1498,9 @@ class MasterState:
         The object is dropped if that was its last replica. A version already gone is a no-op.
         """
         _check_client_id(client_id)
-        client = self._touch_client(client_id, now)
+        client = self._renew_known(client_id, now)
         obj = self._objects.get(key)
-        if obj is None or obj.readable is None or obj.readable.vid != vid:
+        if client is None or obj is None or obj.readable is None or obj.readable.vid != vid:
             return
         ver = obj.readable
         if client_id not in ver.disk:
@@ -1476,6 +1595,16 @@ class MasterState:
             self._deferred.append((obj.read_deadline, ver.replicas))
         else:
             self._free_version(ver)
+
+    def _hold_written(self, reps: list[_Replica], now: float) -> None:
+        """Free extents a writer gave up on, after ``put_revoke_hold`` (bytes of its cancelled
+        transfer may still land in them until then)."""
+        if not reps:
+            return
+        if self.config.put_revoke_hold > 0:
+            self._deferred.append((now + self.config.put_revoke_hold, reps))
+        else:
+            self._free_replicas(reps)
 
     def _free_version(self, ver: _Version) -> None:
         self._free_replicas(ver.replicas)

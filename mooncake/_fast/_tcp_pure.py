@@ -379,6 +379,26 @@ class ClientPipe:
     def statuses(self) -> list[int]:
         return list(self._st)
 
+    def run_blocking(self, timeout_ms: int, spin_us: int = 0) -> int:
+        """Run to the end on the calling thread, waiting in ``poll`` (see ``_tcp.pyx``; the
+        twin does not spin)."""
+        import select
+        import time
+
+        deadline = time.monotonic() + timeout_ms / 1000 if timeout_ms >= 0 else None
+        while True:
+            r = self.step()
+            if r not in (WANT_READ, WANT_WRITE):
+                return r
+            left = -1
+            if deadline is not None:
+                left = int((deadline - time.monotonic()) * 1000)
+                if left <= 0:
+                    return -errno.ETIMEDOUT
+            p = select.poll()
+            p.register(self.fd, select.POLLIN if r == WANT_READ else select.POLLOUT)
+            p.poll(left)
+
     def step(self) -> int:
         import os
 

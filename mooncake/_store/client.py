@@ -76,6 +76,7 @@ from mooncake._core.staging import RangeAllocator
 from mooncake._core.tiers import Admission, SsdEntry, make_admission
 from mooncake._core.transfer import TransferRequest
 from mooncake._engine.engine import Buffer, DeviceMemory, Engine, open_engine
+from mooncake._store.bounds import check_replica_list, own_extent
 from mooncake._store.config import ReplicateConfig, to_wire
 from mooncake._store.master_conn import MasterConnection
 from mooncake._store.shm import MappedPeer, SharedSegment, ShmPeers, ShmServer
@@ -90,6 +91,7 @@ from mooncake.errors import (
     ObjectAlreadyExistsError,
     ObjectNotFoundError,
     PeerDiedError,
+    RpcError,
     TierDataError,
     TransferError,
 )
@@ -190,6 +192,8 @@ class Store:
         self._disk_evictions: dict[str, tuple[int, str, str]] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         self._tier_lock = anyio.Lock()
+        # demotions whose DemoteEnd answer was lost: key -> task (settled in a later round)
+        self._unsettled: dict[str, st.DemoteTask] = {}
         self._misses: collections.Counter[tuple[str, str, str]] = collections.Counter()
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -258,26 +262,49 @@ class Store:
 
     async def _start_ssd(self) -> None:
         """Mount the SSD tier at the master and re-announce what it recovered."""
+        assert self.ssd is not None
+        await self._announce_ssd([e.key for e in self.ssd.recovered])
+
+    async def _announce_ssd(self, keys: Sequence[str]) -> None:
+        """``MountLocalDisk``, then ``PutLocal`` each of ``keys`` still on the SSD tier (each
+        gets a new version id); a key the master already has lives elsewhere now: its copy
+        here is deleted, so no stale copy stays reachable."""
         tier = self.ssd
         assert tier is not None
         await self.master.call(
             "MountLocalDisk",
             rpc.LocalDiskParams(client_id=self.client_id, capacity=tier.capacity),
         )
-        for entry in tier.recovered:
-            if entry.key not in tier:
+        for key in keys:
+            if key not in tier:
                 continue
             try:
                 vid: int = await self.master.call(
                     "PutLocal",
-                    rpc.PutLocalParams(client_id=self.client_id, key=entry.key, size=entry.size),
+                    rpc.PutLocalParams(client_id=self.client_id, key=key, size=tier.size_of(key)),
                 )
             except (ObjectAlreadyExistsError, InvalidArgumentError):
                 # the key was written again meanwhile (or cannot be announced): drop our copy
-                self._ssd_vid.pop(entry.key, None)
-                await tier.remove(entry.key)
+                self._ssd_vid.pop(key, None)
+                await tier.remove(key)
                 continue
-            self._ssd_vid[entry.key] = vid
+            self._ssd_vid[key] = vid
+
+    async def _remount(self) -> None:
+        """After ``NEED_REMOUNT`` (the master restarted, or expired this client): mount the
+        segment again and re-announce every object of the SSD tier (the master has forgotten
+        them, and the version ids it gave them)."""
+        if self.mounted is not None:
+            await self.master.call(
+                "ReMountSegment",
+                rpc.ReMountSegmentParams(client_id=self.client_id, segments=[self.mounted]),
+            )
+        if self.ssd is not None:
+            async with self._tier_lock:
+                self._unsettled.clear()
+                self._disk_evictions.clear()  # versions the master no longer knows
+                self._ssd_vid.clear()
+                await self._announce_ssd(self.ssd.keys())
 
     async def _tier_loop(self) -> None:
         """Every ``TIER_POLL_S``: one :meth:`_tier_round`."""
@@ -291,6 +318,8 @@ class Store:
     async def _tier_round(self) -> None:
         """Report SSD evictions, delete copies the master no longer lists, do its demotions."""
         async with self._tier_lock:
+            for t in list(self._unsettled.values()):
+                await self._end_demotion(t)
             await self._report_disk_evictions()
             tasks: st.TierTasks = await self.master.call(
                 "FetchTierTasks", rpc.ClientParams(client_id=self.client_id)
@@ -321,6 +350,7 @@ class Store:
         ok = (
             seg is not None
             and t.segment_name == self.segment_name
+            and t.size > 0
             and seg.addr <= t.addr
             and t.addr + t.size <= seg.addr + seg.size
         )
@@ -340,15 +370,40 @@ class Store:
                 pass
             return
         self._ssd_vid[t.key] = t.vid
-        try:
-            await self.master.call("DemoteEnd", params)
-        except MooncakeError:
-            # removed or replaced while we copied: our copy must never be served
-            if self._ssd_vid.get(t.key) == t.vid:
-                del self._ssd_vid[t.key]
-                await tier.remove(t.key)
+        await self._end_demotion(t)
+
+    async def _end_demotion(self, t: st.DemoteTask) -> None:
+        """``DemoteEnd`` for a copy on the SSD tier.
+
+        The master's answer decides: success keeps the copy; an error answer (the version was
+        removed or replaced, or the demotion was revoked) deletes it, since it must never be
+        served. A *lost* answer (connection reset: the master may or may not have applied it)
+        decides nothing: ``DemoteEnd`` is idempotent, so it is retried, and a copy whose outcome
+        is still unknown is kept for the next tier round (it is served only while the master
+        lists it, with its version).
+        """
+        tier = self.ssd
+        assert tier is not None
+        params = rpc.TierKeyParams(client_id=self.client_id, key=t.key, vid=t.vid)
+        for attempt in range(3):
+            try:
+                await self.master.call("DemoteEnd", params)
+            except RpcError as e:
+                log.info("DemoteEnd of %r: answer lost (%s); retrying", t.key, e)
+                await anyio.sleep(0.05 * (attempt + 1))
+                continue
+            except MooncakeError:
+                if self._unsettled.get(t.key) is t:
+                    del self._unsettled[t.key]
+                if self._ssd_vid.get(t.key) == t.vid:
+                    del self._ssd_vid[t.key]
+                    await tier.remove(t.key)
+                return
+            if self._unsettled.get(t.key) is t:
+                del self._unsettled[t.key]
+            tier.counters.demotions += 1
             return
-        tier.counters.demotions += 1
+        self._unsettled[t.key] = t
 
     async def _read_ssd(self, key: str, resp: st.GetReplicaListResponse) -> bytes:
         """The bytes of an object the master lists only on SSD copies (ours, if any)."""
@@ -393,8 +448,11 @@ class Store:
         try:
             addr, n, keep = _value_addr(data)
             r = reps[0]
-            if self._is_copyable(r.segment_name) and r.segment_name == self.segment_name:
-                ctypes.memmove(r.addr, addr, n)
+            if r.length != n:
+                raise TransferError(f"PromoteStart gave a {r.length}-byte replica for {n} bytes")
+            seg = self.segment
+            if seg is not None and r.segment_name == self.segment_name:
+                ctypes.memmove(own_extent(seg.addr, seg.size, r.addr, n), addr, n)
             else:
                 off = await self._stage(n)
                 try:
@@ -455,12 +513,11 @@ class Store:
             await anyio.sleep(HEARTBEAT_S)
             try:
                 resp: st.PingResponse = await self.master.call("Ping", params)
-                if resp.client_status == st.ClientStatus.NEED_REMOUNT and self.mounted is not None:
+                if resp.client_status == st.ClientStatus.NEED_REMOUNT and (
+                    self.mounted is not None or self.ssd is not None
+                ):
                     log.warning("master asked %s to remount its segment", self.client_id)
-                    await self.master.call(
-                        "ReMountSegment",
-                        rpc.ReMountSegmentParams(client_id=self.client_id, segments=[self.mounted]),
-                    )
+                    await self._remount()
             except MooncakeError as e:
                 log.warning("heartbeat to the master at %s failed: %s", self.master_address, e)
 
@@ -561,14 +618,13 @@ class Store:
             seg = op.replica.segment_name
             if seg == own and self.segment is not None:
                 peer = None
-                base, size = self.segment.addr, self.segment.size
-                addr = op.replica.addr
-                if addr < base or addr + op.length > base + size:
-                    op.error = TransferError(
-                        f"replica [{addr:#x}, +{op.length}) outside own segment"
+                try:
+                    remote_local = own_extent(
+                        self.segment.addr, self.segment.size, op.replica.addr, op.length
                     )
+                except TransferError as e:
+                    op.error = e
                     continue
-                remote_local = addr
             else:
                 peer = await self._shm.lookup(seg)
                 if peer is None:
@@ -1049,7 +1105,7 @@ class Store:
         except ObjectNotFoundError as e:
             e.miss = parse_miss(key, str(e))
             raise
-        return resp, t0 + _read_ttl(resp)
+        return check_replica_list(key, resp), t0 + _read_ttl(resp)
 
     async def _batch_query(
         self, keys: Sequence[str], *, for_read: bool = True
@@ -1061,9 +1117,12 @@ class Store:
             "BatchGetReplicaList", rpc.KeysParams(keys=list(keys), for_read=for_read)
         )
         out: list[st.GetReplicaListResponse | MooncakeError] = []
-        for it in items:
+        for key, it in zip(keys, items, strict=False):
             if it.code == 0 and it.value is not None:
-                out.append(it.value)
+                try:
+                    out.append(check_replica_list(key, it.value))
+                except TransferError as e:
+                    out.append(e)
             else:
                 out.append(error_from_code(it.code))
         return out, t0
@@ -1144,7 +1203,11 @@ class Store:
             peer = (
                 None if r.segment_name == self.segment_name else self._route_cached(r.segment_name)
             )
-            src = r.addr if peer is None else peer.local(r.addr, n)
+            if peer is None:
+                assert self.segment is not None  # _is_copyable of our own segment
+                src = own_extent(self.segment.addr, self.segment.size, r.addr, n)
+            else:
+                src = peer.local(r.addr, n)
             if peer is not None and not peer.acquire():
                 self._shm.forget(r.segment_name)
                 raise PeerDiedError(f"{r.segment_name}: its owner is gone")
@@ -1189,7 +1252,10 @@ class Store:
         if n > size:
             raise InvalidArgumentError(f"buffer of {size} bytes is smaller than the {n}-byte value")
         if not resp.replicas and resp.disk_clients:
-            ctypes.memmove(addr, await self._read_ssd(key, resp), n)
+            data = await self._read_ssd(key, resp)
+            if len(data) != n:
+                raise TransferError(f"the SSD copy of {key!r} has {len(data)} bytes, not {n}")
+            ctypes.memmove(addr, data, n)
             return n
         await self._read_one(resp, addr, n, deadline)
         return n

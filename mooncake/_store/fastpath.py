@@ -38,6 +38,7 @@ from mooncake import _fast
 from mooncake._core import rpc
 from mooncake._core import store_types as st
 from mooncake._core.master import parse_miss
+from mooncake._store.bounds import check_replica_list, own_extent
 from mooncake._store.shm import MappedPeer
 from mooncake.errors import (
     LeaseExpiredError,
@@ -47,6 +48,7 @@ from mooncake.errors import (
     PeerDiedError,
     ProtocolError,
     RpcError,
+    TransferError,
 )
 
 if TYPE_CHECKING:
@@ -137,9 +139,10 @@ class FastPath:
         s = self.store
         seg = s.segment
         if r.segment_name == s.segment_name and seg is not None:
-            if seg.addr <= r.addr and r.addr + n <= seg.addr + seg.size:
-                return r.addr, None
-            return None
+            try:
+                return own_extent(seg.addr, seg.size, r.addr, n), None
+            except MooncakeError:
+                return None  # the loop's path reports it
         p = s._shm.cached(r.segment_name)
         if p is None:
             return None
@@ -213,7 +216,7 @@ class FastPath:
         except ObjectNotFoundError as e:
             e.miss = parse_miss(key, str(e))
             raise
-        return resp, t0 + (resp.read_ttl_ms or resp.lease_ttl_ms) / 1000.0
+        return check_replica_list(key, resp), t0 + (resp.read_ttl_ms or resp.lease_ttl_ms) / 1000.0
 
     def _copy_out(self, resp: st.GetReplicaListResponse, n: int, into: int | None) -> bytes | None:
         """Copy the object from the cheapest memcpy-able replica; None if there is none."""
@@ -267,7 +270,10 @@ class FastPath:
         if n > size:
             raise InvalidArgumentError(f"buffer of {size} bytes is smaller than the {n}-byte value")
         if not resp.replicas and resp.disk_clients:  # on an SSD tier: the loop reads it
-            ctypes.memmove(addr, self.loop.call(self.store._read_ssd, key, resp), n)
+            data: bytes = self.loop.call(self.store._read_ssd, key, resp)
+            if len(data) != n:
+                raise TransferError(f"the SSD copy of {key!r} has {len(data)} bytes, not {n}")
+            ctypes.memmove(addr, data, n)
             return n
         if n <= FAST_MAX and self._copy_out(resp, n, addr) is not None:
             self._fence(deadline)

@@ -27,6 +27,14 @@ Cluster secret: with ``cluster_secret`` (or ``MOONCAKE_CLUSTER_SECRET``) a conne
 ``AuthHello``/``AuthProve`` (:mod:`mooncake._core.auth`, channel ``rpc``) before any other
 call; anything else gets ``RPC_FAIL`` "authentication required" and the connection is closed.
 
+Regex requests (``GetReplicaListByRegex``, ``RemoveByRegex``) match in a worker thread within
+``regex_budget`` seconds (:mod:`mooncake._store.keyscan`): a pathological pattern fails that
+request with ``-600`` and never stalls the loop.
+
+Liveness: the sweeper measures how late it wakes; time the loop could not run (beyond one
+``sweep_interval``) is credited to every client (:meth:`MasterState.credit_stall`) before any
+is expired, so a stall of the master never expires a client that kept pinging.
+
 Time: every ``now`` comes from ``anyio.current_time()``, the event loop's clock, so trio's
 ``MockClock`` drives leases, client TTLs and zombie timeouts in tests. A background task calls
 :meth:`MasterState.sweep` every ``sweep_interval`` seconds (client expiry, zombie release,
@@ -60,6 +68,7 @@ from mooncake._core.master import MasterConfig, MasterState
 from mooncake._core.misses import Miss
 from mooncake._core.store_types import MissInfo
 from mooncake._engine import _accept
+from mooncake._store.keyscan import DEFAULT_BUDGET_S, SCAN_METHODS, KeyScanner
 from mooncake.errors import (
     ErrorCode,
     InvalidArgumentError,
@@ -108,10 +117,16 @@ class MasterServerConfig:
     idle_timeout: float = 300.0
     #: the cluster secret clients must prove (None: ``$MOONCAKE_CLUSTER_SECRET``; "": off)
     cluster_secret: str | None = None
+    regex_budget: float = DEFAULT_BUDGET_S
     state: MasterConfig = field(default_factory=MasterConfig)
 
 
 Handler = Callable[[MasterState, Any, float], Any]
+# The regex methods applied to keys matched beforehand (off the loop) by a KeyScanner.
+_SCAN_APPLY: dict[str, Callable[[MasterState, Any, list[str], float], Any]] = {
+    "GetReplicaListByRegex": lambda s, p, keys, now: s.replica_lists_of(keys, now),
+    "RemoveByRegex": lambda s, p, keys, now: s.remove_keys(keys, p.force, now),
+}
 
 
 def _miss_info(miss: Miss) -> MissInfo:
@@ -207,17 +222,26 @@ class MasterServer:
         self.secret = auth.load_secret(config.cluster_secret)
         self.auth_failures = 0
         self.http_slots = _accept.Slots(_HTTP_MAX_CONNECTIONS, "master-http")
+        self.scanner = KeyScanner(config.regex_budget)
 
     # -- RPC -------------------------------------------------------------------------------
 
-    def handle_request(self, req: rpc.Request, now: float) -> bytes:
-        """Answer one decoded request (a framed response; never raises for request errors)."""
+    def handle_request(
+        self, req: rpc.Request, now: float, matched: list[str] | None = None
+    ) -> bytes:
+        """Answer one decoded request (a framed response; never raises for request errors).
+
+        ``matched``: for a regex method, the keys its pattern matched (:meth:`handle_scan`).
+        """
         max_frame = self.config.max_frame
         name = req.method
         try:
             params = rpc.decode_params(req)
             self.requests[name] += 1
-            result = self.handlers[name](self.state, params, now)
+            if matched is not None:
+                result = _SCAN_APPLY[name](self.state, params, matched, now)
+            else:
+                result = self.handlers[name](self.state, params, now)
             try:
                 return rpc.encode_result(req.id, result, max_frame=max_frame)
             except InvalidArgumentError as e:  # answer too large for one frame
@@ -233,6 +257,27 @@ class MasterServer:
             return rpc.encode_error(
                 req.id, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}", max_frame=max_frame
             )
+
+    async def handle_scan(self, req: rpc.Request) -> bytes:
+        """Answer a regex request: match in a worker thread, then apply on the loop."""
+        try:
+            params = rpc.decode_params(req)
+            assert isinstance(params, rpc.RegexParams)
+            keys = await self.scanner.matching(self.state.readable_keys(), params.regex)
+        except MooncakeError as e:
+            self.requests[req.method] += 1
+            self.failures[req.method] += 1
+            return rpc.encode_error(req.id, e, max_frame=self.config.max_frame)
+        except Exception as e:  # a bug here must not take the master down
+            log.exception("master: %s failed", req.method)
+            self.failures[req.method] += 1
+            return rpc.encode_error(
+                req.id,
+                ErrorCode.INTERNAL_ERROR,
+                f"{type(e).__name__}: {e}",
+                max_frame=self.config.max_frame,
+            )
+        return self.handle_request(req, anyio.current_time(), matched=keys)
 
     async def serve_connection(self, sock: socket.socket, slot: _accept.Slot) -> None:
         """Serve one RPC connection (a connected non-blocking socket, closed by the accept
@@ -294,7 +339,11 @@ class MasterServer:
                         await _send_all(sock, b"".join(out))
                         return
                     continue
-                out.append(self.handle_request(msg, anyio.current_time()))
+                if msg.method in SCAN_METHODS:
+                    slot.busy()
+                    out.append(await self.handle_scan(msg))
+                else:
+                    out.append(self.handle_request(msg, anyio.current_time()))
             if out:
                 slot.busy()
                 await _send_all(sock, b"".join(out) if len(out) > 1 else out[0])
@@ -356,11 +405,21 @@ class MasterServer:
         return refuse(AUTH_REQUIRED)
 
     async def sweeper(self) -> None:
-        """Periodic time-driven work on the state (see :meth:`MasterState.sweep`)."""
+        """Periodic time-driven work on the state (see :meth:`MasterState.sweep`).
+
+        Each round measures how late it woke: lateness beyond one interval is time the loop
+        could not run, credited to the clients (:meth:`MasterState.credit_stall`) first.
+        """
+        interval = self.config.sweep_interval
+        last = anyio.current_time()
         while True:
-            await anyio.sleep(self.config.sweep_interval)
+            await anyio.sleep(interval)
+            now = anyio.current_time()
+            stalled, last = now - last - 2 * interval, now
             try:
-                self.state.sweep(anyio.current_time())
+                if stalled > 0:
+                    self.state.credit_stall(stalled + interval)
+                self.state.sweep(now)
             except Exception:
                 log.exception("master: sweep failed")
 
@@ -492,6 +551,16 @@ class _MasterCollector(Collector):
         yield counter("master_zombie_puts_released", "Zombie writes released", st.zombies_released)
         yield counter(
             "master_clients_expired", "Clients dropped after client_ttl", st.clients_expired
+        )
+        yield counter(
+            "master_stall_seconds",
+            "Time the master could not serve, credited to every client's TTL",
+            st.stall_seconds,
+        )
+        yield counter(
+            "master_regex_timeouts",
+            "Regex requests refused past their budget",
+            self.server.scanner.timeouts,
         )
         misses = CounterMetricFamily(
             "master_misses",

@@ -10,6 +10,15 @@ address and size, and from then on replicas on ``S`` move by ``memcpy`` -- no so
 through the kernel. If the socket does not exist the peer is remote and the engine's transport
 is used (the negative answer is remembered for ``NEGATIVE_TTL_S``).
 
+Trust: both ends check the other's credentials (``SO_PEERCRED``). The owner hands its memfd
+only to a connecting process whose uid is its own or listed in ``MC_STORE_SHM_ALLOWED_UIDS``
+(comma-separated uids); anyone else is disconnected without it. The connecting side accepts a
+listener only under the same rule, and only if the hello's ``pid`` is the listener's pid, so a
+process of another user that bound the name first (abstract names carry no permissions) is
+detected and refused: the segment is then reached over the network, as a remote one. With
+``MOONCAKE_CLUSTER_SECRET`` set the name is ``\\0mooncake-store/h/<HMAC(secret, segment)>``,
+which a user without the secret cannot compute ahead of the owner, so it cannot squat it either.
+
 Liveness is the connection itself: the owner never writes to it after the hello, so the socket
 becomes readable only when the owner's process is gone (the kernel closes its end) or it closed
 the segment. Every copy checks that with a non-blocking ``MSG_PEEK`` *before and after* the
@@ -24,11 +33,14 @@ memory under a running ``memcpy``.
 from __future__ import annotations
 
 import errno
+import hashlib
+import hmac
 import json
 import logging
 import mmap
 import os
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -46,14 +58,45 @@ NEGATIVE_TTL_S = 5.0
 MAX_PEERS = 1024
 HELLO_MAX = 4096
 _PREFIX = "mooncake-store/"
+_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+SECRET_ENV = "MOONCAKE_CLUSTER_SECRET"
+ALLOWED_UIDS_ENV = "MC_STORE_SHM_ALLOWED_UIDS"
 # Guards MappedPeer.users/closing: the sync facade's fast path copies from its caller's thread
 # while the loop thread may drop a dead peer.
 _MAP_LOCK = threading.Lock()
 
 
 def socket_name(segment_name: str) -> str:
-    """The abstract Unix socket name a segment's owner listens on (leading NUL included)."""
+    """The abstract Unix socket name a segment's owner listens on (leading NUL included).
+
+    Derived from the segment name, keyed by ``MOONCAKE_CLUSTER_SECRET`` when that is set.
+    """
+    secret = os.environ.get(SECRET_ENV, "")
+    if secret:
+        tag = hmac.new(secret.encode(), b"store-shm:" + segment_name.encode(), hashlib.sha256)
+        return "\0" + _PREFIX + "h/" + tag.hexdigest()[:40]
     return "\0" + _PREFIX + segment_name
+
+
+def allowed_uids() -> frozenset[int]:
+    """The uids this process shares segments with: its own and ``MC_STORE_SHM_ALLOWED_UIDS``."""
+    uids = {os.getuid()}
+    for part in os.environ.get(ALLOWED_UIDS_ENV, "").replace(",", " ").split():
+        try:
+            uids.add(int(part))
+        except ValueError:
+            raise InvalidArgumentError(
+                f"{ALLOWED_UIDS_ENV} must list uids (integers), got {part!r}"
+            ) from None
+    return frozenset(uids)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a connected Unix socket."""
+    pid, uid, gid = _CREDS.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
+    )
+    return pid, uid, gid
 
 
 class SharedSegment:
@@ -95,7 +138,10 @@ class ShmServer:
         self.segment_name = segment_name
         self._sock: socket.socket | None = None
         self._limit = anyio.CapacityLimiter(MAX_PEERS)
+        self._uids = allowed_uids()
         self.served = 0
+        self.refused = 0
+        """Connections turned away because their uid is not allowed."""
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[str]) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -115,7 +161,12 @@ class ShmServer:
         sock.setblocking(False)
         self._sock = sock
         hello = json.dumps(
-            {"segment": self.segment_name, "base": self.segment.addr, "size": self.segment.size}
+            {
+                "segment": self.segment_name,
+                "base": self.segment.addr,
+                "size": self.segment.size,
+                "pid": os.getpid(),
+            }
         ).encode()
         task_status.started(self.segment_name)
         try:
@@ -140,6 +191,21 @@ class ShmServer:
     async def _hold(self, conn: socket.socket, hello: bytes) -> None:
         try:
             if self._limit.available_tokens == 0:
+                return
+            try:
+                pid, uid, _ = peer_credentials(conn)
+            except OSError as e:
+                log.debug("shm: no credentials for a connection: %s", e)
+                return
+            if uid not in self._uids:
+                self.refused += 1
+                log.warning(
+                    "shm: refusing segment %s to pid %d of uid %d (allowed uids: %s)",
+                    self.segment_name,
+                    pid,
+                    uid,
+                    sorted(self._uids),
+                )
                 return
             async with self._limit:
                 try:
@@ -196,7 +262,7 @@ class MappedPeer:
         return not self.dead
 
     def local(self, remote_addr: int, length: int) -> int:
-        if remote_addr < self.base or remote_addr + length > self.base + self.size:
+        if length < 0 or remote_addr < self.base or remote_addr + length > self.base + self.size:
             raise PeerDiedError(
                 f"{self.segment}: [{remote_addr:#x}, +{length}) is outside its segment"
             )
@@ -241,6 +307,9 @@ class ShmPeers:
         self._remote: dict[str, float] = {}
         self._locks: dict[str, anyio.Lock] = {}
         self.enabled = os.environ.get("MC_STORE_MEMCPY", "1") not in ("0", "false", "False")
+        self._uids = allowed_uids()
+        self.refused = 0
+        """Listeners refused: the name was served by an untrusted uid or a lying hello."""
 
     def cached(self, segment: str) -> MappedPeer | None:
         """The live mapping of ``segment`` if there is one (no I/O)."""
@@ -296,19 +365,23 @@ class ShmPeers:
             _close(sock)
             return None
         try:
-            info: dict[str, Any] = json.loads(msg)
-            if info.get("segment") != segment or len(fds) != 1:
-                raise ValueError(f"unexpected hello {info!r} with {len(fds)} fds")
-            size = int(info["size"])
+            pid, uid, _ = peer_credentials(sock)
+            if uid not in self._uids:
+                raise PermissionError(
+                    f"its listener is pid {pid} of uid {uid}, not one of uids {sorted(self._uids)}"
+                )
+            info = json.loads(msg)
+            base, size = _check_hello(info, segment, pid, fds)
             mm = mmap.mmap(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except (ValueError, KeyError, OSError) as e:
-            log.warning("shm: bad hello from %s: %s", segment, e)
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            self.refused += 1
+            log.warning("shm: not mapping segment %s (%s); using the network", segment, e)
             _close(sock)
             return None
         finally:
             for fd in fds:
                 os.close(fd)
-        return MappedPeer(segment, sock, mm, int(info["base"]), size)
+        return MappedPeer(segment, sock, mm, base, size)
 
     def forget(self, segment: str) -> None:
         p = self._peers.get(segment)
@@ -325,6 +398,25 @@ class ShmPeers:
         for seg, p in list(self._peers.items()):
             p.dead = True
             self._drop(seg, p)
+
+
+def _check_hello(info: Any, segment: str, pid: int, fds: list[int]) -> tuple[int, int]:
+    """``(base, size)`` of a well-formed hello from listener ``pid`` for ``segment``; else
+    ``ValueError`` saying what is wrong (a memfd shorter than ``size`` would fault on access)."""
+    if not isinstance(info, dict):
+        raise ValueError(f"hello is not an object: {info!r}")
+    if info.get("segment") != segment:
+        raise ValueError(f"hello names segment {info.get('segment')!r}")
+    if info.get("pid") != pid:
+        raise ValueError(f"hello claims pid {info.get('pid')!r} but the listener is pid {pid}")
+    if len(fds) != 1:
+        raise ValueError(f"hello came with {len(fds)} fds, expected 1")
+    base, size = info.get("base"), info.get("size")
+    if not isinstance(base, int) or not isinstance(size, int) or base < 0 or size <= 0:
+        raise ValueError(f"hello has base={base!r} size={size!r}")
+    if os.fstat(fds[0]).st_size < size:
+        raise ValueError(f"its memfd holds {os.fstat(fds[0]).st_size} bytes, not {size}")
+    return base, size
 
 
 def _close(sock: socket.socket) -> None:
