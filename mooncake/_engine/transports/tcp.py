@@ -637,6 +637,31 @@ class TcpTransport(Transport):
             self._listener = None
 
 
+def client_auth_blocking(sock: socket.socket, secret: bytes) -> None:
+    """The client side of the data port's challenge-response on a blocking socket (its timeout
+    bounds each step); :class:`AuthError` when the server does not prove the secret or refuses
+    ours, ``OSError`` when the connection fails."""
+
+    def recv_exact(n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = sock.recv(n - len(out))
+            if not chunk:
+                raise AuthError("the peer closed the data connection during auth")
+            out += chunk
+        return out
+
+    cn = auth.new_nonce()
+    sock.sendall(AUTH_HELLO + cn)
+    reply = recv_exact(64)
+    sn, sp = reply[:32], reply[32:]
+    if not auth.verify(auth.server_proof(secret, "tcp", cn, sn), sp):
+        raise AuthError("the peer does not know the cluster secret")
+    sock.sendall(auth.client_proof(secret, "tcp", cn, sn))
+    if recv_exact(8) != AUTH_OK:
+        raise AuthError("the peer refused our cluster-secret proof")
+
+
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name, "")
     try:
