@@ -501,11 +501,15 @@ class TcpTransport(Transport):
     ) -> None:
         pending = group
         attempts = 0
-        fresh_retry = True
         while pending:
             attempts += 1
             async with pl.limiter:
-                lane = pl.idle.pop() if pl.idle else None
+                lane = None
+                while pl.idle and lane is None:
+                    lane = pl.idle.pop()
+                    if not _open(lane.sock):  # closed by the server while idle
+                        lane.close()
+                        lane = None
                 reused = lane is not None
                 try:
                     if lane is None:
@@ -516,14 +520,11 @@ class TcpTransport(Transport):
                 except PeerDiedError as e:
                     if lane is not None:
                         lane.close()
-                    if (reused or fresh_retry) and all(results[i] is None for i in pending):
-                        # A lane the server closed before reading anything of ours (an idle
-                        # lane past its idle deadline, or evicted at the server's connection
-                        # cap): no reply came, so all of it goes again on a fresh connection
-                        # (re-sending a READ or WRITE is idempotent); a fresh lane once only.
-                        log.debug("tcp: lane to %s was closed (%s); retrying", peer.segment, e)
-                        if not reused:
-                            fresh_retry = False
+                    if reused and all(results[i] is None for i in pending):
+                        # An idle lane the server closed just as we took it (idle deadline,
+                        # evicted at its connection cap): no reply came, so all of it goes
+                        # again on a fresh connection (re-sending a READ or WRITE is idempotent).
+                        log.debug("tcp: idle lane to %s was closed (%s); retrying", peer.segment, e)
                         attempts -= 1
                         continue
                     for i in pending:
@@ -635,6 +636,16 @@ class TcpTransport(Transport):
         if self._listener is not None:  # never started serving
             _sockio.close(self._listener)
             self._listener = None
+
+
+def _open(sock: socket.socket) -> bool:
+    """Whether an idle connection is still open (no EOF or error waiting on it)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        return False
 
 
 def client_auth_blocking(sock: socket.socket, secret: bytes) -> None:
