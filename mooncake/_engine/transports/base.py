@@ -90,8 +90,20 @@ class Transport(abc.ABC):
         a peer holds on it that would otherwise wait for the peer (a server connection inside
         a request on it). Must not block."""
 
+    def reopen_users(self, region: Region) -> None:
+        """Undo :meth:`abort_users`: the unregistration of ``region`` was cancelled before
+        anything was torn down, and the region stays registered and served. Must not block."""
+
     async def on_unregister(self, region: Region) -> None:
-        """Called once no transfer uses ``region`` any more, before it is dropped."""
+        """Called once no transfer uses ``region`` any more, before it is dropped.
+
+        When it returns, no peer this transport granted the range to may touch it any more.
+        """
+
+    async def on_close(self) -> None:
+        """Called once when the engine starts closing, while its tasks (servers) still run and
+        every region is already marked closing: withdraw what peers were granted, as
+        ``on_unregister`` does, so nothing of theirs touches our memory after the close."""
 
     @abc.abstractmethod
     async def execute(

@@ -227,6 +227,10 @@ class TcpTransport(Transport):
                 self.aborted_connections += 1
                 slot.scope.cancel()
 
+    def reopen_users(self, region: Region) -> None:
+        if region.remote_accessible and device_of(region.location) is None:
+            self._table.reopen(region.addr)
+
     async def on_unregister(self, region: Region) -> None:
         if region.remote_accessible and device_of(region.location) is not None:
             self._device_regions -= 1
