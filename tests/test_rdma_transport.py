@@ -297,14 +297,18 @@ async def test_cancelled_transfer_leaves_nothing_in_flight(
             scope.cancel()
 
     monkeypatch.setattr(t, "_post", post_then_cancel)
+    # a small budget per pump run: the first post leaves WRs in flight (and more to post)
+    monkeypatch.setattr(t, "pump_budget", 4)
     posted0, reaped0 = t.stats["posted"], t.stats["completions"]
     with scope:
         await engine.transfer(rpeer.segment, [R.write(buf.addr, rpeer.addr, 4 << 20)])
     assert scope.cancelled_caught
     assert seen["posted"] > 0 and seen["mr_inflight"] == seen["posted"]  # cancelled mid-flight
     assert seen["users"] > 0  # the buffer was pinned while its WRs were out
-    # on return: every WR that was posted has been reaped, nothing is left in flight
-    assert t.stats["completions"] - reaped0 >= t.stats["posted"] - posted0 >= seen["posted"]
+    # on return: every WR that was posted has been retired (reaped, or covered by a later
+    # signaled completion on its QP), nothing is left in flight
+    assert t.stats["posted"] - posted0 >= seen["posted"]
+    assert t.stats["completions"] - reaped0 > 0
     assert not t._inflight
     assert all(mr.inflight == 0 for mr in region.meta["rdma_mrs"])
     assert region.users == 0
