@@ -14,7 +14,9 @@ cd "$(dirname "$0")/.."
 VENV="${MOONCAKE_SGLANG_VENV:-$HOME/.cache/mooncake-sglang-venv}"
 log() { echo "[integration-sglang] $*"; }
 pip_() { "$VENV/bin/pip" install -q --disable-pip-version-check "$@"; }
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import torch, sglang.srt.environ, triton, pydantic" 2>/dev/null; then
+# (importing `sglang` itself would run its package __init__, which the checks skip)
+probe="import importlib.metadata as m, torch, triton, pydantic, orjson, zmq; assert m.version('sglang') == '0.5.23'"
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "$probe" 2>/dev/null; then
   log "building $VENV (torch 2.13.0 CPU, sglang 0.5.23 --no-deps)"
   python3 -m venv "$VENV"
   pip_ torch==2.13.0

@@ -133,7 +133,9 @@ async def read_back(conn: MooncakestoreConnector, keys: list[CacheEngineKey]) ->
     out = {
         "digests": [digest(o) if o is not None else None for o in got],
         "get_s": round(took, 4),
-        "shapes_ok": all(o is not None and list(o.get_shapes()[0]) == list(got[0].get_shapes()[0]) for o in got),
+        "shapes_ok": all(
+            o is not None and list(o.get_shapes()[0]) == list(got[0].get_shapes()[0]) for o in got
+        ),
     }
     for o in got:
         if o is not None:
@@ -153,7 +155,10 @@ async def reader(mode: bool) -> dict[str, Any]:
 async def run_mode(mode: bool) -> dict[str, Any]:
     t0 = time.monotonic()
     conn, backend, md = build(mode)
-    res: dict[str, Any] = {"setup_s": round(time.monotonic() - t0, 3), "registered": conn.registered_buffer_ptr is not None}
+    res: dict[str, Any] = {
+        "setup_s": round(time.monotonic() - t0, 3),
+        "registered": conn.registered_buffer_ptr is not None,
+    }
     keys = keys_for(mode)
     fmt = MemoryFormat.KV_MLA_FMT if md.use_mla else MemoryFormat.KV_2LTD
     objs = []
@@ -161,13 +166,17 @@ async def run_mode(mode: bool) -> dict[str, Any]:
     for _ in keys:
         obj = backend.allocate(md.get_shapes(), md.get_dtypes(), fmt)
         assert obj is not None and obj.raw_tensor is not None
-        obj.raw_tensor.copy_(torch.randint(0, 256, obj.raw_tensor.shape, dtype=torch.uint8, generator=g).view(obj.raw_tensor.dtype))
+        obj.raw_tensor.copy_(
+            torch.randint(0, 256, obj.raw_tensor.shape, dtype=torch.uint8, generator=g).view(
+                obj.raw_tensor.dtype
+            )
+        )
         objs.append(obj)
     want = [digest(o) for o in objs]
     res["contains_before"] = await conn.batched_async_contains("w", keys)
     half = CHUNKS // 2
     t1 = time.monotonic()
-    for k, o in zip(keys[:half], objs[:half]):
+    for k, o in zip(keys[:half], objs[:half], strict=True):
         await conn.put(k, o)
     await conn.batched_put(keys[half:], objs[half:])
     res["put_s"] = round(time.monotonic() - t1, 4)
@@ -179,7 +188,8 @@ async def run_mode(mode: bool) -> dict[str, Any]:
     local = await read_back(conn, keys)
     res["local_get_s"] = local["get_s"]
     res["local_bytes_equal"] = local["digests"] == want
-    proc = subprocess.run(
+    proc = await asyncio.to_thread(
+        subprocess.run,
         [sys.executable, __file__, "--reader", json.dumps(mode)],
         capture_output=True,
         text=True,

@@ -50,7 +50,6 @@ import sglang_stubs  # noqa: E402
 ROOT = sglang_stubs.install()
 
 import torch  # noqa: E402
-
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import (  # noqa: E402
     MooncakeStore,
@@ -193,9 +192,7 @@ def run_layout(layout: str, master: str) -> dict[str, Any]:
     res["set_true"] = sum(store.batch_set_v1(keys, torch.arange(tokens, dtype=torch.int64)))
     res["set_s"] = round(time.monotonic() - t1, 4)
     res["exists_after"] = store.batch_exists(keys)
-    res["set_again_true"] = sum(
-        store.batch_set_v1(keys, torch.arange(tokens, dtype=torch.int64))
-    )
+    res["set_again_true"] = sum(store.batch_set_v1(keys, torch.arange(tokens, dtype=torch.int64)))
     # local read-back into the second half of the pool
     pool.kv_buffer[:, tokens:] = 0
     t2 = time.monotonic()
@@ -271,7 +268,11 @@ def main() -> int:
     ok = all(result[ly]["ok"] for ly in layouts)
     summary = ", ".join(
         f"{ly}: {'ok' if result[ly]['ok'] else 'FAILED'}"
-        + (f" ({result[ly].get('keys')} pages, {result[ly].get('bytes')} B)" if "bytes" in result[ly] else "")
+        + (
+            f" ({result[ly].get('keys')} pages, {result[ly].get('bytes')} B)"
+            if "bytes" in result[ly]
+            else ""
+        )
         for ly in layouts
     )
     print(f"sglang hicache: {summary}: {'OK' if ok else 'FAILED'}")

@@ -44,7 +44,6 @@ import sglang_stubs  # noqa: E402
 sglang_stubs.install()
 
 import torch  # noqa: E402
-
 from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (  # noqa: E402
     MooncakeTransferEngine,
 )
@@ -112,7 +111,10 @@ def main() -> int:
         te = MooncakeTransferEngine(hostname="127.0.0.1")
         res["init_s"] = round(time.monotonic() - t0, 3)
         g = torch.Generator().manual_seed(3)
-        kv = [torch.randint(0, 256, (LAYER_BYTES,), dtype=torch.uint8, generator=g) for _ in range(LAYERS)]
+        kv = [
+            torch.randint(0, 256, (LAYER_BYTES,), dtype=torch.uint8, generator=g)
+            for _ in range(LAYERS)
+        ]
         aux = torch.randint(0, 256, (AUX,), dtype=torch.uint8, generator=g)
         res["register_rc"] = te.batch_register([k.data_ptr() for k in kv], [LAYER_BYTES] * LAYERS)
         te.register(aux.data_ptr(), AUX)

@@ -48,7 +48,9 @@ def sglang_root() -> Path:
         p = Path(d) / "sglang"
         if (p / "srt").is_dir():
             return p
-    raise SystemExit("sglang is not installed in this interpreter (see scripts/integration-sglang.sh)")
+    raise SystemExit(
+        "sglang is not installed in this interpreter (see scripts/integration-sglang.sh)"
+    )
 
 
 def install() -> Path:
