@@ -34,6 +34,12 @@ extensions = [
         )
         for m in VERBS_MODULES
     ),
+    Extension(
+        "mooncake._fast._rdma_batch",
+        ["mooncake/_fast/_rdma_batch.pyx"],
+        include_dirs=[CSRC],
+        extra_compile_args=CFLAGS,
+    ),
     Extension("mooncake._fast._tcp", ["mooncake/_fast/_tcp.pyx"], extra_compile_args=CFLAGS),
     Extension(
         "mooncake._fast._copyq",

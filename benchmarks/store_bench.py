@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Store benchmark: this package's store vs the published Mooncake store, same script, same run.
 
-Runs the anchor's unmodified ``mooncake_store_bench.py`` (``shared/anchor``) alternately against
+Runs the anchor's unmodified ``mooncake_store_bench.py`` (``benchmarks/anchor``) alternately against
 
 * the **published** wheel (the anchor venv's python, ``PYTHONPATH`` removed, its own
   ``mooncake_master`` binary), and
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_ANCHOR = Path(os.environ.get("MOONCAKE_ANCHOR_DIR", "/work/shared/anchor"))
+DEFAULT_ANCHOR = Path(os.environ.get("MOONCAKE_ANCHOR_DIR", str(ROOT / "benchmarks" / "anchor")))
 VENVS = [Path.home() / ".cache/mooncake-anchor-venv", Path("/opt/anchor-venv")]
 
 
@@ -140,7 +140,7 @@ def main() -> int:
     sides = ["ours", "published"] if not args.only else [args.only]
     if "published" in sides and anchor_py is None:
         print(
-            "published Mooncake venv not found (run shared/anchor/setup.sh); measuring ours only",
+            "published Mooncake venv not found (run scripts/setup-anchor.sh); measuring ours only",
             file=sys.stderr,
         )
         sides = ["ours"]

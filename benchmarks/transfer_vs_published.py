@@ -2,9 +2,9 @@
 """Transfer Engine side by side: mooncake-py (tcp, shm) vs the published Mooncake, in one run.
 
 Each round runs, in alternating order, ``mooncake bench transfer`` once per transport of ours and
-the published wheel's own bench (``shared/anchor/mooncake_te_bench.py``, in its venv, with
+the published wheel's own bench (``benchmarks/anchor/mooncake_te_bench.py``, in its venv, with
 ``PYTHONPATH`` removed since both packages are named ``mooncake``) over the same shapes, buffer
-size and case time, then the machine's limits (``shared/anchor/sys_limits_bench.py``: memcpy,
+size and case time, then the machine's limits (``benchmarks/anchor/sys_limits_bench.py``: memcpy,
 iperf3) and a single-thread memcpy sweep of the block sizes. Results are medians over the
 rounds; ratios are taken between medians of the same run. Both sides pre-fault their buffers.
 
@@ -14,7 +14,7 @@ Usage (from the repository root, extensions built)::
     # -> bench-results/te/{raw.json, summary.json, table.md, throughput.png}
 
 ``--anchor-python`` defaults to ``~/.cache/mooncake-anchor-venv/bin/python`` or
-``/opt/anchor-venv/bin/python`` (``bash ../shared/anchor/setup.sh`` creates the first); without
+``/opt/anchor-venv/bin/python`` (``bash scripts/setup-anchor.sh`` creates the first); without
 one the published columns are left empty. ``--facade`` also runs the anchor's script unchanged
 against our sync facade ``mooncake.engine.TransferEngine`` (when it exists).
 
@@ -47,7 +47,7 @@ KIB, MIB = 1024, 1024 * 1024
 
 
 def find_anchor_dir() -> Path | None:
-    for p in (ROOT.parent / "shared" / "anchor", Path("/work/shared/anchor")):
+    for p in (ROOT / "benchmarks" / "anchor", ROOT.parent / "shared" / "anchor"):
         if (p / "mooncake_te_bench.py").exists():
             return p
     return None

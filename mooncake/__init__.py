@@ -27,6 +27,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from mooncake._engine.engine import Engine, open_engine
     from mooncake._store.client import Store, open_store
+    from mooncake.buffer_pool import BufferPool, RegisteredBufferPool
 
 
 def __getattr__(name: str) -> Any:
@@ -40,13 +41,19 @@ def __getattr__(name: str) -> Any:
         from mooncake._store import client as _client
 
         return getattr(_client, name)
+    if name in ("BufferPool", "RegisteredBufferPool"):  # as the published package exports
+        from mooncake import buffer_pool as _pool
+
+        return getattr(_pool, name)
     raise AttributeError(f"module 'mooncake' has no attribute {name!r}")
 
 
 __all__ = [
+    "BufferPool",
     "Engine",
     "MooncakeError",
     "Opcode",
+    "RegisteredBufferPool",
     "Store",
     "TransferRequest",
     "TransferResult",

@@ -15,17 +15,28 @@ running, stops the loop and joins the thread; calls after that raise
 :class:`~mooncake.errors.ClosedError`. Calling :meth:`call` from the loop thread itself would
 deadlock and raises ``RuntimeError`` instead. :meth:`enter` keeps an async context manager (an
 engine, a store client) open in a task of its own until :meth:`close`, which exits them in
-reverse order before stopping the loop.
+reverse order before stopping the loop; :meth:`leave` exits one of them early (a store sharing
+an engine's loop leaves it running).
+
+Interpreter exit: a daemon loop thread can no longer run once the interpreter finalizes, so a
+facade closed from ``__del__`` then would wait forever. Facades register with
+:func:`close_at_exit`; an ``atexit`` hook closes what is still open (newest first) while the
+interpreter is alive, and :func:`close_in_background` is what their ``__del__`` calls: it never
+blocks (and does nothing once the interpreter is finalizing).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import concurrent.futures
+import itertools
 import logging
 import socket
+import sys
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
@@ -37,6 +48,51 @@ from mooncake.errors import ClosedError
 log = logging.getLogger("mooncake.sync")
 
 T = TypeVar("T")
+
+_at_exit: dict[int, weakref.ref[Any]] = {}
+_at_exit_ids = itertools.count()
+_at_exit_lock = threading.Lock()
+
+
+def close_at_exit(obj: Any) -> int:
+    """Have ``obj.close()`` called at interpreter exit if it is still alive then; a token for
+    :func:`forget_at_exit`. Only a weak reference is kept."""
+    with _at_exit_lock:
+        token = next(_at_exit_ids)
+        _at_exit[token] = weakref.ref(obj)
+    return token
+
+
+def forget_at_exit(token: int | None) -> None:
+    if token is not None:
+        with _at_exit_lock:
+            _at_exit.pop(token, None)
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    with _at_exit_lock:
+        refs = [r for _, r in sorted(_at_exit.items(), reverse=True)]
+        _at_exit.clear()
+    for ref in refs:
+        obj = ref()
+        if obj is None:
+            continue
+        try:
+            obj.close()
+        except Exception as e:  # exiting anyway: report and go on
+            log.warning("closing %r at exit: %s", obj, e)
+
+
+def close_in_background(fn: Callable[[], Any]) -> None:
+    """Run ``fn`` (a close) in a daemon thread: for ``__del__``, which must never block. Does
+    nothing while the interpreter finalizes (the ``atexit`` hook has closed what was open)."""
+    if sys.is_finalizing():
+        return
+    try:
+        threading.Thread(target=fn, name="mooncake-close", daemon=True).start()
+    except RuntimeError:  # interpreter shutting down: threads can no longer start
+        pass
 
 
 class _Job:
@@ -155,6 +211,7 @@ class LoopThread:
             try:
                 async with acm as value:
                     holder["stop"] = stop = anyio.Event()
+                    holder["value"] = value
                     ready.set_result(value)
                     await stop.wait()
             except BaseException as e:
@@ -168,6 +225,25 @@ class LoopThread:
         self._held.append((holder, life))
         return value
 
+    def leave(self, value: Any) -> None:
+        """Exit the context :meth:`enter` returned ``value`` for (the loop keeps running);
+        nothing if it is not held (already left, or the loop closed)."""
+        for n, (holder, life) in enumerate(self._held):
+            if holder.get("value") is value:
+                del self._held[n]
+                self._release(holder, life)
+                return
+
+    def _release(self, holder: dict[str, Any], life: concurrent.futures.Future[None]) -> None:
+        async def release() -> None:
+            holder["stop"].set()
+
+        try:
+            self.call(release)
+            life.result(timeout=60)
+        except Exception as e:  # exiting failed: report, keep closing the rest
+            log.warning("closing %s: %s", self._thread.name, e)
+
     def close(self) -> None:
         """Exit entered contexts (newest first), cancel what still runs, stop the loop and
         join its thread (idempotent)."""
@@ -175,15 +251,7 @@ class LoopThread:
             return
         while self._held:
             holder, life = self._held.pop()
-
-            async def release(h: dict[str, Any] = holder) -> None:
-                h["stop"].set()
-
-            try:
-                self.call(release)
-                life.result(timeout=60)
-            except Exception as e:  # exiting failed: report, keep closing the rest
-                log.warning("closing %s: %s", self._thread.name, e)
+            self._release(holder, life)
         self._closed = True
 
         def stop() -> None:

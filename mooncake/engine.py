@@ -38,7 +38,7 @@ import anyio
 from mooncake._core.transfer import Opcode, TransferRequest, TransferResult
 from mooncake._engine import syncpath
 from mooncake._engine.engine import Buffer, Engine, open_engine
-from mooncake._sync import LoopThread
+from mooncake._sync import LoopThread, close_at_exit, close_in_background, forget_at_exit
 from mooncake.errors import InvalidArgumentError, MooncakeError
 
 log = logging.getLogger("mooncake.engine")
@@ -108,6 +108,8 @@ class TransferEngine:
     def __init__(self) -> None:
         self._loop: LoopThread | None = None
         self._engine: Engine | None = None
+        self._owns_loop = True  # False for the view a store's get_engine() returns
+        self._exit_token: int | None = None
         self._managed: dict[int, Buffer] = {}
         self._batches: dict[int, _Batch] = {}
         self._ids = itertools.count(1)
@@ -160,23 +162,25 @@ class TransferEngine:
         self._loop = loop
         if syncpath.enabled():
             self._fast = syncpath.SyncPath(self._engine, loop)
+        self._exit_token = close_at_exit(self)
         return 0
 
     def close(self) -> None:
-        """Stop the engine and its loop thread (not in the published API; idempotent)."""
-        if self._fast is not None:
-            self._fast.close()
-            self._fast = None
-        if self._loop is not None:
-            self._loop.close()
-        self._loop = None
+        """Stop the engine and its loop thread (not in the published API; idempotent). The
+        view of a store's engine (``MooncakeDistributedStore.get_engine()``) only lets go."""
+        fast, self._fast = self._fast, None
+        loop, self._loop = self._loop, None
         self._engine = None
+        forget_at_exit(self._exit_token)
+        if fast is not None:
+            fast.close()
+        if loop is not None and self._owns_loop:
+            loop.close()
 
     def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        # never blocks: at interpreter exit the atexit hook has closed it already
+        if getattr(self, "_loop", None) is not None and getattr(self, "_owns_loop", False):
+            close_in_background(self.close)
 
     def _e(self) -> tuple[LoopThread, Engine]:
         if self._loop is None or self._engine is None:
@@ -540,10 +544,9 @@ class TransferEngine:
         if batch is None:
             return -1
         if not batch.future.done():
-            if time.monotonic() > batch.deadline:
-                batch.future.cancel()
-                self._batches.pop(batch_id, None)
-                return -2
+            # The loop ends the batch at its deadline (TimeoutError: -2 below) once no transport
+            # touches its memory any more; answering -2 before that would free the caller's
+            # buffers under a running batch.
             return 0
         self._batches.pop(batch_id, None)
         try:

@@ -22,4 +22,7 @@ fi
 unset MOONCAKE_IBVERBS MC_SOFTVERBS_DEVICES MC_SOFTVERBS_FABRIC MC_SOFTVERBS_LINK_LAYER
 "$PY" setup.py build_ext --inplace -q
 "$PY" -m pytest tests/test_verbs_abi.py -q -rs
-MC_RDMA_TEST_DEVICES="$devs" "$PY" -m pytest tests/test_verbs_soft.py tests/test_rdma_transport.py -q -rs
+# the transport tests post through the compiled batch engine (_rdma_batch): WR chains with
+# selective signaling, the same code as on the soft provider
+MC_RDMA_TEST_DEVICES="$devs" "$PY" -m pytest tests/test_verbs_soft.py tests/test_rdma_transport.py \
+    tests/test_rdma_batch.py -q -rs

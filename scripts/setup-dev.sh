@@ -49,20 +49,14 @@ log "pip install -e .[dev]"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v "is ignored" || true
 .venv/bin/python -c "import mooncake, mooncake._fast as f; print('[setup] mooncake', mooncake.__version__, 'compiled hot path:', f.COMPILED)"
 
+# the tensor methods' optional dependency: the CPU build (other versions pull CUDA wheels)
+.venv/bin/python -c "import torch" 2>/dev/null \
+  || .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "is ignored" || true
+
 if [ "$anchor" = 1 ]; then
-  ANCHOR_SETUP=""
-  for d in ../shared/anchor shared/anchor; do
-    [ -f "$d/setup.sh" ] && ANCHOR_SETUP="$d/setup.sh" && break
-  done
-  if [ -n "$ANCHOR_SETUP" ]; then
-    log "published Mooncake wheel (anchor venv)"
-    # from a neutral directory: run here, `import mooncake` in its checks would find this checkout
-    ANCHOR_SETUP="$(cd "$(dirname "$ANCHOR_SETUP")" && pwd)/setup.sh"
-    (cd / && bash "$ANCHOR_SETUP" "${MOONCAKE_ANCHOR_VENV:-$HOME/.cache/mooncake-anchor-venv}") 2>&1 \
-      | grep -E "^\[setup\]" | sed 's/^\[setup\]/[setup] anchor:/' \
-      || log "anchor setup failed: interop tests will skip"
-  else
-    log "no shared/anchor beside the checkout: interop tests will skip"
-  fi
+  log "published Mooncake wheel (anchor venv)"
+  bash scripts/setup-anchor.sh "${MOONCAKE_ANCHOR_VENV:-$HOME/.cache/mooncake-anchor-venv}" 2>&1 \
+    | grep -E "^\[setup\]" | sed 's/^\[setup\]/[setup] anchor:/' \
+    || log "anchor setup failed: interop tests will skip"
 fi
 log "done"

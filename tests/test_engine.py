@@ -255,21 +255,47 @@ async def test_garbage_and_silent_clients_do_not_stop_the_servers() -> None:
 
 
 async def test_cancelled_read_stops_touching_local_memory() -> None:
-    async with mooncake.open_engine() as target, mooncake.open_engine() as initiator:
-        tbuf = await target.allocate(64 << 20)
+    """TCP lanes cancelled mid-group: closed (never reused), and no byte lands after return."""
+    n = 256 << 20
+    async with (
+        mooncake.open_engine(transports=["tcp"]) as target,
+        mooncake.open_engine(transports=["tcp"]) as initiator,
+    ):
+        tbuf = await target.allocate(n)
         tbuf.numpy()[:] = 0xAB
-        ibuf = await initiator.allocate(64 << 20)
+        ibuf = await initiator.allocate(n)
+        view = ibuf.numpy()
         reqs = [
-            R.read(ibuf.addr + i * (1 << 20), tbuf.addr + i * (1 << 20), 1 << 20) for i in range(64)
+            R.read(ibuf.addr + i * (1 << 20), tbuf.addr + i * (1 << 20), 1 << 20)
+            for i in range(n >> 20)
         ]
-        with anyio.move_on_after(0.01):
-            await initiator.transfer(target.segment_name, reqs)
-        snapshot = hashlib.sha256(ibuf.numpy().tobytes()).hexdigest()
+        tcp = next(t for t in target.transports if t.name == "tcp")
+        with anyio.fail_after(60):  # hang guard
+            async with anyio.create_task_group() as tg:
+                scope = anyio.CancelScope()
+
+                async def transfer() -> None:
+                    with scope:
+                        await initiator.transfer(target.segment_name, reqs)
+
+                tg.start_soon(transfer)
+                while not (view[0] == 0xAB or view[-(1 << 20)] == 0xAB):  # bytes are moving
+                    await anyio.lowlevel.checkpoint()
+                scope.cancel()
+        assert scope.cancelled_caught
+        landed = int(np.count_nonzero(view == 0xAB))
+        assert 0 < landed < n  # cancelled mid-transfer, not before or after it
+        snapshot = hashlib.sha256(view.tobytes()).hexdigest()
         await anyio.sleep(0.3)
-        assert hashlib.sha256(ibuf.numpy().tobytes()).hexdigest() == snapshot
+        assert hashlib.sha256(view.tobytes()).hexdigest() == snapshot
+        peer = await initiator.peer(target.segment_name)
+        assert "shm" not in peer.state  # it ran over TCP
+        assert peer.state["tcp"].idle == []  # every lane cancelled mid-group was closed
+        served = tcp.served_connections
         results = await initiator.transfer(target.segment_name, reqs)
         assert all(r.ok for r in results)
-        assert (ibuf.numpy() == 0xAB).all()
+        assert tcp.served_connections > served  # fresh connections, not the cancelled lanes
+        assert (view == 0xAB).all()
 
 
 async def test_unregister_waits_for_inflight_transfers() -> None:

@@ -174,3 +174,36 @@ def test_silent_peer_times_out_with_minus_two(monkeypatch: pytest.MonkeyPatch) -
     finally:
         te.close()
         silent.close()
+
+
+def test_check_status_never_answers_before_the_batch_has_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past the caller-side deadline, a batch still running on the loop is "in progress" (0):
+    answering -2 then (and cancelling its future) let callers free buffers under a running
+    batch, and its late result raised InvalidStateError on the loop."""
+    import socket
+
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    seg = f"127.0.0.1:{silent.getsockname()[1]}"
+    te = TransferEngine()
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    try:
+        addr = te.allocate_managed_buffer(1 << 16)
+        bid = te.transfer_submit_write(seg, addr, 0x10000, 4096)
+        batch = te._batches[bid]
+        batch.deadline = 0.0  # the caller's clock says the deadline has passed ...
+        assert not batch.future.done()  # ... while the loop still runs the batch
+        assert te.transfer_check_status(bid) == 0
+        deadline = time.monotonic() + 60  # hang guard, not a timing assertion
+        while (st := te.transfer_check_status(bid)) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert st == -2  # the loop's own deadline ended it
+        assert batch.future.done() and not batch.future.cancelled()
+        assert isinstance(batch.future.exception(), TimeoutError)
+    finally:
+        te.close()
+        silent.close()

@@ -483,3 +483,33 @@ def test_serve_blocking_on_a_thread_and_stop(mod: ModuleType, pair: Any) -> None
     assert not th.is_alive() and box == [PEER_CLOSED]
     server.close()
     assert table.remove(addr_of(remote))
+
+
+@pytest.mark.anyio
+async def test_copier_run_cancelled_mid_copy_still_completes_it() -> None:
+    """Closing an engine cancels every task at once, the copier's ``run`` among them: a copy in
+    flight must still be delivered (it used to wait forever for an event nobody would set)."""
+    from mooncake._engine._copier import Copier
+    from mooncake.errors import ClosedError
+
+    big = 128 << 20
+    src = np.ones(big, dtype=np.uint8)
+    dst = np.zeros(big, dtype=np.uint8)
+    c = Copier()
+    done: list[str] = []
+
+    async def copy() -> None:
+        await c.copy([addr_of(dst)], [addr_of(src)], [big])
+        done.append("copied")
+
+    with anyio.fail_after(60):  # a hang guard, not a timing assertion
+        async with anyio.create_task_group() as outer, anyio.create_task_group() as runner:
+            await runner.start(c.run)
+            outer.start_soon(copy)
+            await anyio.wait_all_tasks_blocked()
+            assert c._waiters, "the copy is not in flight"
+            runner.cancel_scope.cancel()  # run is cancelled while the copy is running
+    assert done == ["copied"] and dst[0] == 1 and dst[-1] == 1
+    with pytest.raises(ClosedError):  # run has ended: nothing is submitted
+        await c.copy([addr_of(dst)], [addr_of(src)], [1])
+    c.close()

@@ -1,6 +1,6 @@
 """Interoperability with the published Mooncake wheel, in both directions, bytes verified.
 
-The published engine runs in its own venv (shared/anchor/setup.sh); both packages are called
+The published engine runs in its own venv (scripts/setup-anchor.sh); both packages are called
 ``mooncake``, so it lives in a subprocess without our PYTHONPATH. Skipped when that venv is absent.
 """
 
@@ -27,7 +27,8 @@ ANCHOR = anchor_python()
 pytestmark = [
     pytest.mark.anchor,
     pytest.mark.skipif(
-        ANCHOR is None, reason="published Mooncake wheel not installed (run shared/anchor/setup.sh)"
+        ANCHOR is None,
+        reason="published Mooncake wheel not installed (run scripts/setup-anchor.sh)",
     ),
 ]
 
@@ -171,11 +172,11 @@ async def test_published_reads_and_writes_our_memory(published: Published) -> No
 @pytest.mark.slow
 def test_anchor_te_bench_runs_unchanged_against_our_facade(tmp_path: Any) -> None:
     bench = None
-    for d in (ROOT.parent / "shared" / "anchor", ROOT / "shared" / "anchor"):
+    for d in (ROOT / "benchmarks" / "anchor", ROOT.parent / "shared" / "anchor"):
         if (d / "mooncake_te_bench.py").exists():
             bench = d / "mooncake_te_bench.py"
     if bench is None:
-        pytest.skip("shared/anchor/mooncake_te_bench.py not beside the checkout")
+        pytest.skip("benchmarks/anchor/mooncake_te_bench.py missing")
     out = tmp_path / "te.json"
     proc = subprocess.run(
         [

@@ -528,6 +528,11 @@ class MasterMachine(RuleBasedStateMachine):
         except SegmentNotFoundError:
             assert target in have
             return
+        if not move and target in have:
+            # a copy onto a segment holding a replica already: done at once, as Mooncake answers
+            assert self.m.query_task(tid).status == TaskStatus.SUCCESS
+            assert key not in self.inflight
+            return
         assert key not in self.inflight
         self.inflight.add(key)
         executor = self.m.query_task(tid).executor
@@ -714,7 +719,9 @@ def test_task_errors_and_failures() -> None:
     with pytest.raises(ObjectNotFoundError):
         m.create_copy_task("nope", [seg(1).name], 0)
     with pytest.raises(SegmentNotFoundError):
-        m.create_copy_task("k", [seg(0).name], 0)  # already holds a replica
+        m.create_copy_task("k", ["no-such-segment"], 0)
+    done = m.create_copy_task("k", [seg(0).name], 0)  # already holds a replica: nothing to do
+    assert m.query_task(done).status == TaskStatus.SUCCESS and m.fetch_tasks("a", 0) == []
     with pytest.raises(ReplicaNotFoundError):
         m.create_move_task("k", seg(1).name, seg(0).name, 0)
     tid = m.create_copy_task("k", [seg(1).name], 0)

@@ -297,3 +297,85 @@ def test_compiled_twin_is_what_the_environment_asks_for() -> None:
         assert _fast.COMPILED is False
     elif not _fast.COMPILED:
         pytest.skip("extension not built (python setup.py build_ext --inplace)")
+
+
+async def test_process_vm_write_stops_before_the_peers_unregister_returns() -> None:
+    """A large process_vm write into the peer's (non-engine) array is a user of it: the peer's
+    ``unregister`` returns only once our copy no longer writes there (it used to be acknowledged
+    at once, and hundreds of MB landed after it returned)."""
+    n = 512 << 20
+    p = Peer(array=n)
+    try:
+        async with open_engine("127.0.0.1") as engine:
+            local = await engine.allocate(n)
+            await engine.read(p.segment, local.addr, p.info["array"], 64)  # listed, not mapped
+            local.numpy()[:] = 0xEE
+            shm = (await engine.peer(p.segment)).state["shm"]
+            (entry,) = [e for e in shm.entries if e.addr == p.info["array"]]
+            assert entry.mm is None  # reached with process_vm_writev
+            out: list[Any] = []
+
+            async def write() -> None:
+                out.extend(
+                    await engine.transfer(
+                        p.segment, [TransferRequest.write(local.addr, p.info["array"], n)]
+                    )
+                )
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(write)
+                await anyio.wait_all_tasks_blocked()  # the copy runs on a worker thread
+                assert entry.users == 1
+                reply = await anyio.to_thread.run_sync(
+                    lambda: p.cmd(op="unregister_watch", wait_s=0.5)
+                )
+            # the last byte is written last: if it changed after unregister returned, the copy
+            # was still writing into memory its owner had taken back
+            assert reply["before"] == reply["after"], reply
+            assert entry.users == 0
+            # stopped at the revoke (the rest failed), or finished before it
+            assert out[0].ok or isinstance(out[0].error, RemoteAccessError)
+    finally:
+        p.close()
+
+
+CLOSE_MID_COPY = """
+import anyio, sys
+from mooncake._engine.engine import open_engine
+from mooncake._core.transfer import TransferRequest
+
+async def main():
+    n = 256 << 20
+    async with open_engine("127.0.0.1", transports=["shm", "tcp"]) as server:
+        dst = await server.allocate(n)
+        async with open_engine("127.0.0.1", transports=["shm", "tcp"]) as client:
+            src = await client.allocate(n)
+            await client.read(server.segment_name, src.addr, dst.addr, 64)  # mapped now
+            shm = next(t for t in client.transports if t.name == "shm")
+            h = client.submit(server.segment_name, [TransferRequest.write(src.addr, dst.addr, n)])
+            while not shm._copier._waiters:  # until the batch sits in a CopyQueue copy
+                await anyio.sleep(0)
+        # closing cancelled Copier.run with the copy in flight, and returned
+        print("closed", h.done, h.status.name, flush=True)
+
+anyio.run(main, backend=sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_close_during_a_copy_queue_copy_returns(tmp_path: Path, backend: str) -> None:
+    script = tmp_path / "close_mid_copy.py"
+    script.write_text(CLOSE_MID_COPY)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    try:
+        out = subprocess.run(
+            [sys.executable, str(script), backend],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,  # a hang guard: it used to hang forever
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("closing the engine hung with a copy in flight")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[:2] == ["closed", "True"], out.stdout

@@ -14,7 +14,8 @@ import trio.testing
 
 import mooncake
 from mooncake._core.master import MasterConfig
-from mooncake._store import client as client_mod
+from mooncake._store import moves as moves_mod
+from mooncake._store import writes as writes_mod
 from mooncake._store.master import MasterServerConfig, serve_master
 from mooncake.errors import (
     InvalidArgumentError,
@@ -134,7 +135,7 @@ def test_semantics_of_the_published_store() -> None:
 def test_read_finishing_after_its_window_fails_closed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A read that outlives its read window raises LeaseExpiredError instead of returning bytes."""
     clock = trio.testing.MockClock()
-    real = client_mod._memcpy_many
+    real = moves_mod._memcpy_many
     slow = {"on": False}
 
     async def copy_then_stall(copies: Any) -> None:
@@ -142,7 +143,8 @@ def test_read_finishing_after_its_window_fails_closed(monkeypatch: pytest.Monkey
             clock.jump(30)  # the copy "takes" 30 s: past any read window and the lease
         await real(copies)
 
-    monkeypatch.setattr(client_mod, "_memcpy_many", copy_then_stall)
+    for mod in (moves_mod, writes_mod):  # the read and the write paths
+        monkeypatch.setattr(mod, "_memcpy_many", copy_then_stall)
 
     async def main() -> None:
         async with (
@@ -166,7 +168,7 @@ def test_read_finishing_after_its_window_fails_closed(monkeypatch: pytest.Monkey
 
 
 def test_cancelled_put_is_revoked(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = client_mod._memcpy_many
+    real = moves_mod._memcpy_many
     stall = {"on": True}
 
     async def maybe_stall(copies: Any) -> None:
@@ -174,7 +176,8 @@ def test_cancelled_put_is_revoked(monkeypatch: pytest.MonkeyPatch) -> None:
             await anyio.sleep_forever()
         await real(copies)
 
-    monkeypatch.setattr(client_mod, "_memcpy_many", maybe_stall)
+    for mod in (moves_mod, writes_mod):  # the read and the write paths
+        monkeypatch.setattr(mod, "_memcpy_many", maybe_stall)
 
     async def main() -> None:
         async with (

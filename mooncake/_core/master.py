@@ -57,6 +57,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from mooncake._core.allocator import DEFAULT_ALIGNMENT, OffsetAllocator
 from mooncake._core.misses import Miss, MissLedger, MissReason
 from mooncake._core.policies import EvictionPolicy, Pin, make_policy
@@ -268,6 +270,7 @@ class _Object:
     demoting: _Demote | None = None
     promoting: _Promote | None = None
     task: _Task | None = None
+    group: str = ""
 
 
 @dataclass(slots=True, eq=False)
@@ -347,6 +350,7 @@ class MasterState:
         self._soft_pinned: set[str] = set()
         self._writing: set[str] = set()  # keys that had a pending write (pruned by sweep)
         self._tasks: dict[str, _Task] = {}
+        self._groups: dict[str, set[str]] = {}  # group id -> keys of its readable members
         self._active_tasks: dict[str, _Task] = {}
         self._finished_tasks: deque[str] = deque()
         self._used = 0
@@ -657,6 +661,10 @@ class MasterState:
             raise InvalidArgumentError(f"object size must be positive, got {size}")
         if config.replica_num < 1:
             raise InvalidArgumentError(f"replica_num must be >= 1, got {config.replica_num}")
+        if config.group_ids is not None and len(config.group_ids) != 1:
+            raise InvalidArgumentError(
+                f"a put of one key takes one group id, got {len(config.group_ids)}"
+            )
         if config.soft_pin_ttl_ms is not None:
             if config.soft_pin_action != SoftPinAction.ENABLE:
                 raise InvalidArgumentError(
@@ -783,6 +791,7 @@ class MasterState:
         obj.pending = None
         obj.writer = client_id
         cfg = pending.config
+        self._set_group(obj, cfg.group_ids[0] if cfg.group_ids else "")
         obj.hard_pinned = cfg.with_hard_pin
         kept = obj.soft_pin_deadline if old is not None else None
         obj.soft_pin_deadline = None
@@ -849,11 +858,17 @@ class MasterState:
         """PutStart (or UpsertStart) per key; per-key codes, never one failure for all."""
         if len(keys) != len(sizes):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(sizes)} sizes")
+        groups = config.group_ids
+        if groups is not None and len(groups) != len(keys):
+            raise InvalidArgumentError(f"{len(groups)} group_ids for {len(keys)} keys")
         start = self.upsert_start if upsert else self.put_start
         out: list[Item[list[ReplicaDescriptor]]] = []
-        for key, size in zip(keys, sizes, strict=True):
+        for n, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+            cfg = (
+                config if groups is None else msgspec.structs.replace(config, group_ids=[groups[n]])
+            )
             try:
-                out.append(Item(code=0, value=start(client_id, key, size, config, now)))
+                out.append(Item(code=0, value=start(client_id, key, size, cfg, now)))
             except MooncakeError as e:
                 out.append(Item(code=int(e.code)))
         return out
@@ -887,7 +902,7 @@ class MasterState:
                 f"object {key!r} not found {format_miss(self.misses.classify(key))}"
             )
         ttl = self.config.default_kv_lease_ttl
-        obj.lease_deadline = max(obj.lease_deadline, now + ttl)
+        self._extend_lease(obj, now + ttl)
         ver = obj.readable
         read_ttl = min(
             ttl,
@@ -955,8 +970,28 @@ class MasterState:
         obj = self._objects.get(key)
         if obj is None or obj.readable is None:
             return False
-        obj.lease_deadline = max(obj.lease_deadline, now + self.config.default_kv_lease_ttl)
+        self._extend_lease(obj, now + self.config.default_kv_lease_ttl)
         return True
+
+    def _extend_lease(self, obj: _Object, deadline: float) -> None:
+        """Lease ``obj`` until ``deadline`` -- and every current member of its group."""
+        obj.lease_deadline = max(obj.lease_deadline, deadline)
+        if not obj.group:
+            return
+        members = self._groups.get(obj.group, set())
+        for key in list(members):
+            other = self._objects.get(key)
+            if other is None or other.group != obj.group or other.readable is None:
+                members.discard(key)
+                continue
+            other.lease_deadline = max(other.lease_deadline, deadline)
+
+    def _set_group(self, obj: _Object, group: str) -> None:
+        if obj.group and obj.group != group:
+            self._groups.get(obj.group, set()).discard(obj.key)
+        obj.group = group
+        if group:
+            self._groups.setdefault(group, set()).add(obj.key)
 
     def batch_exist_key(self, keys: list[str], now: float) -> list[int]:
         return [1 if self.exist_key(k, now) else 0 for k in keys]
@@ -1025,6 +1060,12 @@ class MasterState:
     def _drop_object(self, obj: _Object, now: float) -> None:
         ver = obj.readable
         del self._objects[obj.key]
+        if obj.group:
+            members = self._groups.get(obj.group)
+            if members is not None:
+                members.discard(obj.key)
+                if not members:
+                    del self._groups[obj.group]
         if ver is not None:
             self._unlink(obj.key, ver)
             self._release_after_lease(obj, ver, now)
@@ -1032,6 +1073,50 @@ class MasterState:
             self._end_tier_moves(obj)
             self._forget_disk(obj.key, ver)
             obj.readable = None
+
+    def batch_replica_clear(
+        self, client_id: str, keys: list[str], segment_name: str, now: float
+    ) -> list[str]:
+        """Clear the replicas of ``client_id``'s objects among ``keys`` whose lease has ended.
+
+        With ``segment_name`` empty every cleared object is removed; otherwise only its
+        replicas on that segment are dropped (the object goes when none is left). Objects
+        written by another client, leased, being written, or with a task in flight are left
+        alone. Returns the keys cleared, in order.
+        """
+        out: list[str] = []
+        for key in dict.fromkeys(keys):
+            obj = self._objects.get(key)
+            if (
+                obj is None
+                or obj.readable is None
+                or obj.pending is not None
+                or obj.task is not None
+                or obj.writer != client_id
+                or obj.lease_deadline > now
+            ):
+                continue
+            ver = obj.readable
+            if segment_name:
+                gone = [r for r in ver.replicas if r.seg.segment.name == segment_name]
+                if not gone:
+                    continue
+                if len(gone) < len(ver.replicas):
+                    ver.replicas = [r for r in ver.replicas if r not in gone]
+                    for r in gone:
+                        if not any(o.seg is r.seg for o in ver.replicas):
+                            r.seg.keys.discard(key)
+                    if obj.read_deadline > now:
+                        self._deferred.append((obj.read_deadline, gone))
+                    else:
+                        self._free_replicas(gone)
+                    out.append(key)
+                    continue
+            self._drop_object(obj, now)
+            self.misses.record_removal(key, now=now)
+            self.stats.removes += 1
+            out.append(key)
+        return out
 
     # -- replica tasks (copy / move) -----------------------------------------------------
 
@@ -1069,6 +1154,7 @@ class MasterState:
     ) -> str:
         assert obj.readable is not None
         held = {id(r.seg) for r in obj.readable.replicas}
+        held_names = {r.seg.segment.name for r in obj.readable.replicas}
         segs: list[_Seg] = []
         for name in targets:
             seg = next(
@@ -1080,12 +1166,17 @@ class MasterState:
                 None,
             )
             if seg is None:
+                if ttype is TaskType.REPLICA_COPY and name in held_names:
+                    continue  # a copy onto a segment that holds one already: nothing to do there
                 raise SegmentNotFoundError(
                     f"no mounted segment {name!r} without a replica of {obj.key!r}"
                 )
             segs.append(seg)
         task = _Task(uuid.uuid4().hex, ttype, obj.key, source, segs, source.seg.client_id, now)
         self._tasks[task.id] = task
+        if not segs:  # every target holds a replica already: done, as Mooncake answers it
+            self._finish_task(task, TaskStatus.SUCCESS, "every target already holds a replica")
+            return task.id
         self._active_tasks[task.id] = task
         obj.task = task
         return task.id

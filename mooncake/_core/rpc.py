@@ -53,6 +53,7 @@ RemoveAll              ForceParams                      int (objects removed)
 QueryKey               KeyParams                        ObjectInfo (admin: no lease)
 GetAllKeys             Empty                            list[str] (admin: complete objects)
 GetAllSegments         Empty                            list[SegmentInfo]
+BatchReplicaClear      ReplicaClearParams               list[str] (keys cleared)
 CreateCopyTask         CopyTaskParams                   str (task id)
 CreateMoveTask         MoveTaskParams                   str (task id)
 QueryTask              TaskIdParams                     ReplicaTask
@@ -227,6 +228,12 @@ class CopyTaskParams(_Params):
     targets: list[str]
 
 
+class ReplicaClearParams(_Params):
+    client_id: str
+    keys: list[str]
+    segment_name: str = ""
+
+
 class MoveTaskParams(_Params):
     key: str
     source: str
@@ -313,6 +320,7 @@ METHODS: dict[str, MethodSpec] = {
         _spec("QueryKey", KeyParams, ObjectInfo),
         _spec("GetAllKeys", Empty, list[str]),
         _spec("GetAllSegments", Empty, list[SegmentInfo]),
+        _spec("BatchReplicaClear", ReplicaClearParams, list[str]),
         _spec("CreateCopyTask", CopyTaskParams, str),
         _spec("CreateMoveTask", MoveTaskParams, str),
         _spec("QueryTask", TaskIdParams, ReplicaTask),

@@ -127,6 +127,9 @@ class ReplicateConfig(_Struct):
     preferred_segment: str = ""
     prefer_alloc_in_same_node: bool = False
     data_type: ObjectDataType = ObjectDataType.UNKNOWN
+    group_ids: list[str] | None = None
+    """Group of each key (a batch: one per key; a single put: one). A read lease granted on
+    one member of a group extends to every current member."""
 
     def soft_pinned(self) -> bool:
         """Whether this put asks for a soft pin."""

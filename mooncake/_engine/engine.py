@@ -36,6 +36,7 @@ its bytes may have moved.
 from __future__ import annotations
 
 import collections
+import fcntl
 import logging
 import math
 import mmap
@@ -331,6 +332,8 @@ class Engine:
                     t.forget_peer(peer)
             for t in self.transports:
                 await t.aclose()
+            for region in self.registry.regions():
+                region.closing = True  # a stale lookup re-validates and finds nothing
             for buf in list(self._buffers.values()):
                 self.registry.remove(buf.addr)
                 try:
@@ -355,6 +358,17 @@ class Engine:
                 except CudaError as e:
                     log.warning("freeing %r at close failed: %s", dm, e)
             self._device_mem.clear()
+
+    async def _withdraw(self) -> None:
+        """First step of closing, while the servers still run: refuse new users of every
+        region and have each transport withdraw what its peers were granted."""
+        for region in self.registry.regions():
+            region.closing = True
+        for t in self.transports:
+            try:
+                await t.on_close()
+            except MooncakeError as e:
+                log.warning("closing %s: %s", t.name, e)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -541,8 +555,12 @@ class Engine:
     async def unregister(self, obj: Any) -> None:
         """Unregister by start address, region, buffer or the registered object itself.
 
-        Waits until in-flight transfers touching the region are done; new ones are refused
-        from the moment this is called.
+        Waits until in-flight transfers touching the region are done (local ones, and peers'
+        copies through ``shm`` and ``tcp``); new ones are refused from the moment this is
+        called. When it returns, nothing this engine started (threads, peers it granted the
+        range to, devices) touches the range any more. Cancelled while waiting for those
+        transfers, it leaves the region registered as before; once they are done, it finishes
+        the teardown even if cancelled.
         """
         if isinstance(obj, (Region, Buffer, DeviceMemory)):
             addr = obj.addr
@@ -556,19 +574,32 @@ class Engine:
         if region.closing:
             raise RegistrationError(f"region at {addr:#x} is already being unregistered")
         region.closing = True
-        while region.users:
-            released = region.meta["released"] = anyio.Event()
-            await released.wait()
-        for t in self.transports:
-            await t.on_unregister(region)
-        self.registry.remove(addr)
-        region.owner = None
-        buf = self._buffers.pop(addr, None)
-        if buf is not None:
-            buf._close()
-        dm = self._device_mem.pop(addr, None)
-        if dm is not None:
-            dm._rt.free(dm.addr)
+        try:
+            while region.users:
+                released = region.meta["released"] = anyio.Event()
+                await released.wait()
+        except BaseException:
+            # cancelled before anything was torn down: the region stays registered and usable
+            region.closing = False
+            region.meta.pop("released", None)
+            raise
+        # Past this point the teardown runs to the end even when cancelled: a region half
+        # unregistered (some transports still serving it, or closing forever) is worse than a
+        # late return. Each transport bounds its own step (shm: the revoke acknowledgement).
+        with anyio.CancelScope(shield=True):
+            try:
+                for t in self.transports:
+                    await t.on_unregister(region)
+            finally:
+                self.registry.remove(addr)
+                self._desc_cache = None
+                region.owner = None
+                buf = self._buffers.pop(addr, None)
+                if buf is not None:
+                    buf._close()
+                dm = self._device_mem.pop(addr, None)
+                if dm is not None:
+                    dm._rt.free(dm.addr)
         await self._publish()
 
     def acquire_region(self, addr: int, length: int, what: str = "local") -> Region:
@@ -724,7 +755,7 @@ class Engine:
         if not reqs:
             return []
         if segment == self.segment_name:
-            return await self._local(reqs)
+            return await self._local(reqs, regs)
         try:
             peer = await self.peer(segment)
             missing = _uncovered(peer.descriptor, reqs, range(len(reqs)))
@@ -751,17 +782,12 @@ class Engine:
             else list(range(len(reqs)))
         )
         if send_idx:
-            routes = self._route(peer, reqs, send_idx, transport, results)
-            held = [regs[i] for i in send_idx]
-            # pin the local regions for the duration (unregister waits for them)
-            for k, region in enumerate(held):
-                if region.closing:
-                    for done in held[:k]:
-                        self.release_region(done)
-                    r = reqs[send_idx[k]]
-                    self.registry.require(r.local_addr, r.length, "local")  # raises
-                region.users += 1
+            # The peer lookup above awaited: a local region may have been unregistered (or
+            # replaced at the same address) since validation. Re-validate and pin in one step,
+            # with no await in between; unregister waits for the pins.
+            held = self._pin_locals(reqs, regs, send_idx)
             try:
+                routes = self._route(peer, reqs, send_idx, transport, results)
                 if len(routes) == 1:
                     ((t, idx),) = routes.items()
                     await self._execute(t, peer, reqs, regs, idx, results)
@@ -770,8 +796,7 @@ class Engine:
                         for t, idx in routes.items():
                             tg.start_soon(self._execute_part, t, peer, reqs, regs, idx, results)
             finally:
-                for region in held:
-                    self.release_region(region)
+                self._release_all(held)
             for i in send_idx:
                 res = results[i]
                 if res is not None and isinstance(res.error, (PeerDiedError, PeerUnreachableError)):
@@ -847,39 +872,85 @@ class Engine:
         for i, res in zip(idx, out, strict=True):
             results[i] = res
 
-    async def _local(self, reqs: list[TransferRequest]) -> list[TransferResult]:
-        results = []
-        for r in reqs:
-            remote = self.registry.find(r.remote_addr, r.length)
-            if remote is None or not remote.remote_accessible:
-                results.append(
-                    failed(RemoteAccessError(f"[{r.remote_addr:#x}, +{r.length}) not registered"))
-                )
-                continue
-            src, dst = (
-                (r.remote_addr, r.local_addr)
-                if r.opcode is Opcode.READ
-                else (
-                    r.local_addr,
-                    r.remote_addr,
-                )
-            )
-            local = self.registry.find(r.local_addr, r.length)
-            dev = device_of(local.location) if local is not None else None
-            if dev is None:
-                dev = device_of(remote.location)
-            if dev is not None:
-                try:
-                    await self.staging.copy(dst, src, r.length, dev)
-                except MooncakeError as e:
-                    results.append(failed(e))
+    def _pin_locals(
+        self, reqs: Sequence[TransferRequest], regs: list[Region], idx: Iterable[int]
+    ) -> list[Region]:
+        """Pin the local region of every ``reqs[i]`` (``i`` in ``idx``); returns the pins.
+
+        The pinning rule, for every path that touches memory: a region is pinned from a lookup
+        made with no ``await`` since, until no thread, peer or device can touch it any more.
+        ``regs`` comes from a lookup that may be stale (an ``await`` since): a region that
+        started closing is looked up again (it may have been replaced at the same address) and
+        ``regs`` updated; a range no longer registered raises :class:`NotRegisteredError`,
+        leaving nothing pinned.
+        """
+        held: list[Region] = []
+        try:
+            for i in idx:
+                region = regs[i]
+                if region.closing:
+                    r = reqs[i]
+                    region = regs[i] = self.registry.require(r.local_addr, r.length, "local")
+                region.users += 1
+                held.append(region)
+        except BaseException:
+            self._release_all(held)
+            raise
+        return held
+
+    def _release_all(self, held: Iterable[Region]) -> None:
+        for region in held:
+            self.release_region(region)
+
+    async def _local(self, reqs: list[TransferRequest], regs: list[Region]) -> list[TransferResult]:
+        """Requests against this engine's own segment: copies between two local regions.
+
+        Both regions of every request are pinned (looked up with no ``await`` since) before the
+        first copy and released once the last one is done, so ``unregister`` of either waits
+        for the copies, worker-thread ones included.
+        """
+        results: list[TransferResult | None] = [None] * len(reqs)
+        held = self._pin_locals(reqs, regs, range(len(reqs)))
+        remotes: list[Region | None] = []
+        try:
+            for i, r in enumerate(reqs):
+                remote = self.registry.find(r.remote_addr, r.length)
+                if remote is None or not remote.remote_accessible:
+                    results[i] = failed(
+                        RemoteAccessError(f"[{r.remote_addr:#x}, +{r.length}) not registered")
+                    )
+                    remotes.append(None)
                     continue
-            elif r.length >= (1 << 20):
-                await anyio.to_thread.run_sync(_fast.memcpy_at, dst, src, r.length)
-            else:
-                _fast.memcpy_at(dst, src, r.length)
-            results.append(completed(r.length))
-        return results
+                remote.users += 1
+                held.append(remote)
+                remotes.append(remote)
+            for i, r in enumerate(reqs):
+                remote = remotes[i]
+                if remote is None:
+                    continue
+                src, dst = (
+                    (r.remote_addr, r.local_addr)
+                    if r.opcode is Opcode.READ
+                    else (r.local_addr, r.remote_addr)
+                )
+                dev = device_of(regs[i].location)
+                if dev is None:
+                    dev = device_of(remote.location)
+                if dev is not None:
+                    try:
+                        await self.staging.copy(dst, src, r.length, dev)  # shielded wait
+                    except MooncakeError as e:
+                        results[i] = failed(e)
+                        continue
+                elif r.length >= (1 << 20):
+                    # not abandoned on cancellation: returns only once the thread is done
+                    await anyio.to_thread.run_sync(_fast.memcpy_at, dst, src, r.length)
+                else:
+                    _fast.memcpy_at(dst, src, r.length)
+                results[i] = completed(r.length)
+        finally:
+            self._release_all(held)
+        return [r if r is not None else failed(TransferError("not attempted")) for r in results]
 
     def submit(
         self, segment: str, requests: Sequence[TransferRequest], *, transport: str | None = None
@@ -986,16 +1057,25 @@ def _uncovered(
 
 
 def _map_shared(size: int) -> tuple[mmap.mmap, int]:
-    """A shared mapping of ``size`` bytes: memfd-backed where possible (fd, else -1)."""
+    """A shared mapping of ``size`` bytes: memfd-backed where possible (fd, else -1).
+
+    The memfd is sealed at its size (no shrink, no grow, no further seals): a peer mapping it
+    (``shm``) can never be made to fault past its end by a truncate, and checks the seal.
+    """
     memfd_create = getattr(os, "memfd_create", None)
     if memfd_create is not None:
         try:
-            fd = memfd_create("mooncake-buffer", os.MFD_CLOEXEC)
+            fd = memfd_create("mooncake-buffer", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError:
             fd = -1
         if fd >= 0:
             try:
                 os.ftruncate(fd, size)
+                fcntl.fcntl(
+                    fd,
+                    fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL,
+                )
                 return mmap.mmap(fd, size, flags=mmap.MAP_SHARED), fd
             except BaseException:
                 os.close(fd)
@@ -1063,6 +1143,7 @@ async def open_engine(
                 engine._closed = True
                 with anyio.CancelScope(shield=True):
                     await engine._unpublish()
+                    await engine._withdraw()
                 tg.cancel_scope.cancel()
         if start_error is not None:
             raise start_error

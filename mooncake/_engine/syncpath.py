@@ -387,10 +387,18 @@ class SyncPath:
             plan.append(e)
             if e not in entries:
                 entries.append(e)
+        # Count as one of the session's running copies (as the loop path's enter/leave does):
+        # the client keeps its socket open until they end, so the serving engine cannot take
+        # a closed session for finished copies while this thread still writes into its memory.
+        s.busy += 1
+        if s.closed:
+            self._leave(s)
+            return None
         for k, e in enumerate(entries):
             e.users += 1
             if e.dead:  # revoked or unmapped meanwhile
                 self._unpin_entries(entries[: k + 1])
+                self._leave(s)
                 return None
         try:
             if any(e.mm is None for e in entries):
@@ -419,7 +427,13 @@ class SyncPath:
                 _fast.memcpy_batch(dsts, srcs, mlens)
         finally:
             self._unpin_entries(entries)
+            self._leave(s)
         return []
+
+    def _leave(self, s: shm_mod._Session) -> None:
+        s.busy -= 1
+        if s.busy == 0 and s.closed:  # the loop deferred closing the socket for this copy
+            _on_loop(self.loop, _settle_session, s)
 
     def _unpin_entries(self, entries: list[shm_mod._Entry]) -> None:
         for e in entries:
@@ -451,6 +465,12 @@ def _settle_region(region: Region) -> None:
         released = region.meta.get("released")
         if released is not None:
             released.set()
+
+
+def _settle_session(s: shm_mod._Session) -> None:
+    """On the loop thread: close a closed session's socket once no copy runs any more."""
+    s.busy += 1  # leave() closes it at zero, on the loop thread as the loop path does
+    s.leave()
 
 
 def _settle_entry(e: shm_mod._Entry) -> None:

@@ -52,6 +52,7 @@ cdef class QP(Resource):
         self.qp = NULL
         self.wrs = NULL
         self.sges = NULL
+        self.fifo = NULL
         self._closed = True
         self._close_rank = 0
         self.pd = pd
@@ -83,7 +84,8 @@ cdef class QP(Resource):
         self.state = QPS_RESET
         self.wrs = <mcv_send_wr *>PyMem_Calloc(max_send_wr, sizeof(mcv_send_wr))
         self.sges = <mcv_sge *>PyMem_Calloc(max_send_wr, sizeof(mcv_sge))
-        if self.wrs == NULL or self.sges == NULL:
+        self.fifo = <uint32_t *>PyMem_Calloc(max_send_wr + 1, sizeof(uint32_t))
+        if self.wrs == NULL or self.sges == NULL or self.fifo == NULL:
             ibv().destroy_qp(self.qp)
             self.qp = NULL
             raise MemoryError()
@@ -263,6 +265,7 @@ cdef class QP(Resource):
             live_add(LIVE_QP, -1)
         PyMem_Free(self.wrs)
         PyMem_Free(self.sges)
+        PyMem_Free(self.fifo)
 
     def __del__(self):
         if not self._closed:

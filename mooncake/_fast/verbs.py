@@ -2,7 +2,8 @@
 
 One module per object family (``_verbs_device``: device list and :class:`Context`; ``_verbs_pd``:
 :class:`PD`; ``_verbs_mr``: :class:`MR`; ``_verbs_cq``: :class:`CompChannel`, :class:`CQ`,
-:class:`WcBatch`; ``_verbs_qp``: :class:`QP`), re-exported here. Importing this module never
+:class:`WcBatch`; ``_verbs_qp``: :class:`QP`; ``_rdma_batch``: the transport's batch engine,
+:class:`SliceBatch`, :class:`Rail`, :class:`NicPump`, :class:`BatchEngine`), re-exported here. Importing this module never
 opens libibverbs; :func:`load` (or the first :class:`Context`) does, honouring
 ``MOONCAKE_IBVERBS`` (a path, or ``soft`` for the project's software provider).
 
@@ -27,6 +28,18 @@ UNAVAILABLE_REASON: str = ""
 try:
     if _os.environ.get("MOONCAKE_NO_EXTENSIONS", "") not in ("", "0"):
         raise ImportError("MOONCAKE_NO_EXTENSIONS is set")
+    from mooncake._fast._rdma_batch import (
+        ERR_BAD_RKEY,
+        ERR_NO_RAIL,
+        ERR_REFUSED,
+        ERR_UNQUEUED,
+        ERR_WC,
+        ERR_WC_STALE,
+        BatchEngine,
+        NicPump,
+        Rail,
+        SliceBatch,
+    )
     from mooncake._fast._verbs_cq import CQ, WC_STATUS_NAMES, CompChannel, WcBatch
     from mooncake._fast._verbs_device import Context, get_device_list
     from mooncake._fast._verbs_lib import (
@@ -95,6 +108,12 @@ __all__ = [
     "AVAILABLE",
     "CQ",
     "DEFAULT_LIBRARY",
+    "ERR_BAD_RKEY",
+    "ERR_NO_RAIL",
+    "ERR_REFUSED",
+    "ERR_UNQUEUED",
+    "ERR_WC",
+    "ERR_WC_STALE",
     "MR",
     "MTU_BYTES",
     "OP_READ",
@@ -108,8 +127,12 @@ __all__ = [
     "QPS_RTS",
     "UNAVAILABLE_REASON",
     "WC_STATUS_NAMES",
+    "BatchEngine",
     "CompChannel",
     "Context",
+    "NicPump",
+    "Rail",
+    "SliceBatch",
     "WcBatch",
     "configured_path",
     "get_device_list",

@@ -14,47 +14,174 @@ from mooncake._core import store_types as st
 from mooncake._core.store_types import ObjectDataType, ReplicaStatus, SoftPinAction
 from mooncake.errors import InvalidArgumentError
 
+_U64 = 1 << 64
+
+
+def _u64(name: str, value: Any) -> int:
+    if not isinstance(value, int) or not 0 <= value < _U64:
+        raise TypeError(f"{name} must be an unsigned 64-bit int, got {value!r}")
+    return int(value)
+
+
+def _bool(name: str, value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int)):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def _strs(name: str, value: Any) -> list[str]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"{name} must be a list of str, got {value!r}")
+    return list(value)
+
 
 class ReplicateConfig:
     """Placement and pinning options of a put (published ``mooncake.store.ReplicateConfig``).
 
     ``replica_num`` replicas (best effort, each on a distinct segment); ``preferred_segments``
     (segment names as ``get_hostname()`` returns them) tried first; ``with_hard_pin`` objects
-    are never evicted; ``soft_pin_action=ENABLE`` soft-pins for ``soft_pin_ttl_ms``. The NoF/DFS
-    tier counts are accepted for compatibility; only ``0`` is supported.
+    are never evicted; ``soft_pin_action=ENABLE`` soft-pins for ``soft_pin_ttl_ms``;
+    ``group_ids`` puts keys in groups (a batch: one per key) whose members share read leases.
+    The NoF/DFS tier counts are accepted for compatibility; only ``0`` is supported.
+
+    Assignments are type-checked as the published binding checks them: a value of the wrong
+    type, a negative count or one of 2**64 or more raises ``TypeError``.
     """
 
     __slots__ = (
-        "data_type",
-        "dfs_replica_num",
-        "group_ids",
-        "nof_replica_num",
-        "prefer_alloc_in_same_node",
-        "preferred_nof_segments",
-        "preferred_segment",
-        "preferred_segments",
-        "replica_num",
-        "soft_pin_action",
-        "soft_pin_ttl_ms",
-        "with_hard_pin",
+        "_data_type",
+        "_dfs_replica_num",
+        "_group_ids",
+        "_nof_replica_num",
+        "_prefer_alloc_in_same_node",
+        "_preferred_nof_segments",
+        "_preferred_segment",
+        "_preferred_segments",
+        "_replica_num",
+        "_soft_pin_action",
+        "_soft_pin_ttl_ms",
+        "_with_hard_pin",
     )
 
     def __init__(self) -> None:
-        self.replica_num: int = 1
-        self.nof_replica_num: int = 0
-        self.dfs_replica_num: int = 0
-        self.soft_pin_action: SoftPinAction = SoftPinAction.PRESERVE
-        self.soft_pin_ttl_ms: int | None = None
-        self.with_hard_pin: bool = False
-        self.preferred_segments: list[str] = []
-        self.preferred_segment: str = ""
-        self.preferred_nof_segments: list[str] = []
-        self.prefer_alloc_in_same_node: bool = False
-        self.data_type: ObjectDataType = ObjectDataType.UNKNOWN
-        self.group_ids: list[str] | None = None
+        self._replica_num = 1
+        self._nof_replica_num = 0
+        self._dfs_replica_num = 0
+        self._soft_pin_action = SoftPinAction.PRESERVE
+        self._soft_pin_ttl_ms: int | None = None
+        self._with_hard_pin = False
+        self._preferred_segments: list[str] = []
+        self._preferred_segment = ""
+        self._preferred_nof_segments: list[str] = []
+        self._prefer_alloc_in_same_node = False
+        self._data_type = ObjectDataType.UNKNOWN
+        self._group_ids: list[str] | None = None
+
+    @property
+    def replica_num(self) -> int:
+        return self._replica_num
+
+    @replica_num.setter
+    def replica_num(self, v: int) -> None:
+        self._replica_num = _u64("replica_num", v)
+
+    @property
+    def nof_replica_num(self) -> int:
+        return self._nof_replica_num
+
+    @nof_replica_num.setter
+    def nof_replica_num(self, v: int) -> None:
+        self._nof_replica_num = _u64("nof_replica_num", v)
+
+    @property
+    def dfs_replica_num(self) -> int:
+        return self._dfs_replica_num
+
+    @dfs_replica_num.setter
+    def dfs_replica_num(self, v: int) -> None:
+        self._dfs_replica_num = _u64("dfs_replica_num", v)
+
+    @property
+    def soft_pin_action(self) -> SoftPinAction:
+        return self._soft_pin_action
+
+    @soft_pin_action.setter
+    def soft_pin_action(self, v: SoftPinAction) -> None:
+        if not isinstance(v, SoftPinAction):
+            raise TypeError(f"soft_pin_action must be a SoftPinAction, got {v!r}")
+        self._soft_pin_action = v
+
+    @property
+    def soft_pin_ttl_ms(self) -> int | None:
+        return self._soft_pin_ttl_ms
+
+    @soft_pin_ttl_ms.setter
+    def soft_pin_ttl_ms(self, v: int | None) -> None:
+        self._soft_pin_ttl_ms = None if v is None else _u64("soft_pin_ttl_ms", v)
+
+    @property
+    def with_hard_pin(self) -> bool:
+        return self._with_hard_pin
+
+    @with_hard_pin.setter
+    def with_hard_pin(self, v: bool) -> None:
+        self._with_hard_pin = _bool("with_hard_pin", v)
+
+    @property
+    def preferred_segments(self) -> list[str]:
+        return self._preferred_segments
+
+    @preferred_segments.setter
+    def preferred_segments(self, v: list[str]) -> None:
+        self._preferred_segments = _strs("preferred_segments", v)
+
+    @property
+    def preferred_segment(self) -> str:
+        return self._preferred_segment
+
+    @preferred_segment.setter
+    def preferred_segment(self, v: str) -> None:
+        if not isinstance(v, str):
+            raise TypeError(f"preferred_segment must be a str, got {v!r}")
+        self._preferred_segment = v
+
+    @property
+    def preferred_nof_segments(self) -> list[str]:
+        return self._preferred_nof_segments
+
+    @preferred_nof_segments.setter
+    def preferred_nof_segments(self, v: list[str]) -> None:
+        self._preferred_nof_segments = _strs("preferred_nof_segments", v)
+
+    @property
+    def prefer_alloc_in_same_node(self) -> bool:
+        return self._prefer_alloc_in_same_node
+
+    @prefer_alloc_in_same_node.setter
+    def prefer_alloc_in_same_node(self, v: bool) -> None:
+        self._prefer_alloc_in_same_node = _bool("prefer_alloc_in_same_node", v)
+
+    @property
+    def data_type(self) -> ObjectDataType:
+        return self._data_type
+
+    @data_type.setter
+    def data_type(self, v: ObjectDataType) -> None:
+        if not isinstance(v, ObjectDataType):
+            raise TypeError(f"data_type must be an ObjectDataType, got {v!r}")
+        self._data_type = v
+
+    @property
+    def group_ids(self) -> list[str] | None:
+        return self._group_ids
+
+    @group_ids.setter
+    def group_ids(self, v: list[str] | None) -> None:
+        self._group_ids = None if v is None else _strs("group_ids", v)
 
     def __str__(self) -> str:
         ttl = "default" if self.soft_pin_ttl_ms is None else str(self.soft_pin_ttl_ms)
+        groups = "" if self.group_ids is None else f", group_ids: [{', '.join(self.group_ids)}]"
         return (
             f"ReplicateConfig: {{ replica_num: {self.replica_num}, nof_replica_num: "
             f"{self.nof_replica_num}, dfs_replica_num: {self.dfs_replica_num}, soft_pin_action: "
@@ -62,7 +189,7 @@ class ReplicateConfig:
             f"{int(self.with_hard_pin)}, preferred_segments: {self.preferred_segments}, "
             f"preferred_nof_segments: {self.preferred_nof_segments}, prefer_alloc_in_same_node: "
             f"{int(self.prefer_alloc_in_same_node)}, data_type: "
-            f"{ObjectDataType(self.data_type).name} }}"
+            f"{ObjectDataType(self.data_type).name}{groups} }}"
         )
 
     def __repr__(self) -> str:
@@ -89,6 +216,7 @@ def to_wire(config: ReplicateConfig | st.ReplicateConfig | None) -> st.Replicate
             preferred_segment=config.preferred_segment,
             prefer_alloc_in_same_node=bool(config.prefer_alloc_in_same_node),
             data_type=ObjectDataType(config.data_type),
+            group_ids=None if config.group_ids is None else list(config.group_ids),
         )
     else:
         raise InvalidArgumentError(f"config must be a ReplicateConfig, got {type(config).__name__}")

@@ -169,6 +169,9 @@ def _handlers() -> dict[str, Handler]:
         "QueryKey": lambda s, p, now: s.query_key(p.key),
         "GetAllKeys": lambda s, p, now: s.all_keys(),
         "GetAllSegments": lambda s, p, now: s.all_segments(),
+        "BatchReplicaClear": lambda s, p, now: s.batch_replica_clear(
+            p.client_id, p.keys, p.segment_name, now
+        ),
         "CreateCopyTask": lambda s, p, now: s.create_copy_task(p.key, p.targets, now),
         "CreateMoveTask": lambda s, p, now: s.create_move_task(p.key, p.source, p.target, now),
         "QueryTask": lambda s, p, now: s.query_task(p.task_id),

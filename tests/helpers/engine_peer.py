@@ -7,6 +7,9 @@ array of ``--array`` bytes (memory the engine did not allocate), fills both with
   {"op": "fill", "which": "alloc"|"array", "offset": o, "data_hex": h}
   {"op": "dump", "which": ..., "offset": o, "length": n}      -> {"data_hex": ...}
   {"op": "unregister", "which": ...}                           -> {"ok": true}
+  {"op": "unregister_watch", "wait_s": t}                      -> {"before", "after"}
+      unregister the array, then read its last byte at once and again ``wait_s`` later: a
+      peer still writing after ``unregister`` returned shows as before != after
   {"op": "allocate", "which": name, "length": n, "value": v}   -> {"addr": ...} (filled with v)
   {"op": "quit"}
 
@@ -65,6 +68,11 @@ async def main(args: argparse.Namespace) -> None:
                 views[cmd["which"]] = extra.numpy()
                 views[cmd["which"]][:] = cmd.get("value", 0)
                 reply["addr"] = extra.addr
+            elif op == "unregister_watch":
+                await engine.unregister(arr)
+                reply["before"] = int(arr[-1])
+                await anyio.sleep(cmd.get("wait_s", 0.5))
+                reply["after"] = int(arr[-1])
             elif op == "unregister":
                 which = cmd["which"]
                 if which == "alloc":

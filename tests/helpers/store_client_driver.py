@@ -80,7 +80,7 @@ def put_partial(s: object, key: str, size: int, preferred: list[str]) -> dict[st
                 config=ReplicateConfig(preferred_segments=preferred),
             ),
         )
-        from mooncake._store.client import _Op
+        from mooncake._store.moves import _Op
 
         ops = [_Op(True, src.addr, r, size // 2) for r in reps]
         await store._move(ops)

@@ -86,7 +86,15 @@ class Transport(abc.ABC):
         """Called after a region is added to the registry (before it is published)."""
 
     async def on_unregister(self, region: Region) -> None:
-        """Called once no transfer uses ``region`` any more, before it is dropped."""
+        """Called once no transfer uses ``region`` any more, before it is dropped.
+
+        When it returns, no peer this transport granted the range to may touch it any more.
+        """
+
+    async def on_close(self) -> None:
+        """Called once when the engine starts closing, while its tasks (servers) still run and
+        every region is already marked closing: withdraw what peers were granted, as
+        ``on_unregister`` does, so nothing of theirs touches our memory after the close."""
 
     @abc.abstractmethod
     async def execute(

@@ -29,9 +29,7 @@ returning, so no NIC touches the batch's memory afterwards.
 
 from __future__ import annotations
 
-import bisect
 import collections
-import itertools
 import logging
 import os
 import random
@@ -42,7 +40,6 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.lowlevel
 
-from mooncake._core.descriptor import BufferDesc
 from mooncake._core.handshake import Frame, FrameType
 from mooncake._core.memory import Region
 from mooncake._core.rdma import (
@@ -58,30 +55,21 @@ from mooncake._core.rdma import (
     decode_rdma_segment,
     format_gid,
     nic_path,
-    split_lengths,
     split_nic_path,
 )
 from mooncake._core.transfer import (
-    Opcode,
     TransferRequest,
     TransferResult,
-    TransferStatus,
-    completed,
-    failed,
 )
 from mooncake._engine.transports.base import PeerInfo, Transport
+from mooncake._engine.transports.rdma_run import BatchRun
 from mooncake._engine.transports.rdma_topology import discover
 from mooncake._fast import verbs
 from mooncake.errors import (
     MooncakeError,
-    NotRegisteredError,
     NotSupportedError,
-    PeerDiedError,
     PeerUnreachableError,
     ProtocolError,
-    RemoteAccessError,
-    TransferError,
-    TransferTimeoutError,
     VerbsError,
     VerbsUnavailableError,
 )
@@ -102,6 +90,8 @@ _ACCESS_STATUSES = frozenset(
     )
 )
 POLL_BATCH = 64
+SIGNAL_EVERY = 16  # one signaled WR per 16 (and the last of every chain)
+PUMP_BUDGET = 1 << 16  # WRs reaped + posted per pump run before yielding to the loop
 CANCEL_GRACE_S = 10.0
 
 
@@ -183,8 +173,10 @@ class _Nic:
         except BaseException:
             self.ctx.close()
             raise
-        self.wc = verbs.WcBatch(POLL_BATCH)
-        self.slots_freed = anyio.Event()
+        self.pump: Any = None  # verbs.NicPump, made by the transport
+        self.seen_posted = 0
+        self.seen_completions = 0
+        self.continuing = False
         self.scope: anyio.CancelScope | None = None
 
     def _pick_gid_index(self, cfg: RdmaConfig, table_len: int) -> int:
@@ -208,19 +200,15 @@ class _Nic:
                 first = i
         return first if first is not None else 0
 
-    def wake_posters(self) -> None:
-        self.slots_freed.set()
-        self.slots_freed = anyio.Event()
-
 
 class _Endpoint:
-    """RC QPs from one local NIC to one peer NIC path."""
+    """RC QPs from one local NIC to one peer NIC path; active ones post through ``rail``."""
 
-    def __init__(self, nic: _Nic, peer_path: str, qps: list[Any]) -> None:
+    def __init__(self, nic: _Nic, peer_path: str, qps: list[Any], rail: Any = None) -> None:
         self.nic = nic
         self.peer_path = peer_path
         self.qps = qps
-        self.next = 0
+        self.rail = rail
         self.broken = False
         self.closed = False
 
@@ -228,8 +216,10 @@ class _Endpoint:
     def inflight(self) -> int:
         return sum(q.inflight for q in self.qps)
 
-    def slots(self) -> int:
-        return 0 if self.broken or self.closed else sum(q.slots_free for q in self.qps)
+    def mark_broken(self) -> None:
+        self.broken = True
+        if self.rail is not None:
+            self.rail.set_broken()  # its queued slices go back to their batches
 
     def to_error(self) -> None:
         for q in self.qps:
@@ -240,81 +230,21 @@ class _Endpoint:
                     log.debug("QP %d to ERR failed: %s", q.qp_num, e)
 
     def close(self) -> None:
+        """Destroy the QPs; WRs they never completed are settled as flushed."""
         if self.closed:
             return
         self.closed = True
+        if self.rail is not None:
+            try:
+                self.rail.close()
+            except MooncakeError as e:  # the QPs are gone from our side either way
+                log.warning("rdma: destroying the QPs to %s failed: %s", self.peer_path, e)
+            return
         for q in self.qps:
             try:
                 q.close()
-            except MooncakeError as e:  # the QP is gone from our side either way
+            except MooncakeError as e:
                 log.warning("rdma: destroying QP %d failed: %s", q.qp_num, e)
-
-
-class _Slice:
-    __slots__ = (
-        "access_retry",
-        "batch",
-        "buf",
-        "buf_location",
-        "endpoint",
-        "length",
-        "local_addr",
-        "location",
-        "mrs",
-        "opcode",
-        "remote_addr",
-        "req",
-        "retry",
-    )
-
-    def __init__(
-        self,
-        batch: _Batch,
-        req: int,
-        opcode: int,
-        local: int,
-        remote: int,
-        length: int,
-        buf: BufferDesc,
-        region: Region,
-    ) -> None:
-        self.batch = batch
-        self.buf = buf
-        self.buf_location = buf.name
-        self.mrs: list[Any] = region.meta["rdma_mrs"]
-        self.location = region.location
-        self.req = req
-        self.opcode = opcode
-        self.local_addr = local
-        self.remote_addr = remote
-        self.length = length
-        self.retry = 0
-        self.access_retry = 0
-        self.endpoint: _Endpoint | None = None
-
-
-class _Batch:
-    def __init__(self, n: int) -> None:
-        self.pending: collections.deque[_Slice] = collections.deque()
-        self.outstanding = 0
-        self.remaining = [0] * n
-        self.moved = [0] * n
-        self.errors: list[MooncakeError | None] = [None] * n
-        self.need_refresh = False
-        self.progress = anyio.Event()
-        self.endpoints: set[_Endpoint] = set()
-        self.blocked: set[_Nic] = set()
-        self.timed_out: set[int] = set()
-
-    def poke(self) -> None:
-        self.progress.set()
-
-    def finish_slice(self, s: _Slice, error: MooncakeError | None = None) -> None:
-        if error is not None and self.errors[s.req] is None:
-            self.errors[s.req] = error
-        elif error is None:
-            self.moved[s.req] += s.length
-        self.remaining[s.req] -= 1
 
 
 class RdmaTransport(Transport):
@@ -331,8 +261,8 @@ class RdmaTransport(Transport):
         self.matrix = PriorityMatrix({}, 0)
         self.rails = RailHealth(pause=self.cfg.rail_pause_s)
         self._rng = random.Random(self.cfg.seed)
-        self._cookies = itertools.count(1)
-        self._inflight: dict[int, _Slice] = {}
+        self.batches: Any = None  # verbs.BatchEngine: the live batches, by WR cookie
+        self.pump_budget = PUMP_BUDGET
         self._active: dict[tuple[int, str], _Endpoint] = {}
         self._connecting: dict[tuple[int, str], anyio.Event] = {}
         self._passive: collections.OrderedDict[tuple[int, str], _Endpoint] = (
@@ -361,7 +291,9 @@ class RdmaTransport(Transport):
             self._close_nics()
             raise
         self.engine.handshake.handlers[FrameType.CONNECTION] = self._on_connection
+        self.batches = verbs.BatchEngine()
         for nic in self.nics:
+            nic.pump = verbs.NicPump(self.batches, nic.cq, POLL_BATCH, SIGNAL_EVERY)
             self.engine.task_group.start_soon(self._poller, nic)
         log.info(
             "rdma: devices %s",
@@ -446,7 +378,7 @@ class RdmaTransport(Transport):
 
     def _retire(self, ep: _Endpoint) -> None:
         """Stop using ``ep``; destroy it once its last WR is reaped."""
-        ep.broken = True
+        ep.mark_broken()
         if self._active.get((ep.nic.index, ep.peer_path)) is ep:
             del self._active[(ep.nic.index, ep.peer_path)]
         if ep.inflight == 0:
@@ -457,84 +389,73 @@ class RdmaTransport(Transport):
 
     # -- completions ----------------------------------------------------------------------
 
+    @property
+    def _inflight(self) -> range:
+        """A sized stand-in for the set of WRs posted and not reaped (``len`` is their count)."""
+        return range(sum(n.cq.inflight for n in self.nics if not n.cq.closed))
+
     async def _poller(self, nic: _Nic) -> None:
         with anyio.CancelScope() as scope:
             nic.scope = scope
             while True:
                 nic.cq.req_notify()
-                self._drain(nic)  # after arming: a completion racing the arm is not missed
+                # after arming: a completion racing the arm is not missed
+                if self._pump(nic):
+                    await anyio.lowlevel.checkpoint()  # budget used up: let others run
+                    continue
                 await anyio.wait_readable(nic.channel.fd)
                 try:
                     nic.channel.get_events()
                 except VerbsError as e:  # the CQ is drained after re-arming regardless
                     log.warning("rdma: %s: reading completion events failed: %s", nic.name, e)
 
-    def _drain(self, nic: _Nic) -> None:
-        wc = nic.wc
-        reaped = 0
-        while True:
-            n = nic.cq.poll(wc)
-            for i in range(n):
-                s = self._inflight.pop(wc.cookies[i], None)
-                if s is not None:
-                    self._complete(s, wc.status[i])
-            reaped += n
-            if n < wc.capacity:
-                break
-        if reaped:
-            self.stats["completions"] += reaped
-            nic.wake_posters()
+    def _pump(self, nic: _Nic) -> bool:
+        """Reap ``nic``'s completions and post what its rails have queued (compiled loop);
+        wake the batches that finished or need a decision. True if work is left."""
+        pump = nic.pump
+        more = bool(pump.run(self.pump_budget))
+        self.stats["posted"] += pump.posted - nic.seen_posted
+        self.stats["completions"] += pump.completions - nic.seen_completions
+        nic.seen_posted = pump.posted
+        nic.seen_completions = pump.completions
+        for b in self.batches.take_woken():
+            b.event.set()
+        if self._draining:
             for ep in [e for e in self._draining if e.nic is nic and e.inflight == 0]:
                 ep.close()
                 self._draining.discard(ep)
+        return more
 
-    def _complete(self, s: _Slice, status: int) -> None:
-        b = s.batch
-        b.outstanding -= 1
-        ep = s.endpoint
-        assert ep is not None
-        rail = (ep.nic.index, ep.peer_path)
-        if status == verbs.WC_SUCCESS:
-            self.rails.record_success(rail)
-            b.finish_slice(s)
-        else:
-            self.stats[f"wc_{verbs.wc_status_name(status)}"] += 1
-            self._retire(ep)
-            what = (
-                f"{'READ' if s.opcode == verbs.OP_READ else 'WRITE'} of [{s.remote_addr:#x}, "
-                f"+{s.length}) via {ep.nic.name} -> {ep.peer_path}: {verbs.wc_status_name(status)}"
-            )
-            if status == verbs.WC_WR_FLUSH_ERR:
-                # flushed behind another WR's error: not this rail's fault, just resend
-                self._retry(s, PeerDiedError(what), count=False)
-            elif status in _ACCESS_STATUSES:
-                if s.access_retry == 0:
-                    s.access_retry = 1
-                    b.need_refresh = True
-                    b.pending.append(s)
-                else:
-                    b.finish_slice(
-                        s, RemoteAccessError(f"{what}: the peer refused the range or rkey")
-                    )
-            else:
-                if self.rails.record_error(rail, anyio.current_time()):
-                    log.warning(
-                        "rdma: rail %s -> %s paused for %.0f s after repeated errors",
-                        ep.nic.name,
-                        ep.peer_path,
-                        self.rails.pause,
-                    )
-                self._retry(s, PeerDiedError(what))
-        b.poke()
+    def _post(self, nic: _Nic) -> None:
+        """Post what a batch just queued on ``nic`` (the poller takes over if work is left)."""
+        if self._pump(nic) and not nic.continuing:
+            nic.continuing = True
+            self.engine.task_group.start_soon(self._continue, nic)
 
-    def _retry(self, s: _Slice, error: MooncakeError, count: bool = True) -> None:
-        if count:
-            s.retry += 1
-        if s.retry > self.cfg.retry_cnt or s.batch.errors[s.req] is not None:
-            s.batch.finish_slice(s, error)
-        else:
-            self.stats["retries"] += 1
-            s.batch.pending.append(s)
+    async def _continue(self, nic: _Nic) -> None:
+        try:
+            while True:
+                await anyio.lowlevel.checkpoint()
+                if nic.cq.closed or not self._pump(nic):
+                    return
+        finally:
+            nic.continuing = False
+
+    def _log_pause(self, nic: str, peer_path: str) -> None:
+        log.warning(
+            "rdma: rail %s -> %s paused for %.0f s after repeated errors",
+            nic,
+            peer_path,
+            self.rails.pause,
+        )
+
+    def _log_refused(self, ep: _Endpoint, err: int) -> None:
+        log.warning(
+            "rdma: posting on %s -> %s failed: %s", ep.nic.name, ep.peer_path, os.strerror(err)
+        )
+
+    def _log_never_completed(self, n: int) -> None:
+        log.error("rdma: %d WRs never completed; destroying their QPs", n)
 
     # -- endpoints ------------------------------------------------------------------------
 
@@ -629,7 +550,7 @@ class RdmaTransport(Transport):
             for q in qps:
                 q.close()
             raise
-        return _Endpoint(nic, path, qps)
+        return _Endpoint(nic, path, qps, verbs.Rail(nic.pump, qps))
 
     async def _on_connection(self, frame: Frame) -> Any:
         """Passive side of the endpoint handshake."""
@@ -680,151 +601,10 @@ class RdmaTransport(Transport):
 
     # -- transfers ------------------------------------------------------------------------
 
-    def _slices(
-        self, peer: PeerInfo, reqs: Sequence[TransferRequest], batch: _Batch
-    ) -> list[_Slice]:
-        frag = self.cfg.slice_size // self.cfg.fragment_ratio
-        regions = self.engine.registry.regions()  # sorted; includes regions being unregistered
-        starts = [g.addr for g in regions]
-        out = []
-        for i, r in enumerate(reqs):
-            j = bisect.bisect_right(starts, r.local_addr) - 1
-            region = regions[j] if j >= 0 and regions[j].covers(r.local_addr, r.length) else None
-            buf = peer.descriptor.find_buffer(r.remote_addr, r.length)
-            if region is None or "rdma_mrs" not in region.meta:
-                batch.errors[i] = NotRegisteredError(
-                    f"local [{r.local_addr:#x}, +{r.length}) is not registered for RDMA"
-                )
-                continue
-            if buf is None:
-                batch.errors[i] = RemoteAccessError(
-                    f"{peer.segment}: [{r.remote_addr:#x}, +{r.length}) is not inside one of "
-                    "its registered buffers"
-                )
-                continue
-            op = verbs.OP_READ if r.opcode is Opcode.READ else verbs.OP_WRITE
-            for off, n in split_lengths(r.length, self.cfg.slice_size, frag):
-                out.append(
-                    _Slice(batch, i, op, r.local_addr + off, r.remote_addr + off, n, buf, region)
-                )
-                batch.remaining[i] += 1
-        return out
-
     async def execute(
         self, peer: PeerInfo, requests: Sequence[TransferRequest]
     ) -> list[TransferResult]:
-        batch = _Batch(len(requests))
-        batch.pending.extend(self._slices(peer, requests, batch))
-        try:
-            while batch.pending or batch.outstanding:
-                if batch.need_refresh and not batch.outstanding:
-                    batch.need_refresh = False
-                    peer = await self._refresh(peer, batch)
-                    continue
-                if batch.pending and not batch.need_refresh:
-                    batch.blocked.clear()
-                    await self._dispatch(peer, batch)
-                if batch.outstanding:
-                    if self.cfg.slice_timeout > 0:
-                        with anyio.move_on_after(self.cfg.slice_timeout) as waited:
-                            await self._wait_progress(batch)
-                        if waited.cancelled_caught:
-                            self._time_out(batch)
-                    else:
-                        await self._wait_progress(batch)
-                elif batch.blocked:
-                    # send queues full of other batches' WRs: wait for their completions
-                    await next(iter(batch.blocked)).slots_freed.wait()
-                else:
-                    await anyio.lowlevel.checkpoint()
-        finally:
-            if batch.outstanding:
-                await self._abandon(batch)
-        results = []
-        for i, r in enumerate(requests):
-            err = batch.errors[i]
-            if err is not None and i in batch.timed_out:
-                results.append(TransferResult(TransferStatus.TIMEOUT, batch.moved[i], err))
-            elif err is not None:
-                results.append(failed(err))
-            elif batch.moved[i] != r.length:
-                results.append(failed(TransferError(f"moved {batch.moved[i]} of {r.length} bytes")))
-            else:
-                results.append(completed(r.length))
-        return results
-
-    def _time_out(self, batch: _Batch) -> None:
-        """No completion for ``MC_SLICE_TIMEOUT`` s: fail the requests with WRs in flight and
-        flush their QPs (the flushed WRs then finish those requests instead of retrying)."""
-        waiting = {s.req for s in self._inflight.values() if s.batch is batch}
-        for req in waiting:
-            if batch.errors[req] is None:
-                batch.errors[req] = TransferTimeoutError(
-                    f"no completion within MC_SLICE_TIMEOUT={self.cfg.slice_timeout:g} s"
-                )
-            batch.timed_out.add(req)
-        for ep in list(batch.endpoints):
-            if ep.inflight:
-                self._retire(ep)
-                ep.to_error()
-        self.stats["timeouts"] += len(waiting)
-
-    async def _wait_progress(self, batch: _Batch) -> None:
-        if not batch.progress.is_set():
-            await batch.progress.wait()
-        batch.progress = anyio.Event()
-
-    async def _abandon(self, batch: _Batch) -> None:
-        """Cancelled or failed mid-batch: flush what is posted and wait for it, shielded."""
-        with anyio.CancelScope(shield=True):
-            batch.pending.clear()
-            for ep in batch.endpoints:
-                if ep.inflight:
-                    self._retire(ep)
-                    ep.to_error()  # every WR still queued completes (flushed) right away
-            with anyio.move_on_after(CANCEL_GRACE_S):
-                while batch.outstanding:
-                    await self._wait_progress(batch)
-            if batch.outstanding:
-                # the device never completed them: destroy the QPs, after which no DMA happens
-                log.error("rdma: %d WRs never completed; destroying their QPs", batch.outstanding)
-                for ep in batch.endpoints:
-                    ep.close()
-                    self._draining.discard(ep)
-                # destroying a QP drops its completions: settle those WRs here, for this batch
-                # and any other one that shared the endpoints (they retry elsewhere)
-                for cookie, sl in list(self._inflight.items()):
-                    if sl.endpoint is not None and sl.endpoint.closed:
-                        del self._inflight[cookie]
-                        self._complete(sl, verbs.WC_WR_FLUSH_ERR)
-                batch.pending.clear()
-
-    async def _refresh(self, peer: PeerInfo, batch: _Batch) -> PeerInfo:
-        """Re-read the peer's descriptor after a remote access error and re-aim the slices."""
-        try:
-            peer = await self.engine.peer(peer.segment, refresh=True)
-        except MooncakeError as e:
-            for s in list(batch.pending):
-                batch.finish_slice(s, e)
-            batch.pending.clear()
-            return peer
-        keep: collections.deque[_Slice] = collections.deque()
-        for s in batch.pending:
-            buf = peer.descriptor.find_buffer(s.remote_addr, s.length)
-            if buf is None:
-                batch.finish_slice(
-                    s,
-                    RemoteAccessError(
-                        f"{peer.segment}: [{s.remote_addr:#x}, +{s.length}) is no longer "
-                        "registered there (remote access error)"
-                    ),
-                )
-            else:
-                s.buf = buf
-                s.buf_location = buf.name
-                keep.append(s)
-        batch.pending = keep
-        return peer
+        return await BatchRun(self, peer, self._segment(peer), requests).execute()
 
     def _rail_options(
         self,
@@ -865,136 +645,3 @@ class RdmaTransport(Transport):
             pref_local = self.matrix.candidates(location)[0]
             out = [o for o in out if o[0] in pref_local] or out
         return out
-
-    def _choose(
-        self,
-        s: _Slice,
-        peer: PeerInfo,
-        seg: RdmaSegment,
-        now: float,
-        memo: dict[tuple[str, str, int], list[tuple[int, list[int]]]],
-    ) -> tuple[int, int] | None:
-        """Local NIC index and peer device index for ``s`` (None: every rail down or paused).
-
-        First tries spray at random over the preferred local NICs and their usable preferred
-        peer NICs (``selectDevice`` with retry 0); retries rotate deterministically."""
-        key = (s.location, s.buf_location, s.retry)
-        opts = memo.get(key)
-        if opts is None:
-            opts = memo[key] = self._rail_options(
-                s.location, s.buf_location, s.retry, peer, seg, now
-            )
-        if not opts:
-            return None
-        if s.retry == 0:
-            rnd = self._rng.random
-            li, choices = opts[int(rnd() * len(opts))]
-            return li, choices[int(rnd() * len(choices))]
-        li, choices = opts[0]
-        return li, choices[0]
-
-    async def _dispatch(self, peer: PeerInfo, batch: _Batch) -> None:
-        seg = self._segment(peer)
-        if seg is None:
-            unsupported = NotSupportedError(f"{peer.segment} publishes no RDMA devices")
-            for s in batch.pending:
-                batch.finish_slice(s, unsupported)
-            batch.pending.clear()
-            return
-        now = anyio.current_time()
-        groups: dict[tuple[int, int, int], list[tuple[_Slice, int]]] = {}
-        memo: dict[tuple[str, str, int], list[tuple[int, list[int]]]] = {}
-        rkeys: dict[tuple[int, int], int] = {}
-        while batch.pending:
-            s = batch.pending.popleft()
-            if batch.errors[s.req] is not None:
-                batch.remaining[s.req] -= 1  # its request already failed: drop the rest
-                continue
-            buf = s.buf
-            pick = self._choose(s, peer, seg, now, memo)
-            if pick is None:
-                batch.finish_slice(
-                    s,
-                    PeerUnreachableError(
-                        f"no usable RDMA rail to {peer.segment} (all paused or down)"
-                    ),
-                )
-                continue
-            rk = rkeys.get((id(buf), pick[1]))
-            if rk is None:
-                try:
-                    rk = rkeys[(id(buf), pick[1])] = seg.rkey(
-                        buf, pick[1], f"{peer.segment} buffer"
-                    )
-                except ProtocolError as e:
-                    batch.finish_slice(s, e)
-                    continue
-            groups.setdefault((pick[0], pick[1], s.opcode), []).append((s, rk))
-        for (li, pi, op), items in groups.items():
-            nic = self.nics[li]
-            try:
-                ep = await self._endpoint(nic, peer, seg, pi)
-            except MooncakeError as e:
-                rail = (li, nic_path(peer.segment, seg.devices[pi].name))
-                self.rails.record_error(rail, anyio.current_time())
-                self.stats["connect_errors"] += 1
-                err: MooncakeError = (
-                    e if isinstance(e, TransferError) else PeerUnreachableError(str(e))
-                )
-                for s, _ in items:
-                    self._retry(s, err)
-                continue
-            batch.endpoints.add(ep)
-            self._post(ep, op, items, batch)
-
-    def _post(self, ep: _Endpoint, op: int, items: list[tuple[_Slice, int]], batch: _Batch) -> None:
-        """Post as many of ``items`` as the QPs take now, spread evenly; requeue the rest.
-
-        Slices left over for lack of send-queue room wait for completions on this NIC; slices
-        the device refused count as a failed try and go to another endpoint."""
-        i = 0
-        nq = len(ep.qps)
-        for k in range(nq):
-            if i >= len(items) or ep.broken:
-                break
-            qp = ep.qps[(ep.next + k) % nq]
-            share = -(-(len(items) - i) // (nq - k))  # even spread over the QPs left
-            n = min(qp.slots_free, share)
-            if n <= 0:
-                continue
-            chunk = items[i : i + n]
-            cookies = [next(self._cookies) for _ in chunk]
-            mrs = []
-            for c, (s, _) in zip(cookies, chunk, strict=True):
-                mrs.append(s.mrs[ep.nic.index])
-                s.endpoint = ep
-                self._inflight[c] = s
-            refused: MooncakeError | None = None
-            try:
-                posted = qp.post(
-                    op,
-                    mrs,
-                    [s.local_addr for s, _ in chunk],
-                    [s.length for s, _ in chunk],
-                    [s.remote_addr for s, _ in chunk],
-                    [rk for _, rk in chunk],
-                    cookies,
-                )
-            except MooncakeError as e:
-                posted = e.posted if isinstance(e, VerbsError) else 0
-                refused = e
-                self._retire(ep)
-                log.warning("rdma: posting on %s -> %s failed: %s", ep.nic.name, ep.peer_path, e)
-            for c, (s, _) in zip(cookies[posted:], chunk[posted:], strict=True):
-                del self._inflight[c]
-                s.endpoint = None
-                assert refused is not None
-                self._retry(s, TransferError(f"{ep.nic.name} -> {ep.peer_path}: {refused}"))
-            batch.outstanding += posted
-            self.stats["posted"] += posted
-            i += n
-        ep.next = (ep.next + 1) % nq
-        if i < len(items) and not ep.broken:
-            batch.blocked.add(ep.nic)  # no room: wait until this NIC reaps completions
-        for s, _ in items[i:]:
-            batch.pending.append(s)

@@ -20,13 +20,27 @@ worker whose completions arrive on an eventfd (:mod:`mooncake._engine._copier`).
 (``EPERM``: ptrace policy, another user) the requests go over TCP instead and the peer stays on
 TCP for those buffers, with one warning saying why.
 
-Trust: the server hands memfds only to clients of its own uid (``SO_PEERCRED``), others get the
-buffer list without fds (and then need the kernel's ptrace permission, or use TCP).
+Trust (the socket is abstract: no file permissions guard it): both ends check the other's
+credentials with ``SO_PEERCRED``. The server serves only clients of its own effective uid or of
+a uid listed in ``MOONCAKE_SHM_ALLOW_UIDS`` (comma-separated); others are disconnected before
+they can send anything. The client trusts a listener only if it has such a uid and is the
+process the descriptor names (``shm_pid``): a name taken over by another user (after the engine
+exited) is never talked to; that peer's requests go over TCP instead, with one warning. Every
+message is validated (types, ranges, fd indices, memfd size and seals); a malformed one drops
+that connection, never the engine. Only sealed memfds (``F_SEAL_SHRINK``: they cannot be
+truncated under our mapping) are mapped.
 
-Lifetimes: a mapping lives until its revoke, the server's connection closing (the peer died or
-closed), ``forget_peer`` or the engine's close, whichever comes first, and never while a copy
-into it runs (copies count as users; the last one unmaps). Cancellation waits for a running
-worker-thread copy to finish: nothing touches local memory after ``execute`` returns.
+Lifetimes (the engine's pinning rule, seen from the client): an entry is looked up with no
+``await`` since and pinned (``users``) for the whole time a copy may touch it: memcpy into the
+mapping and process_vm copies alike. A revoke waits for the pins to drop before it unmaps and
+acknowledges, so the server's ``unregister`` returns only once no copy of ours runs in its
+memory. A process_vm copy on a worker thread goes in pieces of at most ``VM_CHUNK`` bytes and
+stops at the next piece once its entry is revoked (the rest of its requests fail), so an
+acknowledgement waits for one piece, not for a whole large copy. A mapping lives until its
+revoke, the server's connection closing (the peer died or closed), ``forget_peer`` or the
+engine's close, whichever comes first, and never while a copy into it runs (the last user
+unmaps). Cancellation waits for a running worker-thread copy to finish: nothing touches local
+memory after ``execute`` returns.
 """
 
 from __future__ import annotations
@@ -34,6 +48,8 @@ from __future__ import annotations
 import bisect
 import ctypes
 import errno
+import fcntl
+import itertools
 import json
 import logging
 import mmap
@@ -41,7 +57,7 @@ import os
 import secrets
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -70,7 +86,38 @@ REVOKE_ACK_S = 5.0
 MAX_MSG = 256 << 10
 FDS_PER_MSG = 64
 MAX_CLIENTS = 256
+MAX_BUFFERS = 1 << 16  # entries one listing may announce (each mapping costs a VMA)
+VM_CHUNK = 16 << 20  # process_vm bytes per call on a worker thread (a revoke waits for one)
 _CREDS = struct.Struct("3i")
+_U64 = 1 << 64
+
+
+def allowed_uids() -> frozenset[int]:
+    """Our effective uid plus those in ``MOONCAKE_SHM_ALLOW_UIDS`` (``1001,1002``)."""
+    out = {os.geteuid()}
+    for part in os.environ.get("MOONCAKE_SHM_ALLOW_UIDS", "").split(","):
+        part = part.strip()
+        if part:
+            try:
+                out.add(int(part))
+            except ValueError:
+                log.warning("MOONCAKE_SHM_ALLOW_UIDS: ignoring %r (not a uid)", part)
+    return frozenset(out)
+
+
+def peer_creds(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the other end (the listener, seen from a connected client)."""
+    pid, uid, gid = _CREDS.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
+    )
+    return pid, uid, gid
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int = _U64) -> int:
+    """``v`` if it is an int in ``[lo, hi)``, else :class:`ProtocolError` naming ``what``."""
+    if type(v) is not int or not lo <= v < hi:
+        raise ProtocolError(f"shm: {what} must be an int in [{lo}, {hi}), got {v!r:.60}")
+    return v
 
 
 def host_id() -> str:
@@ -130,7 +177,7 @@ async def _recv(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
         obj = json.loads(data)
         if not isinstance(obj, dict):
             raise ValueError("not an object")
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         for fd in fds:
             os.close(fd)
         raise ProtocolError(f"shm: bad message: {e}") from None
@@ -141,6 +188,17 @@ def _seqpacket() -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.setblocking(False)
     return sock
+
+
+def _mappable(fd: int, length: int) -> bool:
+    """Whether ``fd`` can be mapped for ``length`` bytes with no risk of SIGBUS: a memfd sealed
+    against shrinking, at least that long."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        size = os.fstat(fd).st_size
+    except OSError:
+        return False
+    return bool(seals & fcntl.F_SEAL_SHRINK) and size >= length
 
 
 def _map(fd: int, length: int) -> tuple[mmap.mmap, int]:
@@ -168,6 +226,9 @@ class _Entry:
         self.dead = False
         self.idle: anyio.Event | None = None  # set when users drops to 0 (revoke waits on it)
 
+    def pin(self) -> None:
+        self.users += 1
+
     def release(self) -> None:
         self.users -= 1
         if self.users == 0:
@@ -187,11 +248,15 @@ class _Entry:
 
 
 class _Session:
-    """The client end of one peer's shm connection and the buffers it granted."""
+    """The client end of one peer's shm connection and the buffers it granted.
 
-    def __init__(self, sock: socket.socket) -> None:
+    ``pid`` is the listener's, from ``SO_PEERCRED`` (process_vm copies go to it); the server's
+    ``buffers`` messages must name the same pid.
+    """
+
+    def __init__(self, sock: socket.socket, pid: int) -> None:
         self.sock = sock
-        self.pid = 0
+        self.pid = pid
         self.entries: list[_Entry] = []
         self.starts: list[int] = []
         self.listed = anyio.Event()
@@ -200,6 +265,10 @@ class _Session:
         self.closed = False
         self.vm_denied = False
         self._page: list[_Entry] = []
+        #: batches copying through this session right now: while any runs, ``close`` keeps the
+        #: socket open, so the server (waiting for our revoke acknowledgements, or for the
+        #: connection to end) cannot conclude we stopped while a worker thread still copies
+        self.busy = 0
 
     def find(self, addr: int, length: int) -> _Entry | None:
         i = bisect.bisect_right(self.starts, addr) - 1
@@ -243,7 +312,10 @@ class _Session:
                 raise PeerDiedError("shm: connection to the peer closed while listing")
 
     async def reader(self) -> None:
-        """Apply the server's messages until the connection ends; then unmap everything."""
+        """Apply the server's messages until the connection ends; then unmap everything.
+
+        Whatever the server sends ends, at worst, this session: never the engine.
+        """
         try:
             while True:
                 msg, fds = await _recv(self.sock)
@@ -254,26 +326,67 @@ class _Session:
                         os.close(fd)
         except (MooncakeError, OSError, anyio.ClosedResourceError) as e:
             log.debug("shm session ended: %s", e)
+        except Exception as e:  # a message we failed to foresee: drop the peer, keep the engine
+            log.warning("shm session dropped on an unexpected message: %r", e)
         finally:
+            for ent in self._page:
+                ent.unmap_when_idle()
+            self._page = []
             self.close()
+
+    def _parse_buffers(self, msg: dict[str, Any], fds: list[int]) -> list[_Entry]:
+        """Validate one ``buffers`` page and map its memfds (ProtocolError if malformed)."""
+        if _int(msg.get("pid"), "pid", 1, 1 << 31) != self.pid:
+            raise ProtocolError(f"shm: listing names pid {msg.get('pid')}, listener is {self.pid}")
+        bufs = msg.get("buffers")
+        if not isinstance(bufs, list) or len(self._page) + len(bufs) > MAX_BUFFERS:
+            raise ProtocolError(f"shm: buffers must be a list of at most {MAX_BUFFERS} entries")
+        if not isinstance(msg.get("more", False), bool):
+            raise ProtocolError("shm: more must be a boolean")
+        checked = []
+        for b in bufs:
+            if not isinstance(b, dict):
+                raise ProtocolError("shm: a buffer entry must be an object")
+            addr = _int(b.get("addr"), "buffer addr")
+            length = _int(b.get("length"), "buffer length", 1)
+            if addr + length > _U64:
+                raise ProtocolError(f"shm: buffer [{addr:#x}, +{length}) runs past 2**64")
+            fi = _int(b.get("fd"), "buffer fd index", -1, len(fds))
+            checked.append((addr, length, fi))
+        out: list[_Entry] = []
+        try:
+            for addr, length, fi in checked:
+                if fi >= 0 and _mappable(fds[fi], length):
+                    try:
+                        mm, base = _map(fds[fi], length)
+                    except (OSError, ValueError, OverflowError) as e:
+                        raise ProtocolError(f"shm: cannot map a granted buffer ({e})") from None
+                    out.append(_Entry(addr, length, mm, base))
+                else:  # no fd, or one that could shrink under us: process_vm instead
+                    out.append(_Entry(addr, length, None, 0))
+        except BaseException:
+            for ent in out:
+                ent.unmap_when_idle()
+            raise
+        return out
 
     async def _handle(self, msg: dict[str, Any], fds: list[int]) -> None:
         op = msg.get("op")
         if op == "buffers":
-            self.pid = int(msg["pid"])
-            for b in msg["buffers"]:
-                addr, length, fi = int(b["addr"]), int(b["length"]), int(b["fd"])
-                if fi >= 0:
-                    mm, base = _map(fds[fi], length)
-                    self._page.append(_Entry(addr, length, mm, base))
-                else:
-                    self._page.append(_Entry(addr, length, None, 0))
-            if not msg.get("more"):
+            self._page.extend(self._parse_buffers(msg, fds))
+            if not msg.get("more", False):
                 page, self._page = self._page, []
+                page.sort(key=lambda x: x.addr)
+                for a, b in itertools.pairwise(page):
+                    if a.addr + a.length > b.addr:
+                        for e in page:
+                            e.unmap_when_idle()
+                        raise ProtocolError("shm: the listing has overlapping buffers")
                 self._set(page)
                 self.listed.set()
         elif op == "revoke":
-            addr = int(msg["addr"])
+            addr = _int(msg.get("addr"), "revoke addr")
+            seq = _int(msg.get("seq"), "revoke seq")
             i = bisect.bisect_left(self.starts, addr)
             if i < len(self.entries) and self.entries[i].addr == addr:
                 e = self.entries.pop(i)
@@ -284,9 +397,9 @@ class _Session:
                     await e.idle.wait()
                 e.unmap_when_idle()
             async with self.send_lock:
-                await _send(self.sock, {"op": "ack", "seq": msg.get("seq")})
+                await _send(self.sock, {"op": "ack", "seq": seq})
         else:
-            raise ProtocolError(f"shm: unknown message {op!r}")
+            raise ProtocolError(f"shm: unknown message {op!r:.60}")
 
     def check_alive(self) -> None:
         """Fail fast (one non-blocking peek) when the peer has closed or died.
@@ -312,18 +425,34 @@ class _Session:
         for e in self.entries:
             e.unmap_when_idle()
         self.entries, self.starts = [], []
-        _sockio.close(self.sock)
+        if not self.busy:
+            _sockio.close(self.sock)
+
+    def enter(self) -> None:
+        self.busy += 1
+
+    def leave(self) -> None:
+        self.busy -= 1
+        if self.busy == 0 and self.closed:
+            _sockio.close(self.sock)  # the close deferred while copies ran
 
 
 # -- server side ---------------------------------------------------------------------------
 
 
 class _Client:
-    def __init__(self, sock: socket.socket, trusted: bool) -> None:
+    def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.trusted = trusted
         self.lock = anyio.Lock()
         self.acks: dict[int, anyio.Event] = {}
+
+
+class _Untrusted:
+    """Peer state marking a listener we refused to talk to (its requests go over TCP)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        self.closed = False
 
 
 class ShmTransport(Transport):
@@ -338,7 +467,9 @@ class ShmTransport(Transport):
         self._clients: set[_Client] = set()
         self._seq = 0
         self._warned_vm = False
+        self._warned_trust = False
         self._copier: Copier | None = None
+        self._uids = allowed_uids()
 
     async def start(self) -> None:
         if not available():
@@ -377,11 +508,14 @@ class ShmTransport(Transport):
                 self._listener = None
 
     async def _serve_client(self, sock: socket.socket, limiter: anyio.CapacityLimiter) -> None:
-        pid, uid, _ = _CREDS.unpack(
-            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
-        )
-        client = _Client(sock, trusted=uid == os.getuid())
+        pid = -1
+        client = _Client(sock)
         try:
+            pid, uid, _ = peer_creds(sock)
+            if uid not in self._uids:
+                # another user: not even the buffer list (MOONCAKE_SHM_ALLOW_UIDS widens this)
+                log.info("shm: refusing a client of uid %d (pid %d)", uid, pid)
+                return
             async with limiter:
                 self._clients.add(client)
                 while True:
@@ -392,13 +526,15 @@ class ShmTransport(Transport):
                     if op == "list":
                         await self._send_list(client)
                     elif op == "ack":
-                        ev = client.acks.pop(int(msg.get("seq", -1)), None)
+                        ev = client.acks.pop(_int(msg.get("seq"), "ack seq"), None)
                         if ev is not None:
                             ev.set()
                     else:
-                        raise ProtocolError(f"shm: unknown request {op!r}")
+                        raise ProtocolError(f"shm: unknown request {op!r:.60}")
         except (MooncakeError, OSError, anyio.ClosedResourceError) as e:
             log.debug("shm client pid %d gone: %s", pid, e)
+        except Exception as e:  # a message we failed to foresee: drop the client, keep serving
+            log.warning("shm client pid %d dropped on an unexpected message: %r", pid, e)
         finally:
             self._clients.discard(client)
             for ev in client.acks.values():
@@ -414,7 +550,7 @@ class ShmTransport(Transport):
             page: list[dict[str, Any]] = []
             fds: list[int] = []
             for k, r in enumerate(regions):
-                fd = r.meta.get("memfd", -1) if client.trusted else -1
+                fd = r.meta.get("memfd", -1)
                 page.append({"addr": r.addr, "length": r.length, "fd": len(fds) if fd >= 0 else -1})
                 if fd >= 0:
                     fds.append(fd)
@@ -427,20 +563,37 @@ class ShmTransport(Transport):
                 await _send(client.sock, {"op": "buffers", "pid": os.getpid(), "buffers": []})
 
     async def on_unregister(self, region: Region) -> None:
-        if not self._clients:
+        await self._revoke([region.addr])
+
+    async def on_close(self) -> None:
+        """Revoke every buffer from every client before the engine's tasks stop: a client
+        copying with process_vm would otherwise learn of the close only from the connection
+        ending, after ``close`` had returned."""
+        await self._revoke([r.addr for r in self.engine.registry.regions() if r.remote_accessible])
+
+    async def _revoke(self, addrs: list[int]) -> None:
+        """Send a revoke per address to every client; wait (at most ``REVOKE_ACK_S`` per
+        client) until each acknowledged all of them, its connection ended, or it was dropped."""
+        if not self._clients or not addrs:
             return
-        self._seq += 1
-        seq = self._seq
 
         async def revoke(client: _Client) -> None:
-            ev = client.acks[seq] = anyio.Event()
-            try:
-                async with client.lock:
-                    await _send(client.sock, {"op": "revoke", "addr": region.addr, "seq": seq})
-            except MooncakeError:
-                return
+            # one deadline for sending and acknowledging: a client that stops reading cannot
+            # hold an unregister by filling its socket buffer either
             with anyio.move_on_after(REVOKE_ACK_S) as scope:
-                await ev.wait()
+                events = []
+                try:
+                    async with client.lock:
+                        for addr in addrs:
+                            self._seq += 1
+                            seq = self._seq
+                            ev = client.acks[seq] = anyio.Event()
+                            events.append(ev)
+                            await _send(client.sock, {"op": "revoke", "addr": addr, "seq": seq})
+                except MooncakeError:
+                    return  # gone: its connection's end sets every event
+                for ev in events:
+                    await ev.wait()
             if scope.cancelled_caught:
                 log.warning(
                     "shm client did not confirm unmapping within %s s; dropped", REVOKE_ACK_S
@@ -463,9 +616,9 @@ class ShmTransport(Transport):
             and x.get("shm_proto") == SHM_PROTO
         )
 
-    async def _session(self, peer: PeerInfo) -> _Session:
+    async def _session(self, peer: PeerInfo) -> _Session | _Untrusted:
         s = peer.state.get(self.name)
-        if isinstance(s, _Session) and not s.closed:
+        if isinstance(s, (_Session, _Untrusted)) and not s.closed:
             return s
         name = str(peer.descriptor.extra["shm_socket"])
         sock = _seqpacket()
@@ -476,7 +629,24 @@ class ShmTransport(Transport):
         except OSError as e:
             sock.close()
             raise PeerDiedError(f"shm: cannot connect to {peer.segment} ({e})") from None
-        s = _Session(sock)
+        try:
+            pid, uid, _ = peer_creds(sock)
+        except OSError as e:
+            sock.close()
+            raise PeerDiedError(f"shm: no credentials from {peer.segment} ({e})") from None
+        want_pid = peer.descriptor.extra.get("shm_pid")
+        reason = ""
+        if uid not in self._uids:
+            reason = f"its shm socket is held by uid {uid}"
+        elif type(want_pid) is int and want_pid != pid:
+            reason = f"its shm socket is held by pid {pid}, not the pid {want_pid} it published"
+        if reason:
+            # a name taken over by someone else (or a user we do not share memory with): say
+            # nothing to it, map nothing from it
+            sock.close()
+            u = peer.state[self.name] = _Untrusted(reason)
+            return u
+        s = _Session(sock, pid)
         peer.state[self.name] = s
         self.engine.task_group.start_soon(s.reader, name=f"shm-session {peer.segment}")
         await s.refresh()
@@ -500,42 +670,55 @@ class ShmTransport(Transport):
         results: list[TransferResult | None] = [None] * len(requests)
         try:
             s = await self._session(peer)
-            s.check_alive()
+            if isinstance(s, _Session):
+                s.check_alive()
         except PeerDiedError as e:
             return [failed(e)] * len(requests)
-        plan: list[tuple[int, _Entry]] = []
-        missing: list[int] = []
-        for i, r in enumerate(requests):
-            ent = s.find(r.remote_addr, r.length)
-            if ent is None:
-                missing.append(i)
-            else:
-                plan.append((i, ent))
-        if missing:  # the peer may have registered more since we listed
+        if isinstance(s, _Untrusted):
+            if not self._warned_trust:
+                self._warned_trust = True
+                log.warning("shm: not using shared memory with %s: %s", peer.segment, s.reason)
+            await self._over_tcp(peer, requests, list(range(len(requests))), results, s.reason)
+            return [r if r is not None else failed(TransferError("not attempted")) for r in results]
+        # Entries are looked up after the last await (a revoke or a new listing may replace
+        # entries found before one) and pinned, below, with no await in between.
+        ents = [s.find(r.remote_addr, r.length) for r in requests]
+        if None in ents:  # the peer may have registered more since we listed
             try:
                 await s.refresh()
             except PeerDiedError as err:
-                for i in missing:
-                    results[i] = failed(err)
-                missing = []
-            for i in missing:
+                return [failed(err)] * len(requests)
+            ents = [s.find(r.remote_addr, r.length) for r in requests]
+        plan: list[tuple[int, _Entry]] = []
+        for i, ent in enumerate(ents):
+            if ent is None:
                 r = requests[i]
-                ent = s.find(r.remote_addr, r.length)
-                if ent is None:
-                    results[i] = failed(
-                        RemoteAccessError(
-                            f"peer refused {r.opcode.name} of [{r.remote_addr:#x}, +{r.length}): "
-                            "not inside one of its registered buffers"
-                        )
+                results[i] = failed(
+                    RemoteAccessError(
+                        f"peer refused {r.opcode.name} of [{r.remote_addr:#x}, +{r.length}): "
+                        "not inside one of its registered buffers"
                     )
-                else:
-                    plan.append((i, ent))
-        mapped = [(i, e) for i, e in plan if e.mm is not None]
-        vm = [i for i, e in plan if e.mm is None]
-        if mapped:
-            await self._copy(requests, mapped, results)
-        if vm:
-            await self._vm(peer, s, requests, vm, results)
+                )
+            else:
+                plan.append((i, ent))
+        pinned = list({id(ent): ent for _, ent in plan}.values())
+        for ent in pinned:
+            ent.pin()
+        s.enter()
+        try:
+            mapped = [(i, x) for i, x in plan if x.mm is not None]
+            vm = [(i, x) for i, x in plan if x.mm is None]
+            if mapped:
+                await self._copy(requests, mapped, results)
+            if vm:
+                await self._vm(peer, s, requests, vm, results)
+        finally:
+            for ent in pinned:
+                ent.release()
+            s.leave()
+        rest = [i for i, _ in plan if results[i] is None]  # process_vm refused by the kernel
+        if rest:
+            await self._over_tcp(peer, requests, rest, results, "process_vm refused (EPERM)")
         return [r if r is not None else failed(TransferError("not attempted")) for r in results]
 
     async def _copy(
@@ -544,6 +727,7 @@ class ShmTransport(Transport):
         mapped: list[tuple[int, _Entry]],
         results: list[TransferResult | None],
     ) -> None:
+        """memcpy to/from pinned mappings: inline when small, else on the copy worker."""
         dsts: list[int] = []
         srcs: list[int] = []
         lens: list[int] = []
@@ -562,16 +746,9 @@ class ShmTransport(Transport):
         if total <= INLINE_MAX:
             _fast.memcpy_batch(dsts, srcs, lens)
         else:
-            entries = {id(e): e for _, e in mapped}.values()
-            for e in entries:
-                e.users += 1
-            try:
-                # on a worker thread, completion through an eventfd; cancellation waits for it
-                assert self._copier is not None
-                await self._copier.copy(dsts, srcs, lens)
-            finally:
-                for e in entries:
-                    e.release()
+            # on a worker thread, completion through an eventfd; cancellation waits for it
+            assert self._copier is not None
+            await self._copier.copy(dsts, srcs, lens)
         for i, _ in mapped:
             results[i] = completed(requests[i].length)
 
@@ -580,58 +757,73 @@ class ShmTransport(Transport):
         peer: PeerInfo,
         s: _Session,
         requests: Sequence[TransferRequest],
-        idx: list[int],
+        plan: list[tuple[int, _Entry]],
         results: list[TransferResult | None],
     ) -> None:
-        rc = -errno.EPERM
-        if not s.vm_denied:
-            for op, fn in ((Opcode.READ, _fast.vm_readv_at), (Opcode.WRITE, _fast.vm_writev_at)):
-                sel = [i for i in idx if requests[i].opcode is op]
-                if not sel:
-                    continue
-                la = [requests[i].local_addr for i in sel]
-                ra = [requests[i].remote_addr for i in sel]
-                ln = [requests[i].length for i in sel]
-                if sum(ln) <= INLINE_MAX:
-                    rc = fn(s.pid, la, ra, ln)
-                else:
-                    rc = await anyio.to_thread.run_sync(fn, s.pid, la, ra, ln)
-                if rc == -errno.EPERM:
-                    s.vm_denied = True
-                    break
-                for i in sel:
-                    if rc >= 0:
-                        results[i] = completed(requests[i].length)
-                    elif rc == -errno.ESRCH:
-                        results[i] = failed(PeerDiedError(f"{peer.segment}: process is gone"))
-                    else:
-                        name = errno.errorcode.get(-rc, str(-rc))
-                        results[i] = failed(
-                            RemoteAccessError(f"{peer.segment}: process_vm copy failed ({name})")
-                        )
-        rest = [i for i in idx if results[i] is None]
-        if not rest:
+        """process_vm copies on pinned entries; leaves the results of EPERM-refused ones None."""
+        if s.vm_denied:
             return
-        if not self._warned_vm:
+        for op, fn in ((Opcode.READ, _fast.vm_readv_at), (Opcode.WRITE, _fast.vm_writev_at)):
+            sel = [(i, e) for i, e in plan if requests[i].opcode is op]
+            if not sel:
+                continue
+            la = [requests[i].local_addr for i, _ in sel]
+            ra = [requests[i].remote_addr for i, _ in sel]
+            ln = [requests[i].length for i, _ in sel]
+            if sum(ln) <= INLINE_MAX:
+                rc, ndone = fn(s.pid, la, ra, ln), len(sel)
+            else:
+                ents = [e for _, e in sel]
+
+                def revoked(ents: list[_Entry] = ents) -> bool:
+                    return s.closed or any(e.dead for e in ents)
+
+                rc, ndone = await anyio.to_thread.run_sync(
+                    _vm_pieces, fn, s.pid, la, ra, ln, revoked
+                )
+            if rc == -errno.EPERM:
+                s.vm_denied = True
+                return
+            for k, (i, _) in enumerate(sel):
+                if rc >= 0 and k < ndone:
+                    results[i] = completed(requests[i].length)
+                elif rc >= 0:
+                    results[i] = failed(
+                        RemoteAccessError(f"{peer.segment}: buffer unregistered during the copy")
+                    )
+                elif rc == -errno.ESRCH:
+                    results[i] = failed(PeerDiedError(f"{peer.segment}: process is gone"))
+                else:
+                    name = errno.errorcode.get(-rc, str(-rc))
+                    results[i] = failed(
+                        RemoteAccessError(f"{peer.segment}: process_vm copy failed ({name})")
+                    )
+
+    async def _over_tcp(
+        self,
+        peer: PeerInfo,
+        requests: Sequence[TransferRequest],
+        idx: list[int],
+        results: list[TransferResult | None],
+        why: str,
+    ) -> None:
+        """Send ``requests[idx]`` over the TCP transport (the server bounds them itself)."""
+        if why.startswith("process_vm") and not self._warned_vm:
             self._warned_vm = True
             log.warning(
-                "shm: the kernel refuses process_vm_readv/writev on %s (pid %d): ptrace policy "
+                "shm: the kernel refuses process_vm_readv/writev on %s: ptrace policy "
                 "(kernel.yama.ptrace_scope, another user, no CAP_SYS_PTRACE); memory it did not "
                 "allocate with engine.allocate() goes over TCP",
                 peer.segment,
-                s.pid,
             )
         tcp = self._tcp(peer)
         if tcp is None:
-            err = NotSupportedError(
-                f"{peer.segment}: process_vm access refused by the kernel (EPERM) and no TCP "
-                "transport to fall back to"
-            )
-            for i in rest:
+            err = NotSupportedError(f"{peer.segment}: {why}, and no TCP transport to fall back to")
+            for i in idx:
                 results[i] = failed(err)
             return
-        out = await tcp.execute(peer, [requests[i] for i in rest])
-        for i, res in zip(rest, out, strict=True):
+        out = await tcp.execute(peer, [requests[i] for i in idx])
+        for i, res in zip(idx, out, strict=True):
             results[i] = res
 
     async def aclose(self) -> None:
@@ -641,3 +833,43 @@ class ShmTransport(Transport):
         if self._copier is not None:
             self._copier.close()
             self._copier = None
+
+
+def _vm_pieces(
+    fn: Callable[[int, list[int], list[int], list[int]], int],
+    pid: int,
+    la: list[int],
+    ra: list[int],
+    ln: list[int],
+    revoked: Callable[[], bool],
+) -> tuple[int, int]:
+    """Run ``fn`` (a process_vm copy) over the ranges in calls of at most ``VM_CHUNK`` bytes,
+    checking ``revoked()`` before each call (runs on a worker thread).
+
+    Returns ``(rc, done)``: ``done`` ranges were copied whole; ``rc`` is the first negative
+    errno, else 0 (``done < len(la)`` then means it stopped on a revoke).
+    """
+    n = len(la)
+    k = 0  # current range
+    off = 0  # bytes of it already copied
+    while k < n:
+        if revoked():
+            return 0, k
+        bl: list[int] = []
+        br: list[int] = []
+        bn: list[int] = []
+        budget = VM_CHUNK
+        first = k
+        while k < n and budget > 0:
+            take = min(ln[k] - off, budget)
+            bl.append(la[k] + off)
+            br.append(ra[k] + off)
+            bn.append(take)
+            budget -= take
+            off += take
+            if off == ln[k]:
+                k, off = k + 1, 0
+        rc = fn(pid, bl, br, bn)
+        if rc < 0:
+            return rc, first
+    return 0, n

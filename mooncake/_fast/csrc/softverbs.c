@@ -1072,6 +1072,17 @@ static int take_fault(int dev) {
     return MCV_WC_SUCCESS;
 }
 
+/* MC_SOFTVERBS_NOCOPY=1: WRs are checked and completed as usual but move no bytes, so a
+ * benchmark can take the provider's copy out of what it measures (read once per process). */
+static int sv_nocopy(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        const char *v = getenv("MC_SOFTVERBS_NOCOPY");
+        cached = v && *v && strcmp(v, "0") != 0;
+    }
+    return cached;
+}
+
 /* Execute one RDMA WRITE/READ; fabric lock held. Returns a completion status. */
 static int execute(struct sv_qp *qp, const struct mcv_send_wr *wr, uint32_t *byte_len) {
     int is_read = wr->opcode == MCV_WR_RDMA_READ;
@@ -1119,7 +1130,7 @@ static int execute(struct sv_qp *qp, const struct mcv_send_wr *wr, uint32_t *byt
         !(m->access & need) || raddr < m->addr || raddr + total > m->addr + m->length ||
         raddr + total < raddr)
         return MCV_WC_REM_ACCESS_ERR;
-    if (total == 0)
+    if (total == 0 || sv_nocopy())
         return MCV_WC_SUCCESS;
 
     if (r->owner == g_pid) {

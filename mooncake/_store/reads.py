@@ -1,0 +1,447 @@
+"""The get family of the store client: fenced reads into bytes, registered buffers or ranges.
+
+``GetReplicaList`` (a read lease) -> read one complete replica, cheapest first (own
+segment, same host, remote), the next one on a transfer failure -> fence: a read that finished
+after its read window fails with ``LeaseExpiredError``. Batches read every key in one round of
+transfers per failover attempt; multi-buffer reads scatter a value over ``(address, length,
+object offset)`` ranges.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+
+import anyio
+
+from mooncake._core import rpc
+from mooncake._core import store_types as st
+from mooncake._core.master import parse_miss
+from mooncake._core.misses import MissReason
+from mooncake._store.bounds import check_replica_list
+from mooncake._store.moves import _check_key, _Op, _read_ttl
+from mooncake._store.writes import _Writes
+from mooncake.errors import (
+    InvalidArgumentError,
+    LeaseExpiredError,
+    MooncakeError,
+    ObjectNotFoundError,
+    PeerDiedError,
+    TierDataError,
+    TransferError,
+)
+
+log = logging.getLogger("mooncake.store")
+
+
+class _Reads(_Writes):
+    """The get family of the store client (part of :class:`~mooncake._store.client.Store`)."""
+
+    def _order(self, replicas: Sequence[st.ReplicaDescriptor]) -> list[st.ReplicaDescriptor]:
+        """Readable replicas, cheapest first: own segment, same-host mapped, then the rest."""
+        complete = [r for r in replicas if r.status == st.ReplicaStatus.COMPLETE]
+
+        def rank(r: st.ReplicaDescriptor) -> int:
+            if r.segment_name == self.segment_name:
+                return 0
+            return 1 if self._route_cached(r.segment_name) is not None else 2
+
+        return sorted(complete, key=rank)
+
+    async def _query(
+        self, key: str, *, for_read: bool = True
+    ) -> tuple[st.GetReplicaListResponse, float]:
+        """GetReplicaList and the read's fence deadline (measured from before the request)."""
+        t0 = anyio.current_time()
+        try:
+            resp: st.GetReplicaListResponse = await self.master.call(
+                "GetReplicaList", rpc.KeyParams(key=_check_key(key), for_read=for_read)
+            )
+        except ObjectNotFoundError as e:
+            e.miss = parse_miss(key, str(e))
+            raise
+        return check_replica_list(key, resp), t0 + _read_ttl(resp)
+
+    async def _batch_query(
+        self, keys: Sequence[str], *, for_read: bool = True
+    ) -> tuple[list[st.GetReplicaListResponse | MooncakeError], float]:
+        from mooncake.errors import error_from_code
+
+        t0 = anyio.current_time()
+        items: list[rpc.Item[st.GetReplicaListResponse]] = await self.master.call(
+            "BatchGetReplicaList", rpc.KeysParams(keys=list(keys), for_read=for_read)
+        )
+        out: list[st.GetReplicaListResponse | MooncakeError] = []
+        for key, it in zip(keys, items, strict=False):
+            if it.code == 0 and it.value is not None:
+                try:
+                    out.append(check_replica_list(key, it.value))
+                except TransferError as e:
+                    out.append(e)
+            else:
+                out.append(error_from_code(it.code))
+        return out, t0
+
+    @staticmethod
+    def _size_of(resp: st.GetReplicaListResponse) -> int:
+        if resp.size:
+            return resp.size
+        return resp.replicas[0].length if resp.replicas else 0
+
+    async def _read_one(
+        self, resp: st.GetReplicaListResponse, local: int, n: int, deadline: float
+    ) -> None:
+        """Read ``n`` bytes of the object into ``local``, trying replicas in order; fenced."""
+        order = self._order(resp.replicas)
+        if not order:
+            raise ObjectNotFoundError("no complete replica")
+        err: MooncakeError | None = None
+        for r in order:
+            op = _Op(False, local, r, n)
+            await self._move([op])
+            if op.error is None:
+                if anyio.current_time() > deadline:
+                    self.lease_fences += 1
+                    raise LeaseExpiredError(
+                        "the read finished after its lease expired; the bytes may be stale"
+                    )
+                return
+            err = op.error
+        assert err is not None
+        raise err
+
+    def _note_miss(self, err: BaseException) -> None:
+        """Count a failed read by reason/policy/tier (see :meth:`miss_stats`)."""
+        if isinstance(err, ObjectNotFoundError):
+            m = err.miss
+            label = (m.reason.value, m.policy, m.tier) if m is not None else ("unknown", "", "")
+        elif isinstance(err, LeaseExpiredError):
+            label = (MissReason.LEASE_EXPIRED.value, "", "dram")
+        elif isinstance(err, TierDataError):
+            label = (MissReason.TRANSFER_FAILED.value, "", "ssd")
+        elif isinstance(err, TransferError):
+            label = (MissReason.TRANSFER_FAILED.value, "", "dram")
+        else:
+            return
+        self._misses[label] += 1
+
+    def miss_stats(self) -> dict[tuple[str, str, str], int]:
+        """Failed reads of this client by (reason, policy, tier): misses the master attributed
+        (``ObjectNotFoundError.miss``; batch misses carry no attribution: ``unknown``), reads
+        fenced by their lease, transfers and SSD reads that failed. The master counts the
+        misses it sees in ``master_misses_total``."""
+        return dict(self._misses)
+
+    async def get(self, key: str) -> bytes:
+        """The value of ``key`` (raises :class:`ObjectNotFoundError` if there is none)."""
+        try:
+            return await self._get(key)
+        except MooncakeError as e:
+            self._note_miss(e)
+            raise
+
+    async def _get(self, key: str) -> bytes:
+        self._check_open()
+        resp, deadline = await self._query(key)
+        if not resp.replicas and resp.disk_clients:
+            return await self._read_ssd(key, resp)
+        return await self._get_with(resp, deadline)
+
+    async def _get_with(self, resp: st.GetReplicaListResponse, deadline: float) -> bytes:
+        """The rest of :meth:`get` once ``GetReplicaList`` has answered ``resp``."""
+        n = self._size_of(resp)
+        # same-host or own replica: copy straight into a new bytes object
+        await self._resolve(r.segment_name for r in resp.replicas)
+        order = self._order(resp.replicas)
+        if order and self._is_copyable(order[0].segment_name):
+            r = order[0]
+            peer = (
+                None if r.segment_name == self.segment_name else self._route_cached(r.segment_name)
+            )
+            # own replica (_is_copyable of our own segment) or a mapped same-host one
+            src = self._own_extent(r.addr, n) if peer is None else peer.local(r.addr, n)
+            if peer is not None and not peer.acquire():
+                self._shm.forget(r.segment_name)
+                raise PeerDiedError(f"{r.segment_name}: its owner is gone")
+            try:
+                data = ctypes.string_at(src, n)
+            finally:
+                if peer is not None:
+                    peer.unpin()
+            if peer is None or peer.alive():
+                if anyio.current_time() > deadline:
+                    self.lease_fences += 1
+                    raise LeaseExpiredError("the read finished after its lease expired")
+                return data
+            self._shm.forget(r.segment_name)
+            raise PeerDiedError(f"{r.segment_name}: its owner died while the read was in flight")
+        if n > self._staging.capacity:
+            raise InvalidArgumentError(
+                f"a {n}-byte value does not fit the local buffer ({self.local_buffer_size} bytes)"
+            )
+        off = await self._stage(n)
+        try:
+            assert self.local_buffer is not None
+            addr = self.local_buffer.addr + off
+            await self._read_one(resp, addr, n, deadline)
+            return ctypes.string_at(addr, n)
+        finally:
+            self._unstage(off)
+
+    async def get_into(self, key: str, addr: int, size: int) -> int:
+        """Read ``key`` into the registered buffer ``[addr, addr+size)``; returns its length."""
+        try:
+            return await self._get_into(key, addr, size)
+        except MooncakeError as e:
+            self._note_miss(e)
+            raise
+
+    async def _get_into(self, key: str, addr: int, size: int) -> int:
+        self._check_open()
+        self._require_local(addr, size, "get_into")
+        resp, deadline = await self._query(key)
+        n = self._size_of(resp)
+        if n > size:
+            raise InvalidArgumentError(f"buffer of {size} bytes is smaller than the {n}-byte value")
+        if not resp.replicas and resp.disk_clients:
+            data = await self._read_ssd(key, resp)
+            if len(data) != n:
+                raise TransferError(f"the SSD copy of {key!r} has {len(data)} bytes, not {n}")
+            ctypes.memmove(addr, data, n)
+            return n
+        await self._read_one(resp, addr, n, deadline)
+        return n
+
+    async def get_batch(self, keys: Sequence[str]) -> list[bytes | MooncakeError]:
+        """Values of ``keys`` (an exception instance where a key failed)."""
+        self._check_open()
+        if not keys:
+            return []
+        try:
+            for k in keys:
+                _check_key(k)
+            resps, t0 = await self._batch_query(keys)
+        except MooncakeError as e:
+            return [e] * len(keys)
+        from_ssd = await self._batch_ssd(keys, resps)
+        out: list[bytes | MooncakeError] = [b""] * len(keys)
+        sizes = [self._size_of(r) if not isinstance(r, MooncakeError) else 0 for r in resps]
+        total = sum(sizes)
+        if total > self._staging.capacity:
+            err = InvalidArgumentError(
+                f"{total} bytes exceed the local buffer ({self.local_buffer_size} bytes)"
+            )
+            return [err] * len(keys)
+        off = await self._stage(total) if total else None
+        try:
+            addrs = []
+            base = self.local_buffer.addr + off if (off is not None and self.local_buffer) else 0
+            for n in sizes:
+                addrs.append(base)
+                base += n
+            errs = await self._read_many(resps, addrs, sizes, t0)
+            for i, r in enumerate(resps):
+                if isinstance(r, MooncakeError):
+                    out[i] = r
+                elif (read_err := errs[i]) is not None:
+                    out[i] = read_err
+                else:
+                    out[i] = ctypes.string_at(addrs[i], sizes[i])
+        finally:
+            if off is not None:
+                self._unstage(off)
+        for i, got in from_ssd.items():
+            out[i] = got
+        for value in out:
+            if isinstance(value, MooncakeError):
+                self._note_miss(value)
+        return out
+
+    async def _batch_ssd(
+        self, keys: Sequence[str], resps: list[st.GetReplicaListResponse | MooncakeError]
+    ) -> dict[int, bytes | MooncakeError]:
+        """Serve the SSD-only answers of a batch; their slots in ``resps`` become errors so the
+        memory path skips them (the caller puts the results back)."""
+        out: dict[int, bytes | MooncakeError] = {}
+        for i, r in enumerate(resps):
+            if isinstance(r, MooncakeError) or r.replicas or not r.disk_clients:
+                continue
+            try:
+                out[i] = await self._read_ssd(keys[i], r)
+            except MooncakeError as e:
+                out[i] = e
+            resps[i] = ObjectNotFoundError("served from the SSD tier")
+        return out
+
+    async def batch_get_into(
+        self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]
+    ) -> list[int | MooncakeError]:
+        """Read each key into its registered buffer; bytes read (or an exception) per key."""
+        self._check_open()
+        if not (len(keys) == len(addrs) == len(sizes)):
+            err = InvalidArgumentError(
+                f"batch lengths differ: {len(keys)} keys, {len(addrs)} buffers, {len(sizes)} sizes"
+            )
+            return [err] * max(len(keys), len(addrs), len(sizes))
+        if not keys:
+            return []
+        out: list[int | MooncakeError] = [0] * len(keys)
+        try:
+            for k in keys:
+                _check_key(k)
+            resps, t0 = await self._batch_query(keys)
+        except MooncakeError as e:
+            return [e] * len(keys)
+        from_ssd = await self._batch_ssd(keys, resps)
+        for i, got in from_ssd.items():
+            if isinstance(got, MooncakeError):
+                out[i] = got
+                continue
+            try:
+                self._require_local(addrs[i], sizes[i], f"batch_get_into[{i}]")
+                if len(got) > sizes[i]:
+                    raise InvalidArgumentError(
+                        f"buffer of {sizes[i]} bytes is smaller than the {len(got)}-byte value"
+                    )
+                ctypes.memmove(addrs[i], got, len(got))
+                out[i] = len(got)
+            except MooncakeError as e:
+                out[i] = e
+        lens: list[int] = []
+        for i, r in enumerate(resps):
+            if isinstance(r, MooncakeError):
+                if i not in from_ssd:
+                    out[i] = r
+                lens.append(0)
+                continue
+            n = self._size_of(r)
+            try:
+                self._require_local(addrs[i], sizes[i], f"batch_get_into[{i}]")
+                if n > sizes[i]:
+                    raise InvalidArgumentError(
+                        f"buffer of {sizes[i]} bytes is smaller than the {n}-byte value"
+                    )
+            except MooncakeError as e:
+                out[i] = e
+                resps[i] = e
+                lens.append(0)
+                continue
+            lens.append(n)
+        errs = await self._read_many(resps, list(addrs), lens, t0)
+        for i, r in enumerate(resps):
+            if isinstance(r, MooncakeError):
+                continue
+            read_err = errs[i]
+            out[i] = read_err if read_err is not None else lens[i]
+        return out
+
+    async def _read_many(
+        self,
+        resps: Sequence[st.GetReplicaListResponse | MooncakeError],
+        addrs: Sequence[int],
+        sizes: Sequence[int],
+        t0: float,
+        parts: Sequence[Sequence[tuple[int, int, int]]] | None = None,
+    ) -> list[MooncakeError | None]:
+        """Read every answered key (first replica, then failover rounds); fenced per key.
+
+        Key ``i`` lands at ``addrs[i]`` (``sizes[i]`` bytes from the object's start), or, with
+        ``parts``, as ``(address, length, object offset)`` ranges; a key fails if any of its
+        ranges does."""
+        errs: list[MooncakeError | None] = [None] * len(resps)
+        orders: dict[int, list[st.ReplicaDescriptor]] = {}
+        for i, r in enumerate(resps):
+            if isinstance(r, MooncakeError):
+                continue
+            o = self._order(r.replicas)
+            if not o:
+                errs[i] = ObjectNotFoundError("no complete replica")
+                continue
+            orders[i] = o
+        attempt = 0
+        todo = list(orders)
+        while todo:
+            ops: list[tuple[int, _Op]] = []
+            for i in todo:
+                rep = orders[i][attempt]
+                if parts is None:
+                    ops.append((i, _Op(False, addrs[i], rep, sizes[i])))
+                else:
+                    ops += [(i, _Op(False, a, rep, n, offset=o)) for a, n, o in parts[i] if n]
+            await self._move([op for _, op in ops])
+            failed: dict[int, MooncakeError] = {}
+            for i, op in ops:
+                if op.error is not None and i not in failed:
+                    failed[i] = op.error
+            nxt = []
+            for i in todo:
+                if i not in failed:
+                    errs[i] = None
+                elif attempt + 1 < len(orders[i]):
+                    nxt.append(i)
+                else:
+                    errs[i] = failed[i]
+            todo = nxt
+            attempt += 1
+        now = anyio.current_time()
+        for i, r in enumerate(resps):
+            if isinstance(r, MooncakeError) or errs[i] is not None:
+                continue
+            if now > t0 + _read_ttl(r):
+                self.lease_fences += 1
+                errs[i] = LeaseExpiredError("the read finished after its lease expired")
+        return errs
+
+    async def batch_get_parts(
+        self, keys: Sequence[str], parts: Sequence[Sequence[tuple[int, int]]]
+    ) -> list[int | MooncakeError]:
+        """Read key ``i`` scattered in order over its registered buffers ``parts[i]``; the
+        object's length per key (an exception where it failed: missing, or larger than the
+        buffers together)."""
+        self._check_open()
+        if len(keys) != len(parts):
+            err = InvalidArgumentError(f"{len(keys)} keys but {len(parts)} buffer lists")
+            return [err] * len(keys)
+        if not keys:
+            return []
+        out: list[int | MooncakeError] = [0] * len(keys)
+        try:
+            for k in keys:
+                _check_key(k)
+            resps, t0 = await self._batch_query(keys)
+        except MooncakeError as e:
+            return [e] * len(keys)
+        ranges: list[list[tuple[int, int, int]]] = [[] for _ in keys]
+        for i, r in enumerate(resps):
+            if isinstance(r, MooncakeError):
+                out[i] = r
+                continue
+            try:
+                cap = self._check_parts(parts[i], f"batch_get_into_multi_buffers[{i}]")
+                n = self._size_of(r)
+                if n > cap:
+                    raise InvalidArgumentError(
+                        f"buffers of {cap} bytes are smaller than the {n}-byte value"
+                    )
+                if n < cap:  # the published client reads every buffer in full: past the end
+                    raise TransferError(
+                        f"buffers of {cap} bytes are larger than the {n}-byte value"
+                    )
+            except MooncakeError as e:
+                out[i] = resps[i] = e
+                continue
+            left, off = n, 0
+            for a, pn in parts[i]:
+                take = min(pn, left)
+                if take:
+                    ranges[i].append((a, take, off))
+                off += take
+                left -= take
+            out[i] = n
+        errs = await self._read_many(resps, [0] * len(keys), [0] * len(keys), t0, ranges)
+        for i, read_err in enumerate(errs):
+            if read_err is not None and not isinstance(resps[i], MooncakeError):
+                out[i] = read_err
+                self._note_miss(read_err)
+        return out

@@ -1,0 +1,271 @@
+"""The lifecycle and plumbing every family of ``MooncakeDistributedStore`` builds on.
+
+A set-up store holds an async :class:`~mooncake._store.client.Store` open on an event loop in a
+background thread (:class:`~mooncake._sync.LoopThread`): its own, or, with
+``setup(engine=te)``, the loop of the engine facade it shares. Every call is one crossing to
+that loop (:meth:`StoreBase._call`); exceptions become the published int codes there.
+
+Exit: a set-up store is registered with :func:`mooncake._sync.close_at_exit`, so a normal
+interpreter exit closes it while the interpreter is alive (its segments are unmounted, the next
+process's puts do not land on them); ``__del__`` never blocks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mooncake._store.client import Store, open_store
+from mooncake._store.fastpath import FastPath
+from mooncake._sync import LoopThread, close_at_exit, close_in_background, forget_at_exit
+from mooncake.errors import ClosedError, ErrorCode, MooncakeError, to_code
+from mooncake.store import _setup
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+log = logging.getLogger("mooncake.store")
+
+_CAPSULE_NAME = b"mooncake.store.PyClient"
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``e`` (a task group wraps a failed bind), if any."""
+    if isinstance(e, OSError):
+        return e
+    if isinstance(e, BaseExceptionGroup):
+        for sub in e.exceptions:
+            found = _os_error(sub)
+            if found is not None:
+                return found
+    return None
+
+
+def _kw(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
+    """``fn`` with keyword arguments bound, for :meth:`StoreBase._call` (positional only)."""
+
+    async def call(*args: Any) -> Any:
+        return await fn(*args, **kwargs)
+
+    return call
+
+
+class StoreBase:
+    """Lifecycle (``setup``, ``init_all``, ``close``), info and the call plumbing."""
+
+    def __init__(self) -> None:
+        self._loop: LoopThread | None = None
+        self._store: Store | None = None
+        self._fast: FastPath | None = None
+        self._owns_loop = True
+        self._exit_token: int | None = None
+        self._dummy: Any = None  # the standalone-client connection of a dummy client
+        self._mounted_kinds: dict[str, str] = {}  # segment id -> "mounted" / "allocated"
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def setup(self, *args: Any, **kwargs: Any) -> int:
+        """``setup(local_hostname, metadata_server, global_segment_size, local_buffer_size,
+        protocol, rdma_devices, master_server_addr, engine=None, enable_ssd_offload=False,
+        ssd_offload_path="", tenant_id="default", enable_client_http_server=False,
+        client_http_port=9300)`` or ``setup(config_dict)``; 0 or a negative code. See
+        :mod:`mooncake.store._setup` for protocol fallback, ports and the SSD tier."""
+        if self._store is not None or self._dummy is not None:
+            log.warning("setup called twice on one MooncakeDistributedStore")
+            return int(ErrorCode.INVALID_PARAMS)
+        try:
+            cfg = _setup.collect(args, kwargs)
+            opts = _setup.open_store_options(cfg)
+        except MooncakeError as e:
+            log.error("setup: %s", e)
+            return to_code(e)
+        engine = cfg.get("engine")
+        if engine is not None:
+            return self._setup_shared(engine, opts)
+        retries = int(os.environ.get("MC_STORE_CLIENT_SETUP_RETRIES", "20") or 20)
+        host = opts["hostname"]
+        for attempt in range(max(1, retries)):
+            if not _setup.has_port(host):
+                try:
+                    opts["hostname"] = f"{host}:{_setup.pick_port(host)}"
+                except MooncakeError as e:
+                    log.error("setup: %s", e)
+                    return to_code(e)
+            loop = LoopThread(name="mooncake-store")
+            try:
+                store = loop.enter(open_store(**opts))
+            except Exception as e:
+                loop.close()
+                cause = _os_error(e)
+                if cause is not None and not _setup.has_port(host) and attempt + 1 < retries:
+                    continue  # the random port was taken meanwhile: another one
+                log.error("setup failed: %s", cause or e)
+                return to_code(cause or e)
+            self._adopt(loop, store, owns_loop=True)
+            return 0
+        return int(ErrorCode.INTERNAL_ERROR)
+
+    def _setup_shared(self, engine: Any, opts: dict[str, Any]) -> int:
+        """``setup(engine=te)``: run on ``te``'s loop and use its engine (not a second one)."""
+        loop, eng = getattr(engine, "_loop", None), getattr(engine, "_engine", None)
+        if not isinstance(loop, LoopThread) or eng is None:
+            log.error(
+                "setup: engine must be an initialized mooncake.engine.TransferEngine, got %r",
+                engine,
+            )
+            return int(ErrorCode.INVALID_PARAMS)
+        try:
+            store = loop.enter(open_store(engine=eng, **opts))
+        except BaseException as e:
+            log.error("setup failed: %s", e)
+            return to_code(e)
+        self._adopt(loop, store, owns_loop=False)
+        return 0
+
+    def _adopt(self, loop: LoopThread, store: Store, *, owns_loop: bool) -> None:
+        self._loop, self._store, self._owns_loop = loop, store, owns_loop
+        if os.environ.get("MC_STORE_SYNC_FASTPATH", "1") not in ("0", "false", "False"):
+            self._fast = FastPath(store, loop)
+        self._exit_token = close_at_exit(self)
+
+    def init_all(self, protocol: str, device_name: str, mount_segment_size: int = 16 << 20) -> int:
+        """The published shortcut: ``setup("localhost:12345", "127.0.0.1:2379",
+        mount_segment_size, 1 GiB, protocol, device_name)`` (an etcd metadata service on
+        127.0.0.1:2379 and the master at its default address)."""
+        if self._store is not None:
+            log.error("init_all: the client is already set up")
+            return int(ErrorCode.INVALID_PARAMS)
+        return self.setup(
+            "localhost:12345",
+            "127.0.0.1:2379",
+            mount_segment_size,
+            1 << 30,
+            protocol,
+            device_name,
+            "127.0.0.1:50051",
+        )
+
+    def close(self) -> int:
+        """Unmount this client's segments and stop; 0 (idempotent). A store sharing an
+        engine's loop leaves the loop (and the engine) running."""
+        dummy, self._dummy = self._dummy, None
+        if dummy is not None:
+            dummy.close()
+            for name in [k for k in vars(self) if not k.startswith("_")]:
+                del self.__dict__[name]  # the forwarding methods setup_dummy bound
+        loop, self._loop = self._loop, None
+        forget_at_exit(self._exit_token)
+        self._exit_token = None
+        if loop is None:
+            return 0
+        fast, self._fast = self._fast, None
+        if fast is not None:
+            fast.close()
+        store, self._store = self._store, None
+        if self._owns_loop:
+            loop.close()  # exits open_store on the loop (unmount), then stops the loop
+        elif store is not None:
+            loop.leave(store)
+        return 0
+
+    def __del__(self) -> None:
+        loop, store = getattr(self, "_loop", None), getattr(self, "_store", None)
+        if loop is None:
+            return
+        if getattr(self, "_owns_loop", True):
+            close_in_background(loop.close)
+        elif store is not None:
+            close_in_background(lambda: loop.leave(store))
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        loop, store = self._loop, self._store
+        if loop is None or store is None:
+            raise ClosedError("the store is not set up (or closed)")
+        return loop.call(fn, *args)
+
+    def _rc(self, fn: Callable[..., Any], *args: Any) -> int:
+        """0, or the code of what ``fn(*args)`` raised."""
+        try:
+            self._call(fn, *args)
+        except Exception as e:
+            return to_code(e)
+        return 0
+
+    def _int(self, fn: Callable[..., Any], *args: Any) -> int:
+        """The int ``fn(*args)`` returns, or the code of what it raised."""
+        try:
+            return int(self._call(fn, *args))
+        except Exception as e:
+            return to_code(e)
+
+    @property
+    def _s(self) -> Store:
+        if self._store is None:
+            raise ClosedError("the store is not set up (or closed)")
+        return self._store
+
+    @staticmethod
+    def _codes(results: Sequence[Any]) -> list[int]:
+        """Per-key results (None ok, an int, or an exception) as published int codes."""
+        return [
+            to_code(r) if isinstance(r, BaseException) else (int(r) if isinstance(r, int) else 0)
+            for r in results
+        ]
+
+    def _batch_codes(self, n: int, fn: Callable[..., Any], *args: Any) -> list[int]:
+        """``fn(*args)``'s per-key results as codes, sized ``n`` (``len(keys)``) as published."""
+        try:
+            res = self._codes(self._call(fn, *args))
+        except Exception as e:
+            return [to_code(e)] * n
+        if len(res) != n:
+            code = int(ErrorCode.INVALID_PARAMS)
+            return [code] * n
+        return res
+
+    # -- info -----------------------------------------------------------------------------
+
+    def get_hostname(self) -> str:
+        """This client's segment name (``host:port``), what ``preferred_segment`` takes."""
+        return self._store.segment_name if self._store is not None else ""
+
+    def health_check(self) -> int:
+        """0 healthy, 1 not set up or closed, 2 master unreachable."""
+        if self._dummy is not None:
+            return int(self._dummy.health_check())
+        if self._store is None or self._loop is None:
+            return 1
+        try:
+            return int(self._call(self._s.health))
+        except Exception:
+            return 2
+
+    def get_engine(self) -> Any:
+        """A :class:`mooncake.engine.TransferEngine` view of this store's engine (None before
+        setup): pass it to another store's ``setup(engine=...)`` to share it, or use its
+        transfer calls. Closing the view does not stop the engine."""
+        from mooncake.engine import TransferEngine
+
+        if self._store is None or self._loop is None:
+            return None
+        te = TransferEngine()
+        te._loop, te._engine, te._owns_loop = self._loop, self._store.engine, False
+        return te
+
+    def _get_pyclient_capsule(self) -> Any:
+        """A ``PyCapsule`` named ``mooncake.store.PyClient`` standing for this client (None
+        before setup), as the published binding hands other extensions its C++ ``PyClient``.
+        Its pointer is this Python object's address: there is no C++ client behind it, so it
+        only identifies the store (``id(store)``) for code that passes it back to Python."""
+        if self._store is None:
+            return None
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype = ctypes.py_object
+        new.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+        return new(id(self), _CAPSULE_NAME, None)

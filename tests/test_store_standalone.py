@@ -1,0 +1,249 @@
+"""Real processes: the standalone ``mooncake_client`` with dummy clients, and interpreter exit.
+
+* A ``mooncake_client`` process (the published flags) owns a segment; dummy clients attach with
+  ``setup_dummy`` -- one in this process, one in a child -- and use the bytes, zero-copy and
+  multi-buffer calls through shared memory; the bytes land in the standalone client's segment.
+* A process that sets up a store (or an engine) and exits without ``close()`` exits promptly,
+  and its segment is unmounted: the next ``replica_num=2`` put does not land on a dead segment.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from mooncake.errors import ErrorCode
+from mooncake.store import MooncakeDistributedStore, MooncakeHostMemAllocator, ReplicateConfig
+from tests.helpers.store_procs import Master, _env, _readline
+from tests.services import free_port
+
+MIB = 1 << 20
+INVALID = int(ErrorCode.INVALID_PARAMS)
+
+
+@pytest.fixture
+def master() -> Iterator[Master]:
+    m = Master()
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+@pytest.fixture
+def standalone(master: Master) -> Iterator[tuple[str, str]]:
+    """A running ``mooncake_client``: (its server address, its segment name)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mooncake._cli.real_client",
+            f"--port={port}",
+            f"--master_server_address={master.address}",
+            "--metadata_server=P2PHANDSHAKE",
+            "--global_segment_size=64 MB",
+            "--local_buffer_size",
+            "0",
+            "--threads=2",
+            "--noenable_offload",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=_env(),
+    )
+    try:
+        line = _readline(proc, 60)
+        assert line.startswith("mooncake_client: segment "), line
+        yield f"127.0.0.1:{port}", line.split()[2]
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(30) == 0  # SIGTERM: unmount and exit 0
+        if proc.stdout:
+            proc.stdout.close()
+
+
+def _run(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=timeout,
+    )
+
+
+def test_dummy_clients_use_the_standalone_clients_segment(
+    master: Master, standalone: tuple[str, str]
+) -> None:
+    address, segment = standalone
+    d = MooncakeDistributedStore()
+    assert d.setup_dummy(16 * MIB, 4 * MIB, address) == 0
+    try:
+        assert d.get_hostname() == "" and d.health_check() == 0  # no segment of its own
+        assert d.put("bytes", b"hello") == 0 and d.get("bytes") == b"hello"
+        assert d.get_size("bytes") == 5 and d.is_exist("bytes") == 1
+        assert d.put("big", b"x" * (5 * MIB)) == INVALID  # larger than the local buffer
+        p = d.alloc_from_mem_pool(1 * MIB)
+        assert p != 0 and d.register_buffer(p, 1 * MIB) == 0
+        payload = os.urandom(4096)
+        ctypes.memmove(p, payload, len(payload))
+        cfg = ReplicateConfig()
+        cfg.preferred_segments = [segment]
+        assert d.put_from("zc", p, 4096, cfg) == 0
+        assert d.batch_put_from_multi_buffers(["mb"], [[p, p + 1000]], [[10, 20]]) == [0]
+        q = p + 8192
+        assert d.get_into("zc", q, 8192) == 4096 and ctypes.string_at(q, 4096) == payload
+        assert d.batch_get_into_multi_buffers(["mb"], [[q]], [[30]]) == [30]
+        assert ctypes.string_at(q, 30) == payload[:10] + payload[1000:1020]
+        reps = d.get_replica_desc("zc")
+        assert [r.get_memory_descriptor().buffer_descriptor.transport_endpoint for r in reps] == [
+            segment
+        ]
+        # memory of MooncakeHostMemAllocator is shared on register_buffer; other memory not
+        host = MooncakeHostMemAllocator()
+        h = host.alloc(8192)
+        assert d.register_buffer(h, 8192) == 0 and d.get_into("zc", h, 8192) == 4096
+        assert ctypes.string_at(h, 4096) == payload
+        assert d.unregister_buffer(h) == 0 and host.free(h) == 0
+        plain = np.zeros(64, np.uint8)
+        assert d.register_buffer(int(plain.ctypes.data), 64) == -1  # as published
+        assert d.put_from("plain", int(plain.ctypes.data), 64) == INVALID
+        extra = d.alloc_from_mem_pool(32 * MIB)  # more than the pool: a fresh shared allocation
+        assert extra != 0 and d.register_buffer(extra, 32 * MIB) == 0
+        assert d.get_into("zc", extra, 4096) == 4096 and ctypes.string_at(extra, 4096) == payload
+        # a second dummy, in another process, sees the same objects
+        other = _run(
+            f"""
+            from mooncake.store import MooncakeDistributedStore
+            e = MooncakeDistributedStore()
+            assert e.setup_dummy(0, 1 << 20, {address!r}) == 0
+            print(e.get("bytes").decode(), e.get_size("zc"), e.batch_is_exist(["mb", "no"]))
+            """
+        )
+        assert other.returncode == 0, other.stderr[-2000:]
+        assert other.stdout.split() == ["hello", "4096", "[1,", "0]"]
+    finally:
+        assert d.close() == 0
+    assert d.get("bytes") == b"" and d.health_check() == 1  # detached
+    assert MooncakeDistributedStore().setup_dummy(0, 0, "127.0.0.1:1") == int(ErrorCode.RPC_FAIL)
+
+
+def test_a_process_that_never_closes_exits_and_unmounts(master: Master) -> None:
+    writer = MooncakeDistributedStore()
+    assert (
+        writer.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MIB, 16 * MIB, "tcp", "", master.address)
+        == 0
+    )
+    try:
+        child = _run(
+            f"""
+            from mooncake.engine import TransferEngine
+            from mooncake.store import MooncakeDistributedStore
+            te = TransferEngine()
+            assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+            s = MooncakeDistributedStore()
+            assert s.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", {master.address!r}) == 0
+            t = MooncakeDistributedStore()  # a second one sharing the engine
+            assert t.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", {master.address!r}, te) == 0
+            cycle = [s]
+            cycle.append(cycle)  # collected only at shutdown
+            print(s.get_hostname(), flush=True)
+            """,
+            timeout=60,  # the old facade hung here forever
+        )
+        assert child.returncode == 0, child.stderr[-2000:]
+        dead = child.stdout.strip()
+        assert dead.startswith("127.0.0.1:")
+        cfg = ReplicateConfig()
+        cfg.replica_num = 2
+        cfg.preferred_segments = [dead, writer.get_hostname()]
+        assert writer.put("after-exit", b"v" * 1000, cfg) == 0  # not on the dead segment
+        reps = writer.get_replica_desc("after-exit")
+        assert [r.get_memory_descriptor().buffer_descriptor.transport_endpoint for r in reps] == [
+            writer.get_hostname()
+        ]
+        assert writer.get("after-exit") == b"v" * 1000
+    finally:
+        writer.close()
+
+
+def test_mooncake_client_flags_parse_as_the_published_binary() -> None:
+    from mooncake._cli.real_client import main, parse_flags
+
+    f = parse_flags(
+        [
+            "--host=10.0.0.1",
+            "--port",
+            "50100",
+            "--global_segment_size=4 GB",
+            "--enable_offload",
+            "--nostart_offload_rpc_server",
+            "--threads=4",
+        ]
+    )
+    assert (f["host"], f["port"], f["global_segment_size"], f["threads"]) == (
+        "10.0.0.1",
+        50100,
+        "4 GB",
+        4,
+    )
+    assert f["enable_offload"] is True and f["start_offload_rpc_server"] is False
+    assert f["master_server_address"] == "127.0.0.1:50051" and f["local_buffer_size"] == "0"
+    for bad in (["--no_such_flag=1"], ["--port"], ["--enable_offload=maybe"], ["stray"]):
+        with pytest.raises(ValueError):
+            parse_flags(bad)
+    assert main(["--bogus"]) == 2
+
+
+def test_hostile_dummies_cannot_crash_the_standalone_client(
+    master: Master, standalone: tuple[str, str]
+) -> None:
+    import socket
+    import struct
+
+    from mooncake.store import _standalone as wire
+
+    address, _ = standalone
+
+    def connect() -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(wire.socket_name(address))
+        s.settimeout(30)
+        return s
+
+    s = connect()
+    unsealed = os.memfd_create("unsealed")
+    os.ftruncate(unsealed, 1 << 20)
+    wire.send_frame(s, ["map", 1 << 40, 1 << 20], [unsealed])
+    assert wire.recv_frame(s)[0] == ["ok", INVALID]  # could be shrunk under the reader
+    short = wire.shared_fd(4096, "short")
+    wire.send_frame(s, ["map", 1 << 40, 1 << 30], [short])  # claims more than the file holds
+    assert wire.recv_frame(s)[0] == ["ok", INVALID]
+    wire.send_frame(s, ["call", "no_such_method", [], {}])
+    assert wire.recv_frame(s)[0][0] == "raise"
+    wire.send_frame(s, ["call", "put_from", ["k", 12345, 10, {"__rc__": {"replica_num": -3}}], {}])
+    assert wire.recv_frame(s)[0][0] == "raise"  # TypeError for the bad config, answered
+    os.close(unsealed)
+    os.close(short)
+    s.sendall(b"\x00\x00\x00\x05garba")  # not msgpack: this connection is dropped
+    assert s.recv(16) == b""
+    s.close()
+    s = connect()
+    s.sendall(struct.pack(">I", (1 << 31)))  # a frame over the bound: dropped too
+    assert s.recv(16) == b""
+    s.close()
+    d = MooncakeDistributedStore()  # the standalone client still serves
+    assert d.setup_dummy(0, 1 * MIB, address) == 0
+    assert d.put("after", b"ok") == 0 and d.get("after") == b"ok"
+    d.close()
