@@ -25,8 +25,9 @@ Layouts (host pool geometry as SGLang's ``init_kv_buffer`` lays it out; see
 * ``mla``: ``MLATokenToKVPoolHost``, ``layer_first``: one object per page made of one buffer
   per layer: ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``.
 
-The store config comes through ``extra_config`` with ``protocol`` from ``MOONCAKE_PROTOCOL``
-(default ``"tcp"`` here; SGLang's own default is ``"rdma"``). Prints one JSON object (bytes,
+The store config comes through ``extra_config`` with ``protocol`` from ``MOONCAKE_PROTOCOL``,
+default ``"rdma"`` as in SGLang's ``environ.py`` (without an RNIC our store falls back to
+``"tcp"`` with one warning). Prints one JSON object (bytes,
 keys, seconds per step) and a last line ending in ``OK`` when every check held.
 """
 
@@ -146,7 +147,7 @@ def make_store(layout: str, master: str) -> MooncakeStore:
             "master_server_address": master,
             "metadata_server": "P2PHANDSHAKE",
             "local_hostname": "127.0.0.1",
-            "protocol": os.environ.get("MOONCAKE_PROTOCOL", "tcp"),
+            "protocol": os.environ.get("MOONCAKE_PROTOCOL", "rdma"),
             "device_name": "",
             "global_segment_size": 64 << 20,
         },
@@ -154,11 +155,43 @@ def make_store(layout: str, master: str) -> MooncakeStore:
     return MooncakeStore(cfg)
 
 
+CALLS = (
+    "batch_is_exist",
+    "batch_put_from",
+    "batch_get_into",
+    "batch_put_from_multi_buffers",
+    "batch_get_into_multi_buffers",
+)
+
+
+def observe(store: MooncakeStore) -> dict[str, dict[str, int]]:
+    """Counts what our store answered to SGLang's calls (per call: per return code, a count).
+
+    Only observes: each call's arguments and result pass through unchanged.
+    """
+    seen: dict[str, dict[str, int]] = {}
+    inner = store.store
+    for name in CALLS:
+        fn = getattr(inner, name)
+
+        def wrapped(*args: Any, _fn: Any = fn, _name: str = name) -> Any:
+            out = _fn(*args)
+            codes = seen.setdefault(_name, {})
+            for code in out if isinstance(out, list) else [out]:
+                key = "bytes>0" if _name.startswith("batch_get") and code > 0 else str(code)
+                codes[key] = codes.get(key, 0) + 1
+            return out
+
+        setattr(inner, name, wrapped)
+    return seen
+
+
 def reader(spec: dict[str, Any]) -> dict[str, Any]:
     """Runs in a second process: a fresh MooncakeStore and a zeroed pool read the writer's pages."""
     layout, n = spec["layout"], spec["pages"]
     t0 = time.monotonic()
     store = make_store(layout, spec["master"])
+    seen = observe(store)
     pool = POOLS[layout](2 * n * PAGE_SIZE, fill=False)
     store.register_mem_pool_host(pool)
     setup_s = time.monotonic() - t0
@@ -172,6 +205,7 @@ def reader(spec: dict[str, Any]) -> dict[str, Any]:
         "digest": digest(pool.pages(0, n * PAGE_SIZE)),
         "setup_s": round(setup_s, 3),
         "get_s": round(get_s, 4),
+        "store_answers": seen,
     }
 
 
@@ -180,6 +214,7 @@ def run_layout(layout: str, master: str) -> dict[str, Any]:
     tokens = n * PAGE_SIZE
     t0 = time.monotonic()
     store = make_store(layout, master)  # setup (8 positional) + warm-up
+    seen = observe(store)
     pool = POOLS[layout](2 * tokens, fill=True)
     store.register_mem_pool_host(pool)
     res: dict[str, Any] = {"setup_and_warmup_s": round(time.monotonic() - t0, 3)}
@@ -218,6 +253,7 @@ def run_layout(layout: str, master: str) -> dict[str, Any]:
         remote = json.loads(lines[-1][len("RESULT ") :])
         res["remote"] = remote
         res["remote_bytes_equal"] = remote["digest"] == digest(written)
+    res["store_answers"] = seen
     store.clear()
     res["ok"] = (
         res["exists_before"] == 0
