@@ -23,7 +23,8 @@ of earlier releases: its ``v1/transfer_channel/`` holds only ``nixl_channel.py``
   ``transfer_check_status``: 1 done, 0 pending, -1 failed, -2 timed out) until finished;
 * the bytes that arrived (sha256 per object) must equal the server's; then a read from a peer
   that has gone must come back as a failure (an exception at submit or a finished, failed
-  mask), and ``close`` (``unregister_memory``) answers 0.
+  mask), and ``close`` (``unregister_memory``) answers 0. LMCache never closes the engine it
+  owns; both processes must still exit by themselves (the peer is waited for with a limit).
 
 Prints one JSON object (bytes, objects, seconds) and a last line ending in ``OK``.
 """
@@ -31,7 +32,6 @@ Prints one JSON object (bytes, objects, seconds) and a last line ending in ``OK`
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import json
 import socket
@@ -84,21 +84,7 @@ def server() -> int:
         }
         print("DIGESTS " + json.dumps(out), flush=True)
     ctx.close()
-    del ctx
-    release()
     return 0
-
-
-def release() -> None:
-    """Called once the last name of a context is gone: lets the context's ``TransferEngine`` go while the interpreter still runs threads.
-
-    LMCache never closes the engine it owns; the context sits in a reference cycle (its ZMQ
-    server thread), so without this the engine is reclaimed by the cyclic collector during
-    interpreter shutdown, where our ``TransferEngine.__del__`` -> ``close`` ->
-    ``LoopThread.call`` (``mooncake/_sync.py``) waits for a loop thread that no longer runs,
-    and the process never exits.
-    """
-    gc.collect()
 
 
 def wait(client: Any, task: int, limit: float = 60.0) -> Any:
@@ -167,8 +153,6 @@ def main() -> int:
             res["read_after_exit"] = {"error": str(exc)[:200]}
             res["dead_peer_failed"] = True
         ctx.close()
-        del ctx, client
-        release()
     finally:
         if peer.poll() is None:
             peer.kill()
