@@ -27,7 +27,8 @@ dict it builds always holds ``device_name`` (its ``_SETUP_DEFAULTS``) and, with 
 ("unknown keys ['device_name', 'master_server_address']", ``mooncake/store.py``
 ``_setup_args``), so the store stays unset, ``register_buffer`` and every later call return
 -1010 and ``is_exist`` returns -1010, which LMCache reads as "exists". (The published 0.3.x
-wheel does not reject those keys.) The check ``dict_setup`` records exactly that: a connector
+wheel does not reject those keys; it does not honour ``master_server_address`` either, and
+retries its default master.) The check ``dict_setup`` records exactly that: a connector
 built the default way, then ``is_exist`` of an absent key must be 0. The data checks then run
 with the dict form answering ``TypeError`` (as a Mooncake build without the dict form does), so
 that LMCache's own positional fallback sets the store up; that, and nothing else, is changed.
