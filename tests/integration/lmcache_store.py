@@ -20,18 +20,13 @@ Per ``save_chunk_meta`` mode (``extra_config``):
 * ``True``: ``put``/``batched_put`` -> ``put_parts(key, 28-byte RemoteMetadata, kv bytes)``;
   ``batched_get`` -> ``batch_get_buffer`` and LMCache's own header parsing.
 
-``setup``: the connector's ``setup_mooncake_store`` calls ``store.setup(dict)`` first and falls
-back to the seven positional arguments only on ``TypeError``; it ignores the return value. The
-dict it builds always holds ``device_name`` (its ``_SETUP_DEFAULTS``) and, with this config,
-``master_server_address``: our ``setup(dict)`` answers those with ``InvalidArgumentError``
-("unknown keys ['device_name', 'master_server_address']", ``mooncake/store.py``
-``_setup_args``), so the store stays unset, ``register_buffer`` and every later call return
--1010 and ``is_exist`` returns -1010, which LMCache reads as "exists". (The published 0.3.x
-wheel does not reject those keys; it does not honour ``master_server_address`` either, and
-retries its default master.) The check ``dict_setup`` records exactly that: a connector
-built the default way, then ``is_exist`` of an absent key must be 0. The data checks then run
-with the dict form answering ``TypeError`` (as a Mooncake build without the dict form does), so
-that LMCache's own positional fallback sets the store up; that, and nothing else, is changed.
+``setup``: the connector's ``setup_mooncake_store`` calls ``store.setup(dict)`` first (falling
+back to the seven positional arguments only on ``TypeError``) and ignores the return value. The
+dict it builds holds its config file's keys (``device_name``, ``master_server_address``,
+``transfer_timeout``...); our ``setup(dict)`` reads the config-file spellings and ignores keys it
+does not use, with a warning. The check ``dict_setup`` builds a connector the default way and
+asks ``is_exist`` of an absent key (0, not a negative code, which LMCache would read as
+"exists"), and the data checks run on that same default path: nothing of LMCache is changed.
 
 Each mode writes N chunks in this process, checks ``exists``/``batched_async_contains``, reads
 them back here (``batched_get``) and from a second process with its own connector; the chunks'
@@ -67,20 +62,6 @@ from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 CHUNK = 64  # tokens per chunk
 KV_SHAPE = (4, 2, CHUNK, 2, 64)  # (layers, k/v, chunk tokens, kv heads, head size)
 CHUNKS = 12  # per mode: half through put, half through batched_put
-
-
-def positional_setup_only() -> None:
-    """Our ``setup(dict)`` raises ``TypeError``, as a Mooncake without the dict form does."""
-    from mooncake.store import MooncakeDistributedStore
-
-    original = MooncakeDistributedStore.setup
-
-    def setup(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if len(args) == 1 and isinstance(args[0], dict) and not kwargs:
-            raise TypeError("setup(): the dict form is not available")
-        return original(self, *args, **kwargs)
-
-    MooncakeDistributedStore.setup = setup  # type: ignore[method-assign]
 
 
 async def dict_setup_check() -> dict[str, Any]:
@@ -227,7 +208,6 @@ def main() -> int:
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.reader:
-        positional_setup_only()
         print("RESULT " + json.dumps(asyncio.run(reader(json.loads(args.reader)))), flush=True)
         return 0
     import mooncake
@@ -262,7 +242,6 @@ def main() -> int:
                 result["dict_setup"] = asyncio.run(dict_setup_check())
             except Exception as exc:
                 result["dict_setup"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            positional_setup_only()
             for mode in (False, True):
                 name = f"save_chunk_meta={mode}"
                 try:
