@@ -507,3 +507,52 @@ def test_replay_drives_the_registry_policy_classes() -> None:
         *(("global", p) for p in POLICIES),
         ("local", "lru"),
     }
+
+
+def test_cli_piped_output_keeps_every_digit(trace_file: Path, tmp_path: Path) -> None:
+    """Through a pipe (not a terminal, COLUMNS=40) the tables are plain text: no cell is cut
+    ("36.3…") and every figure of the JSON report appears whole in the table output."""
+    import os
+    import subprocess
+    import sys
+
+    args = [
+        sys.executable,
+        "-m",
+        "mooncake",
+        "replay",
+        str(trace_file),
+        "--capacities",
+        "2,3,100",
+        "--policies",
+        "all",
+        "--instances",
+        "2",
+        "--instance-capacity",
+        "4",
+        "--no-progress",
+    ]
+    env = {**os.environ, "COLUMNS": "40", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run(args, capture_output=True, text=True, env=env, check=True)
+    out = run.stdout
+    assert "…" not in out and "..." not in out
+    doc = json.loads(
+        subprocess.run([*args, "--json"], capture_output=True, text=True, env=env, check=True).stdout
+    )
+    lines = out.splitlines()
+    for c in [*doc["caches"], *doc["belady"]]:
+        scope = "global" if c["scope"] == "global" else f"{c['instances']}xlocal"
+        cells = [
+            scope,
+            c["policy"],
+            str(c["capacity_blocks"]),
+            f"{100 * c['block_hit_rate']:.2f}%",
+            f"{100 * c['token_hit_rate']:.2f}%",
+            f"{c['prefill_s_per_request']:.3f}",
+        ]
+        assert any(line.split()[: len(cells) - 1] == cells[:-1] for line in lines), cells
+    for s in doc["schedules"]:
+        row = next(line.split() for line in lines if line.startswith(s["strategy"] + " "))
+        assert row[1] == f"{s['ttft_mean_s']:.3f}" and row[2] == f"{s['ttft_p50_s']:.3f}"
+    assert "Gap to Belady's optimum" in out
+    assert max(map(len, lines)) > 40  # wider than COLUMNS: nothing was fitted to it
