@@ -556,3 +556,19 @@ def test_cli_piped_output_keeps_every_digit(trace_file: Path, tmp_path: Path) ->
         assert row[1] == f"{s['ttft_mean_s']:.3f}" and row[2] == f"{s['ttft_p50_s']:.3f}"
     assert "Gap to Belady's optimum" in out
     assert max(map(len, lines)) > 40  # wider than COLUMNS: nothing was fitted to it
+
+
+def test_replay_reports_belady_per_capacity(capsys: pytest.CaptureFixture[str]) -> None:
+    rep = replay(_reqs(GOOD), ReplayConfig(policies=("lru", "sieve"), capacities=(1, 3, 100)))
+    assert [b.capacity for b in rep.belady] == [1, 3, 100]
+    for b in rep.belady:
+        for sim in rep.caches:
+            if sim.capacity == b.capacity:
+                assert sim.totals.hit_blocks <= b.totals.hit_blocks
+                assert all(x <= y for x, y in zip(sim.hits, rep.max_hit.hits, strict=True))
+        assert b.totals.hit_blocks <= rep.max_hit.totals.hit_blocks
+    doc = rep.to_dict(requests=True)
+    assert [b["policy"] for b in doc["belady"]] == ["belady"] * 3
+    assert "hit_blocks[global:belady:3]" in doc["requests"]["columns"]
+    off = replay(_reqs(GOOD), ReplayConfig(capacities=(3,), belady=False))
+    assert off.belady == [] and off.to_dict()["belady"] == []
