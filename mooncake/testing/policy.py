@@ -43,6 +43,7 @@ to run under ``python -O``, where its assertions would vanish.
 
 from __future__ import annotations
 
+import operator
 import random
 import re
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -366,7 +367,21 @@ _ARGS: dict[str, tuple[str, ...]] = {
     "set_busy": ("key", "busy"),
     "victims": ("nbytes", "evict"),
     "bad_insert": ("key", "size"),
+    "bad_pin": ("key", "pin"),
 }
+
+
+class IntLike:
+    """An integer-like size that is not an ``int`` (as ``numpy.int64``): ``__index__`` only."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+    def __repr__(self) -> str:
+        return f"IntLike({self.value})"
 
 
 class _Driver:
@@ -392,6 +407,7 @@ class _Driver:
         model = self.model
         now = model.tick()
         self.policy.on_insert(key, size, parent=parent, now=float(now))
+        size = operator.index(size)
         model.entries.pop(key, None)
         model.entries[key] = ModelEntry(size, parent, Pin.NONE, now, now, 1)
         model.log.append(("insert", key, size, parent))
@@ -402,6 +418,16 @@ class _Driver:
         except InvalidArgumentError:
             return
         raise AssertionError(f"on_insert({key!r}, {size!r}) did not raise InvalidArgumentError")
+
+    def bad_pin(self, key: str, pin: object) -> None:
+        entry = self.model.entries.get(key)
+        try:
+            self.policy.set_pin(key, pin)  # type: ignore[arg-type]
+        except (InvalidArgumentError, KeyError) as exc:
+            if isinstance(exc, KeyError) and entry is not None:
+                raise
+            return
+        raise AssertionError(f"set_pin({key!r}, {pin!r}) did not raise InvalidArgumentError")
 
     def access(self, key: str) -> None:
         model = self.model
@@ -526,10 +552,13 @@ class PolicyMachine(RuleBasedStateMachine):
 
 # -- the fixed schedule ---------------------------------------------------------------------
 
+_SHRINK = True  # the mutation run turns it off: it only needs to know that a failure exists
+
 DEFAULT_SCHEDULE = 300
 """Sequences of the fixed schedule :func:`check_policy` runs before hypothesis' search."""
 
-_BAD_SIZES: tuple[object, ...] = (-1, 1.5, True, -64)
+_BAD_SIZES: tuple[object, ...] = (-1, 1.5, True, -64, IntLike(-2), "3")
+_BAD_PINS: tuple[object, ...] = (7, -1, "HARD")
 _WEIGHTS: dict[str, float] = {
     "insert": 3.0,
     "access": 2.0,
@@ -537,7 +566,8 @@ _WEIGHTS: dict[str, float] = {
     "set_pin": 1.2,
     "set_busy": 0.8,
     "victims": 2.0,
-    "bad_insert": 0.15,
+    "bad_insert": 0.0,
+    "bad_pin": 0.0,
 }
 
 
@@ -550,8 +580,9 @@ class _Swarm:
         picked = set(rng.sample(range(len(KEYS)), n))
         self.pool = [k for i, k in enumerate(KEYS) if i in picked]
         weights = dict(_WEIGHTS)
-        if not bad_sizes:
-            weights["bad_insert"] = 0.0
+        self.bad_sizes = bad_sizes
+        if bad_sizes:
+            weights["bad_insert"] = weights["bad_pin"] = 0.8
         for kind in ("access", "remove", "set_pin", "set_busy"):
             weights[kind] = 0.0 if rng.random() < 0.3 else weights[kind] * rng.uniform(0.3, 2)
         self.kinds = list(weights)
@@ -565,7 +596,11 @@ class _Swarm:
         return self.rng.randint(*self.sizes)
 
     def _insert(self, key: str) -> Op:
-        return ("insert", key, self._size(), self.rng.random() < self.p_chain)
+        size = self._size()
+        sized: int | IntLike = size
+        if self.bad_sizes and self.rng.random() < 0.3:
+            sized = IntLike(size)
+        return ("insert", key, sized, self.rng.random() < self.p_chain)
 
     def _key(self, model: PolicyModel) -> str:
         tracked = [k for k in self.pool if k in model.entries]
@@ -614,6 +649,8 @@ class _Swarm:
             return [self._insert(rng.choice(pool))]
         if kind == "bad_insert":
             return [("bad_insert", self._key(model), rng.choice(_BAD_SIZES))]
+        if kind == "bad_pin":
+            return [("bad_pin", self._key(model), rng.choice(_BAD_PINS))]
         if kind in ("access", "remove"):
             return [(kind, self._key(model))]
         if kind == "set_pin":
@@ -741,15 +778,22 @@ def _script(factory: Callable[[], EvictionPolicy], ops: Sequence[Op], message: s
     make = f"{name}()" if name.isidentifier() else "factory()  # the factory under test"
     lines = [
         "from mooncake.policies import Pin",
+        *(
+            ["from mooncake.testing.policy import IntLike"]
+            if any("IntLike(" in repr(op) for op in ops)
+            else []
+        ),
         f"policy = {make}",
         "busy = set()  # keys can_evict refuses (leased, put not completed)",
     ]
-    for op in ops:
+    for n, op in enumerate(ops, 1):
         kind = op[0]
         if kind == "insert":
             _, key, size, chained = op
             parent = _parent_of(key) if chained else None
             lines.append(f"policy.on_insert({key!r}, {size!r}, parent={parent!r})")
+        elif kind == "bad_pin":
+            lines.append(f"policy.set_pin({op[1]!r}, {op[2]!r})  # must raise InvalidArgumentError")
         elif kind == "bad_insert":
             lines.append(
                 f"policy.on_insert({op[1]!r}, {op[2]!r})  # must raise InvalidArgumentError"
@@ -763,10 +807,14 @@ def _script(factory: Callable[[], EvictionPolicy], ops: Sequence[Op], message: s
         else:
             _, nbytes, evict = op
             lines.append(f"victims = policy.victims({nbytes!r}, lambda key: key not in busy)")
-            if evict == "all":
+            if n == len(ops):
+                lines.append("print(victims)")
+            elif evict == "all":
                 lines.append("for key in victims:\n    policy.on_remove(key)")
             elif evict == "first":
                 lines.append("for key in victims[:1]:\n    policy.on_remove(key)")
+    if ops and ops[-1][0] != "victims":
+        lines.append("print(len(policy), policy.total_bytes, policy.unreachable())")
     lines.append(f"# check_policy: {message}")
     return "\n".join(lines)
 
@@ -785,7 +833,7 @@ def _run_schedule(
         found = _explore(factory, oracle, seed, length, bad_sizes)
         if found is None:
             continue
-        ops, exc = _shrink(factory, oracle, *found)
+        ops, exc = _shrink(factory, oracle, *found) if _SHRINK else found
         message = str(exc) if isinstance(exc, AssertionError) else f"{type(exc).__name__}: {exc}"
         err = AssertionError(message)
         # __notes__ as hypothesis writes them (pytest and Python >= 3.11 print them).
@@ -824,6 +872,11 @@ def check_policy(
         raise RuntimeError("check_policy needs assertions enabled (do not run python -O)")
     if schedule:
         _run_schedule(policy_factory, oracle, schedule, 60)
+        # Input checks after the contract: a contract bug is reported before a missing
+        # size check.
+        _run_schedule(
+            policy_factory, oracle, max(1, schedule // 6), 30, bad_sizes=True, first_seed=10**6
+        )
     label = re.sub(r"\W", "_", getattr(policy_factory, "__name__", "Policy"))
     machine = type(
         f"{label}Machine",
@@ -846,8 +899,3 @@ def check_policy(
             phases=[p for p in Phase if p is not Phase.explain],
         )
     run_state_machine_as_test(machine, settings=settings_)
-    if schedule:
-        # Input checks last: a contract bug is reported before a missing size check.
-        _run_schedule(
-            policy_factory, oracle, max(1, schedule // 6), 30, bad_sizes=True, first_seed=10**6
-        )
