@@ -25,12 +25,15 @@ Event = tuple[Any, ...]
 class RefSieve:
     """SIEVE over a list (oldest first), a visited map and a hand (``None``: the tail)."""
 
+    COUNTERS = ("laps",)
+
     def __init__(self) -> None:
         self.queue: list[Key] = []
         self.visited: dict[Key, bool] = {}
         self.size: dict[Key, int] = {}
         self.pins: dict[Key, Pin] = {}
         self.hand: Key | None = None
+        self.laps = 0  # times the hand passed the newest object
 
     def insert(self, key: Key, size: int) -> None:
         if key in self.size:
@@ -46,6 +49,7 @@ class RefSieve:
         i = self.queue.index(key)
         if self.hand == key:
             self.hand = self.queue[i + 1] if i + 1 < len(self.queue) else None
+            self.laps += self.hand is None
         del self.queue[i]
         del self.visited[key], self.size[key]
         self.pins.pop(key, None)
@@ -78,8 +82,12 @@ class RefSieve:
                 idle = 0
                 if freed >= nbytes:
                     self.hand = q[i + 1] if i + 1 < n else None
+                    self.laps += self.hand is None
                     return out
-            i = (i + 1) % n
+            i += 1
+            if i == n:
+                i = 0
+                self.laps += 1
         self.hand = q[i]
         for key in deferred:
             out.append(key)
@@ -193,6 +201,10 @@ class RefS3FIFO:
 Ref = RefSieve | RefS3FIFO
 
 
+def _not_in(busy: frozenset[Key]) -> CanEvict:
+    return lambda key: key not in busy
+
+
 def replay(ref: Ref, log: Sequence[Event]) -> Ref:
     """Feed ``ref`` every event of a harness log (see ``PolicyModel.log``); return it."""
     for event in log:
@@ -209,6 +221,6 @@ def replay(ref: Ref, log: Sequence[Event]) -> Ref:
             else:
                 ref.pins[event[1]] = event[2]
         elif kind == "victims":
-            busy = event[2]
-            ref.victims(event[1], lambda k, b=busy: k not in b)
+            busy: frozenset[Key] = event[2]
+            ref.victims(event[1], _not_in(busy))
     return ref

@@ -132,6 +132,10 @@ class PolicyModel:
     busy: set[Key] = field(default_factory=set)
     clock: int = 0
     log: list[tuple[Any, ...]] = field(default_factory=list)
+    policy: Any = field(default=None, repr=False, compare=False)
+    """The policy under test, for oracles that also compare its counters (SIEVE's ``laps``)."""
+    refs: dict[str, tuple[Any, int]] = field(default_factory=dict, repr=False, compare=False)
+    """Reference models the oracles keep up to date with ``log`` (name -> model, events fed)."""
 
     def tick(self) -> int:
         self.clock += 1
@@ -263,18 +267,33 @@ def prefix_lru_oracle(model: PolicyModel, nbytes: int) -> list[Key]:
     return out
 
 
+def _reference(model: PolicyModel, name: str, make: Callable[[], Any], nbytes: int) -> list[Key]:
+    """Bring the reference model ``name`` up to date with ``model.log`` and ask it for the
+    victims of the ``victims`` call being checked (the log's next event, which it then skips:
+    the reference has already answered it, with the same busy set). The policy has answered
+    that call already, so counters both keep (``COUNTERS``) must agree."""
+    ref, fed = model.refs.get(name) or (make(), 0)
+    _policy_ref.replay(ref, model.log[fed:])
+    out: list[Key] = ref.victims(nbytes, model.can_evict)
+    # Called after the policy answered the same call: its counters must agree now.
+    for counter in getattr(ref, "COUNTERS", ()):
+        if hasattr(model.policy, counter):
+            got, want = getattr(model.policy, counter), getattr(ref, counter)
+            assert got == want, f"{counter} = {got!r}, reference model says {want!r}"
+    model.refs[name] = (ref, len(model.log) + 1)
+    return out
+
+
 def sieve_oracle(model: PolicyModel, nbytes: int) -> list[Key]:
     """SIEVE (NSDI'24) as :class:`~mooncake.policies.SIEVEPolicy` documents it, hand and all:
-    replays the model's log on a plain reference model."""
-    ref = _policy_ref.replay(_policy_ref.RefSieve(), model.log)
-    return ref.victims(nbytes, model.can_evict)
+    the model's log replayed on a plain reference model."""
+    return _reference(model, "sieve", _policy_ref.RefSieve, nbytes)
 
 
 def s3fifo_oracle(model: PolicyModel, nbytes: int) -> list[Key]:
     """S3-FIFO (SOSP'23) with ``small_ratio=0.1`` as :class:`~mooncake.policies.S3FIFOPolicy`
-    documents it: replays the model's log on a plain reference model."""
-    ref = _policy_ref.replay(_policy_ref.RefS3FIFO(), model.log)
-    return ref.victims(nbytes, model.can_evict)
+    documents it: the model's log replayed on a plain reference model."""
+    return _reference(model, "s3fifo", _policy_ref.RefS3FIFO, nbytes)
 
 
 ORACLES: dict[str, Oracle] = {
@@ -391,6 +410,7 @@ class _Driver:
         self.policy = policy
         self.oracle = oracle
         self.model = PolicyModel(prefix_closed=bool(getattr(policy, "prefix_closed", False)))
+        self.model.policy = policy
 
     def apply(self, op: Op) -> None:
         getattr(self, op[0])(*op[1:])
