@@ -3,7 +3,8 @@
 Generates every mutant of each policy (``mooncake/testing/_mutation.py``: an AST mutator over
 the policy sources), runs ``check_policy(mutant, oracle=ORACLES[name])`` at its default
 settings on each, one forked child per mutant, and prints per policy: mutants, equivalent
-(excluded, with reasons in ``_mutation.EQUIVALENT``), killed, survived, the score, the CPU
+(excluded, with reasons in ``_mutation.EQUIVALENT`` and
+``_mutation.OUT_OF_REACH``), killed, survived, the score, the CPU
 seconds of the run, and every survivor.
 
     python benchmarks/policy_mutation.py                 # every policy
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         outcomes = [_mutation.run_mutant(m, cpu=args.cpu) for m in _mutation.mutants(name)]
         cpu, wall = _cpu_children() - cpu0, time.monotonic() - t0
         killed, counted, sc = _mutation.score(outcomes)
-        eq = sum(o.status == "equivalent" for o in outcomes)
+        eq = sum(o.status in ("equivalent", "out-of-reach") for o in outcomes)
         inv = sum(o.status == "invalid" for o in outcomes)
         hung = sum(o.status == "hung" for o in outcomes)
         rows.append((name, len(outcomes), eq, inv, killed, hung, counted - killed, sc, cpu, wall))
@@ -50,15 +51,18 @@ def main(argv: list[str] | None = None) -> int:
             if o.status == "survived":
                 survivors.append(o)
             if args.verbose:
-                print(f"{o.status:10} {name:10} {o.mutant.ident}  line {o.mutant.line}  {o.detail}", flush=True)
+                print(
+                    f"{o.status:10} {name:10} {o.mutant.ident}  line {o.mutant.line}  {o.detail}",
+                    flush=True,
+                )
         print(f"{name}: {sc:.1%} ({killed}/{counted})", file=sys.stderr, flush=True)
     print(
-        f"{'policy':<11}{'mutants':>8}{'equiv':>6}{'invalid':>8}{'killed':>7}{'(hung)':>7}"
+        f"{'policy':<11}{'mutants':>8}{'excluded':>9}{'invalid':>8}{'killed':>7}{'(hung)':>7}"
         f"{'survived':>9}{'score':>8}{'CPU s':>7}{'wall s':>7}"
     )
     for name, n, eq, inv, killed, hung, surv, sc, cpu, wall in rows:
         print(
-            f"{name:<11}{n:>8}{eq:>6}{inv:>8}{killed:>7}{hung:>7}{surv:>9}{sc:>8.1%}{cpu:>7.1f}{wall:>7.1f}"
+            f"{name:<11}{n:>8}{eq:>9}{inv:>8}{killed:>7}{hung:>7}{surv:>9}{sc:>8.1%}{cpu:>7.1f}{wall:>7.1f}"
         )
     for o in survivors:
         m = o.mutant

@@ -74,8 +74,10 @@ def test_make_policy_passes_arguments() -> None:
     policy = make_policy("s3fifo", small_ratio=0.25)
     assert isinstance(policy, S3FIFOPolicy)
     assert policy.small_ratio == 0.25
-    with pytest.raises(InvalidArgumentError, match="small_ratio"):
-        make_policy("s3fifo", small_ratio=1.5)
+    for bad in (1.5, 1.0, 0.0, -0.1):
+        with pytest.raises(InvalidArgumentError, match="small_ratio"):
+            make_policy("s3fifo", small_ratio=bad)
+    assert make_policy("s3fifo", small_ratio=0.999).small_ratio == 0.999
 
 
 # -- the harness catches broken policies, with a shrunk counter-example -----------------------

@@ -13,7 +13,9 @@ Each policy is mutated in the files it runs (``TARGETS``: its own module, the mo
 inherits from and the helpers of ``base.py`` it calls); ``self_check`` and ``__repr__`` are
 not mutated (they are the harness's probes, not behaviour). A mutant that changes nothing
 observable through the policy interface is *equivalent*: :data:`EQUIVALENT` names each one
-found with the reason, and they are left out of the score rather than counted as survivors.
+found with the reason, and they are left out of the score rather than counted as survivors;
+:data:`OUT_OF_REACH` lists, apart, the few that do change behaviour but only where
+``check_policy`` cannot look by design (constructor arguments), with what covers them.
 
 Each mutant runs in a forked child (a mutant may loop forever or eat memory): killed (the
 harness raised), survived, hung (killed after ``timeout`` seconds; a hang fails a test
@@ -43,6 +45,7 @@ from mooncake._core.policies.base import Pin
 __all__ = [
     "EQUIVALENT",
     "OPERATORS",
+    "OUT_OF_REACH",
     "TARGETS",
     "Mutant",
     "Outcome",
@@ -129,7 +132,7 @@ class Mutant:
 @dataclass
 class Outcome:
     mutant: Mutant
-    status: str  # killed | survived | hung | invalid | equivalent
+    status: str  # killed | survived | hung | invalid | equivalent | out-of-reach
     detail: str = ""
     seconds: float = 0.0
 
@@ -377,6 +380,8 @@ def run_mutant(
     time, the mutant counts as hung."""
     if mutant.ident in EQUIVALENT:
         return Outcome(mutant, "equivalent", EQUIVALENT[mutant.ident])
+    if mutant.ident in OUT_OF_REACH:
+        return Outcome(mutant, "out-of-reach", OUT_OF_REACH[mutant.ident])
     t0 = time.monotonic()
     rfd, wfd = os.pipe()
     pid = os.fork()
@@ -434,4 +439,88 @@ EQUIVALENT: dict[str, str] = {
     **{f"{f}.py:on_insert:compare:size < 0 -> size <= 0": _FAST_SIZE for f in _SIZE_CHECKED},
     **{f"{f}.py:on_insert:constant:0 -> 1": _FAST_SIZE for f in ("lru", "lfu", "sieve", "prefix")},
     "s3fifo.py:on_insert:constant:0 -> 1 #2": _FAST_SIZE,
+    "sieve.py:on_remove:delete:node.newer = node.older = None -> pass": (
+        "only clears the links of a node nothing refers to any more (the map, the list and "
+        "the hand have all let go of it): memory hygiene, no behaviour"
+    ),
+    "sieve.py:victims:constant:0 -> -1 #4": (
+        "idle = -1 instead of 0 after clearing a bit: the cleared object is evictable and now "
+        "unvisited, so the walk evicts it when it comes round, at most n steps later, and "
+        "resets idle; the idle count never gets to n in between either way"
+    ),
+    "s3fifo.py:victims:compare:size[first] >= nbytes -> size[first] > nbytes": (
+        "fast path skipped when the first object frees exactly nbytes: the general loop "
+        "examines the same queue head first and returns the same single victim"
+    ),
+    "s3fifo.py:victims:constant:0 -> -1 #3": (
+        "freq == -1 never holds, so the fast path is never taken: the general loop returns "
+        "the same answer"
+    ),
+    "s3fifo.py:victims:bool:False -> True": (
+        "marks a victim taken from M as taken from S; on_remove reads _evicting_small only "
+        "for keys in S (a key in M is discarded from it), and victims() resets it"
+    ),
+    **{
+        f"prefix.py:__init__:constant:0 -> {v}": (
+            "the use clock starts at another value: only the order of ticks matters"
+        )
+        for v in ("1", "-1")
+    },
+    **{
+        f"prefix.py:{f}:constant:1 -> 2": (
+            "the use clock steps by 2: ticks stay unique and increasing, their order is all "
+            "that is compared"
+        )
+        for f in ("on_insert", "on_access")
+    },
+    **{
+        f"prefix.py:_push:{m}": (
+            "when the lazy heap is compacted: _rebuild keeps exactly the current entries, so "
+            "compacting earlier, later or never changes no answer (only memory)"
+        )
+        for m in (
+            "negate-if:if len(heap) > 2 * len(self._size) + 64: -> "
+            "if not len(heap) > 2 * len(self._size) + 64:",
+            "compare:len(heap) > 2 * len(self._size) + 64 -> len(heap) >= 2 * len(self._size) + 64",
+            "delete:self._rebuild() -> pass",
+            "arith:2 * len(self._size) + 64 -> 2 * len(self._size) - 64",
+            "constant:64 -> 65",
+            "constant:64 -> 63",
+            "constant:2 -> 3",
+            "constant:2 -> 1",
+        )
+    },
+    "prefix.py:victims:negate-if:if heap: -> if not heap:": (
+        "the fast path is skipped: a non-empty forest always has a leaf, so the heap always "
+        "holds a current entry here and the general loop returns the same answer"
+    ),
+    "prefix.py:victims:compare:self._size[key] >= nbytes -> self._size[key] > nbytes": (
+        "fast path skipped when the best leaf frees exactly nbytes: the general loop takes the "
+        "same leaf first and stops there"
+    ),
+    "prefix.py:victims:constant:1 -> 2": (
+        "phases (0, 2) instead of (0, 1): the code only asks whether the phase is 0"
+    ),
+    "prefix.py:victims:compare:heap[0] < fresh[0] -> heap[0] <= fresh[0]": (
+        "heap entries never tie: the use tick in each is unique"
+    ),
+    "prefix.py:victims:delete:fresh = [] -> pass": (
+        "fresh is only read in phase 0; left over it is pushed to soft again after phase 1, "
+        "when nothing reads soft any more"
+    ),
+    "prefix.py:victims:delete:heapq.heappush(soft, entry) -> pass": (
+        "a freed parent is left in fresh at the end of phase 0 only if phase 0 stopped because "
+        "enough was freed, and then phase 1 takes nothing"
+    ),
+}
+
+#: Mutants check_policy cannot reach by design, with the reason (and what covers them).
+#: Left out of the score like equivalent ones, but listed apart: they do change behaviour.
+OUT_OF_REACH: dict[str, str] = {
+    f"s3fifo.py:__init__:compare:0.0 < small_ratio < 1.0 -> {m}": (
+        "constructor argument check: check_policy builds the policy through the caller's "
+        "zero-argument factory and never passes small_ratio (test_make_policy_passes_"
+        "arguments checks that 0.0 and 1.0 are refused)"
+    )
+    for m in ("0.0 <= small_ratio < 1.0", "0.0 < small_ratio <= 1.0")
 }

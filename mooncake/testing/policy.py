@@ -46,7 +46,7 @@ from __future__ import annotations
 import operator
 import random
 import re
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,9 +91,25 @@ KEYS: tuple[str, ...] = (
     "c",
     "c/a",
     "c/a/a",
+    "d",
+    "d/a",
+    "d/a/a",
+    "d/b",
+    "e",
+    "e/a",
+    "e/a/a",
+    "e/a/a/a",
+    "f",
+    "f/a",
+    "g",
+    "g/a",
+    "h",
+    "h/a",
+    "h/b",
+    "i",
 )
-"""The key pool: a small prefix forest (chains up to five deep, fan-out up to two); a key's
-parent is the key without its last segment."""
+"""The key pool: a prefix forest of 32 keys (chains up to five deep, fan-out up to two; more
+keys than S3-FIFO's ghost queue keeps); a key's parent is the key without its last segment."""
 
 
 def _parent_of(key: str) -> str | None:
@@ -229,7 +245,13 @@ def fifo_oracle(model: PolicyModel, nbytes: int) -> list[Key]:
 
 
 def lfu_oracle(model: PolicyModel, nbytes: int) -> list[Key]:
-    """Fewest uses first, then least recently used."""
+    """Fewest uses first, then least recently used. A policy with a ``frequency(key)`` method
+    (:class:`~mooncake.policies.LFUPolicy`) must also report each key's use count."""
+    frequency = getattr(model.policy, "frequency", None)
+    if frequency is not None:
+        for k, e in model.entries.items():
+            got = frequency(k)
+            assert got == e.uses, f"frequency({k!r}) = {got!r}, but it was used {e.uses} times"
     order = sorted(model.entries, key=lambda k: (model.entries[k].uses, model.entries[k].last_use))
     return model.select(order, nbytes)
 
@@ -387,6 +409,7 @@ _ARGS: dict[str, tuple[str, ...]] = {
     "victims": ("nbytes", "evict"),
     "bad_insert": ("key", "size"),
     "bad_pin": ("key", "pin"),
+    "bad_parent": ("key", "parent"),
 }
 
 
@@ -438,6 +461,21 @@ class _Driver:
         except InvalidArgumentError:
             return
         raise AssertionError(f"on_insert({key!r}, {size!r}) did not raise InvalidArgumentError")
+
+    def bad_parent(self, key: str, parent: str) -> None:
+        """A parent link that closes a cycle (``parent`` is ``key`` or descends from it): a
+        prefix-closed policy refuses it and changes nothing; others ignore parents."""
+        model = self.model
+        if not model.prefix_closed:
+            return
+        try:
+            self.policy.on_insert(key, 1, parent=parent, now=0.0)
+        except InvalidArgumentError:
+            return
+        raise AssertionError(
+            f"on_insert({key!r}, parent={parent!r}) closes a cycle but did not raise "
+            "InvalidArgumentError"
+        )
 
     def bad_pin(self, key: str, pin: object) -> None:
         entry = self.model.entries.get(key)
@@ -588,6 +626,7 @@ _WEIGHTS: dict[str, float] = {
     "victims": 2.0,
     "bad_insert": 0.0,
     "bad_pin": 0.0,
+    "bad_parent": 0.0,
 }
 
 
@@ -596,13 +635,13 @@ class _Swarm:
 
     def __init__(self, rng: random.Random, bad_sizes: bool) -> None:
         self.rng = rng
-        n = rng.choice((3, 5, 8, len(KEYS), len(KEYS)))
+        n = rng.choice((3, 5, 8, 16, 16, len(KEYS)))
         picked = set(rng.sample(range(len(KEYS)), n))
         self.pool = [k for i, k in enumerate(KEYS) if i in picked]
         weights = dict(_WEIGHTS)
         self.bad_sizes = bad_sizes
         if bad_sizes:
-            weights["bad_insert"] = weights["bad_pin"] = 0.8
+            weights["bad_insert"] = weights["bad_pin"] = weights["bad_parent"] = 0.8
         for kind in ("access", "remove", "set_pin", "set_busy"):
             weights[kind] = 0.0 if rng.random() < 0.3 else weights[kind] * rng.uniform(0.3, 2)
         self.kinds = list(weights)
@@ -671,6 +710,14 @@ class _Swarm:
             return [("bad_insert", self._key(model), rng.choice(_BAD_SIZES))]
         if kind == "bad_pin":
             return [("bad_pin", self._key(model), rng.choice(_BAD_PINS))]
+        if kind == "bad_parent":
+            key = self._key(model)
+            below = [d for d in model.descendants(key) if d in model.entries]
+            return [("bad_parent", key, rng.choice(below) if below and rng.random() < 0.7 else key)]
+        if kind == "access" and model.entries and rng.random() < self.p_burst:
+            # A run of hits (a hot key set): lazy structures grow and compact.
+            keys = list(model.entries)
+            return [("access", k) for k in rng.choices(keys, k=rng.randint(8, 60))]
         if kind in ("access", "remove"):
             return [(kind, self._key(model))]
         if kind == "set_pin":
@@ -754,6 +801,39 @@ def _simpler(op: Op) -> list[Op]:
     return out
 
 
+def _weight(ops: list[Op]) -> tuple[int, int]:
+    """What shrinking minimises: steps, then the sizes and byte counts in them."""
+    return len(ops), sum(
+        abs(op[2])
+        if op[0] == "insert" and type(op[2]) is int
+        else abs(op[1])
+        if op[0] == "victims"
+        else 0
+        for op in ops
+    )
+
+
+def _bulk_candidates(ops: list[Op]) -> Iterator[list[Op]]:
+    """Whole-sequence simplifications single-step edits cannot reach (an early eviction round
+    that only works with these exact sizes): every size 0 or 1, no eviction round but the
+    last, both; then every step of one key dropped."""
+    last = max((i for i, op in enumerate(ops) if op[0] == "victims"), default=-1)
+
+    def sized(size: int, seq: list[Op]) -> list[Op]:
+        return [("insert", op[1], size, op[3]) if op[0] == "insert" else op for op in seq]
+
+    no_rounds = [op for i, op in enumerate(ops) if op[0] != "victims" or i == last]
+    for size in (0, 1):
+        yield sized(size, ops)
+    if len(no_rounds) < len(ops):
+        yield no_rounds
+        for size in (0, 1):
+            yield sized(size, no_rounds)
+    keys = {op[1] for op in ops if op[0] not in ("victims",)}
+    for key in sorted(keys, key=str):
+        yield [op for op in ops if op[0] == "victims" or op[1] != key]
+
+
 def _shrink(
     factory: Callable[[], EvictionPolicy], oracle: Any, ops: list[Op], exc: BaseException
 ) -> tuple[list[Op], BaseException]:
@@ -767,6 +847,13 @@ def _shrink(
     changed = True
     while changed:
         changed = False
+        for cand in _bulk_candidates(ops):
+            if _weight(cand) >= _weight(ops):
+                continue
+            got = fails(cand)
+            if got is not None:
+                ops, exc, changed = cand, got, True
+                break
         chunk = max(1, len(ops) // 2)
         while chunk >= 1:
             i = len(ops) - chunk
@@ -812,6 +899,11 @@ def _script(factory: Callable[[], EvictionPolicy], ops: Sequence[Op], message: s
             _, key, size, chained = op
             parent = _parent_of(key) if chained else None
             lines.append(f"policy.on_insert({key!r}, {size!r}, parent={parent!r})")
+        elif kind == "bad_parent":
+            lines.append(
+                f"policy.on_insert({op[1]!r}, 1, parent={op[2]!r})  # cycle: must raise "
+                "InvalidArgumentError"
+            )
         elif kind == "bad_pin":
             lines.append(f"policy.set_pin({op[1]!r}, {op[2]!r})  # must raise InvalidArgumentError")
         elif kind == "bad_insert":
