@@ -236,3 +236,32 @@ def test_cli_end_to_end_on_both_traces(capsys: pytest.CaptureFixture[str]) -> No
             assert [round(100 * lru[c], 2) for c in LRU_SWEEP] == [
                 4.45, 5.37, 11.04, 21.12, 28.75, 35.46,
             ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_sieve_never_laps_and_equals_lfu_on_both_traces() -> None:
+    """SIEVE's hand never wraps at any capacity of the sweep on either trace, which is why
+    SIEVE and LFU give the same hit for every request there (docs/replay.md)."""
+    from mooncake._core.policies import LFUPolicy, SIEVEPolicy
+    from mooncake.replay.cache import BlockCache
+    from mooncake.replay.run import DEFAULT_CAPACITIES
+
+    assert TRACES is not None
+    for name in ("conversation", "synthetic"):
+        reqs = load_trace(str(TRACES / f"{name}_trace.jsonl"))
+        for cap in DEFAULT_CAPACITIES:
+            sieve = SIEVEPolicy()
+            a, b = BlockCache(sieve, cap), BlockCache(LFUPolicy(), cap)
+            for r in reqs:
+                assert a.admit(r.hash_ids, r.time_s) == b.admit(r.hash_ids, r.time_s)
+            assert sieve.laps == 0, (name, cap)
+
+
+def test_conversation_belady_reaches_the_maximum_by_10000_blocks(conversation: Run) -> None:
+    from mooncake.replay.belady import belady_hits
+
+    traces = [r.hash_ids for r in conversation.requests]
+    refs = sum(map(len, traces))
+    got = [round(100 * sum(belady_hits(traces, c)) / refs, 2) for c in (1000, 5000, 10000)]
+    assert got == [19.07, 34.12, 36.64]
+    assert got[-1] == _pct(conversation.max.totals.block_hit_rate)
