@@ -537,7 +537,9 @@ def test_cli_piped_output_keeps_every_digit(trace_file: Path, tmp_path: Path) ->
     out = run.stdout
     assert "…" not in out and "..." not in out
     doc = json.loads(
-        subprocess.run([*args, "--json"], capture_output=True, text=True, env=env, check=True).stdout
+        subprocess.run(
+            [*args, "--json"], capture_output=True, text=True, env=env, check=True
+        ).stdout
     )
     lines = out.splitlines()
     for c in [*doc["caches"], *doc["belady"]]:

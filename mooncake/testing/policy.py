@@ -716,8 +716,8 @@ class _Swarm:
             return [("bad_parent", key, rng.choice(below) if below and rng.random() < 0.7 else key)]
         if kind == "access" and model.entries and rng.random() < self.p_burst:
             # A run of hits (a hot key set): lazy structures grow and compact.
-            keys = list(model.entries)
-            return [("access", k) for k in rng.choices(keys, k=rng.randint(8, 60))]
+            hot: list[Key] = list(model.entries)
+            return [("access", k) for k in rng.choices(hot, k=rng.randint(8, 60))]
         if kind in ("access", "remove"):
             return [(kind, self._key(model))]
         if kind == "set_pin":
@@ -727,11 +727,11 @@ class _Swarm:
         out: list[Op] = []
         if rng.random() < self.p_bias and model.entries:
             # Eviction rounds in states that have pins and busy keys.
-            key = rng.choice(list(model.entries))
+            target: Key = rng.choice(list(model.entries))
             if rng.random() < 0.5 and self.weights[self.kinds.index("set_pin")]:
-                out.append(("set_pin", key, rng.choice((Pin.SOFT, Pin.HARD))))
+                out.append(("set_pin", target, rng.choice((Pin.SOFT, Pin.HARD))))
             elif self.weights[self.kinds.index("set_busy")]:
-                out.append(("set_busy", key, True))
+                out.append(("set_busy", target, True))
         evict = rng.choice(("all", "all", "none", "first"))
         out.append(("victims", -2, evict))  # nbytes drawn once the steps before it ran
         return out
