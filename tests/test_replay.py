@@ -574,3 +574,17 @@ def test_replay_reports_belady_per_capacity(capsys: pytest.CaptureFixture[str]) 
     assert "hit_blocks[global:belady:3]" in doc["requests"]["columns"]
     off = replay(_reqs(GOOD), ReplayConfig(capacities=(3,), belady=False))
     assert off.belady == [] and off.to_dict()["belady"] == []
+
+
+def test_cli_reads_a_gzip_trace(
+    tmp_path: Path, trace_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gzip
+
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_bytes(gzip.compress(trace_file.read_bytes()))
+    assert main(["replay", str(gz), "--json", "--capacities", "2", "--strategies", "none"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["trace"]["requests"] == 4
+    assert main(["replay", str(gz), "--capacities", "2", "--strategies", "none"]) == 0
+    assert "Hit rate per policy" in capsys.readouterr().out

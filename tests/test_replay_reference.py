@@ -1,9 +1,9 @@
 """The FAST'25 traces end to end: the figures of ``shared/traces/REFERENCE.md`` (conversation
 trace) and our own recorded figures for the synthetic trace (``docs/replay.md``).
 
-The traces are not in the repository: set ``MOONCAKE_TRACES`` to the directory holding
-``conversation_trace.jsonl`` and ``synthetic_trace.jsonl`` (default: ``shared/traces`` next to
-the repository, then ``/work/shared/traces``). Each module-level replay takes a few seconds.
+The traces are in the repository, gzip-compressed (``tests/data/traces``, 1.1 MB); a directory
+holding the plain ``conversation_trace.jsonl`` and ``synthetic_trace.jsonl`` can be named with
+``MOONCAKE_TRACES`` instead. Each module-level replay takes a few seconds.
 """
 
 from __future__ import annotations
@@ -19,17 +19,22 @@ from mooncake.replay.model import KVModel, PrefillModel
 from mooncake.replay.sim import HitRateSim, MaxHitSim, ScheduleSim
 from mooncake.replay.trace import TraceRequest, load_trace
 
+_BUNDLED = Path(__file__).resolve().parent / "data" / "traces"
+
 
 def _trace_dir() -> Path | None:
-    candidates = [
-        os.environ.get("MOONCAKE_TRACES"),
-        str(Path(__file__).resolve().parents[1] / "shared" / "traces"),
-        "/work/shared/traces",
-    ]
+    candidates = [os.environ.get("MOONCAKE_TRACES"), str(_BUNDLED)]
     for c in candidates:
-        if c and (Path(c) / "conversation_trace.jsonl").is_file():
+        if c and any((Path(c) / f"conversation_trace.jsonl{z}").is_file() for z in ("", ".gz")):
             return Path(c)
     return None
+
+
+def _trace(name: str) -> str:
+    """Path of trace ``name`` (``conversation`` or ``synthetic``): plain or gzip."""
+    assert TRACES is not None
+    plain = TRACES / f"{name}_trace.jsonl"
+    return str(plain if plain.is_file() else plain.with_name(plain.name + ".gz"))
 
 
 TRACES = _trace_dir()
@@ -79,13 +84,13 @@ class Run:
 @pytest.fixture(scope="module")
 def conversation() -> Iterator[Run]:
     assert TRACES is not None
-    yield Run(load_trace(str(TRACES / "conversation_trace.jsonl")))
+    yield Run(load_trace(_trace("conversation")))
 
 
 @pytest.fixture(scope="module")
 def synthetic() -> Iterator[Run]:
     assert TRACES is not None
-    yield Run(load_trace(str(TRACES / "synthetic_trace.jsonl")))
+    yield Run(load_trace(_trace("synthetic")))
 
 
 def _pct(x: float, nd: int = 2) -> float:
@@ -157,7 +162,7 @@ def test_conversation_prefill_time(conversation: Run) -> None:
 def test_conversation_scheduling_order_matches_the_paper() -> None:
     """Fig. 5: global cache-aware < local cache-aware < load balance < random (mean TTFT)."""
     assert TRACES is not None
-    reqs = load_trace(str(TRACES / "conversation_trace.jsonl"))
+    reqs = load_trace(_trace("conversation"))
     order = ("global_cache_aware", "local_cache_aware", "load_balance", "random")
     sims = {
         s: ScheduleSim(
@@ -217,7 +222,7 @@ def test_cli_end_to_end_on_both_traces(capsys: pytest.CaptureFixture[str]) -> No
 
     assert TRACES is not None
     for name in ("conversation", "synthetic"):
-        assert main(["replay", str(TRACES / f"{name}_trace.jsonl"), "--json"]) == 0
+        assert main(["replay", _trace(name), "--json"]) == 0
         doc = json.loads(capsys.readouterr().out)
         best = doc["max"]
         for c in doc["caches"]:
@@ -248,7 +253,7 @@ def test_sieve_never_laps_and_equals_lfu_on_both_traces() -> None:
 
     assert TRACES is not None
     for name in ("conversation", "synthetic"):
-        reqs = load_trace(str(TRACES / f"{name}_trace.jsonl"))
+        reqs = load_trace(_trace(name))
         for cap in DEFAULT_CAPACITIES:
             sieve = SIEVEPolicy()
             a, b = BlockCache(sieve, cap), BlockCache(LFUPolicy(), cap)

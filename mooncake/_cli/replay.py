@@ -52,7 +52,10 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("trace", help="JSONL trace (timestamp, input_length, output_length, hash_ids)")
+    p.add_argument(
+        "trace",
+        help="JSONL trace (timestamp, input_length, output_length, hash_ids); .gz is read too",
+    )
     p.add_argument(
         "--policies",
         type=_name_list,
@@ -217,7 +220,7 @@ def _stderr_console() -> Any:
 def run(args: argparse.Namespace) -> int:
     from mooncake.replay.model import KVModel, PrefillModel
     from mooncake.replay.run import DEFAULT_CAPACITIES, ReplayConfig, available_policies, replay
-    from mooncake.replay.trace import TraceStats, iter_trace
+    from mooncake.replay.trace import TraceStats, iter_trace, open_trace
 
     try:
         strategies = () if args.strategies == ("none",) else tuple(args.strategies)
@@ -243,9 +246,10 @@ def run(args: argparse.Namespace) -> int:
         stats = TraceStats()
         with (
             _Progress(not args.no_progress and not args.json) as prog,
-            open(args.trace, "rb") as f,
+            open_trace(args.trace) as f,
         ):
-            size = os.fstat(f.fileno()).st_size
+            # A gzip file's size says nothing about its lines: no total for the bar then.
+            size = 0 if args.trace.endswith(".gz") else os.fstat(f.fileno()).st_size
             requests = iter_trace(
                 prog.lines(f, size),
                 source=args.trace,
