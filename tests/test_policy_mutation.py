@@ -36,6 +36,7 @@ def test_a_mutant_changes_the_policy() -> None:
     assert "[schedule]" in out.detail
 
 
+@pytest.mark.timeout(1800)  # up to ~300 mutants, a few of them run out their CPU allowance
 @pytest.mark.parametrize("name", list(_mutation.TARGETS))
 def test_mutation_score(name: str) -> None:
     outcomes = [_mutation.run_mutant(m, timeout=120) for m in _mutation.mutants(name)]
