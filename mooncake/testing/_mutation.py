@@ -490,6 +490,16 @@ EQUIVALENT: dict[str, str] = {
             "constant:2 -> 1",
         )
     },
+    "prefix.py:_rebuild:delete:self._heap = [(0 if k in dead else 1, tick[k], k) for k in "
+    "self._size if k not in kids] -> pass": (
+        "compaction then only heapifies the old heap, already a heap holding every current "
+        "entry: the same as not compacting (stale entries are skipped either way)"
+    ),
+    "prefix.py:on_insert:boolop:parent is not None and key in kids -> "
+    "parent is not None or key in kids": (
+        "the cycle walk also runs when it cannot find one (no parent, or a key without "
+        "children, which no ancestor chain leads back to); it raises only on a real cycle"
+    ),
     "prefix.py:victims:negate-if:if heap: -> if not heap:": (
         "the fast path is skipped: a non-empty forest always has a leaf, so the heap always "
         "holds a current entry here and the general loop returns the same answer"
