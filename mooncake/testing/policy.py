@@ -676,7 +676,9 @@ class _Swarm:
 
     def _nbytes(self, model: PolicyModel) -> int:
         rng = self.rng
-        sizes = [model.entries[k].size for k in model.evictable()]
+        evictable = model.evictable()
+        # In insertion order, not set order: the schedule must not depend on str hashing.
+        sizes = [e.size for k, e in model.entries.items() if k in evictable]
         possible = sum(sizes)
         pick = rng.random()
         if pick < 0.05:
