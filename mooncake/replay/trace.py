@@ -166,7 +166,7 @@ def iter_trace(
 def open_trace(path: str) -> IO[bytes]:
     """Open a trace file for reading bytes; a ``.gz`` name is read through gzip."""
     if path.endswith(".gz"):
-        return gzip.open(path, "rb")
+        return gzip.open(path, "rb")  # type: ignore[return-value]  # GzipFile is a binary IO
     return open(path, "rb")
 
 
