@@ -1,9 +1,15 @@
 """Mutation score of the policy harness: ``check_policy`` at its default settings must reject
 at least 95 % of the non-equivalent mutants of every shipped policy (an AST mutator over the
 policy sources: ``mooncake/testing/_mutation.py``), with the schedule alone (so on every run).
+
+The full score takes ten minutes or more of CPU (every mutant of six policies, each in its own
+process), so it runs when ``MOONCAKE_MUTATION=1`` (or as ``python benchmarks/policy_mutation.py``);
+the quick checks of the mutator run always.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -36,6 +42,11 @@ def test_a_mutant_changes_the_policy() -> None:
     assert "[schedule]" in out.detail
 
 
+@pytest.mark.skipif(
+    os.environ.get("MOONCAKE_MUTATION") != "1",
+    reason="the full mutation score is opt-in (MOONCAKE_MUTATION=1; ~10+ CPU minutes), "
+    "or run benchmarks/policy_mutation.py",
+)
 @pytest.mark.timeout(1800)  # up to ~300 mutants, a few of them run out their CPU allowance
 @pytest.mark.parametrize("name", list(_mutation.TARGETS))
 def test_mutation_score(name: str) -> None:
