@@ -187,6 +187,19 @@ class TransferEngine:
             raise MooncakeError("TransferEngine is not initialized")
         return self._loop, self._engine
 
+    # -- metrics (not in the published API; docs/metrics.md) -----------------------------
+
+    @property
+    def metrics_registry(self) -> Any:
+        """The engine's ``prometheus_client`` ``CollectorRegistry`` (add ``.metrics`` of the
+        engine to your own registry instead with ``registry.register(...)``)."""
+        return self._e()[1].metrics_registry
+
+    def serve_metrics(self, port: int = 0, host: str = "127.0.0.1") -> int:
+        """Serve the engine's metrics over HTTP until it closes; returns the port.
+        ``MC_METRICS_PORT`` starts the same exporter at ``initialize``."""
+        return self._e()[1].serve_metrics(port, host)
+
     # -- info -----------------------------------------------------------------------------
 
     def get_rpc_port(self) -> int:

@@ -212,15 +212,22 @@ class SyncPath:
         transport = self._route(peer, ras, lens)
         if transport is None:
             return None
+        t0 = time.perf_counter()
         deadline = time.monotonic() + timeout_s
         if not self._pin(regions):
             return None
         try:
             if transport.name == "tcp":
-                return self._tcp(peer, op, las, ras, lens, deadline)
-            return self._shm(transport, peer, op, las, ras, lens)
+                out = self._tcp(peer, op, las, ras, lens, deadline)
+            else:
+                out = self._shm(transport, peer, op, las, ras, lens)
         finally:
             self._unpin(regions)
+        m = self.engine.metrics
+        if out is not None and m is not None:  # counted once, here or on the loop path
+            m.batch(transport.name, peer.segment, op.name.lower(), len(lens), sum(lens), out,
+                    time.perf_counter() - t0)  # fmt: skip
+        return out
 
     def _local_regions(self, las: Sequence[int], lens: Sequence[int]) -> list[Region] | None:
         """The distinct host regions holding every local range, or None (the loop path then
