@@ -34,6 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import anyio
+from prometheus_client import CollectorRegistry
 
 from mooncake._core.transfer import Opcode, TransferRequest, TransferResult
 from mooncake._engine import syncpath
@@ -190,7 +191,7 @@ class TransferEngine:
     # -- metrics (not in the published API; docs/metrics.md) -----------------------------
 
     @property
-    def metrics_registry(self) -> Any:
+    def metrics_registry(self) -> CollectorRegistry:
         """The engine's ``prometheus_client`` ``CollectorRegistry`` (add ``.metrics`` of the
         engine to your own registry instead with ``registry.register(...)``)."""
         return self._e()[1].metrics_registry

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import threading
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -67,7 +67,7 @@ class Histogram:
 
 
 def histogram_family(
-    name: str, doc: str, labels: list[str], hists: dict[tuple[str, ...], Histogram]
+    name: str, doc: str, labels: list[str], hists: Mapping[tuple[str, str], Histogram]
 ) -> HistogramMetricFamily:
     fam = HistogramMetricFamily(name, doc, labels=labels)
     for key, h in sorted(hists.items()):
@@ -245,10 +245,11 @@ class MetricsServer:
         self.host = host
         self.port: int = int(self._server.server_port)
         self._lock = threading.Lock()
+        self._closed = False
 
     def close(self) -> None:
         with self._lock:
-            srv, self._server = self._server, None
+            srv, self._closed = (None if self._closed else self._server), True
         if srv is not None:
             srv.shutdown()
             srv.server_close()

@@ -39,6 +39,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -388,12 +389,10 @@ class MasterServer:
             c["used"] += info.used
         tiers: dict[str, dict[str, int]] = {t: dict(d) for t, d in s.segment_tiers().items()}
         for t, tc in s.tiers.items():
-            tiers.setdefault(t, {}).update(
-                hits=tc.hits, misses=tc.misses, evictions=tc.evictions
-            )
+            tiers.setdefault(t, {}).update(hits=tc.hits, misses=tc.misses, evictions=tc.evictions)
         st = s.stats
         return {
-            "time": anyio.current_time(),
+            "time": time.time(),
             "objects": s.object_count,
             "clients": s.client_count,
             "segments": s.segment_count,
