@@ -67,7 +67,13 @@ from mooncake._core.transfer import (
 )
 from mooncake._engine.handshake import HandshakeServer
 from mooncake._engine.metadata import MetadataBackend, open_backend
-from mooncake._engine.metrics import EngineMetrics, MetricsServer, make_registry, serve_metrics
+from mooncake._engine.metrics import (
+    LOG_MAX,
+    EngineMetrics,
+    MetricsServer,
+    make_registry,
+    serve_metrics,
+)
 from mooncake._engine.metrics import enabled as metrics_enabled
 from mooncake._engine.metrics import env_port as metrics_env_port
 from mooncake._engine.transports.base import PeerInfo, Transport
@@ -785,7 +791,7 @@ class Engine:
         except MooncakeError as e:  # unreachable, unknown or malformed: every request fails
             self.forget(segment)
             if self.metrics is not None:
-                self.metrics.failed_batch("", segment, reqs[0].opcode.name.lower(), len(reqs), e)
+                self.metrics.failed_batch("", segment, _op(reqs), len(reqs), e)
             return [failed(e) for _ in reqs]
         results: list[TransferResult | None] = [None] * len(reqs)
         for i in missing:
@@ -899,11 +905,11 @@ class Engine:
             if self.metrics is not None:
                 self.metrics.failed_batch(t.name, peer.segment, _op(sub), len(sub), e)
             raise
-        if self.metrics is not None:
-            self.metrics.batch(
-                t.name, peer.segment, _op(sub), len(sub), sum(r.length for r in sub), out,
-                perf_counter() - t0,
-            )  # fmt: skip
+        m = self.metrics
+        if m is not None:
+            m.log.append((t.name, peer.segment, sub, out, perf_counter() - t0))
+            if len(m.log) > LOG_MAX:
+                m.drain()
         for i, res in zip(idx, out, strict=True):
             results[i] = res
 
@@ -987,11 +993,11 @@ class Engine:
         finally:
             self._release_all(held)
         out = [r if r is not None else failed(TransferError("not attempted")) for r in results]
-        if self.metrics is not None:
-            self.metrics.batch(
-                "local", self.segment_name, _op(reqs), len(reqs), sum(r.length for r in reqs),
-                out, perf_counter() - t0,
-            )  # fmt: skip
+        m = self.metrics
+        if m is not None:
+            m.log.append(("local", self.segment_name, reqs, out, perf_counter() - t0))
+            if len(m.log) > LOG_MAX:
+                m.drain()
         return out
 
     def submit(

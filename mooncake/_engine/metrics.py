@@ -1,7 +1,8 @@
 """Prometheus metrics of a transfer engine: plain counters on the hot path, read at scrape time.
 
-Recording is one :meth:`EngineMetrics.batch` call per batch and transport (never per slice or
-request in a compiled loop): a few Python int additions and one histogram bucket increment.
+Recording costs the hot paths one tuple appended to a list per batch and transport (never per
+slice or request, nothing in a compiled loop); the tuples are counted (Python ints, one
+histogram bucket increment each) when the metrics are scraped, or once :data:`LOG_MAX` wait.
 :class:`EngineMetrics` is also a ``prometheus_client`` ``Collector`` that turns those ints into
 metric families when scraped, so an embedding server can ``registry.register(engine.metrics)``
 in its own registry; ``engine.metrics_registry`` is a ``CollectorRegistry`` holding just it.
@@ -29,10 +30,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from mooncake._core.transfer import Opcode, TransferRequest, TransferResult
 from mooncake.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from mooncake._core.transfer import TransferResult
     from mooncake._engine.engine import Engine
 
 #: Latency bucket upper bounds in seconds: 10 us .. 1 s, about three per decade.
@@ -40,6 +41,13 @@ BUCKETS: tuple[float, ...] = (
     1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
     1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
 )  # fmt: skip
+
+
+#: Batches waiting to be counted before the hot path drains them itself.
+LOG_MAX = 4096
+
+#: The ``op`` label of an opcode.
+OP_LABEL: dict[Opcode, str] = {Opcode.READ: "read", Opcode.WRITE: "write"}
 
 
 class Histogram:
@@ -80,15 +88,52 @@ def error_kind(err: BaseException) -> tuple[str, str]:
     return type(err).__name__, str(int(getattr(err, "code", 0) or 0))
 
 
+class _Slot:
+    """The counters of one (transport, peer, op)."""
+
+    __slots__ = ("batches", "bytes", "counts", "failed", "requests", "sum")
+
+    def __init__(self) -> None:
+        self.batches = self.requests = self.bytes = self.failed = 0
+        self.counts = [0] * (len(BUCKETS) + 1)
+        self.sum = 0.0
+
+
 class EngineMetrics(Collector):
-    """The counters of one engine (a ``Collector``; see the module docstring)."""
+    """The counters of one engine (a ``Collector``; see the module docstring).
+
+    Increments are plain Python ints, not locked: batches recorded concurrently from several
+    caller threads (the sync path) may, rarely, lose an increment."""
 
     def __init__(self, engine: Engine | None = None) -> None:
         self.engine = engine
-        # (transport, peer, op) -> [batches, requests, bytes, failed requests]
-        self.traffic: dict[tuple[str, str, str], list[int]] = {}
-        self.latency: dict[tuple[str, str], Histogram] = {}
+        self.slots: dict[tuple[str, str, str], _Slot] = {}
         self.errors: dict[tuple[str, str, str], int] = {}  # (transport, kind, code)
+        # Batches not yet counted, appended by the hot paths (one tuple each, no call):
+        # loop path (transport, peer, requests, results, seconds); caller-thread path
+        # (Transport, PeerInfo, opcode, requests, bytes, failed results, seconds). Drained into the
+        # counters at scrape time, or here once LOG_MAX are waiting.
+        self.log: list[tuple[str, str, list[TransferRequest], list[TransferResult], float]] = []
+        self.sync_log: list[tuple[Any, Any, Opcode, int, int, list[TransferResult], float]] = []
+
+    def _slot(self, key: tuple[str, str, str]) -> _Slot:
+        s = self.slots.get(key)
+        if s is None:
+            s = self.slots[key] = _Slot()
+        return s
+
+    def drain(self) -> None:
+        """Count the batches waiting in :attr:`log` and :attr:`sync_log`."""
+        log, self.log = self.log, []
+        for transport, peer, reqs, results, dt in log:
+            first = reqs[0].opcode
+            op = OP_LABEL[first]
+            if len(reqs) > 1 and any(r.opcode is not first for r in reqs):
+                op = "mixed"
+            self.batch(transport, peer, op, len(reqs), sum(r.length for r in reqs), results, dt)
+        slog, self.sync_log = self.sync_log, []
+        for t, p, opc, n, nbytes, failures, dt in slog:
+            self.batch(t.name, p.segment, OP_LABEL[opc], n, nbytes, failures, dt)
 
     def batch(
         self,
@@ -103,41 +148,34 @@ class EngineMetrics(Collector):
         """Count one batch (or one transport's share of one) that took ``seconds``.
 
         ``failures`` may hold completed results too; only those with an error count."""
-        key = (transport, peer, op)
-        t = self.traffic.get(key)
-        if t is None:
-            t = self.traffic[key] = [0, 0, 0, 0]
-        t[0] += 1
-        t[1] += requests
-        t[2] += nbytes
+        s = self.slots.get((transport, peer, op)) or self._slot((transport, peer, op))
+        s.batches += 1
+        s.requests += requests
+        s.bytes += nbytes
+        s.counts[bisect_left(BUCKETS, seconds)] += 1
+        s.sum += seconds
         for res in failures:
-            e = res.error
-            if e is not None:
-                t[3] += 1
-                k = (transport, *error_kind(e))
+            if res.error is not None:
+                s.failed += 1
+                k = (transport, *error_kind(res.error))
                 self.errors[k] = self.errors.get(k, 0) + 1
-        h = self.latency.get((transport, op))
-        if h is None:
-            h = self.latency[(transport, op)] = Histogram()
-        h.observe(seconds)
 
     def failed_batch(
         self, transport: str, peer: str, op: str, requests: int, err: BaseException
     ) -> None:
-        """A batch that failed as a whole (unreachable peer, transport error) before moving."""
-        key = (transport, peer, op)
-        t = self.traffic.get(key)
-        if t is None:
-            t = self.traffic[key] = [0, 0, 0, 0]
-        t[0] += 1
-        t[1] += requests
-        t[3] += requests
+        """A batch that failed as a whole (unreachable peer, transport error) before moving;
+        not a latency observation."""
+        s = self._slot((transport, peer, op))
+        s.batches += 1
+        s.requests += requests
+        s.failed += requests
         k = (transport, *error_kind(err))
         self.errors[k] = self.errors.get(k, 0) + requests
 
     # -- scrape ---------------------------------------------------------------------------
 
     def collect(self) -> Iterator[Metric]:
+        self.drain()
         labels = ["transport", "peer", "op"]
         fams = [
             CounterMetricFamily(
@@ -153,15 +191,21 @@ class EngineMetrics(Collector):
                 "mooncake_engine_transfer_failed_requests", "Requests that failed", labels=labels
             ),
         ]
-        for key, vals in sorted(self.traffic.items()):
-            for fam, v in zip(fams, vals, strict=True):
+        hists: dict[tuple[str, str], Histogram] = {}
+        for key, sl in sorted(self.slots.items()):
+            for fam, v in zip(fams, (sl.batches, sl.requests, sl.bytes, sl.failed), strict=True):
                 fam.add_metric(list(key), v)
+            h = hists.get((key[0], key[2]))
+            if h is None:
+                h = hists[(key[0], key[2])] = Histogram()
+            h.counts = [a + b for a, b in zip(h.counts, sl.counts, strict=True)]
+            h.sum += sl.sum
         yield from fams
         yield histogram_family(
             "mooncake_engine_batch_latency_seconds",
             "Time from a batch's start to its last result, per transport",
             ["transport", "op"],
-            dict(self.latency),
+            {k: h for k, h in hists.items() if sum(h.counts)},
         )
         errs = CounterMetricFamily(
             "mooncake_engine_errors",
