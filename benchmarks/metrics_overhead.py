@@ -8,6 +8,7 @@ the same machine load; the result is the median over rounds of each round's p50 
 the on/off ratio.
 
     .venv/bin/python benchmarks/metrics_overhead.py --rounds 7 --ops 3000 [--transport tcp|shm]
+        [--store]  # also MooncakeDistributedStore.get of 4 KiB (the store client's metrics)
 """
 
 from __future__ import annotations
@@ -36,12 +37,51 @@ def p50(xs: list[float]) -> float:
     return statistics.median(xs) * 1e6
 
 
+def store_rounds(a: argparse.Namespace, block: int) -> dict[str, list[float]]:
+    """4 KiB ``MooncakeDistributedStore.get`` (the caller-thread fast path, own-segment
+    replica) with the store client's metrics on and off."""
+    from mooncake.store import MooncakeDistributedStore
+
+    master = subprocess.Popen(
+        [sys.executable, "-m", "mooncake", "master", "--rpc-port", "0", "--no-metrics"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert master.stdout is not None
+    addr = master.stdout.readline().split("rpc=", 1)[1].split()[0]
+    s = MooncakeDistributedStore()
+    out: dict[str, list[float]] = {"on": [], "off": []}
+    try:
+        assert s.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", addr) == 0
+        assert s.put("bench", b"x" * 4096) == 0
+        assert s._store is not None
+        saved = s._store.metrics
+        for _ in range(a.rounds):
+            lat: dict[str, list[float]] = {"on": [], "off": []}
+            for b in range(a.ops // block):
+                state = "on" if b % 2 == 0 else "off"
+                s._store.metrics = saved if state == "on" else None
+                for _ in range(block):
+                    t0 = time.perf_counter()
+                    s.get("bench")
+                    lat[state].append(time.perf_counter() - t0)
+            for state in ("on", "off"):
+                out[state].append(p50(lat[state]))
+        s._store.metrics = saved
+    finally:
+        s.close()
+        master.terminate()
+        master.wait(10)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--ops", type=int, default=3000)
     ap.add_argument("--transport", default="tcp", choices=["tcp", "shm"])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--store", action="store_true", help="also 4 KiB store gets (fast path)")
     a = ap.parse_args()
     os.environ["MOONCAKE_TRANSPORTS"] = a.transport
     peer = subprocess.Popen(
@@ -101,6 +141,8 @@ def main() -> int:
         te.close()
         peer.stdin.close()
         peer.wait(10)
+    if a.store:
+        res["store_get"] = store_rounds(a, block)
     summary = {
         path: {
             "on_p50_us": statistics.median(v["on"]),
@@ -113,10 +155,10 @@ def main() -> int:
     if a.json:
         print(json.dumps(summary))
     else:
-        for path in ("sync", "loop"):
+        for path in res:
             s = summary[path]
             print(
-                f"{a.transport} {path}: 4 KiB write p50 on {s['on_p50_us']:.1f} us, "
+                f"{a.transport if path != 'store_get' else 'memcpy'} {path}: 4 KiB p50 on {s['on_p50_us']:.1f} us, "
                 f"off {s['off_p50_us']:.1f} us, on/off {s['ratio']:.3f}"
             )
         print(f"load average {os.getloadavg()[0]:.2f}")

@@ -2,8 +2,8 @@
 
 The public put/get methods of :class:`~mooncake._store.client.Store` and of the facades' sync
 :class:`~mooncake._store.fastpath.FastPath` are wrapped once, at import (:func:`instrument`):
-a wrapper times the call and adds a few Python ints to the client's :class:`StoreMetrics`
-(nothing per byte or per slice). :class:`StoreMetrics` is a ``prometheus_client`` ``Collector``
+a wrapper times the call and appends one tuple to the client's :class:`StoreMetrics` log
+(nothing per byte or per slice), counted into Python ints at scrape time. :class:`StoreMetrics` is a ``prometheus_client`` ``Collector``
 that also reads the client's own counters at scrape time (``miss_stats``, ``lease_fences``,
 the SSD tier's ``stats()``). The store registers it in its engine's ``metrics_registry``, so
 one registry (and one exporter, ``open_store(metrics_port=...)`` / ``MC_METRICS_PORT``) covers
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mooncake._engine.metrics import Histogram, error_kind, histogram_family
+from mooncake._engine.metrics import LOG_MAX, Histogram, error_kind, histogram_family
 from mooncake.errors import MooncakeError
 
 if TYPE_CHECKING:
@@ -114,6 +114,14 @@ class StoreMetrics(Collector):
         self.calls: dict[tuple[str, str], list[int]] = {}
         self.latency: dict[tuple[str, str], Histogram] = {}
         self.errors: dict[tuple[str, str, str], int] = {}  # (family, kind, code)
+        # calls not yet counted: (family, path, items, bytes, failed items, seconds)
+        self.log: list[tuple[str, str, int, int, int, float]] = []
+
+    def drain(self) -> None:
+        """Count the calls waiting in :attr:`log`."""
+        log, self.log = self.log, []
+        for family, path, items, nbytes, bad, dt in log:
+            self.ok(family, path, items, nbytes, bad, dt)
 
     def ok(self, family: str, path: str, items: int, nbytes: int, bad: int, dt: float) -> None:
         key = (family, path)
@@ -137,6 +145,7 @@ class StoreMetrics(Collector):
     # -- scrape ---------------------------------------------------------------------------
 
     def collect(self) -> Iterator[Metric]:
+        self.drain()
         labels = ["family", "path"]
         fams = [
             CounterMetricFamily("mooncake_store_calls", "Store API calls", labels=labels),
@@ -210,7 +219,9 @@ def _wrap_async(fn: Callable[..., Any], family: str, count: _Counter) -> Callabl
             items, nbytes, bad = count(args, out)
         except (TypeError, IndexError):  # keyword-only call shapes: count the call only
             items, nbytes, bad = 1, 0, 0
-        m.ok(family, "loop", items, nbytes, bad, perf_counter() - t0)
+        m.log.append((family, "loop", items, nbytes, bad, perf_counter() - t0))
+        if len(m.log) > LOG_MAX:
+            m.drain()
         return out
 
     return wrapper
@@ -232,7 +243,9 @@ def _wrap_sync(fn: Callable[..., Any], family: str, count: _Counter) -> Callable
             items, nbytes, bad = count(args, out)
         except (TypeError, IndexError):
             items, nbytes, bad = 1, 0, 0
-        m.ok(family, "fast", items, nbytes, bad, perf_counter() - t0)
+        m.log.append((family, "fast", items, nbytes, bad, perf_counter() - t0))
+        if len(m.log) > LOG_MAX:
+            m.drain()
         return out
 
     return wrapper
