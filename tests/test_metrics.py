@@ -258,6 +258,15 @@ async def test_store_counts_and_top(master: MasterProc, other_client: Client) ->
             ],
             env=_env(),
         )  # fmt: skip
+        table = await anyio.run_process(
+            [
+                sys.executable, "-m", "mooncake", "top", master.http, "--client", "127.0.0.1:1",
+                "--once", "--interval", "0",
+            ],
+            env={**_env(), "COLUMNS": "200"},
+        )  # fmt: skip
+    text = table.stdout.decode()
+    assert "mooncake master" in text and "segments" in text and "unreachable" in text
     loop = {"path": "loop"}
     assert val(m, "mooncake_store_calls_total", family="put", **loop) == 3
     assert val(m, "mooncake_store_bytes_total", family="put", **loop) == 3 * 4096
@@ -307,3 +316,17 @@ def test_facade_fast_path_counts(master: MasterProc) -> None:
     assert total(m, "mooncake_store_calls_total", family="get") == 3
     assert total(m, "mooncake_store_bytes_total", family="get") == 3000
     assert val(m, "mooncake_store_calls_total", family="get", path="fast") >= 2
+
+
+def test_top_without_master_says_so() -> None:
+    from tests.services import free_port
+
+    r = subprocess.run(
+        [sys.executable, "-m", "mooncake", "top", f"127.0.0.1:{free_port()}", "--once", "--json"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1
+    assert "cannot read" in r.stderr and "/status" in r.stderr
