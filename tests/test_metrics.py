@@ -330,3 +330,20 @@ def test_top_without_master_says_so() -> None:
     )
     assert r.returncode == 1
     assert "cannot read" in r.stderr and "/status" in r.stderr
+
+
+async def test_env_port_taken_by_first_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MC_METRICS_PORT: the first engine serves it, a second one opens without an exporter;
+    an explicit port that cannot be bound is an error."""
+    from mooncake.errors import InvalidArgumentError
+    from tests.services import free_port
+
+    port = free_port()
+    monkeypatch.setenv("MC_METRICS_PORT", str(port))
+    async with open_engine(transports=["tcp"]) as a, open_engine(transports=["tcp"]) as b:
+        assert a.metrics_server is not None and a.metrics_server.port == port
+        assert b.metrics_server is None
+        assert ("mooncake_engine_registered_bytes", ()) in scrape(port)
+        with pytest.raises(InvalidArgumentError, match="cannot serve metrics"):
+            async with open_engine(transports=["tcp"], metrics_port=port):
+                pass

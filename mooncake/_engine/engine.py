@@ -1091,6 +1091,17 @@ class Engine:
 _U64 = 1 << 64
 
 
+def _start_exporter(engine: Engine, port: int, host: str, from_env: bool) -> None:
+    """Start ``engine``'s metrics exporter; a port from ``MC_METRICS_PORT`` that is taken
+    (another engine of this process serves it) is logged, not an error."""
+    try:
+        engine.serve_metrics(port, host)
+    except InvalidArgumentError as e:
+        if not from_env:
+            raise
+        log.warning("MC_METRICS_PORT: %s; this engine serves none", e)
+
+
 def _op(reqs: Sequence[TransferRequest]) -> str:
     """The ``op`` metrics label of a batch: ``read``, ``write`` or ``mixed``."""
     first = reqs[0].opcode
@@ -1172,8 +1183,11 @@ async def open_engine(
 
     ``metrics_port`` (default ``MC_METRICS_PORT``; 0 picks a free port, unset serves nothing)
     serves ``engine.metrics_registry`` at ``http://metrics_host:port/metrics`` while the engine
-    is open (``engine.metrics_server.port``); see docs/metrics.md.
+    is open (``engine.metrics_server.port``); see docs/metrics.md. A port given here that
+    cannot be bound raises :class:`InvalidArgumentError`; one from ``MC_METRICS_PORT`` already
+    taken (a second engine in the process) is logged and skipped.
     """
+    from_env = metrics_port is None
     if metrics_port is None:
         metrics_port = metrics_env_port()
     if transports is None:
@@ -1202,12 +1216,12 @@ async def open_engine(
             try:
                 try:
                     await engine._start()
+                    if metrics_port is not None and engine.metrics is not None:
+                        _start_exporter(engine, metrics_port, metrics_host, from_env)
                 except MooncakeError as e:
                     # raised as itself below, not wrapped in the task group's ExceptionGroup
                     start_error = e
                 else:
-                    if metrics_port is not None and engine.metrics is not None:
-                        engine.serve_metrics(metrics_port, metrics_host)
                     yield engine
             finally:
                 if engine.metrics_server is not None:
