@@ -19,6 +19,7 @@ In your own tests, one line per policy: ``check_policy(MyPolicy)`` raises ``Asse
 
 from __future__ import annotations
 
+import operator
 import sys
 
 from mooncake.errors import InvalidArgumentError
@@ -39,8 +40,10 @@ class LargestFirst(EvictionPolicy):
     def on_insert(
         self, key: Key, size: int, *, parent: Key | None = None, now: float = 0.0
     ) -> None:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        # the contract: ints and integer-likes (numpy.int64: anything with __index__), not bool
+        if isinstance(size, bool) or not hasattr(size, "__index__") or operator.index(size) < 0:
             raise InvalidArgumentError(f"size of {key!r} must be a non-negative int, got {size!r}")
+        size = operator.index(size)
         if key in self._sizes:
             self.on_remove(key)
         self._sizes[key] = size
@@ -57,10 +60,14 @@ class LargestFirst(EvictionPolicy):
     def set_pin(self, key: Key, pin: Pin) -> None:
         if key not in self._sizes:
             raise KeyError(key)
-        if Pin(pin) is Pin.NONE:
+        try:
+            pin = Pin(pin)
+        except ValueError:  # the contract: a bad pin is the caller's error, named
+            raise InvalidArgumentError(f"pin must be Pin.NONE, Pin.SOFT or Pin.HARD, got {pin!r}")
+        if pin is Pin.NONE:
             self._pins.pop(key, None)
         else:
-            self._pins[key] = Pin(pin)
+            self._pins[key] = pin
 
     def victims(self, nbytes: int, can_evict: CanEvict) -> list[Key]:
         if nbytes <= 0:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Hashable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -520,3 +521,19 @@ def test_reference_oracles_catch_an_order_bug(name: str) -> None:
     check_policy(broken, max_examples=10)  # the contract alone cannot tell
     with pytest.raises(AssertionError, match="oracle says"):
         check_policy(broken, oracle=ORACLES[name], max_examples=10)
+
+
+def test_a_policy_refusing_integer_like_sizes_is_reported_not_crashed() -> None:
+    """The shrinker simplifies an integer-like size to its plain int (it used to raise
+    ``TypeError`` on ``size // 2``), so the user sees the contract violation."""
+    from mooncake.errors import InvalidArgumentError
+    from mooncake.policies import LRUPolicy
+
+    class IntsOnly(LRUPolicy):
+        def on_insert(self, key: Any, size: Any, *, parent: Any = None, now: float = 0.0) -> None:
+            if type(size) is not int:
+                raise InvalidArgumentError(f"size of {key!r} must be an int")
+            super().on_insert(key, size, parent=parent, now=now)
+
+    with pytest.raises(AssertionError):
+        check_policy(IntsOnly)

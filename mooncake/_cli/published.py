@@ -66,6 +66,11 @@ def http_metadata_server_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
     )
+    p.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        help="require the cluster secret in this file (else MOONCAKE_CLUSTER_SECRET, if set)",
+    )
     a = p.parse_args(argv)
     ns = argparse.Namespace(
         host=a.host,
@@ -74,6 +79,7 @@ def http_metadata_server_main(argv: Sequence[str] | None = None) -> int:
         max_body=server.DEFAULT_MAX_BODY,
         max_connections=server.DEFAULT_MAX_CONNECTIONS,
         verbose=a.log_level == "DEBUG",
+        cluster_secret_file=a.cluster_secret_file,
     )
     try:
         return metadata_server.run(ns)

@@ -790,7 +790,10 @@ def _simpler(op: Op) -> list[Op]:
     out: list[Op] = []
     if name == "insert":
         _, key, size, chained = op
-        out += [("insert", key, s, chained) for s in (0, 1, size // 2) if s < size]
+        if isinstance(size, int):
+            out += [("insert", key, s, chained) for s in (0, 1, size // 2) if s < size]
+        elif hasattr(size, "__index__"):  # an integer-like size: its plain int is simpler
+            out.append(("insert", key, operator.index(size), chained))
         if chained:
             out.append(("insert", key, size, False))
     elif name == "victims":
