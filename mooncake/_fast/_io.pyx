@@ -8,7 +8,8 @@ raises except on bad Python arguments.
 """
 
 from libc.errno cimport errno
-from libc.string cimport memcpy as c_memcpy
+cdef extern from "mc_copy.h" nogil:
+    void c_memcpy "mc_copy"(void *dst, const void *src, size_t n)
 from libc.stdint cimport uint8_t, uintptr_t
 from libc.stdlib cimport malloc, free
 
