@@ -30,7 +30,8 @@ import itertools
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
 #: values up to this size take the fast path (larger copies belong in worker threads)
 FAST_MAX = 1 << 20
 RPC_TIMEOUT_S = 30.0
+T = TypeVar("T")
 
 
 class SyncMaster:
@@ -309,6 +311,32 @@ class FastPath:
         memcpy-able are written and finished by the async client on the loop. An existing key
         is success, as for ``put``. Sources must be registered host memory (the async client
         writes remote replicas straight from them)."""
+        out, slow, slow_reps = self.put_parts_local(keys, ptrs, plens, sizes, config)
+        if slow:
+            res: list[MooncakeError | None] = self.loop.call(
+                self.store._complete_puts,
+                "Put",
+                [keys[i] for i in slow],
+                [list(zip(ptrs[i], plens[i], strict=True)) for i in slow],
+                [sizes[i] for i in slow],
+                slow_reps,
+            )
+            for i, r in zip(slow, res, strict=True):
+                out[i] = r
+        return out
+
+    def put_parts_local(
+        self,
+        keys: list[str],
+        ptrs: list[list[int]],
+        plens: list[list[int]],
+        sizes: list[int],
+        config: Any,
+    ) -> tuple[list[MooncakeError | None], list[int], list[list[st.ReplicaDescriptor]]]:
+        """The caller-thread half of :meth:`batch_put_parts`, for any host sources (registered
+        or not): the keys whose replicas are all memcpy-able are written and finished; the
+        others come back *started* as ``(indexes, their replicas)``, and the caller must
+        finish them (``Store._complete_puts`` from registered memory, or :meth:`revoke`)."""
         from mooncake._store.config import to_wire
         from mooncake.errors import error_from_code
 
@@ -372,19 +400,40 @@ class FastPath:
             m, "Put", [keys[i] for i in ok], [keys[i] for i in bad]
         ).items():
             out[ok[i]] = err
-        if slow:
-            res: list[MooncakeError | None] = self.loop.call(
-                s._complete_puts,
-                "Put",
-                [keys[i] for i in slow],
-                [list(zip(ptrs[i], plens[i], strict=True)) for i in slow],
-                [sizes[i] for i in slow],
-                slow_reps,
-            )
-            for i, r in zip(slow, res, strict=True):
-                out[i] = r
         self.hits += 1
-        return out
+        return out, slow, slow_reps
+
+    def revoke(self, keys: list[str]) -> None:
+        """``BatchPutRevoke`` started keys (nothing of them becomes readable)."""
+        self._finish_batch(self._master(), "Put", [], keys)
+
+    def read_with(self, key: str, fn: Callable[[int, int], T]) -> T | None:
+        """``fn(address, size)`` on the cheapest memcpy-able replica of ``key`` while it is
+        pinned, then the fences of :meth:`get`; None when no replica is memcpy-able (or the
+        object is on the SSD tier): the caller takes the loop path. Raises what ``get``
+        raises (:class:`ObjectNotFoundError` for a missing key, ``LeaseExpiredError``,
+        ``PeerDiedError``)."""
+        resp, deadline = self._query(key)
+        s = self.store
+        n = s._size_of(resp)
+        for r in s._order(resp.replicas):
+            t = self._target(r, n)
+            if t is None:
+                continue
+            src, p = t
+            if p is not None and not p.acquire():
+                continue
+            try:
+                result = fn(src, n)
+            finally:
+                if p is not None:
+                    p.unpin()
+            if p is not None and not p.alive():
+                raise PeerDiedError(f"{p.segment}: its owner died while the read was in flight")
+            self._fence(deadline)
+            self.hits += 1
+            return result
+        return None
 
     @staticmethod
     def _unpin(pinned: dict[int, MappedPeer]) -> None:
