@@ -5,11 +5,14 @@ a 304-byte header, then the bytes), under the published key names, so tensors an
 written by either implementation read back in the other. The mixin is built only on the
 published byte-level methods of the class it is mixed into (``put_from``, ``upsert_from``,
 ``batch_put_from``, ``batch_upsert_from``, ``get_into``, ``batch_get_buffer``, ``get_size``,
-``put``, ``upsert``, ``register_buffer``, ``unregister_buffer``) and keeps no state of its own
-but one registered staging buffer (grown on demand, guarded by a lock): a put copies header and
-data into it once and hands it to ``put_from``; a single get reads into it and copies the data
-out once into a fresh tensor. The ``_into``/``_from`` forms use the caller's registered buffer
-as is (no copy).
+``put``, ``upsert``, ``register_buffer``, ``unregister_buffer``), plus, on a set-up real client
+with the caller-thread path on (:mod:`mooncake._store.fastpath`), a direct route: a put writes
+header and tensor memory as two parts straight into memcpy-able replicas and a get copies the
+data once from the pinned replica into the new tensor (then the read fences). What the direct
+route cannot copy (a remote replica, an upsert, an SSD tier) goes through one registered
+staging buffer (grown on demand, guarded by a lock): a put copies header and data into it once
+and hands it to ``put_from``; a get reads into it and copies the data out once into a fresh
+tensor. The ``_into``/``_from`` forms use the caller's registered buffer as is (no copy).
 
 Return shapes and codes are the published ones: puts return ``0`` or a negative code (``-600``
 INVALID_PARAMS for a bad tensor, shape or request), batch puts a list of codes of
