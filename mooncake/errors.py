@@ -192,6 +192,11 @@ class ProtocolError(MooncakeError):
     code = ErrorCode.RPC_FAIL
 
 
+class AuthError(ProtocolError):
+    """The cluster-secret authentication failed: a peer without the secret, a wrong proof, or
+    one side configured with ``MOONCAKE_CLUSTER_SECRET`` and the other not."""
+
+
 class CudaError(MooncakeError):
     """A CUDA runtime call failed; ``status`` is the ``cudaError_t`` value."""
 

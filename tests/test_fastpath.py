@@ -485,6 +485,74 @@ def test_serve_blocking_on_a_thread_and_stop(mod: ModuleType, pair: Any) -> None
     assert table.remove(addr_of(remote))
 
 
+def _serve_in_thread(server: Any, *args: int) -> tuple[Any, list[int]]:
+    import threading
+
+    server.prepare_blocking()
+    box: list[int] = []
+    th = threading.Thread(target=lambda: box.append(server.serve_blocking(*args)))
+    th.start()
+    return th, box
+
+
+def test_region_table_close_and_reopen(mod: ModuleType) -> None:
+    t = mod.RegionTable()
+    t.add(1000, 100)
+    assert t.close(1000) is False  # no users right now
+    assert not t.find(1000, 10)  # refused from the moment it is closing
+    assert t.reopen(1000) and t.find(1000, 10)
+    assert not t.close(5000) and not t.reopen(5000)
+
+
+@pytest.mark.parametrize("cut", [10, 24 + 100])
+def test_serve_blocking_progress_deadline(mod: ModuleType, pair: Any, cut: int) -> None:
+    import errno as errno_
+
+    _srv, cli, remote, _, table, server = make(mod, mod, pair)
+    th, box = _serve_in_thread(server, 200, -1)
+    frame = struct.pack("<QQB7x", 4096, addr_of(remote), 0x81) + b"x" * 4096
+    cli.sendall(frame[:cut])  # a header or payload cut short, then silence
+    th.join(30)
+    assert not th.is_alive() and box == [-errno_.ETIMEDOUT]
+    server.close()
+    assert table.remove(addr_of(remote))  # the region was released
+
+
+def test_serve_blocking_idle_deadline_and_eviction(mod: ModuleType, pair: Any) -> None:
+    _srv, _cli, _remote, _, table, server = make(mod, mod, pair)
+    th, box = _serve_in_thread(server, -1, 200)
+    th.join(30)
+    assert not th.is_alive() and box == [CLOSE]  # idle past idle_ms from the start
+    server2 = mod.ServeConn(_srv.fileno(), table, 64 << 10)
+    th, box = _serve_in_thread(server2, -1, -1)
+    server2.evict()  # idle: goes
+    th.join(30)
+    assert not th.is_alive() and box == [CLOSE]
+
+
+def test_serve_blocking_wake_drops_a_holder_of_a_closing_range(mod: ModuleType, pair: Any) -> None:
+    import errno as errno_
+    import threading
+
+    _srv, cli, remote, _, table, server = make(mod, mod, pair)
+    th, box = _serve_in_thread(server, -1, -1)
+    cli.sendall(struct.pack("<QQB7x", 8192, addr_of(remote), 0x81) + b"x" * 100)
+    for _ in range(3000):  # until the server is inside the write
+        if not server.idle:
+            break
+        threading.Event().wait(0.01)
+    assert not server.idle
+    server.evict()  # busy: eviction is refused, the request goes on
+    threading.Event().wait(0.1)
+    assert th.is_alive()
+    assert table.close(addr_of(remote)) is True  # it has a user: the connection above
+    server.wake()
+    th.join(30)
+    assert not th.is_alive() and box == [-errno_.ECONNABORTED]
+    server.close()
+    assert table.remove(addr_of(remote))
+
+
 @pytest.mark.anyio
 async def test_copier_run_cancelled_mid_copy_still_completes_it() -> None:
     """Closing an engine cancels every task at once, the copier's ``run`` among them: a copy in

@@ -276,16 +276,43 @@ async def test_every_rail_down_fails_clearly(engine: mooncake.Engine, rpeer: Rdm
 
 
 async def test_cancelled_transfer_leaves_nothing_in_flight(
-    engine: mooncake.Engine, rpeer: RdmaPeer
+    engine: mooncake.Engine, rpeer: RdmaPeer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Cancelled right after its first WRs are posted, a transfer returns only once every
+    posted WR has been reaped; its buffer stays pinned until then."""
     buf = await engine.allocate(4 << 20)
-    with anyio.CancelScope() as scope:
-        scope.cancel()
-        await engine.transfer(rpeer.segment, [R.write(buf.addr, rpeer.addr, 4 << 20)])
+    await engine.write(rpeer.segment, buf.addr, rpeer.addr, 4096)  # endpoints up
     t = _t(engine)
+    (region,) = engine.registry.regions()
+    real_post = t._post
+    seen: dict[str, int] = {}
+    scope = anyio.CancelScope()
+
+    def post_then_cancel(*args: Any) -> None:
+        real_post(*args)
+        if not seen and t._inflight:
+            seen["posted"] = len(t._inflight)
+            seen["mr_inflight"] = sum(mr.inflight for mr in region.meta["rdma_mrs"])
+            seen["users"] = region.users
+            scope.cancel()
+
+    monkeypatch.setattr(t, "_post", post_then_cancel)
+    # a small budget per pump run: the first post leaves WRs in flight (and more to post)
+    monkeypatch.setattr(t, "pump_budget", 4)
+    posted0, reaped0 = t.stats["posted"], t.stats["completions"]
+    with scope:
+        await engine.transfer(rpeer.segment, [R.write(buf.addr, rpeer.addr, 4 << 20)])
+    assert scope.cancelled_caught
+    assert seen["posted"] > 0 and seen["mr_inflight"] == seen["posted"]  # cancelled mid-flight
+    assert seen["users"] > 0  # the buffer was pinned while its WRs were out
+    # on return: every WR that was posted has been retired (reaped, or covered by a later
+    # signaled completion on its QP), nothing is left in flight
+    assert t.stats["posted"] - posted0 >= seen["posted"]
+    assert t.stats["completions"] - reaped0 > 0
     assert not t._inflight
-    for region in engine.registry.regions():
-        assert all(mr.inflight == 0 for mr in region.meta.get("rdma_mrs", []))
+    assert all(mr.inflight == 0 for mr in region.meta["rdma_mrs"])
+    assert region.users == 0
+    monkeypatch.setattr(t, "_post", real_post)
     await engine.write(rpeer.segment, buf.addr, rpeer.addr, 4 << 20)  # still usable
 
 

@@ -313,6 +313,11 @@ def register(sub: Any) -> None:
     p.add_argument("--http-metadata-server-host", default="127.0.0.1")
     p.add_argument("--http-metadata-server-port", type=int, default=8080)
     p.add_argument("--seed", type=int, default=None, help="seed of the random placement")
+    p.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        help="require the cluster secret in this file (default: $MOONCAKE_CLUSTER_SECRET, if set)",
+    )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_run_args)
 
@@ -338,7 +343,10 @@ def _run_args(args: argparse.Namespace) -> int:
         from mooncake._core.policies import make_policy
 
         make_policy(state.eviction_policy)
-    except InvalidArgumentError as e:
+        from mooncake._cli.metadata_server import read_secret_file
+
+        secret = read_secret_file(args.cluster_secret_file)
+    except (InvalidArgumentError, OSError) as e:
         print(f"mooncake master: {e}", file=sys.stderr)
         return 2
     config = MasterServerConfig(
@@ -350,6 +358,7 @@ def _run_args(args: argparse.Namespace) -> int:
         enable_http_metadata_server=args.enable_http_metadata_server,
         http_metadata_server_host=args.http_metadata_server_host,
         http_metadata_server_port=args.http_metadata_server_port,
+        cluster_secret=secret,
         state=state,
     )
     _setup_logging(args.log_level)

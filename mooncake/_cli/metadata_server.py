@@ -24,6 +24,11 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--max-connections", type=int, default=server.DEFAULT_MAX_CONNECTIONS, help="served at once"
     )
+    p.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        help="require the cluster secret in this file (default: $MOONCAKE_CLUSTER_SECRET, if set)",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=run)
 
@@ -36,6 +41,12 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
 
+    try:
+        secret = read_secret_file(args.cluster_secret_file)
+    except OSError as e:
+        print(f"mooncake metadata-server: cannot read the cluster secret: {e}", file=sys.stderr)
+        return 2
+
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             host, port = await nursery.start(
@@ -46,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
                     path=args.path,
                     max_body=args.max_body,
                     max_connections=args.max_connections,
+                    secret=secret,
                 )
             )
             # one parseable line for scripts and tests
@@ -60,3 +72,11 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def read_secret_file(path: str | None) -> str | None:
+    """The secret in ``path`` (surrounding whitespace dropped), or None (use the environment)."""
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read().strip()

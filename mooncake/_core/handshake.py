@@ -32,6 +32,8 @@ class FrameType(enum.IntEnum):
     METADATA = 1
     NOTIFY = 2
     PROBE = 3
+    #: ours, only with a cluster secret set: the challenge-response before the request frame
+    AUTH = 16
 
 
 @dataclass(frozen=True, slots=True)

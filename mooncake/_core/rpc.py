@@ -71,7 +71,13 @@ PutLocal               PutLocalParams                   int (version id of the r
 ExplainMiss            KeyParams                        MissInfo (no miss counted)
 GetTierStats           Empty                            dict[str, dict[str, int]] (per tier)
 GetSegmentTiers        Empty                            dict[str, dict[str, int]] (dram/gpu)
+AuthHello              AuthHelloParams                  AuthChallenge (cluster secret only)
+AuthProve              AuthProveParams                  None (cluster secret only)
 ====================== ================================ ==========================================
+
+``AuthHello``/``AuthProve`` run :mod:`mooncake._core.auth`'s challenge-response on channel
+``rpc``; a master with a cluster secret answers nothing else until they succeed (anything else
+gets ``RPC_FAIL`` "authentication required" and the connection is closed).
 
 Semantics of each call are the master's (:mod:`mooncake._core.master`); this module only
 defines shapes. :class:`Item` carries per-key results of batch calls: ``code`` 0 and ``value``,
@@ -255,6 +261,21 @@ class TaskRevokeParams(_Params):
     message: str = ""
 
 
+class AuthHelloParams(_Params):
+    nonce: bytes
+
+
+class AuthProveParams(_Params):
+    proof: bytes
+
+
+class AuthChallenge(msgspec.Struct, kw_only=True):
+    """The master's half of the challenge-response: its nonce and its proof."""
+
+    nonce: bytes
+    proof: bytes
+
+
 class Item(msgspec.Struct, Generic[T], array_like=True, omit_defaults=True):
     """One key's result in a batch answer: ``code`` 0 with ``value``, or an error code."""
 
@@ -340,6 +361,8 @@ METHODS: dict[str, MethodSpec] = {
         _spec("ExplainMiss", KeyParams, MissInfo),
         _spec("GetTierStats", Empty, dict[str, dict[str, int]]),
         _spec("GetSegmentTiers", Empty, dict[str, dict[str, int]]),
+        _spec("AuthHello", AuthHelloParams, AuthChallenge),
+        _spec("AuthProve", AuthProveParams, None),
     )
 }
 
@@ -547,11 +570,18 @@ class MessageDecoder:
             raise ProtocolError(f"connection closed inside a frame ({self.buffered} bytes pending)")
 
 
+#: methods the connection itself answers (authentication), not the master's state
+AUTH_METHODS = frozenset({"AuthHello", "AuthProve"})
+
 __all__ = [
+    "AUTH_METHODS",
     "DEFAULT_MAX_FRAME",
     "HEADER",
     "METHODS",
     "VERSION",
+    "AuthChallenge",
+    "AuthHelloParams",
+    "AuthProveParams",
     "BatchKeyClientParams",
     "BatchPutStartParams",
     "BatchRemoveParams",

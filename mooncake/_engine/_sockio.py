@@ -7,6 +7,11 @@ must land in registered memory, not in a fresh ``bytes`` object.
 
 Cancellation: a cancelled call may have moved part of its bytes; the caller must treat the socket
 as unusable (close it). Nothing here touches memory after it returns or raises.
+
+Progress deadlines: ``progress`` (seconds, ``None`` = none) bounds every wait for the socket to
+become ready; a peer that moves no byte for that long fails the call with
+:class:`~mooncake.errors.PeerDiedError` (a peer that keeps the connection alive at the TCP level
+but sends nothing is not caught by keepalive or ``TCP_USER_TIMEOUT``).
 """
 
 from __future__ import annotations
@@ -76,13 +81,40 @@ async def connect(host: str, port: int) -> socket.socket:
     raise PeerUnreachableError(f"cannot connect to {host}:{port}: {last}")
 
 
+async def wait_readable(sock: socket.socket, progress: float | None, what: str) -> None:
+    """``anyio.wait_readable`` bounded by ``progress`` seconds (PeerDiedError past it)."""
+    if progress is None:
+        await anyio.wait_readable(sock)
+        return
+    with anyio.move_on_after(progress) as scope:
+        await anyio.wait_readable(sock)
+    if scope.cancelled_caught:
+        raise PeerDiedError(f"{what}: no progress from the peer for {progress:g} s")
+
+
+async def wait_writable(sock: socket.socket, progress: float | None, what: str) -> None:
+    """``anyio.wait_writable`` bounded by ``progress`` seconds (PeerDiedError past it)."""
+    if progress is None:
+        await anyio.wait_writable(sock)
+        return
+    with anyio.move_on_after(progress) as scope:
+        await anyio.wait_writable(sock)
+    if scope.cancelled_caught:
+        raise PeerDiedError(f"{what}: peer took no data for {progress:g} s")
+
+
 def _died(what: str, code: int) -> PeerDiedError:
     name = errno.errorcode.get(code, str(code))
     return PeerDiedError(f"{what}: connection failed ({name})")
 
 
 async def send_addrs(
-    sock: socket.socket, addrs: Sequence[int], lens: Sequence[int], what: str = "send"
+    sock: socket.socket,
+    addrs: Sequence[int],
+    lens: Sequence[int],
+    what: str = "send",
+    *,
+    progress: float | None = None,
 ) -> None:
     """Send every ``(addrs[i], lens[i])`` range, in order, with as few syscalls as possible."""
     fd = sock.fileno()
@@ -93,7 +125,7 @@ async def send_addrs(
         r = _fast.writev_at(fd, addrs, lens, i, skip)
         if r < 0:
             if -r in _AGAIN:
-                await anyio.wait_writable(sock)
+                await wait_writable(sock, progress, what)
                 continue
             if -r == errno.EINTR:
                 continue
@@ -113,7 +145,14 @@ async def send_addrs(
     await anyio.lowlevel.checkpoint_if_cancelled()
 
 
-async def recv_into_addr(sock: socket.socket, addr: int, length: int, what: str = "recv") -> None:
+async def recv_into_addr(
+    sock: socket.socket,
+    addr: int,
+    length: int,
+    what: str = "recv",
+    *,
+    progress: float | None = None,
+) -> None:
     """Receive exactly ``length`` bytes into ``[addr, addr+length)``."""
     fd = sock.fileno()
     got = 0
@@ -124,7 +163,7 @@ async def recv_into_addr(sock: socket.socket, addr: int, length: int, what: str 
         elif r == 0:
             raise PeerDiedError(f"{what}: peer closed the connection after {got}/{length} bytes")
         elif -r in _AGAIN:
-            await anyio.wait_readable(sock)
+            await wait_readable(sock, progress, what)
         elif -r != errno.EINTR:
             raise _died(what, -r)
 
@@ -154,10 +193,17 @@ class Scratch:
         return ctypes.string_at(self.addr + off, n)
 
 
-async def recv_exact(sock: socket.socket, n: int, scratch: Scratch, what: str = "recv") -> bytes:
+async def recv_exact(
+    sock: socket.socket,
+    n: int,
+    scratch: Scratch,
+    what: str = "recv",
+    *,
+    progress: float | None = None,
+) -> bytes:
     """Receive exactly ``n`` bytes (small control data) and return them."""
     scratch.grow(n)
-    await recv_into_addr(sock, scratch.addr, n, what)
+    await recv_into_addr(sock, scratch.addr, n, what, progress=progress)
     return scratch.bytes(0, n)
 
 

@@ -574,6 +574,8 @@ class Engine:
         if region.closing:
             raise RegistrationError(f"region at {addr:#x} is already being unregistered")
         region.closing = True
+        for t in self.transports:
+            t.abort_users(region)  # peers quiet mid-request on it cannot hold it
         try:
             while region.users:
                 released = region.meta["released"] = anyio.Event()
@@ -582,6 +584,8 @@ class Engine:
             # cancelled before anything was torn down: the region stays registered and usable
             region.closing = False
             region.meta.pop("released", None)
+            for t in self.transports:
+                t.reopen_users(region)
             raise
         # Past this point the teardown runs to the end even when cancelled: a region half
         # unregistered (some transports still serving it, or closing forever) is worse than a

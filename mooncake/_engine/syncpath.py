@@ -55,6 +55,7 @@ from mooncake._engine import _sockio
 from mooncake._engine.transports import shm as shm_mod
 from mooncake._engine.transports import tcp as tcp_mod
 from mooncake._engine.transports.base import PeerInfo
+from mooncake.errors import MooncakeError
 
 if TYPE_CHECKING:
     from mooncake._engine.engine import Engine
@@ -82,9 +83,11 @@ def enabled() -> bool:
 class LanePool:
     """Blocking-use TCP connections to one peer data port, checked out by one thread at a time."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, secret: bytes | None = None) -> None:
         self.host = host
         self.port = port
+        #: the cluster secret the data port wants (new connections run its exchange first)
+        self.secret = secret
         self._idle: list[tcp_mod._Lane] = []
         self._lock = threading.Lock()
         self.closed = False
@@ -97,6 +100,11 @@ class LanePool:
                 return self._idle.pop()
         sock = socket.create_connection((self.host, self.port), timeout=max(timeout_s, 0.001))
         try:
+            if self.secret is not None:
+                try:
+                    tcp_mod.client_auth_blocking(sock, self.secret)
+                except MooncakeError as e:  # the loop path reports it
+                    raise OSError(str(e)) from None
             _sockio.tune(sock)  # non-blocking, no Nagle, keepalive
             lane = tcp_mod._Lane(sock)
         except BaseException:
@@ -280,6 +288,10 @@ class SyncPath:
             chosen = t
         if chosen is None or chosen.name not in ("tcp", "shm"):
             return None
+        if chosen.name == "tcp" and (getattr(chosen, "secret", None) is not None) != bool(
+            desc.extra.get("tcp_auth")
+        ):
+            return None  # one side has the cluster secret, the other not: the loop path says so
         return chosen
 
     # -- pins -----------------------------------------------------------------------------
@@ -307,7 +319,9 @@ class SyncPath:
             with self._lock:
                 pool = self._pools.get(key)
                 if pool is None:
-                    pool = self._pools[key] = LanePool(*key)
+                    tcp = next((t for t in self.engine.transports if t.name == "tcp"), None)
+                    secret = getattr(tcp, "secret", None)
+                    pool = self._pools[key] = LanePool(*key, secret=secret)
         return pool
 
     def _tcp(

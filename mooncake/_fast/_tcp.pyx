@@ -16,9 +16,15 @@ few system calls and no Python object per request:
 :class:`RegionTable` is the server's view of registered memory: sorted, disjoint ranges with a
 user count; ``remove`` refuses new users at once and blocks until the last one is gone (call it
 in a worker thread). Both machines hold a region for the whole of a request.
+
+Deadlines (:meth:`ServeConn.serve_blocking`): a connection in the middle of a request whose
+socket makes no progress for ``progress_ms`` is dropped (``-ETIMEDOUT``); one idle between
+requests for ``idle_ms`` is closed (``CLOSE``). :meth:`RegionTable.close` marks a range closing;
+:meth:`ServeConn.wake` then makes a serving thread drop its connection if it holds a closing
+range (``-ECONNABORTED``), so a silent peer cannot hold memory that is being unregistered.
 """
 
-from libc.errno cimport errno, EAGAIN, EINTR, ECONNRESET, ETIMEDOUT
+from libc.errno cimport errno, EAGAIN, EINTR, ECONNRESET, ETIMEDOUT, ECONNABORTED
 from libc.stdint cimport uint8_t, uint64_t, uintptr_t
 from libc.stdlib cimport malloc, free, realloc
 from libc.string cimport memcpy, memmove, memset
@@ -59,6 +65,7 @@ cdef extern from "<sys/eventfd.h>" nogil:
 
 cdef extern from "<unistd.h>" nogil:
     ssize_t c_write "write" (int fd, const void *buf, size_t n)
+    ssize_t c_read "read" (int fd, void *buf, size_t n)
     int c_close "close" (int fd)
 
 cdef extern from "<pthread.h>" nogil:
@@ -211,6 +218,35 @@ cdef class RegionTable:
             pthread_mutex_unlock(&self.mu)
         return found
 
+    def close(self, uintptr_t start):
+        """Refuse new requests on the range starting at ``start`` (``remove`` still to come).
+
+        Returns whether it has users right now (requests in progress that hold it).
+        """
+        cdef Py_ssize_t i
+        cdef long users = 0
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            i = self._bisect(start)
+            if i >= 0 and self.regs[i].start == start:
+                self.regs[i].closing = 1
+                users = self.regs[i].users
+            pthread_mutex_unlock(&self.mu)
+        return users > 0
+
+    def reopen(self, uintptr_t start):
+        """Undo :meth:`close` (an unregistration that did not go through); False if absent."""
+        cdef Py_ssize_t i
+        cdef bint found = False
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            i = self._bisect(start)
+            if i >= 0 and self.regs[i].start == start:
+                self.regs[i].closing = 0
+                found = True
+            pthread_mutex_unlock(&self.mu)
+        return found
+
     def find(self, uintptr_t addr, size_t length):
         """Whether one open range holds all of ``[addr, addr+length)`` (for tests and logs)."""
         cdef region_t *r = self.acquire(addr, length)
@@ -286,10 +322,14 @@ cdef class ServeConn:
     cdef readonly long served
     cdef readonly long refused
     cdef int stop_fd
+    cdef volatile int stopping
+    cdef volatile int evicting
 
     def __cinit__(self, int fd, RegionTable table not None, size_t drain_limit,
                   size_t scratch_size=65536):
         self.stop_fd = -1
+        self.stopping = 0
+        self.evicting = 0
         self.fd = fd
         self.table = table
         self.drain_limit = drain_limit
@@ -314,17 +354,22 @@ cdef class ServeConn:
         if self.stop_fd >= 0:
             c_close(self.stop_fd)
 
-    def serve_blocking(self):
+    def serve_blocking(self, long progress_ms=-1, long idle_ms=-1):
         """Serve the connection on the calling thread until it ends or :meth:`stop` is called.
 
         Runs without the GIL, waiting in ``poll`` (the socket and a private eventfd) instead of
         returning WANT_READ/WANT_WRITE: no Python, and no event loop, per request. Returns the
-        final :meth:`step` result, or PEER_CLOSED after ``stop``. Call :meth:`prepare_blocking`
-        first (from the thread that will call ``stop``).
+        final :meth:`step` result, PEER_CLOSED after ``stop``, ``-ETIMEDOUT`` when a request
+        made no progress for ``progress_ms``, CLOSE after ``idle_ms`` idle between requests (or
+        an :meth:`evict` while idle), ``-ECONNABORTED`` when woken (:meth:`wake`) while holding a
+        range that is closing. Negative times wait forever. Call :meth:`prepare_blocking` first
+        (from the thread that will call ``stop``).
         """
         cdef long r
         cdef pollfd p[2]
         cdef int n
+        cdef bint busy
+        cdef uint64_t junk
         if self.stop_fd < 0:
             raise ValueError("call prepare_blocking() first")
         with nogil:
@@ -334,20 +379,74 @@ cdef class ServeConn:
                     continue
                 if r != R_WANT_READ and r != R_WANT_WRITE:
                     break
+                busy = not self._idle()
                 p[0].fd = self.fd
                 p[0].events = POLLIN if r == R_WANT_READ else POLLOUT
                 p[0].revents = 0
                 p[1].fd = self.stop_fd
                 p[1].events = POLLIN
                 p[1].revents = 0
-                n = poll(p, 2, -1)
+                n = poll(p, 2, <int>(progress_ms if busy else idle_ms))
                 if n < 0 and errno != EINTR:
                     r = -errno
                     break
-                if p[1].revents:
-                    r = R_PEER_CLOSED
+                if n == 0:
+                    r = -ETIMEDOUT if busy else R_CLOSE
                     break
+                if p[1].revents:
+                    c_read(self.stop_fd, &junk, 8)
+                    if self.stopping:
+                        r = R_PEER_CLOSED
+                        break
+                    if self._holds_closing():
+                        r = -ECONNABORTED
+                        break
+                    if self.evicting:
+                        self.evicting = 0
+                        if self._idle():
+                            r = R_CLOSE
+                            break
         return r
+
+    cdef bint _idle(self) noexcept nogil:
+        # between requests: no partial header, no payload, no reply pending
+        return (self.state == S_HDR and self.in_pos == self.in_len and
+                self.out_pos == self.nout and not self.close_after and self.held == NULL)
+
+    cdef bint _holds_closing(self) noexcept nogil:
+        cdef Py_ssize_t i
+        cdef bint hit = False
+        pthread_mutex_lock(&self.table.mu)
+        if self.held != NULL and self.held.closing:
+            hit = True
+        for i in range(self.nheld):
+            if self.out_held[i].closing:
+                hit = True
+        pthread_mutex_unlock(&self.table.mu)
+        return hit
+
+    @property
+    def idle(self):
+        """Between requests (no partial request, no reply pending): safe to close."""
+        return self._idle()
+
+    def holds_closing(self):
+        """Whether an unfinished request holds a range that is closing (call from the thread
+        that steps this connection)."""
+        return self._holds_closing()
+
+    def wake(self):
+        """Make a running ``serve_blocking`` re-check its held ranges (from any thread)."""
+        cdef uint64_t one = 1
+        if self.stop_fd >= 0:
+            c_write(self.stop_fd, &one, 8)
+
+    def evict(self):
+        """Ask a running ``serve_blocking`` to close the connection if it is idle."""
+        cdef uint64_t one = 1
+        self.evicting = 1
+        if self.stop_fd >= 0:
+            c_write(self.stop_fd, &one, 8)
 
     def prepare_blocking(self):
         """Create the eventfd :meth:`stop` signals (once, before ``serve_blocking``)."""
@@ -359,6 +458,7 @@ cdef class ServeConn:
     def stop(self):
         """Make a running ``serve_blocking`` return (from any thread)."""
         cdef uint64_t one = 1
+        self.stopping = 1
         if self.stop_fd >= 0:
             c_write(self.stop_fd, &one, 8)
 

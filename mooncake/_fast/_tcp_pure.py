@@ -79,6 +79,23 @@ class RegionTable:
             del self._regs[i]
             return True
 
+    def close(self, start: int) -> bool:
+        with self._cv:
+            i = bisect.bisect_left(self._starts, start)
+            if i >= len(self._starts) or self._starts[i] != start:
+                return False
+            r = self._regs[i]
+            r.closing = True
+            return r.users > 0
+
+    def reopen(self, start: int) -> bool:
+        with self._cv:
+            i = bisect.bisect_left(self._starts, start)
+            if i >= len(self._starts) or self._starts[i] != start:
+                return False
+            self._regs[i].closing = False
+            return True
+
     def find(self, addr: int, length: int) -> bool:
         r = self.acquire(addr, length)
         if r is None:
@@ -143,6 +160,26 @@ class ServeConn:
             self.held = None
 
     _stop_fd = -1
+    _stopping = False
+    _evicting = False
+
+    @property
+    def idle(self) -> bool:
+        return self.state == "hdr" and self.got == 0 and self.held is None and not self.close_after
+
+    def holds_closing(self) -> bool:
+        held = self.held
+        return held is not None and held.closing
+
+    def wake(self) -> None:
+        import os
+
+        if self._stop_fd >= 0:
+            os.eventfd_write(self._stop_fd, 1)
+
+    def evict(self) -> None:
+        self._evicting = True
+        self.wake()
 
     def prepare_blocking(self) -> None:
         import os
@@ -151,12 +188,11 @@ class ServeConn:
             self._stop_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
 
     def stop(self) -> None:
+        self._stopping = True
+        self.wake()
+
+    def serve_blocking(self, progress_ms: int = -1, idle_ms: int = -1) -> int:
         import os
-
-        if self._stop_fd >= 0:
-            os.eventfd_write(self._stop_fd, 1)
-
-    def serve_blocking(self) -> int:
         import select
 
         if self._stop_fd < 0:
@@ -169,11 +205,25 @@ class ServeConn:
                 continue
             if r not in (WANT_READ, WANT_WRITE):
                 return r
+            busy = not self.idle
             p.register(self.fd, select.POLLIN if r == WANT_READ else select.POLLOUT)
-            events = p.poll()
+            events = p.poll(progress_ms if busy else idle_ms)
             p.unregister(self.fd)
+            if not events:
+                return -errno.ETIMEDOUT if busy else CLOSE
             if any(fd == self._stop_fd for fd, _ in events):
-                return PEER_CLOSED
+                try:
+                    os.eventfd_read(self._stop_fd)
+                except BlockingIOError:
+                    pass
+                if self._stopping:
+                    return PEER_CLOSED
+                if self.holds_closing():
+                    return -errno.ECONNABORTED
+                if self._evicting:
+                    self._evicting = False
+                    if self.idle:
+                        return CLOSE
 
     def __del__(self) -> None:
         import os

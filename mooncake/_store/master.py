@@ -11,11 +11,21 @@ with the framing of :mod:`mooncake._core.rpc`. Everything binds the host it is g
 default). The RPC listener is bound last, so once it accepts connections the metrics and
 (optional) HTTP metadata servers are up too: "the RPC port is open" means ready.
 
-Connections: one task each, at most ``max_connections`` at once (more are closed on accept).
+Connections: one task each, at most ``max_connections`` live. At the cap the master stops
+accepting (the rest wait in the listen backlog) and closes the longest-idle connection (no
+partial frame, nothing being answered) in favour of the new one: a store client reconnects on
+its next call. Deadlines: the first byte must arrive within ``request_timeout`` of accept;
+a frame that has begun must keep arriving (no ``progress_timeout`` without a byte); a connection
+idle between frames for ``idle_timeout`` is closed (store clients heartbeat far more often).
 A connection is served request by request in arrival order (answers in the same order; each
 call is a short synchronous state change, so no request waits on another's I/O). Frames are
 bounded by ``max_frame``; a frame that does not parse drops that connection only. An unknown
-method or malformed params is answered with an error and the connection kept.
+method or malformed params is answered with an error and the connection kept; nothing a client
+sends raises out of the connection's task.
+
+Cluster secret: with ``cluster_secret`` (or ``MOONCAKE_CLUSTER_SECRET``) a connection must pass
+``AuthHello``/``AuthProve`` (:mod:`mooncake._core.auth`, channel ``rpc``) before any other
+call; anything else gets ``RPC_FAIL`` "authentication required" and the connection is closed.
 
 Regex requests (``GetReplicaListByRegex``, ``RemoveByRegex``) match in a worker thread within
 ``regex_budget`` seconds (:mod:`mooncake._store.keyscan`): a pathological pattern fails that
@@ -36,11 +46,11 @@ connections; the state object stays usable (tests inspect it afterwards).
 
 from __future__ import annotations
 
-import errno
 import logging
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -49,15 +59,15 @@ import anyio.abc
 import anyio.lowlevel
 import h11
 import msgspec
-from anyio.streams.stapled import MultiListener
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mooncake._core import rpc
+from mooncake._core import auth, rpc
 from mooncake._core.master import MasterConfig, MasterState
 from mooncake._core.misses import Miss
 from mooncake._core.store_types import MissInfo
+from mooncake._engine import _accept
 from mooncake._store.keyscan import DEFAULT_BUDGET_S, SCAN_METHODS, KeyScanner
 from mooncake.errors import (
     ErrorCode,
@@ -79,6 +89,9 @@ _HTTP_MAX_HEAD = 16 << 10
 _HTTP_IDLE_S = 30.0
 _HTTP_MAX_CONNECTIONS = 64
 _REASONS = {200: b"OK", 404: b"Not Found", 405: b"Method Not Allowed"}
+AUTH_REQUIRED = (
+    "authentication required: this master needs the cluster secret (MOONCAKE_CLUSTER_SECRET)"
+)
 
 
 @dataclass
@@ -96,6 +109,14 @@ class MasterServerConfig:
     sweep_interval: float = 0.05
     max_frame: int = DEFAULT_SERVER_MAX_FRAME
     max_connections: int = 4096
+    #: seconds from accept to the first byte
+    request_timeout: float = 10.0
+    #: seconds a begun frame may go without a byte
+    progress_timeout: float = 20.0
+    #: seconds a connection may sit between frames
+    idle_timeout: float = 300.0
+    #: the cluster secret clients must prove (None: ``$MOONCAKE_CLUSTER_SECRET``; "": off)
+    cluster_secret: str | None = None
     regex_budget: float = DEFAULT_BUDGET_S
     state: MasterConfig = field(default_factory=MasterConfig)
 
@@ -189,7 +210,7 @@ class MasterServer:
         self.config = config
         self.state = state if state is not None else MasterState(config.state)
         self.handlers = _handlers()
-        missing = set(rpc.METHODS) - set(self.handlers)
+        missing = set(rpc.METHODS) - set(self.handlers) - rpc.AUTH_METHODS
         assert not missing, f"RPC methods without a handler: {missing}"
         self.requests: dict[str, int] = dict.fromkeys(rpc.METHODS, 0)
         self.failures: dict[str, int] = dict.fromkeys(rpc.METHODS, 0)
@@ -200,8 +221,10 @@ class MasterServer:
         self.http_metadata_port: int | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_MasterCollector(self))
-        self._limiter = anyio.CapacityLimiter(config.max_connections)
-        self._http_limiter = anyio.CapacityLimiter(_HTTP_MAX_CONNECTIONS)
+        self.slots = _accept.Slots(config.max_connections, "master")
+        self.secret = auth.load_secret(config.cluster_secret)
+        self.auth_failures = 0
+        self.http_slots = _accept.Slots(_HTTP_MAX_CONNECTIONS, "master-http")
         self.scanner = KeyScanner(config.regex_budget)
 
     # -- RPC -------------------------------------------------------------------------------
@@ -259,62 +282,130 @@ class MasterServer:
             )
         return self.handle_request(req, anyio.current_time(), matched=keys)
 
-    async def serve_connection(self, sock: socket.socket) -> None:
-        """Serve one RPC connection (a connected non-blocking socket, closed on return) until
-        the peer closes it or sends garbage.
+    async def serve_connection(self, sock: socket.socket, slot: _accept.Slot) -> None:
+        """Serve one RPC connection (a connected non-blocking socket, closed by the accept
+        loop) until the peer closes it, sends garbage, or misses a deadline.
 
         Raw non-blocking socket calls, awaiting readiness only on ``EAGAIN``: a request costs
         one ``recv`` and one ``send`` and no scheduler round trip when the socket is ready
         (a checkpoint every ``_FAIR_ROUNDS`` busy rounds keeps other connections served).
         """
+        self.connections += 1
         try:
-            if self._limiter.available_tokens < 1:
-                log.warning(
-                    "master: connection limit %d reached; closing", self.config.max_connections
-                )
-                self.connections_dropped += 1
-                return
-            async with self._limiter:
-                self.connections += 1
-                await self._serve_socket(sock)
-        finally:
-            sock.close()
-
-    async def _serve_socket(self, sock: socket.socket) -> None:
-        decoder = rpc.MessageDecoder(self.config.max_frame)
-        busy = 0
-        try:
-            while True:
-                try:
-                    data = sock.recv(_RECV)
-                except (BlockingIOError, InterruptedError):
-                    busy = 0
-                    await anyio.wait_readable(sock)
-                    continue
-                if not data:
-                    decoder.check_eof()
-                    return
-                decoder.feed(data)
-                out: list[bytes] = []
-                for msg in decoder:
-                    if not isinstance(msg, rpc.Request):
-                        raise ProtocolError("a client sent a response frame")
-                    if msg.method in SCAN_METHODS:
-                        out.append(await self.handle_scan(msg))
-                    else:
-                        out.append(self.handle_request(msg, anyio.current_time()))
-                if out:
-                    await _send_all(sock, b"".join(out) if len(out) > 1 else out[0])
-                busy += 1
-                if busy >= _FAIR_ROUNDS:
-                    busy = 0
-                    await anyio.lowlevel.checkpoint()
+            await self._serve_socket(sock, slot)
         except ProtocolError as e:
             self.connections_dropped += 1
             log.warning("master: dropping connection: %s", e)
         except OSError as e:  # reset, broken pipe
             self.connections_dropped += 1
             log.info("master: connection lost: %s", e)
+
+    async def _serve_socket(self, sock: socket.socket, slot: _accept.Slot) -> None:
+        cfg = self.config
+        decoder = rpc.MessageDecoder(cfg.max_frame)
+        busy = 0
+        first = True
+        authed = self.secret is None
+        nonces: tuple[bytes, bytes] | None = None
+        while True:
+            try:
+                data = sock.recv(_RECV)
+            except (BlockingIOError, InterruptedError):
+                busy = 0
+                if decoder.buffered:
+                    slot.busy()
+                    timeout, what = cfg.progress_timeout, "no progress inside a frame"
+                else:
+                    slot.rest()
+                    timeout = cfg.request_timeout if first else cfg.idle_timeout
+                    what = "no request" if first else "idle"
+                with anyio.move_on_after(timeout) as scope:
+                    await anyio.wait_readable(sock)
+                if scope.cancelled_caught:
+                    self.connections_dropped += 1
+                    log.info("master: closing a connection: %s for %g s", what, timeout)
+                    return
+                continue
+            if not data:
+                decoder.check_eof()
+                return
+            decoder.feed(data)
+            out: list[bytes] = []
+            for msg in decoder:
+                first = False
+                if not isinstance(msg, rpc.Request):
+                    raise ProtocolError("a client sent a response frame")
+                if not authed or msg.method in rpc.AUTH_METHODS:
+                    reply, authed, nonces, close = self._auth_step(msg, authed, nonces)
+                    out.append(reply)
+                    if close:
+                        await _send_all(sock, b"".join(out))
+                        return
+                    continue
+                if msg.method in SCAN_METHODS:
+                    slot.busy()
+                    out.append(await self.handle_scan(msg))
+                else:
+                    out.append(self.handle_request(msg, anyio.current_time()))
+            if out:
+                slot.busy()
+                await _send_all(sock, b"".join(out) if len(out) > 1 else out[0])
+            busy += 1
+            if busy >= _FAIR_ROUNDS:
+                busy = 0
+                await anyio.lowlevel.checkpoint()
+
+    def _auth_step(
+        self, req: rpc.Request, authed: bool, nonces: tuple[bytes, bytes] | None
+    ) -> tuple[bytes, bool, tuple[bytes, bytes] | None, bool]:
+        """One request of a connection not yet authenticated (or an auth method):
+        (reply, authenticated now, pending nonces, close the connection after the reply)."""
+        mf = self.config.max_frame
+
+        def refuse(text: str) -> tuple[bytes, bool, None, bool]:
+            self.auth_failures += 1
+            log.warning("master: refusing a connection: %s", text)
+            return (
+                rpc.encode_error(req.id, ErrorCode.RPC_FAIL, text, max_frame=mf),
+                False,
+                None,
+                True,
+            )
+
+        if self.secret is None:
+            text = "no cluster secret is configured on this master"
+            return (
+                rpc.encode_error(req.id, ErrorCode.NOT_SUPPORTED, text, max_frame=mf),
+                authed,
+                None,
+                False,
+            )
+        if authed:
+            return (
+                rpc.encode_error(req.id, ErrorCode.RPC_FAIL, "already authenticated", max_frame=mf),
+                True,
+                None,
+                False,
+            )
+        try:
+            params = rpc.decode_params(req)
+        except MooncakeError:
+            params = None
+        if req.method == "AuthHello" and isinstance(params, rpc.AuthHelloParams) and nonces is None:
+            if len(params.nonce) != auth.NONCE_BYTES:
+                return refuse("bad client nonce")
+            sn = auth.new_nonce()
+            proof = auth.server_proof(self.secret, "rpc", params.nonce, sn)
+            reply = rpc.encode_result(
+                req.id, rpc.AuthChallenge(nonce=sn, proof=proof), max_frame=mf
+            )
+            return reply, False, (params.nonce, sn), False
+        if req.method == "AuthProve" and isinstance(params, rpc.AuthProveParams) and nonces:
+            expected = auth.client_proof(self.secret, "rpc", nonces[0], nonces[1])
+            if not auth.verify(expected, params.proof):
+                return refuse("authentication failed: wrong cluster secret")
+            return rpc.encode_result(req.id, None, max_frame=mf), True, None, False
+        return refuse(AUTH_REQUIRED)
 
     async def sweeper(self) -> None:
         """Periodic time-driven work on the state (see :meth:`MasterState.sweep`).
@@ -361,20 +452,20 @@ class MasterServer:
             return 200, "application/json", msgspec.json.encode(self.state.all_segments())
         return 404, "text/plain", b"not found\n"
 
-    async def serve_http_connection(self, stream: anyio.abc.ByteStream) -> None:
-        """One admin HTTP connection (keep-alive; at most ``_HTTP_MAX_CONNECTIONS`` at once,
-        heads bounded by h11, closed after ``_HTTP_IDLE_S`` idle)."""
+    async def serve_http_connection(self, sock: socket.socket, slot: _accept.Slot) -> None:
+        """One admin HTTP connection (keep-alive; at most ``_HTTP_MAX_CONNECTIONS`` live, the
+        longest-idle giving way to a new one at the cap; heads bounded by h11; each request,
+        the first from accept, must be complete within ``_HTTP_IDLE_S``)."""
+        stream = await anyio.abc.SocketStream.from_socket(sock)
         async with stream:
-            if self._http_limiter.available_tokens < 1:
-                return
-            async with self._http_limiter:
-                await self._serve_http(stream)
+            await self._serve_http(stream, slot)
 
-    async def _serve_http(self, stream: anyio.abc.ByteStream) -> None:
+    async def _serve_http(self, stream: anyio.abc.ByteStream, slot: _accept.Slot) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_HTTP_MAX_HEAD)
         try:
             while True:
                 request: h11.Request | None = None
+                slot.rest()
                 with anyio.move_on_after(_HTTP_IDLE_S):  # whole request, body drained
                     event = await _next_http_event(conn, stream)
                     if not isinstance(event, h11.Request):
@@ -384,6 +475,7 @@ class MasterServer:
                     request = event
                 if request is None:
                     return
+                slot.busy()
                 status, ctype, body = self.http_response(
                     request.method.decode("ascii", "replace"),
                     request.target.decode("ascii", "replace"),
@@ -512,13 +604,6 @@ class _MasterCollector(Collector):
         yield fail
 
 
-async def _listen(host: str, port: int) -> MultiListener[anyio.abc.SocketStream]:
-    try:
-        return await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
-    except OSError as e:
-        raise InvalidArgumentError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-
-
 async def _send_all(sock: socket.socket, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -532,55 +617,26 @@ async def _send_all(sock: socket.socket, data: bytes) -> None:
 
 async def _raw_listener(host: str, port: int) -> socket.socket:
     try:
-        infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return _accept.listen_tcp(host, port, 1024)
     except OSError as e:
-        raise InvalidArgumentError(f"cannot resolve {host}:{port}: {e}") from None
-    family, stype, proto, _, addr = infos[0]
-    lsock = socket.socket(family, stype, proto)
-    try:
-        lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        lsock.bind(addr)
-        lsock.listen(1024)
-        lsock.setblocking(False)
-    except OSError as e:
-        lsock.close()
         raise InvalidArgumentError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return lsock
 
 
-async def _accept_loop(lsock: socket.socket, handler: Callable[[socket.socket], Any]) -> None:
-    """Accept connections on ``lsock`` (closed on exit), one task per connection."""
+def _tune(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+async def _serve_raw(
+    lsock: socket.socket,
+    slots: _accept.Slots,
+    handler: Callable[[socket.socket, _accept.Slot], Awaitable[None]],
+) -> None:
     try:
-        async with anyio.create_task_group() as tg:
-            while True:
-                try:
-                    conn, _ = lsock.accept()
-                except (BlockingIOError, InterruptedError):
-                    await anyio.wait_readable(lsock)
-                    continue
-                except OSError as e:
-                    if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                        log.warning("master: accept failed (%s); backing off", e)
-                        await anyio.sleep(0.05)
-                        continue
-                    raise
-                conn.setblocking(False)
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                tg.start_soon(handler, conn)
+        await _accept.accept_loop(lsock, slots, handler)
     finally:
         lsock.close()
-
-
-def _port(listener: MultiListener[anyio.abc.SocketStream]) -> int:
-    return int(listener.listeners[0].extra(anyio.abc.SocketAttribute.local_port))
-
-
-async def _serve_closing(
-    listener: MultiListener[anyio.abc.SocketStream],
-    handler: Callable[[anyio.abc.SocketStream], Any],
-) -> None:
-    async with listener:
-        await listener.serve(handler)
 
 
 async def serve_master(
@@ -598,16 +654,19 @@ async def serve_master(
     server = MasterServer(config, state)
     async with anyio.create_task_group() as tg:
         if config.enable_metric_reporting and config.metrics_port >= 0:
-            mlistener = await _listen(config.metrics_host, config.metrics_port)
-            server.metrics_port = _port(mlistener)
-            tg.start_soon(_serve_closing, mlistener, server.serve_http_connection)
+            msock = await _raw_listener(config.metrics_host, config.metrics_port)
+            server.metrics_port = int(msock.getsockname()[1])
+            tg.start_soon(_serve_raw, msock, server.http_slots, server.serve_http_connection)
         if config.enable_http_metadata_server:
             from mooncake._engine.metadata.server import serve_http_metadata
 
             _, hport = await tg.start(
-                serve_http_metadata,
-                config.http_metadata_server_host,
-                config.http_metadata_server_port,
+                partial(
+                    serve_http_metadata,
+                    config.http_metadata_server_host,
+                    config.http_metadata_server_port,
+                    secret=config.cluster_secret,
+                )
             )
             server.http_metadata_port = int(hport)
         tg.start_soon(server.sweeper)
@@ -620,4 +679,7 @@ async def serve_master(
             f"{config.metrics_host}:{server.metrics_port}" if server.metrics_port else "off",
         )
         task_status.started(server)
-        await _accept_loop(lsock, server.serve_connection)
+        try:
+            await _accept.accept_loop(lsock, server.slots, server.serve_connection, prepare=_tune)
+        finally:
+            lsock.close()

@@ -14,6 +14,10 @@ master's error answers raise the matching :mod:`mooncake.errors` class
 ``TCP_USER_TIMEOUT`` (see :mod:`mooncake._engine._sockio`); callers add their own deadlines
 with ``anyio.fail_after``.
 
+Cluster secret: with ``secret`` (or ``MOONCAKE_CLUSTER_SECRET``) every (re)connection first runs
+``AuthHello``/``AuthProve`` (:mod:`mooncake._core.auth`); a master that does not know the secret
+(or takes none) raises :class:`~mooncake.errors.AuthError`.
+
 Cancellation: a cancelled call forgets its request id; its answer, when it comes, is dropped.
 The connection stays usable unless the cancellation interrupted a send mid-frame (then it is
 closed and the next call reconnects).
@@ -29,9 +33,9 @@ from typing import Any
 import anyio
 import msgspec
 
-from mooncake._core import rpc
+from mooncake._core import auth, rpc
 from mooncake._engine import _sockio
-from mooncake.errors import MooncakeError, RpcError
+from mooncake.errors import AuthError, MooncakeError, NotSupportedError, RpcError
 
 _RECV = 256 << 10
 
@@ -59,8 +63,9 @@ def parse_address(address: str) -> tuple[str, int]:
 class MasterConnection:
     """A pipelined RPC connection to the master (open with :meth:`connect`)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, secret: str | bytes | None = None) -> None:
         self.address = address
+        self.secret = auth.load_secret(secret)
         self.host, self.port = parse_address(address)
         self._sock: socket.socket | None = None
         self._decoder = rpc.MessageDecoder()
@@ -86,6 +91,27 @@ class MasterConnection:
         self._sock = sock
         self._decoder = rpc.MessageDecoder()
         self._broken = None
+        if self.secret is not None:
+            try:
+                await self._authenticate(self.secret)
+            except BaseException:
+                self.close()
+                raise
+
+    async def _authenticate(self, key: bytes) -> None:
+        cn = auth.new_nonce()
+        try:
+            ch: rpc.AuthChallenge = await self.call("AuthHello", rpc.AuthHelloParams(nonce=cn))
+        except NotSupportedError:
+            raise AuthError(f"the master at {self.address} takes no cluster secret") from None
+        if not auth.verify(auth.server_proof(key, "rpc", cn, ch.nonce), ch.proof):
+            raise AuthError(f"the master at {self.address} does not know the cluster secret")
+        try:
+            await self.call(
+                "AuthProve", rpc.AuthProveParams(proof=auth.client_proof(key, "rpc", cn, ch.nonce))
+            )
+        except RpcError as e:
+            raise AuthError(f"the master at {self.address} refused us: {e}") from None
 
     def close(self) -> None:
         sock, self._sock = self._sock, None

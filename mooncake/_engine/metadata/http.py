@@ -8,14 +8,21 @@ engine's keys stay until it restarts under the same name (its stale entry is the
 
 Timeouts follow the published client: 1.5 s to connect, 3 s per request. Every failure is a
 :class:`MetadataError` naming the server and the key.
+
+With a cluster secret (``MOONCAKE_CLUSTER_SECRET`` or ``secret=``) every request first fetches a
+challenge and carries its proof (``X-Mooncake-Auth``; see :mod:`mooncake._core.auth`); a server
+that does not take the secret, or does not know it, raises :class:`AuthError`.
 """
 
 from __future__ import annotations
 
+import json
+
 import httpx
 
+from mooncake._core import auth
 from mooncake._engine.metadata.kv import KVStore
-from mooncake.errors import InvalidArgumentError, MetadataError
+from mooncake.errors import AuthError, InvalidArgumentError, MetadataError, MooncakeError
 
 CONNECT_S = 1.5
 REQUEST_S = 3.0
@@ -24,11 +31,12 @@ MAX_REPLY = 64 << 20
 
 
 class HttpKV(KVStore):
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, secret: str | bytes | None = None) -> None:
         u = httpx.URL(url)
         if u.scheme not in ("http", "https") or not u.host:
             raise InvalidArgumentError(f"metadata URL {url!r} needs http(s)://host[:port]/path")
         self.url = url
+        self.secret = auth.load_secret(secret)
         self._client: httpx.AsyncClient | None = None
 
     def describe(self) -> str:
@@ -42,11 +50,15 @@ class HttpKV(KVStore):
         return self._client
 
     async def _request(self, method: str, key: str, body: bytes | None = None) -> tuple[int, bytes]:
-        headers = {"Content-Type": "application/json"} if body is not None else None
+        headers = {"Content-Type": "application/json"} if body is not None else {}
         try:
-            async with self._c().stream(
+            req = self._c().build_request(
                 method, self.url, params={"key": key}, content=body, headers=headers
-            ) as resp:
+            )
+            if self.secret is not None:
+                req.headers["X-Mooncake-Auth"] = await self._proof(req, body or b"")
+            resp = await self._c().send(req, stream=True)
+            try:
                 chunks: list[bytes] = []
                 n = 0
                 async for chunk in resp.aiter_bytes():
@@ -57,13 +69,38 @@ class HttpKV(KVStore):
                         )
                     chunks.append(chunk)
                 return resp.status_code, b"".join(chunks)
+            finally:
+                await resp.aclose()
         except httpx.HTTPError as e:
             raise MetadataError(
                 f"{self.describe()} unreachable ({method} {key}): {type(e).__name__}: {e}"
             ) from None
 
-    def _fail(self, method: str, key: str, status: int, body: bytes) -> MetadataError:
+    async def _proof(self, req: httpx.Request, body: bytes) -> str:
+        """Fetch a challenge and return the ``X-Mooncake-Auth`` value for ``req``."""
+        from mooncake._engine.metadata.server import http_auth_bound
+
+        assert self.secret is not None
+        cn = auth.new_nonce()
+        r = await self._c().get(self.url, params={"auth_challenge": cn.hex()})
+        try:
+            obj = json.loads(r.content) if r.status_code == 200 else None
+            if not isinstance(obj, dict):
+                raise ValueError(f"HTTP {r.status_code}")
+            sn = auth.check_hex(obj.get("nonce"), auth.NONCE_BYTES, "server nonce")
+            sp = auth.check_hex(obj.get("proof"), auth.PROOF_BYTES, "server proof")
+        except ValueError as e:
+            raise AuthError(f"{self.describe()} does not take the cluster secret ({e})") from None
+        if not auth.verify(auth.server_proof(self.secret, "http", cn, sn), sp):
+            raise AuthError(f"{self.describe()} does not know the cluster secret")
+        bound = http_auth_bound(req.method.encode(), req.url.raw_path, body)
+        proof = auth.client_proof(self.secret, "http", cn, sn, bound)
+        return f"{cn.hex()}:{sn.hex()}:{proof.hex()}"
+
+    def _fail(self, method: str, key: str, status: int, body: bytes) -> MooncakeError:
         text = body[:200].decode("utf-8", "replace")
+        if status == 401:
+            return AuthError(f"{self.describe()}: {method} {key} refused: {text}")
         return MetadataError(f"{self.describe()}: {method} {key} -> HTTP {status}: {text}")
 
     async def get(self, key: str) -> bytes | None:

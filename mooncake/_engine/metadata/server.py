@@ -14,16 +14,25 @@ A missing ``key`` is 400, another path 404, another method 405.
 Robustness: it binds the address it is given (loopback by default). Every connection is its own
 task, so a bad or slow client costs only its own connection: request heads are bounded by h11
 (``MAX_HEAD``), bodies by ``max_body`` (413, checked against Content-Length before reading), a
-request must arrive within ``REQUEST_S`` and an idle keep-alive connection is closed after
-``IDLE_S``; at most ``max_connections`` are served at once (more get 503 and are closed), and the
-store refuses writes past ``max_total_bytes`` (507). The store (:class:`MetadataStore`) is a plain
-object so an embedding process (the store master) can share it.
+request must be complete within ``REQUEST_S`` of its first byte, a fresh connection must start
+its first request within ``REQUEST_S`` of accept and an idle keep-alive connection is closed
+after ``IDLE_S``. At most ``max_connections`` are live: at the cap the server stops accepting
+(the rest wait in the listen backlog) and closes the longest-idle keep-alive connection in favour
+of the new one (an idle HTTP connection costs its client only a reconnect). The store refuses
+writes past ``max_total_bytes`` (507). The store (:class:`MetadataStore`) is a plain object so an
+embedding process (the store master) can share it.
+
+With a cluster secret (``MOONCAKE_CLUSTER_SECRET`` or ``secret=``) every request must carry an
+``X-Mooncake-Auth`` proof obtained through a challenge (``GET <path>?auth_challenge=<nonce>``);
+others get 401 (``docs/protocol.md``, "Cluster secret").
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import socket
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -32,6 +41,8 @@ import anyio
 import anyio.abc
 import h11
 
+from mooncake._core import auth
+from mooncake._engine import _accept
 from mooncake.errors import InvalidArgumentError
 
 log = logging.getLogger("mooncake.metadata.server")
@@ -45,6 +56,13 @@ DEFAULT_MAX_CONNECTIONS = 1024
 REQUEST_S = 10.0
 IDLE_S = 60.0
 _RECV = 65536
+#: header carrying the client's proof: ``<client nonce>:<server nonce>:<proof>`` (hex)
+AUTH_HEADER = "X-Mooncake-Auth"
+AUTH_REQUIRED = (
+    "authentication required: this server needs the cluster secret (MOONCAKE_CLUSTER_SECRET)"
+)
+AUTH_CHALLENGE_S = 30.0
+MAX_CHALLENGES = 4096
 
 
 class StoreFullError(Exception):
@@ -114,6 +132,7 @@ class HttpMetadataServer:
         path: str = DEFAULT_PATH,
         max_body: int = DEFAULT_MAX_BODY,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        secret: str | bytes | None = None,
     ) -> None:
         if not path.startswith("/"):
             raise InvalidArgumentError(f"metadata path must start with '/', got {path!r}")
@@ -121,9 +140,22 @@ class HttpMetadataServer:
         self.path = path
         self.max_body = max_body
         self.max_connections = max_connections
-        self.active = 0
+        self.slots = _accept.Slots(max_connections, "metadata")
+        self.secret = auth.load_secret(secret)
+        # outstanding challenges: server nonce -> (client nonce, expiry); single use, bounded
+        self._challenges: OrderedDict[bytes, tuple[bytes, float]] = OrderedDict()
         self.requests = 0
         self.rejected = 0
+
+    @property
+    def active(self) -> int:
+        """Connections open right now."""
+        return len(self.slots)
+
+    @property
+    def evicted(self) -> int:
+        """Idle connections closed to make room for new ones."""
+        return self.slots.evicted
 
     async def serve(
         self,
@@ -133,53 +165,60 @@ class HttpMetadataServer:
         task_status: anyio.abc.TaskStatus[tuple[str, int]] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
         """Listen on ``host:port`` (0 = any free port); ``task_status.started((host, port))``."""
-        listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
-        async with listener:
-            bound = listener.extra(anyio.abc.SocketAttribute.local_port)
+        try:
+            lsock = _accept.listen_tcp(host, port, 1024)
+        except OSError as e:
+            raise InvalidArgumentError(
+                f"cannot listen on {host}:{port}: {e.strerror or e}"
+            ) from None
+        try:
+            bound = int(lsock.getsockname()[1])
             log.info("HTTP metadata server on %s:%d%s", host, bound, self.path)
             task_status.started((host, bound))
-            await listener.serve(self._connection)
+            await _accept.accept_loop(lsock, self.slots, self._connection)
+        finally:
+            lsock.close()
 
-    async def _connection(self, stream: anyio.abc.SocketStream) -> None:
+    async def _connection(self, sock: socket.socket, slot: _accept.Slot) -> None:
+        stream = await anyio.abc.SocketStream.from_socket(sock)
         async with stream:
-            if self.active >= self.max_connections:
-                self.rejected += 1
-                with anyio.move_on_after(1):
-                    await _send_simple(stream, 503, "too many connections")
-                return
-            self.active += 1
             try:
-                await self._serve_conn(stream)
+                await self._serve_conn(stream, slot)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as e:
                 log.debug("metadata connection dropped: %s", e)
-            finally:
-                self.active -= 1
 
-    async def _serve_conn(self, stream: anyio.abc.SocketStream) -> None:
+    async def _serve_conn(self, stream: anyio.abc.SocketStream, slot: _accept.Slot) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+        first = True
         while True:
-            # wait (bounded) for the next request head, then (bounded) for its body
-            event: Any = None
-            with anyio.move_on_after(IDLE_S):
-                event = await _next_event(conn, stream, first=True)
-            if event is None:  # idle (or a head trickling in for too long)
+            # idle until the next request's first byte: REQUEST_S on a fresh connection (the
+            # clock starts at accept), IDLE_S between keep-alive requests
+            slot.rest()
+            with anyio.move_on_after(REQUEST_S if first else IDLE_S) as idle:
+                more = await _first_bytes(conn, stream)
+            if idle.cancelled_caught or not more:
                 return
+            first = False
+            slot.busy()
+            # then the whole request (head, body, answer) within REQUEST_S
+            event: Any = None
+            with anyio.move_on_after(REQUEST_S) as scope:
+                event = await _next_event(conn, stream, first=True)
+                if isinstance(event, h11.Request):
+                    status, body = await self._handle(conn, stream, event)
             if isinstance(event, h11.ConnectionClosed):
                 return
             if isinstance(event, _Reject):
                 self.rejected += 1
                 await _respond_conn(conn, stream, event.status, event.text.encode())
                 return
-            assert isinstance(event, h11.Request)
-            with anyio.move_on_after(REQUEST_S) as scope:
-                status, body = await self._handle(conn, stream, event)
             if scope.cancelled_caught:
                 self.rejected += 1
-                status, body = 408, b"request not received in time"
-                await _respond_conn(conn, stream, status, body, close=True)
+                await _send_simple(stream, 408, "request not received in time")
                 return
+            assert isinstance(event, h11.Request)
             self.requests += 1
-            close = status in (408, 413) or conn.their_state is not h11.DONE
+            close = status in (401, 408, 413) or conn.their_state is not h11.DONE
             await _respond_conn(conn, stream, status, body, close=close)
             if close or conn.our_state is h11.MUST_CLOSE:
                 return
@@ -187,6 +226,47 @@ class HttpMetadataServer:
                 conn.start_next_cycle()
             except h11.ProtocolError:
                 return
+
+    # -- cluster secret --------------------------------------------------------------------
+
+    def _challenge(self, client_nonce: str) -> tuple[int, bytes]:
+        assert self.secret is not None
+        try:
+            cn = auth.check_hex(client_nonce, auth.NONCE_BYTES, "auth_challenge")
+        except ValueError as e:
+            return 400, str(e).encode()
+        now = anyio.current_time()
+        while self._challenges and (
+            len(self._challenges) >= MAX_CHALLENGES
+            or next(iter(self._challenges.values()))[1] < now
+        ):
+            self._challenges.popitem(last=False)
+        sn = auth.new_nonce()
+        self._challenges[sn] = (cn, now + AUTH_CHALLENGE_S)
+        proof = auth.server_proof(self.secret, "http", cn, sn)
+        return 200, json.dumps({"nonce": sn.hex(), "proof": proof.hex()}).encode()
+
+    def _authorized(self, req: h11.Request, body: bytes) -> bool:
+        """Whether ``req`` carries a valid proof for an outstanding challenge (used up)."""
+        assert self.secret is not None
+        value = ""
+        for name, v in req.headers:
+            if name == AUTH_HEADER.lower().encode():
+                value = v.decode("latin-1")
+        parts = value.split(":")
+        if len(parts) != 3:
+            return False
+        try:
+            cn = auth.check_hex(parts[0], auth.NONCE_BYTES, "nonce")
+            sn = auth.check_hex(parts[1], auth.NONCE_BYTES, "nonce")
+            proof = auth.check_hex(parts[2], auth.PROOF_BYTES, "proof")
+        except ValueError:
+            return False
+        entry = self._challenges.pop(sn, None)
+        if entry is None or entry[0] != cn or entry[1] < anyio.current_time():
+            return False
+        bound = http_auth_bound(req.method, req.target, body)
+        return auth.verify(auth.client_proof(self.secret, "http", cn, sn, bound), proof)
 
     async def _handle(
         self, conn: h11.Connection, stream: anyio.abc.SocketStream, req: h11.Request
@@ -198,10 +278,23 @@ class HttpMetadataServer:
             return 404, f"no such path {parts.path!r} (metadata lives at {self.path})".encode()
         if method not in ("GET", "PUT", "DELETE"):
             return 405, f"method {method} not allowed (GET, PUT, DELETE)".encode()
-        keys = parse_qs(parts.query).get("key", [])
+        query = parse_qs(parts.query)
+        if self.secret is not None and method == "GET" and "auth_challenge" in query:
+            if await _read_body(conn, stream, self.max_body) is None:
+                return 413, b"body too large"
+            return self._challenge(query["auth_challenge"][0])
+        keys = query.get("key", [])
         key = keys[0].strip() if keys else ""
         if not key:
             return 400, b"metadata key is required"
+        if self.secret is not None:
+            body = await _read_body(conn, stream, self.max_body)
+            if body is None:
+                return 413, f"body exceeds {self.max_body} bytes".encode()
+            if not self._authorized(req, body):
+                self.rejected += 1
+                return 401, AUTH_REQUIRED.encode()
+            return self._apply(method, key, body)
         if method == "PUT":
             length = _content_length(req)
             if length is not None and length > self.max_body:
@@ -232,6 +325,32 @@ class HttpMetadataServer:
             return 200, b"metadata deleted"
         return 404, b"metadata not found"
 
+    def _apply(self, method: str, key: str, body: bytes) -> tuple[int, bytes]:
+        """One authenticated request whose body has been read."""
+        if method == "PUT":
+            try:
+                json.loads(body)
+            except (UnicodeDecodeError, ValueError) as e:
+                return 400, f"body is not valid JSON: {e}".encode()
+            try:
+                self.store.put(key, body)
+            except DuplicateKeyError:
+                return 400, b"Duplicate rpc_meta key not allowed"
+            except StoreFullError:
+                return 507, f"store full ({self.store.max_total_bytes} bytes)".encode()
+            return 200, b"metadata updated"
+        if method == "GET":
+            value = self.store.get(key)
+            return (200, value) if value is not None else (404, b"metadata not found")
+        if self.store.delete(key):
+            return 200, b"metadata deleted"
+        return 404, b"metadata not found"
+
+
+def http_auth_bound(method: bytes, target: bytes, body: bytes) -> bytes:
+    """What a client proof covers: ``METHOD SP target LF body``."""
+    return method + b" " + target + b"\n" + body
+
 
 def _content_length(req: h11.Request) -> int | None:
     for name, value in req.headers:
@@ -241,6 +360,18 @@ def _content_length(req: h11.Request) -> int | None:
             except ValueError:
                 return None
     return None
+
+
+async def _first_bytes(conn: h11.Connection, stream: anyio.abc.SocketStream) -> bool:
+    """Wait until the next request has begun (bytes buffered or received); False at EOF."""
+    if conn.trailing_data[0]:
+        return True
+    try:
+        data = await stream.receive(_RECV)
+    except (anyio.EndOfStream, anyio.BrokenResourceError):
+        return False
+    conn.receive_data(data)
+    return True
 
 
 async def _next_event(
@@ -322,7 +453,14 @@ async def _send_simple(stream: anyio.abc.SocketStream, status: int, text: str) -
         pass
 
 
-_REASONS = {400: "Bad Request", 413: "Payload Too Large", 431: "Header Too Large", 503: "Busy"}
+_REASONS = {
+    400: "Bad Request",
+    401: "Unauthorized",
+    408: "Request Timeout",
+    413: "Payload Too Large",
+    431: "Header Too Large",
+    503: "Busy",
+}
 
 
 async def serve_http_metadata(
@@ -333,6 +471,7 @@ async def serve_http_metadata(
     path: str = DEFAULT_PATH,
     max_body: int = DEFAULT_MAX_BODY,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    secret: str | bytes | None = None,
     task_status: anyio.abc.TaskStatus[tuple[str, int]] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve Mooncake's HTTP metadata protocol on ``host:port`` until cancelled.
@@ -341,6 +480,6 @@ async def serve_http_metadata(
     reports the bound port (useful with ``port=0``).
     """
     server = HttpMetadataServer(
-        store, path=path, max_body=max_body, max_connections=max_connections
+        store, path=path, max_body=max_body, max_connections=max_connections, secret=secret
     )
     await server.serve(host, port, task_status=task_status)

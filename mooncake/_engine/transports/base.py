@@ -85,6 +85,15 @@ class Transport(abc.ABC):
     async def on_register(self, region: Region) -> None:
         """Called after a region is added to the registry (before it is published)."""
 
+    def abort_users(self, region: Region) -> None:
+        """Called when ``region``'s unregistration begins: refuse it from now on and end what
+        a peer holds on it that would otherwise wait for the peer (a server connection inside
+        a request on it). Must not block."""
+
+    def reopen_users(self, region: Region) -> None:
+        """Undo :meth:`abort_users`: the unregistration of ``region`` was cancelled before
+        anything was torn down, and the region stays registered and served. Must not block."""
+
     async def on_unregister(self, region: Region) -> None:
         """Called once no transfer uses ``region`` any more, before it is dropped.
 

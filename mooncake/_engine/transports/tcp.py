@@ -17,6 +17,16 @@ one opcode and at most ``PIPELINE_DEPTH`` replies, neither side can block the ot
 socket buffer. A published server closes after a refusal, so requests behind a refused one on the
 same lane are re-sent on a fresh connection.
 
+Bounds (server): at most ``MC_TCP_MAX_CONNECTIONS`` live connections (the longest-idle gives
+way to a new one at the cap), ``MC_TCP_IDLE_TIMEOUT`` idle between requests, and
+``MC_TCP_PROGRESS_TIMEOUT`` without a byte moved inside a request; ``unregister()`` drops the
+connections inside a request on the region at once (:meth:`TcpTransport.abort_users`).
+
+Cluster secret: with ``MOONCAKE_CLUSTER_SECRET`` set, the descriptor says ``tcp_auth: 1`` and every
+connection starts with the challenge-response of :mod:`mooncake._core.auth` (channel ``tcp``;
+``docs/protocol.md``) before its first request; a peer on the other side of the setting is
+refused with :class:`AuthError`.
+
 Cancellation: a lane that is cancelled mid-group is closed, never reused; the peer may have
 written part of a WRITE's bytes, and no bytes arrive into local memory after the call returns.
 """
@@ -34,13 +44,15 @@ from typing import Any
 import anyio
 
 from mooncake import _fast
-from mooncake._core import tcpwire
+from mooncake._core import auth, tcpwire
 from mooncake._core.gpu import device_of
 from mooncake._core.memory import Region
 from mooncake._core.transfer import Opcode, TransferRequest, TransferResult, completed, failed
-from mooncake._engine import _sockio
+from mooncake._engine import _accept, _sockio
 from mooncake._engine.transports.base import PeerInfo, Transport
 from mooncake.errors import (
+    AuthError,
+    InvalidArgumentError,
     MooncakeError,
     PeerDiedError,
     ProtocolError,
@@ -53,7 +65,12 @@ log = logging.getLogger("mooncake.tcp")
 PIPELINE_DEPTH = 256
 DEFAULT_LANES = 4  # MC_TCP_LANES_PER_PEER
 DRAIN_LIMIT = 64 << 20
-MAX_CONNECTIONS = 1024
+MAX_CONNECTIONS = 1024  # MC_TCP_MAX_CONNECTIONS
+PROGRESS_TIMEOUT_S = 20.0  # MC_TCP_PROGRESS_TIMEOUT
+IDLE_TIMEOUT_S = 300.0  # MC_TCP_IDLE_TIMEOUT
+
+AUTH_HELLO = b"MCTAUTH1"  # + client nonce
+AUTH_OK = b"MCTAUTHK"
 
 # the v2 OK status frame at a stable address (sent from, never written after import)
 _STATUS_OK = _sockio.Scratch(tcpwire.STATUS_SIZE)
@@ -99,21 +116,46 @@ class TcpTransport(Transport):
     priority = 10
     wire_protocol = "tcp"
 
-    def __init__(self, engine: Any, *, lanes: int = DEFAULT_LANES, port: int = 0) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        lanes: int = DEFAULT_LANES,
+        port: int = 0,
+        max_connections: int | None = None,
+        progress_timeout: float | None = None,
+        idle_timeout: float | None = None,
+    ) -> None:
         super().__init__(engine)
         self.lanes = max(1, lanes)
         self._port = port
         self._listener: socket.socket | None = None
-        self._conns = anyio.CapacityLimiter(MAX_CONNECTIONS)
-        self._threads = anyio.CapacityLimiter(MAX_CONNECTIONS)
+        #: live server connections at most; more wait in the listen backlog (idle ones go first)
+        self.max_connections = max_connections or _env_int(
+            "MC_TCP_MAX_CONNECTIONS", MAX_CONNECTIONS
+        )
+        #: seconds a request may make no progress before its connection is dropped
+        self.progress_timeout = progress_timeout or _env_float(
+            "MC_TCP_PROGRESS_TIMEOUT", PROGRESS_TIMEOUT_S
+        )
+        #: seconds a connection may sit idle between requests (from accept) before it is closed
+        self.idle_timeout = idle_timeout or _env_float("MC_TCP_IDLE_TIMEOUT", IDLE_TIMEOUT_S)
+        self._slots = _accept.Slots(self.max_connections, "tcp")
+        self._threads = anyio.CapacityLimiter(self.max_connections)
         mode = os.environ.get("MOONCAKE_TCP_SERVE", "")
         #: serve each connection on its own thread (compiled hot path) or on the event loop
         self.serve_threads = mode == "thread" or (mode != "loop" and bool(_fast.TCP_COMPILED))
         self._table = _fast.RegionTable()
         self._device_regions = 0
-        self._live: set[Any] = set()
+        self._live: dict[Any, _accept.Slot] = {}
+        # connections of the Python server holding a region, by region start
+        self._staged_holds: dict[int, set[anyio.CancelScope]] = {}
         self._refused = 0
         self.served_connections = 0
+        self.aborted_connections = 0
+        #: the cluster secret peers must prove on the data port (None: the published protocol)
+        self.secret = auth.load_secret()
+        self.auth_failures = 0
 
     # -- server ---------------------------------------------------------------------------
 
@@ -121,6 +163,11 @@ class TcpTransport(Transport):
     def port(self) -> int:
         assert self._listener is not None, "transport not started"
         return int(self._listener.getsockname()[1])
+
+    @property
+    def live_connections(self) -> int:
+        """Server connections open right now."""
+        return len(self._slots)
 
     async def start(self) -> None:
         host = self.engine.bind_host
@@ -135,33 +182,21 @@ class TcpTransport(Transport):
         self.engine.task_group.start_soon(self._accept_loop, sock, name="tcp-accept")
 
     def descriptor_fields(self) -> dict[str, Any]:
-        return {
+        fields: dict[str, Any] = {
             "tcp_data_host": self.engine.hostname,
             "tcp_data_port": self.port,
             "tcp_proto_version": tcpwire.PROTO_VERSION,
         }
+        if self.secret is not None:
+            fields["tcp_auth"] = 1
+        return fields
 
     async def _accept_loop(self, lsock: socket.socket) -> None:
-        async with anyio.create_task_group() as tg:
-            try:
-                while True:
-                    await anyio.wait_readable(lsock)
-                    try:
-                        conn, _ = lsock.accept()
-                    except (BlockingIOError, InterruptedError):
-                        continue
-                    except OSError as e:
-                        if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                            log.warning("tcp accept: %s; backing off", e)
-                            await anyio.sleep(0.05)
-                            continue
-                        raise
-                    _sockio.tune(conn)
-                    tg.start_soon(self._serve_conn, conn)
-            finally:
-                tg.cancel_scope.cancel()
-                _sockio.close(lsock)
-                self._listener = None
+        try:
+            await _accept.accept_loop(lsock, self._slots, self._serve_conn, prepare=_sockio.tune)
+        finally:
+            _sockio.close(lsock)
+            self._listener = None
 
     async def on_register(self, region: Region) -> None:
         if not region.remote_accessible:
@@ -173,14 +208,39 @@ class TcpTransport(Transport):
             return
         self._table.add(region.addr, region.length)
 
+    def abort_users(self, region: Region) -> None:
+        """Refuse ``region`` from now on and drop every server connection inside a request on
+        it: a peer that went quiet mid-request cannot hold memory that is being unregistered.
+        """
+        if not region.remote_accessible:
+            return
+        scopes = self._staged_holds.get(region.addr, ())
+        for scope in scopes:
+            scope.cancel()
+        self.aborted_connections += len(scopes)
+        if device_of(region.location) is not None or not self._table.close(region.addr):
+            return
+        for conn, slot in list(self._live.items()):
+            if self.serve_threads:
+                conn.wake()  # the thread drops its connection if it holds a closing range
+            elif conn.holds_closing() and slot.scope is not None:
+                self.aborted_connections += 1
+                slot.scope.cancel()
+
+    def reopen_users(self, region: Region) -> None:
+        if region.remote_accessible and device_of(region.location) is None:
+            self._table.reopen(region.addr)
+
     async def on_unregister(self, region: Region) -> None:
         if region.remote_accessible and device_of(region.location) is not None:
             self._device_regions -= 1
             return
-        # refuses new requests at once; waits (in a worker thread) for the running ones
-        if region.remote_accessible and not await anyio.to_thread.run_sync(
-            self._table.remove, region.addr
-        ):
+        if not region.remote_accessible:
+            return
+        # refuses new requests at once, drops connections stuck inside a request on it, then
+        # waits (in a worker thread) for the running ones
+        self.abort_users(region)
+        if not await anyio.to_thread.run_sync(self._table.remove, region.addr):
             log.debug("tcp: region %#x was not in the serving table", region.addr)
 
     @property
@@ -188,38 +248,51 @@ class TcpTransport(Transport):
         """Requests refused so far (outside every registered buffer), live connections too."""
         return self._refused + sum(int(c.refused) for c in self._live)
 
-    async def _serve_conn(self, sock: socket.socket) -> None:
+    async def _serve_conn(self, sock: socket.socket, slot: _accept.Slot) -> None:
         """Serve one connection: the protocol runs in ``_fast.ServeConn`` (no Python per
         request), on a thread of its own blocking in ``poll`` (``serve_threads``) or stepped
         by this task between readiness waits."""
         self.served_connections += 1
+        if self.secret is not None and not await self._server_auth(sock):
+            self.auth_failures += 1
+            return
         if self._device_regions:
-            await self._serve_conn_staged(sock)
+            await self._serve_conn_staged(sock, slot)
             return
         conn = _fast.ServeConn(sock.fileno(), self._table, DRAIN_LIMIT)
-        self._live.add(conn)
+        self._live[conn] = slot
+        slot.idle_cb = lambda: bool(conn.idle)
         try:
-            async with self._conns:
-                r = await (
-                    self._serve_thread(conn) if self.serve_threads else self._serve_loop(conn, sock)
-                )
+            if self.serve_threads:
+                slot.evict_cb = conn.evict
+                r = await self._serve_thread(conn)
+            else:
+                r = await self._serve_loop(conn, sock)
+            if r == -errno.ECONNABORTED:
+                self.aborted_connections += 1
             if r < 0:
                 log.debug("tcp connection dropped: %s", _step_error(r))
         except (MooncakeError, OSError) as e:
             log.debug("tcp connection dropped: %s", e)
         finally:
-            self._live.discard(conn)
+            del self._live[conn]
             self._refused += conn.refused
             conn.close()
             _sockio.close(sock)
 
     async def _serve_loop(self, conn: Any, sock: socket.socket) -> int:
+        progress, idle = self.progress_timeout, self.idle_timeout
         while True:
             r = int(conn.step())
-            if r == _fast.WANT_READ:
-                await anyio.wait_readable(sock)
-            elif r == _fast.WANT_WRITE:
-                await anyio.wait_writable(sock)
+            if r in (_fast.WANT_READ, _fast.WANT_WRITE):
+                busy = not conn.idle
+                with anyio.move_on_after(progress if busy else idle) as scope:
+                    if r == _fast.WANT_READ:
+                        await anyio.wait_readable(sock)
+                    else:
+                        await anyio.wait_writable(sock)
+                if scope.cancelled_caught:
+                    return -errno.ETIMEDOUT if busy else int(_fast.CLOSE)
             elif r == _fast.YIELD:
                 await anyio.lowlevel.checkpoint()
             else:
@@ -229,6 +302,8 @@ class TcpTransport(Transport):
         # The thread cannot be cancelled from here: on cancellation the watcher's ``finally``
         # signals the connection's stop eventfd, and the thread returns promptly.
         conn.prepare_blocking()
+        progress_ms = int(self.progress_timeout * 1000)
+        idle_ms = int(self.idle_timeout * 1000)
 
         async def watcher() -> None:
             try:
@@ -238,65 +313,109 @@ class TcpTransport(Transport):
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(watcher)
-            r = int(await anyio.to_thread.run_sync(conn.serve_blocking, limiter=self._threads))
+            r = int(
+                await anyio.to_thread.run_sync(
+                    conn.serve_blocking, progress_ms, idle_ms, limiter=self._threads
+                )
+            )
             tg.cancel_scope.cancel()
         return r
 
-    async def _serve_conn_staged(self, sock: socket.socket) -> None:
+    async def _serve_conn_staged(self, sock: socket.socket, slot: _accept.Slot) -> None:
         """Serve one connection in Python, staging device regions through pinned host chunks.
 
-        Used while device memory is registered; same protocol and refusals as the compiled
-        server, one request at a time.
+        Used while device memory is registered; same protocol, refusals and deadlines as the
+        compiled server, one request at a time.
         """
         scratch = _sockio.Scratch(4096)
         registry = self.engine.registry
+        progress = self.progress_timeout
         try:
-            async with self._conns:
-                while True:
-                    try:
-                        raw = await _sockio.recv_exact(sock, tcpwire.HEADER_SIZE, scratch, "header")
-                    except PeerDiedError:
-                        return  # client went away between requests: normal end
-                    hdr = tcpwire.decode_header(raw)
-                    region = registry.find(hdr.addr, hdr.size) if hdr.size > 0 else None
-                    if region is None or not region.remote_accessible:
-                        self._refused += 1
-                        log.debug("refusing %s [%#x, +%d)", hdr.opcode.name, hdr.addr, hdr.size)
-                        if not hdr.v2:
+            while True:
+                slot.rest()
+                with anyio.move_on_after(self.idle_timeout) as idle_scope:
+                    await anyio.wait_readable(sock)
+                if idle_scope.cancelled_caught:
+                    return  # idle past the deadline
+                slot.busy()
+                try:
+                    raw = await _sockio.recv_exact(
+                        sock, tcpwire.HEADER_SIZE, scratch, "header", progress=progress
+                    )
+                except PeerDiedError:
+                    return  # client went away between requests: normal end
+                hdr = tcpwire.decode_header(raw)
+                region = registry.find(hdr.addr, hdr.size) if hdr.size > 0 else None
+                if region is None or not region.remote_accessible or region.closing:
+                    self._refused += 1
+                    log.debug("refusing %s [%#x, +%d)", hdr.opcode.name, hdr.addr, hdr.size)
+                    if not hdr.v2:
+                        return
+                    if hdr.opcode is Opcode.WRITE:
+                        if hdr.size > DRAIN_LIMIT:
+                            await self._send(sock, tcpwire.encode_status(tcpwire.Status.REJECTED))
                             return
-                        if hdr.opcode is Opcode.WRITE:
-                            if hdr.size > DRAIN_LIMIT:
-                                await self._send(
-                                    sock, tcpwire.encode_status(tcpwire.Status.REJECTED)
-                                )
-                                return
-                            await self._drain(sock, hdr.size, scratch)
-                        await self._send(sock, tcpwire.encode_status(tcpwire.Status.REJECTED))
-                        continue
-                    region.users += 1
-                    try:
-                        device = device_of(region.location)
-                        if device is not None:
-                            await self._serve_device(sock, hdr, device)
-                        elif hdr.opcode is Opcode.WRITE:
-                            await _sockio.recv_into_addr(sock, hdr.addr, hdr.size, "write payload")
-                            if hdr.v2:
-                                await self._send(sock, tcpwire.encode_status(tcpwire.Status.OK))
-                        else:
-                            addrs = [hdr.addr]
-                            lens = [hdr.size]
-                            if hdr.v2:
-                                st = tcpwire.encode_status(tcpwire.Status.OK)
-                                scratch.put(0, st)
-                                addrs.insert(0, scratch.addr)
-                                lens.insert(0, 8)
-                            await _sockio.send_addrs(sock, addrs, lens, "read payload")
-                    finally:
-                        self.engine.release_region(region)
+                        await self._drain(sock, hdr.size, scratch)
+                    await self._send(sock, tcpwire.encode_status(tcpwire.Status.REJECTED))
+                    continue
+                region.users += 1
+                assert slot.scope is not None
+                holders = self._staged_holds.setdefault(region.addr, set())
+                holders.add(slot.scope)
+                try:
+                    device = device_of(region.location)
+                    if device is not None:
+                        await self._serve_device(sock, hdr, device)
+                    elif hdr.opcode is Opcode.WRITE:
+                        await _sockio.recv_into_addr(
+                            sock, hdr.addr, hdr.size, "write payload", progress=progress
+                        )
+                        if hdr.v2:
+                            await self._send(sock, tcpwire.encode_status(tcpwire.Status.OK))
+                    else:
+                        addrs = [hdr.addr]
+                        lens = [hdr.size]
+                        if hdr.v2:
+                            st = tcpwire.encode_status(tcpwire.Status.OK)
+                            scratch.put(0, st)
+                            addrs.insert(0, scratch.addr)
+                            lens.insert(0, 8)
+                        await _sockio.send_addrs(
+                            sock, addrs, lens, "read payload", progress=progress
+                        )
+                finally:
+                    holders.discard(slot.scope)
+                    if not holders:
+                        self._staged_holds.pop(region.addr, None)
+                    self.engine.release_region(region)
         except (MooncakeError, OSError) as e:
             log.debug("tcp connection dropped: %s", e)
         finally:
             _sockio.close(sock)
+
+    async def _server_auth(self, sock: socket.socket) -> bool:
+        """The server side of the challenge-response, before the first request."""
+        assert self.secret is not None
+        scratch = _sockio.Scratch(64)
+        p = self.progress_timeout
+        try:
+            with anyio.fail_after(p):  # from accept
+                magic = await _sockio.recv_exact(sock, 8, scratch, "auth")
+            if magic != AUTH_HELLO:
+                log.info("tcp: refused a connection without the cluster secret")
+                return False
+            cn = await _sockio.recv_exact(sock, auth.NONCE_BYTES, scratch, "auth", progress=p)
+            sn = auth.new_nonce()
+            await self._send(sock, sn + auth.server_proof(self.secret, "tcp", cn, sn))
+            got = await _sockio.recv_exact(sock, auth.PROOF_BYTES, scratch, "auth", progress=p)
+            if not auth.verify(auth.client_proof(self.secret, "tcp", cn, sn), got):
+                log.warning("tcp: a peer failed the cluster-secret proof")
+                return False
+            await self._send(sock, AUTH_OK)
+            return True
+        except (MooncakeError, OSError, TimeoutError) as e:
+            log.debug("tcp auth: connection dropped: %s", e)
+            return False
 
     async def _serve_device(self, sock: socket.socket, hdr: tcpwire.Header, device: int) -> None:
         """Serve a request on a device region through the engine's pinned staging chunks.
@@ -308,7 +427,9 @@ class TcpTransport(Transport):
         if hdr.opcode is Opcode.WRITE:
 
             async def recv_into(buf: int, n: int) -> None:
-                await _sockio.recv_into_addr(sock, buf, n, "write payload")
+                await _sockio.recv_into_addr(
+                    sock, buf, n, "write payload", progress=self.progress_timeout
+                )
 
             await stager.serve_write(recv_into, hdr.addr, hdr.size, device)
             if hdr.v2:
@@ -316,22 +437,29 @@ class TcpTransport(Transport):
             return
 
         async def send_from(buf: int, n: int, first: bool) -> None:
+            p = self.progress_timeout
             if first and hdr.v2:
-                await _sockio.send_addrs(sock, [_STATUS_OK.addr, buf], [8, n], "read payload")
+                await _sockio.send_addrs(
+                    sock, [_STATUS_OK.addr, buf], [8, n], "read payload", progress=p
+                )
             else:
-                await _sockio.send_addrs(sock, [buf], [n], "read payload")
+                await _sockio.send_addrs(sock, [buf], [n], "read payload", progress=p)
 
         await stager.serve_read(send_from, hdr.addr, hdr.size, device)
 
     async def _send(self, sock: socket.socket, data: bytes) -> None:
         scratch = _sockio.Scratch(len(data))
         scratch.put(0, data)
-        await _sockio.send_addrs(sock, [scratch.addr], [len(data)], "status")
+        await _sockio.send_addrs(
+            sock, [scratch.addr], [len(data)], "status", progress=self.progress_timeout
+        )
 
     async def _drain(self, sock: socket.socket, n: int, scratch: _sockio.Scratch) -> None:
         while n > 0:
             chunk = min(n, scratch.size)
-            await _sockio.recv_into_addr(sock, scratch.addr, chunk, "refused payload")
+            await _sockio.recv_into_addr(
+                sock, scratch.addr, chunk, "refused payload", progress=self.progress_timeout
+            )
             n -= chunk
 
     # -- client ---------------------------------------------------------------------------
@@ -380,12 +508,33 @@ class TcpTransport(Transport):
         while pending:
             attempts += 1
             async with pl.limiter:
-                lane = pl.idle.pop() if pl.idle else None
+                lane = None
+                while pl.idle and lane is None:
+                    lane = pl.idle.pop()
+                    if not _open(lane.sock):  # closed by the server while idle
+                        lane.close()
+                        lane = None
+                reused = lane is not None
                 try:
                     if lane is None:
                         sock = await _sockio.connect(peer.data_host, peer.descriptor.tcp_data_port)
                         lane = _Lane(sock)
+                        await self._client_auth(lane.sock, peer)
                     done, reusable = await self._pipeline(lane, requests, pending, results, v2)
+                except PeerDiedError as e:
+                    if lane is not None:
+                        lane.close()
+                    if reused and all(results[i] is None for i in pending):
+                        # An idle lane the server closed just as we took it (idle deadline,
+                        # evicted at its connection cap): no reply came, so all of it goes
+                        # again on a fresh connection (re-sending a READ or WRITE is idempotent).
+                        log.debug("tcp: idle lane to %s was closed (%s); retrying", peer.segment, e)
+                        attempts -= 1
+                        continue
+                    for i in pending:
+                        if results[i] is None:
+                            results[i] = failed(e)
+                    return
                 except MooncakeError as e:
                     if lane is not None:
                         lane.close()
@@ -409,6 +558,33 @@ class TcpTransport(Transport):
                     results[i] = failed(PeerDiedError(f"{peer.segment}: connection lost"))
                 return
             pending = rest
+
+    async def _client_auth(self, sock: socket.socket, peer: PeerInfo) -> None:
+        wants = bool(peer.descriptor.extra.get("tcp_auth"))
+        if self.secret is None:
+            if wants:
+                raise AuthError(f"{peer.segment} requires the cluster secret ({auth.SECRET_ENV})")
+            return
+        if not wants:
+            raise AuthError(f"{peer.segment} does not take the cluster secret on its data port")
+        scratch = _sockio.Scratch(64)
+        p = self.progress_timeout
+        cn = auth.new_nonce()
+        await self._send(sock, AUTH_HELLO + cn)
+        try:
+            reply = await _sockio.recv_exact(sock, 64, scratch, "auth", progress=p)
+        except PeerDiedError:
+            raise AuthError(f"{peer.segment} closed the data connection during auth") from None
+        sn, sp = reply[:32], reply[32:]
+        if not auth.verify(auth.server_proof(self.secret, "tcp", cn, sn), sp):
+            raise AuthError(f"{peer.segment} does not know the cluster secret")
+        await self._send(sock, auth.client_proof(self.secret, "tcp", cn, sn))
+        try:
+            ok = await _sockio.recv_exact(sock, 8, scratch, "auth", progress=p)
+        except PeerDiedError:
+            ok = b""
+        if ok != AUTH_OK:
+            raise AuthError(f"{peer.segment} refused our cluster-secret proof")
 
     async def _pipeline(
         self,
@@ -464,6 +640,63 @@ class TcpTransport(Transport):
         if self._listener is not None:  # never started serving
             _sockio.close(self._listener)
             self._listener = None
+
+
+def _open(sock: socket.socket) -> bool:
+    """Whether an idle connection is still open (no EOF or error waiting on it)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        return False
+
+
+def client_auth_blocking(sock: socket.socket, secret: bytes) -> None:
+    """The client side of the data port's challenge-response on a blocking socket (its timeout
+    bounds each step); :class:`AuthError` when the server does not prove the secret or refuses
+    ours, ``OSError`` when the connection fails."""
+
+    def recv_exact(n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = sock.recv(n - len(out))
+            if not chunk:
+                raise AuthError("the peer closed the data connection during auth")
+            out += chunk
+        return out
+
+    cn = auth.new_nonce()
+    sock.sendall(AUTH_HELLO + cn)
+    reply = recv_exact(64)
+    sn, sp = reply[:32], reply[32:]
+    if not auth.verify(auth.server_proof(secret, "tcp", cn, sn), sp):
+        raise AuthError("the peer does not know the cluster secret")
+    sock.sendall(auth.client_proof(secret, "tcp", cn, sn))
+    if recv_exact(8) != AUTH_OK:
+        raise AuthError("the peer refused our cluster-secret proof")
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        v = int(raw) if raw.strip() else default
+    except ValueError:
+        raise InvalidArgumentError(f"{name}={raw!r} is not an integer") from None
+    if v < 1:
+        raise InvalidArgumentError(f"{name} must be >= 1, got {v}")
+    return v
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        v = float(raw) if raw.strip() else default
+    except ValueError:
+        raise InvalidArgumentError(f"{name}={raw!r} is not a number of seconds") from None
+    if not v > 0:
+        raise InvalidArgumentError(f"{name} must be > 0 seconds, got {v}")
+    return v
 
 
 def _step_error(rc: int) -> MooncakeError:
