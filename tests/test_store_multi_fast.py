@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -80,6 +81,19 @@ def _layout(
     return ptrs, [[per] * parts for _ in range(keys)]
 
 
+def _count_handoffs(s: MooncakeDistributedStore, mp: pytest.MonkeyPatch) -> list[int]:
+    """Count the caller-thread path's handovers of started puts to the async client."""
+    n = [0]
+    inner = s._s._complete_puts
+
+    async def counted(*args: Any) -> Any:
+        n[0] += 1
+        return await inner(*args)
+
+    mp.setattr(s._s, "_complete_puts", counted)
+    return n
+
+
 @pytest.mark.parametrize("memcpy", ["1", "0"], ids=["same-host-mapped", "network-only"])
 def test_multi_buffer_to_a_peer_segment_round_trips(
     master: Master, monkeypatch: pytest.MonkeyPatch, memcpy: str
@@ -89,6 +103,7 @@ def test_multi_buffer_to_a_peer_segment_round_trips(
     handing over); every route stores the concatenation and reads it back in order."""
     monkeypatch.setenv("MC_STORE_MEMCPY", memcpy)
     a, b = _make(master), _make(master)
+    handed = _count_handoffs(a, monkeypatch)
     try:
         src, dst = _buf(a, 4 * 8 * 4096, 7), _buf(a, 4 * 8 * 4096, None)
         ptrs, sizes = _layout(src, 4, 8, 4096)
@@ -106,6 +121,7 @@ def test_multi_buffer_to_a_peer_segment_round_trips(
             )
             assert got == [8 * 4096] * 4 + [NOT_FOUND]
             assert (dst == src).all()
+        assert handed[0] == (3 if memcpy == "0" else 1)
     finally:
         a.close()
         b.close()
@@ -142,3 +158,36 @@ def test_multi_buffer_codes_are_the_same_on_both_paths(
     finally:
         s.remove_all(True)
         s.close()
+
+
+@pytest.mark.parametrize("memcpy", ["1", "0"], ids=["same-host-mapped", "network-only"])
+def test_tensors_on_a_peer_segment_round_trip(
+    master: Master, monkeypatch: pytest.MonkeyPatch, memcpy: str
+) -> None:
+    """Tensor puts go straight from the tensor's memory into memcpy-able replicas; a replica
+    that is not (the peer unmapped yet, or network-only) is staged and written by the async
+    client. Either way the object is the published layout and reads back equal."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("MC_STORE_MEMCPY", memcpy)
+    a, b = _make(master), _make(master)
+    handed = _count_handoffs(a, monkeypatch)
+    try:
+        cfg = ReplicateConfig()
+        cfg.preferred_segments = [b.get_hostname()]
+        for rnd in range(3):
+            ts = [torch.arange(1000 * (i + 1), dtype=torch.float16) + rnd for i in range(3)]
+            assert a.pub_tensor(f"pt{rnd}", ts[0], cfg) == 0
+            keys = [f"bt{rnd}_{i}" for i in range(3)]
+            assert a.batch_pub_tensor(keys, ts, cfg) == [0, 0, 0]
+            for s in (a, b):
+                got = s.get_tensor(f"pt{rnd}")
+                assert got is not None and torch.equal(got, ts[0])
+                many = s.batch_get_tensor([*keys, "absent"])
+                assert many[3] is None
+                assert all(torch.equal(g, t) for g, t in zip(many[:3], ts, strict=True))
+        assert a.get_tensor("absent") is None
+        # network-only: every round handed over; mapped: only until the peer was mapped
+        assert handed[0] == (6 if memcpy == "0" else 1)
+    finally:
+        a.close()
+        b.close()
