@@ -349,6 +349,11 @@ class FastPath:
                 client_id=s.client_id, keys=keys, sizes=sizes, config=to_wire(config)
             ),
         )
+        if len(items) != len(keys):
+            self._finish_batch(
+                m, "Put", [], [k for k, it in zip(keys, items, strict=False) if it.code == 0]
+            )
+            raise ProtocolError(f"BatchPutStart answered {len(items)} results for {len(keys)} keys")
         fast: list[int] = []
         slow: list[int] = []
         slow_reps: list[list[st.ReplicaDescriptor]] = []
@@ -488,6 +493,10 @@ class FastPath:
         items: list[rpc.Item[st.GetReplicaListResponse]] = self._master().call(
             "BatchGetReplicaList", rpc.KeysParams(keys=keys, for_read=True)
         )
+        if len(items) != len(keys):
+            raise ProtocolError(
+                f"BatchGetReplicaList answered {len(items)} results for {len(keys)} keys"
+            )
         out: list[int | MooncakeError] = [0] * len(keys)
         slow: list[int] = []
         dsts: list[int] = []
