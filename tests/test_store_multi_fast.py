@@ -34,7 +34,7 @@ TRANSFER_FAIL = int(ErrorCode.TRANSFER_FAIL)
 def test_copies_in_the_4k_aliasing_band_are_exact(mod: ModuleType, gap: int, n: int) -> None:
     # dst sits ``gap`` bytes above src modulo 4 KiB (the band the compiled copy special-cases)
     src = np.random.default_rng(n + gap).integers(0, 256, n + 8192, dtype=np.uint8)
-    dst = np.zeros(n + 3 * 8192, np.uint8)
+    dst = np.zeros(2 * n + 3 * 8192, np.uint8)
     s = int(src.ctypes.data)
     d0 = int(dst.ctypes.data)
     d = d0 + ((s + gap - d0) % 4096)
@@ -42,6 +42,10 @@ def test_copies_in_the_4k_aliasing_band_are_exact(mod: ModuleType, gap: int, n: 
     got = ctypes.string_at(d, n)
     assert got == src[:n].tobytes()
     assert ctypes.string_at(d + n + 4096, n) == got
+    # non-temporal stores (puts into segments), from an unaligned destination
+    mod.memcpy_batch([d + 3, d + n + 4096], [s + 5, s + 2], [n, n], stream=True)
+    assert ctypes.string_at(d + 3, n) == src[5 : n + 5].tobytes()
+    assert ctypes.string_at(d + n + 4096, n) == src[2 : n + 2].tobytes()
     mod.memcpy_at(d, s + 1, n)
     assert ctypes.string_at(d, n) == src[1 : n + 1].tobytes()
     # nothing outside the destination was written

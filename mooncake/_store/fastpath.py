@@ -389,8 +389,8 @@ class FastPath:
                     dsts += itertools.accumulate(plens[i][:-1], initial=dst)
                     srcs += ptrs[i]
                     lens += plens[i]
-            if dsts:
-                _fast.memcpy_batch(dsts, srcs, lens)
+            if dsts:  # into segments: not read again soon, so non-temporal stores
+                _fast.memcpy_batch(dsts, srcs, lens, stream=True)
         except BaseException:
             self._unpin(pinned)
             self._finish_batch(m, "Put", [], [keys[i] for i in fast + slow])

@@ -45,4 +45,46 @@ static inline void mc_copy(void *dst, const void *src, size_t n) {
     memcpy(dst, src, n);
 }
 
+/* A copy whose destination will not be read again soon (a put into a store segment):
+ * non-temporal stores skip reading the destination lines into the cache first, a third less
+ * memory traffic for copies larger than the cache. Call mc_copy_fence() after a batch. */
+static inline void mc_copy_stream(void *dst, const void *src, size_t n) {
+#ifdef MC_COPY_VECTOR
+    if (n >= 4096) {
+        uint8_t *d = (uint8_t *)dst;
+        const uint8_t *s = (const uint8_t *)src;
+        size_t head = (16 - ((uintptr_t)d & 15u)) & 15u;
+        if (head) {
+            memcpy(d, s, head);
+            d += head;
+            s += head;
+            n -= head;
+        }
+        while (n >= 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(s + 0));
+            __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
+            _mm_stream_si128((__m128i *)(d + 0), a);
+            _mm_stream_si128((__m128i *)(d + 16), b);
+            _mm_stream_si128((__m128i *)(d + 32), c);
+            _mm_stream_si128((__m128i *)(d + 48), e);
+            s += 64;
+            d += 64;
+            n -= 64;
+        }
+        if (n)
+            memcpy(d, s, n);
+        return;
+    }
+#endif
+    mc_copy(dst, src, n);
+}
+
+static inline void mc_copy_fence(void) {
+#ifdef MC_COPY_VECTOR
+    _mm_sfence();
+#endif
+}
+
 #endif
