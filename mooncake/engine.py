@@ -34,6 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import anyio
+from prometheus_client import CollectorRegistry
 
 from mooncake._core.transfer import Opcode, TransferRequest, TransferResult
 from mooncake._engine import syncpath
@@ -186,6 +187,19 @@ class TransferEngine:
         if self._loop is None or self._engine is None:
             raise MooncakeError("TransferEngine is not initialized")
         return self._loop, self._engine
+
+    # -- metrics (not in the published API; docs/metrics.md) -----------------------------
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry:
+        """The engine's ``prometheus_client`` ``CollectorRegistry`` (add ``.metrics`` of the
+        engine to your own registry instead with ``registry.register(...)``)."""
+        return self._e()[1].metrics_registry
+
+    def serve_metrics(self, port: int = 0, host: str = "127.0.0.1") -> int:
+        """Serve the engine's metrics over HTTP until it closes; returns the port.
+        ``MC_METRICS_PORT`` starts the same exporter at ``initialize``."""
+        return self._e()[1].serve_metrics(port, host)
 
     # -- info -----------------------------------------------------------------------------
 

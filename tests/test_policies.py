@@ -3,6 +3,8 @@ catch, and behaviour each policy is named for."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import subprocess
 import sys
@@ -72,8 +74,10 @@ def test_make_policy_passes_arguments() -> None:
     policy = make_policy("s3fifo", small_ratio=0.25)
     assert isinstance(policy, S3FIFOPolicy)
     assert policy.small_ratio == 0.25
-    with pytest.raises(InvalidArgumentError, match="small_ratio"):
-        make_policy("s3fifo", small_ratio=1.5)
+    for bad in (1.5, 1.0, 0.0, -0.1):
+        with pytest.raises(InvalidArgumentError, match="small_ratio"):
+            make_policy("s3fifo", small_ratio=bad)
+    assert make_policy("s3fifo", small_ratio=0.999).small_ratio == 0.999
 
 
 # -- the harness catches broken policies, with a shrunk counter-example -----------------------
@@ -422,3 +426,97 @@ def test_prefix_reinsert_of_internal_node_keeps_children() -> None:
     assert policy.total_bytes == 7
     assert policy.unreachable() == []
     assert policy.victims(1, anything) == ["b1"]
+
+
+# -- the fixed schedule: bugs that need several keys in play, found on every run -----------------
+
+
+def _hard_pinned_victim_past_four_keys(name: str) -> type[EvictionPolicy]:
+    """An LRU that adds one hard-pinned key to its victims once more than four are tracked."""
+
+    def victims(
+        self: LRUPolicy, nbytes: int, can_evict: Callable[[Hashable], bool]
+    ) -> list[Hashable]:
+        out = LRUPolicy.victims(self, nbytes, can_evict)
+        if len(self) > 4:
+            out += [k for k, p in self._pins.items() if p is Pin.HARD and k not in out][:1]
+        return out
+
+    return type(name, (LRUPolicy,), {"name": name.lower(), "victims": victims})
+
+
+@pytest.mark.parametrize("class_name", ["Sneaky", "MyPolicy", "X", "TenantAwareLRU"])
+def test_schedule_catches_a_bug_that_needs_five_keys_whatever_the_name(class_name: str) -> None:
+    cls = _hard_pinned_victim_past_four_keys(class_name)
+    with pytest.raises(AssertionError) as info:
+        check_policy(cls)  # the defaults: no derandomize, no extra examples
+    notes = info.value.__notes__
+    assert "check_policy's schedule" in notes[0]
+    assert re.search(r"proposed hard-pinned|must be empty|go past", str(info.value))
+    steps = [n for n in notes if n.startswith("state.")]
+    assert sum(s.startswith("state.insert(") for s in steps) >= 5  # shrunk, still five keys
+
+
+def test_shrunk_failure_is_a_script_that_reproduces_it() -> None:
+    cls = _hard_pinned_victim_past_four_keys("Pasted")
+    with pytest.raises(AssertionError) as info:
+        check_policy(cls, schedule=50)
+    script = next(n for n in info.value.__notes__ if n.startswith("To reproduce, paste:"))
+    code = script.split("\n", 1)[1]
+    assert "policy = Pasted()" in code
+    assert code.rstrip().splitlines()[-2] == "print(victims)"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(code, {"Pasted": cls})  # runs as pasted, ending in the bad victims() answer
+    got = eval(out.getvalue())
+    pinned = re.findall(r"policy\.set_pin\('([^']*)', Pin\.HARD\)", code)
+    assert set(got) & set(pinned) or "victims(0," in code, (got, code)
+
+
+def test_schedule_checks_sizes_and_pins_of_bad_type() -> None:
+    class NoSizeCheck(LRUPolicy):
+        name = "no-size-check"
+
+        def on_insert(
+            self, key: Hashable, size: int, *, parent: Hashable | None = None, now: float = 0.0
+        ) -> None:
+            old = self._order.pop(key, None)
+            if old is not None:
+                self._bytes -= old
+                self._pins.pop(key, None)
+            self._order[key] = int(size)
+            self._bytes += int(size)
+
+    with pytest.raises(AssertionError, match="did not raise InvalidArgumentError"):
+        check_policy(NoSizeCheck, max_examples=10)
+
+
+def test_oracles_cover_every_shipped_policy() -> None:
+    from mooncake.testing.policy import ORACLES
+
+    assert set(ORACLES) == set(POLICIES)
+
+
+@pytest.mark.parametrize("name", ["sieve", "s3fifo"])
+def test_reference_oracles_catch_an_order_bug(name: str) -> None:
+    """SIEVE and S3-FIFO keep the generic contract when their order is wrong; only their
+    exact oracles catch it (here: victims proposed newest first)."""
+    from mooncake.testing.policy import ORACLES
+
+    base = POLICIES[name]
+
+    def size(policy: EvictionPolicy, key: Hashable) -> int:
+        nodes = getattr(policy, "_nodes", None)
+        return nodes[key].size if nodes is not None else policy._size[key]  # type: ignore[attr-defined, no-any-return]
+
+    def victims(self: EvictionPolicy, nbytes: int, can_evict: Callable[[Hashable], bool]) -> list:
+        out = base.victims(self, nbytes, can_evict)
+        # Newest first, where that keeps the contract: equal sizes, nothing pinned.
+        if len({size(self, k) for k in out}) == 1 and not self._pins:  # type: ignore[attr-defined]
+            return out[::-1]
+        return out
+
+    broken = type(f"Reversed{base.__name__}", (base,), {"victims": victims})
+    check_policy(broken, max_examples=10)  # the contract alone cannot tell
+    with pytest.raises(AssertionError, match="oracle says"):
+        check_policy(broken, oracle=ORACLES[name], max_examples=10)

@@ -507,3 +507,84 @@ def test_replay_drives_the_registry_policy_classes() -> None:
         *(("global", p) for p in POLICIES),
         ("local", "lru"),
     }
+
+
+def test_cli_piped_output_keeps_every_digit(trace_file: Path, tmp_path: Path) -> None:
+    """Through a pipe (not a terminal, COLUMNS=40) the tables are plain text: no cell is cut
+    ("36.3…") and every figure of the JSON report appears whole in the table output."""
+    import os
+    import subprocess
+    import sys
+
+    args = [
+        sys.executable,
+        "-m",
+        "mooncake",
+        "replay",
+        str(trace_file),
+        "--capacities",
+        "2,3,100",
+        "--policies",
+        "all",
+        "--instances",
+        "2",
+        "--instance-capacity",
+        "4",
+        "--no-progress",
+    ]
+    env = {**os.environ, "COLUMNS": "40", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run(args, capture_output=True, text=True, env=env, check=True)
+    out = run.stdout
+    assert "…" not in out and "..." not in out
+    doc = json.loads(
+        subprocess.run(
+            [*args, "--json"], capture_output=True, text=True, env=env, check=True
+        ).stdout
+    )
+    lines = out.splitlines()
+    for c in [*doc["caches"], *doc["belady"]]:
+        scope = "global" if c["scope"] == "global" else f"{c['instances']}xlocal"
+        cells = [
+            scope,
+            c["policy"],
+            str(c["capacity_blocks"]),
+            f"{100 * c['block_hit_rate']:.2f}%",
+            f"{100 * c['token_hit_rate']:.2f}%",
+            f"{c['prefill_s_per_request']:.3f}",
+        ]
+        assert any(line.split()[: len(cells) - 1] == cells[:-1] for line in lines), cells
+    for s in doc["schedules"]:
+        row = next(line.split() for line in lines if line.startswith(s["strategy"] + " "))
+        assert row[1] == f"{s['ttft_mean_s']:.3f}" and row[2] == f"{s['ttft_p50_s']:.3f}"
+    assert "Gap to Belady's optimum" in out
+    assert max(map(len, lines)) > 40  # wider than COLUMNS: nothing was fitted to it
+
+
+def test_replay_reports_belady_per_capacity(capsys: pytest.CaptureFixture[str]) -> None:
+    rep = replay(_reqs(GOOD), ReplayConfig(policies=("lru", "sieve"), capacities=(1, 3, 100)))
+    assert [b.capacity for b in rep.belady] == [1, 3, 100]
+    for b in rep.belady:
+        for sim in rep.caches:
+            if sim.capacity == b.capacity:
+                assert sim.totals.hit_blocks <= b.totals.hit_blocks
+                assert all(x <= y for x, y in zip(sim.hits, rep.max_hit.hits, strict=True))
+        assert b.totals.hit_blocks <= rep.max_hit.totals.hit_blocks
+    doc = rep.to_dict(requests=True)
+    assert [b["policy"] for b in doc["belady"]] == ["belady"] * 3
+    assert "hit_blocks[global:belady:3]" in doc["requests"]["columns"]
+    off = replay(_reqs(GOOD), ReplayConfig(capacities=(3,), belady=False))
+    assert off.belady == [] and off.to_dict()["belady"] == []
+
+
+def test_cli_reads_a_gzip_trace(
+    tmp_path: Path, trace_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gzip
+
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_bytes(gzip.compress(trace_file.read_bytes()))
+    assert main(["replay", str(gz), "--json", "--capacities", "2", "--strategies", "none"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["trace"]["requests"] == 4
+    assert main(["replay", str(gz), "--capacities", "2", "--strategies", "none"]) == 0
+    assert "Hit rate per policy" in capsys.readouterr().out

@@ -1,9 +1,9 @@
 """The FAST'25 traces end to end: the figures of ``shared/traces/REFERENCE.md`` (conversation
 trace) and our own recorded figures for the synthetic trace (``docs/replay.md``).
 
-The traces are not in the repository: set ``MOONCAKE_TRACES`` to the directory holding
-``conversation_trace.jsonl`` and ``synthetic_trace.jsonl`` (default: ``shared/traces`` next to
-the repository, then ``/work/shared/traces``). Each module-level replay takes a few seconds.
+The traces are in the repository, gzip-compressed (``tests/data/traces``, 1.1 MB); a directory
+holding the plain ``conversation_trace.jsonl`` and ``synthetic_trace.jsonl`` can be named with
+``MOONCAKE_TRACES`` instead. Each module-level replay takes a few seconds.
 """
 
 from __future__ import annotations
@@ -19,17 +19,22 @@ from mooncake.replay.model import KVModel, PrefillModel
 from mooncake.replay.sim import HitRateSim, MaxHitSim, ScheduleSim
 from mooncake.replay.trace import TraceRequest, load_trace
 
+_BUNDLED = Path(__file__).resolve().parent / "data" / "traces"
+
 
 def _trace_dir() -> Path | None:
-    candidates = [
-        os.environ.get("MOONCAKE_TRACES"),
-        str(Path(__file__).resolve().parents[1] / "shared" / "traces"),
-        "/work/shared/traces",
-    ]
+    candidates = [os.environ.get("MOONCAKE_TRACES"), str(_BUNDLED)]
     for c in candidates:
-        if c and (Path(c) / "conversation_trace.jsonl").is_file():
+        if c and any((Path(c) / f"conversation_trace.jsonl{z}").is_file() for z in ("", ".gz")):
             return Path(c)
     return None
+
+
+def _trace(name: str) -> str:
+    """Path of trace ``name`` (``conversation`` or ``synthetic``): plain or gzip."""
+    assert TRACES is not None
+    plain = TRACES / f"{name}_trace.jsonl"
+    return str(plain if plain.is_file() else plain.with_name(plain.name + ".gz"))
 
 
 TRACES = _trace_dir()
@@ -79,13 +84,13 @@ class Run:
 @pytest.fixture(scope="module")
 def conversation() -> Iterator[Run]:
     assert TRACES is not None
-    yield Run(load_trace(str(TRACES / "conversation_trace.jsonl")))
+    yield Run(load_trace(_trace("conversation")))
 
 
 @pytest.fixture(scope="module")
 def synthetic() -> Iterator[Run]:
     assert TRACES is not None
-    yield Run(load_trace(str(TRACES / "synthetic_trace.jsonl")))
+    yield Run(load_trace(_trace("synthetic")))
 
 
 def _pct(x: float, nd: int = 2) -> float:
@@ -157,7 +162,7 @@ def test_conversation_prefill_time(conversation: Run) -> None:
 def test_conversation_scheduling_order_matches_the_paper() -> None:
     """Fig. 5: global cache-aware < local cache-aware < load balance < random (mean TTFT)."""
     assert TRACES is not None
-    reqs = load_trace(str(TRACES / "conversation_trace.jsonl"))
+    reqs = load_trace(_trace("conversation"))
     order = ("global_cache_aware", "local_cache_aware", "load_balance", "random")
     sims = {
         s: ScheduleSim(
@@ -217,7 +222,7 @@ def test_cli_end_to_end_on_both_traces(capsys: pytest.CaptureFixture[str]) -> No
 
     assert TRACES is not None
     for name in ("conversation", "synthetic"):
-        assert main(["replay", str(TRACES / f"{name}_trace.jsonl"), "--json"]) == 0
+        assert main(["replay", _trace(name), "--json"]) == 0
         doc = json.loads(capsys.readouterr().out)
         best = doc["max"]
         for c in doc["caches"]:
@@ -236,3 +241,32 @@ def test_cli_end_to_end_on_both_traces(capsys: pytest.CaptureFixture[str]) -> No
             assert [round(100 * lru[c], 2) for c in LRU_SWEEP] == [
                 4.45, 5.37, 11.04, 21.12, 28.75, 35.46,
             ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_sieve_never_laps_and_equals_lfu_on_both_traces() -> None:
+    """SIEVE's hand never wraps at any capacity of the sweep on either trace, which is why
+    SIEVE and LFU give the same hit for every request there (docs/replay.md)."""
+    from mooncake._core.policies import LFUPolicy, SIEVEPolicy
+    from mooncake.replay.cache import BlockCache
+    from mooncake.replay.run import DEFAULT_CAPACITIES
+
+    assert TRACES is not None
+    for name in ("conversation", "synthetic"):
+        reqs = load_trace(_trace(name))
+        for cap in DEFAULT_CAPACITIES:
+            sieve = SIEVEPolicy()
+            a, b = BlockCache(sieve, cap), BlockCache(LFUPolicy(), cap)
+            for r in reqs:
+                assert a.admit(r.hash_ids, r.time_s) == b.admit(r.hash_ids, r.time_s)
+            assert sieve.laps == 0, (name, cap)
+
+
+def test_conversation_belady_reaches_the_maximum_by_10000_blocks(conversation: Run) -> None:
+    from mooncake.replay.belady import belady_hits
+
+    traces = [r.hash_ids for r in conversation.requests]
+    refs = sum(map(len, traces))
+    got = [round(100 * sum(belady_hits(traces, c)) / refs, 2) for c in (1000, 5000, 10000)]
+    assert got == [19.07, 34.12, 36.64]
+    assert got[-1] == _pct(conversation.max.totals.block_hit_rate)

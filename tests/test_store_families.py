@@ -562,3 +562,29 @@ def test_setup_retries_another_port_when_the_random_one_is_taken(
     finally:
         s.close()
         taken.close()
+
+
+def test_setup_dict_takes_config_file_spellings(
+    master: Master, caplog: pytest.LogCaptureFixture
+) -> None:
+    """LMCache passes its MOONCAKE_CONFIG_PATH keys to ``setup(dict)``: ``master_server_address``
+    and ``device_name`` are read as ``master_server_addr`` / ``rdma_devices``, and a key the
+    client does not read is ignored with a warning (as the published client ignores it)."""
+    s = MooncakeDistributedStore()
+    try:
+        cfg = {
+            "local_hostname": "127.0.0.1",
+            "metadata_server": "P2PHANDSHAKE",
+            "global_segment_size": "16MB",
+            "local_buffer_size": "16MB",
+            "protocol": "tcp",
+            "device_name": "",
+            "master_server_address": master.address,
+            "transfer_timeout": 1,
+        }
+        assert s.setup(cfg) == 0
+        assert "transfer_timeout" in caplog.text
+        assert s.is_exist("never-stored") == 0
+        assert s.put("k", b"v") == 0 and s.get("k") == b"v"
+    finally:
+        s.close()

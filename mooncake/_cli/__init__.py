@@ -18,6 +18,7 @@ _SUBCOMMANDS: list[str] = [
     "master",
     "metadata_server",
     "replay",
+    "top",
 ]
 
 

@@ -3,9 +3,10 @@ eviction policies and the scheduling strategies, on a virtual clock.
 
 Streams the trace once (progress bar on stderr), then prints: trace shape, theoretical maximum
 hit, hit rate per policy and capacity (block- and token-weighted; global pool and ``N`` local
-caches), estimated prefill GPU seconds per request, KV bytes moved, and TTFT per routing strategy.
+caches) beside Belady's offline optimum and each policy's gap to it, estimated prefill GPU seconds per request, KV bytes moved, and TTFT per routing strategy.
 ``--json`` prints the report as JSON instead; ``--csv`` writes the per-request outcome table;
-``--plots DIR`` writes the PNG figures. Exit status: 0, or 2 for a bad trace or bad arguments.
+``--plots DIR`` writes the PNG figures. Tables are rich on a terminal (widened to fit) and
+plain aligned text when stdout is a pipe or file: no number is ever cut. Exit status: 0, or 2 for a bad trace or bad arguments.
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("trace", help="JSONL trace (timestamp, input_length, output_length, hash_ids)")
+    p.add_argument(
+        "trace",
+        help="JSONL trace (timestamp, input_length, output_length, hash_ids); .gz is read too",
+    )
     p.add_argument(
         "--policies",
         type=_name_list,
@@ -131,7 +135,13 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--plots",
         metavar="DIR",
-        help="write PNG plots into DIR (TRACESTEM_hit_rate.png, _global_vs_local.png, _ttft.png)",
+        help="write PNG plots into DIR (TRACESTEM_hit_rate.png, _belady_gap.png, "
+        "_global_vs_local.png, _ttft.png)",
+    )
+    p.add_argument(
+        "--no-belady",
+        action="store_true",
+        help="skip Belady's offline optimum (run by default at every capacity)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -210,7 +220,7 @@ def _stderr_console() -> Any:
 def run(args: argparse.Namespace) -> int:
     from mooncake.replay.model import KVModel, PrefillModel
     from mooncake.replay.run import DEFAULT_CAPACITIES, ReplayConfig, available_policies, replay
-    from mooncake.replay.trace import TraceStats, iter_trace
+    from mooncake.replay.trace import TraceStats, iter_trace, open_trace
 
     try:
         strategies = () if args.strategies == ("none",) else tuple(args.strategies)
@@ -225,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
             schedule_policy=args.schedule_policy.lower(),
             balance_threshold=args.balance_threshold,
             seed=args.seed,
+            belady=not args.no_belady,
             kv=KVModel(
                 bytes_per_token=args.kv_bytes_per_token,
                 block_tokens=args.block_tokens,
@@ -235,9 +246,10 @@ def run(args: argparse.Namespace) -> int:
         stats = TraceStats()
         with (
             _Progress(not args.no_progress and not args.json) as prog,
-            open(args.trace, "rb") as f,
+            open_trace(args.trace) as f,
         ):
-            size = os.fstat(f.fileno()).st_size
+            # A gzip file's size says nothing about its lines: no total for the bar then.
+            size = 0 if args.trace.endswith(".gz") else os.fstat(f.fileno()).st_size
             requests = iter_trace(
                 prog.lines(f, size),
                 source=args.trace,
@@ -311,41 +323,119 @@ def _global_local_pairs(doc: dict[str, Any]) -> list[tuple[str, int, float, floa
     ]
 
 
-def _print_report(doc: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+class _Table:
+    """A table to print: a title, columns (left-justified ones named) and rows of text."""
 
-    con = Console()
+    def __init__(self, title: str, columns: list[str], left: tuple[str, ...] = ()) -> None:
+        self.title = title
+        self.columns = columns
+        self.left = set(left)
+        self.rows: list[list[str]] = []
+
+    def add_row(self, *cells: str) -> None:
+        self.rows.append(list(cells))
+
+    def plain(self) -> str:
+        """Aligned plain text: every cell whole, one line per row (grep- and diff-friendly)."""
+        widths = [max(len(c), *(len(r[i]) for r in self.rows)) for i, c in enumerate(self.columns)]
+
+        def line(cells: list[str]) -> str:
+            return "  ".join(
+                cell.ljust(w) if col in self.left else cell.rjust(w)
+                for cell, w, col in zip(cells, widths, self.columns, strict=True)
+            ).rstrip()
+
+        rule = "  ".join("-" * w for w in widths)
+        return "\n".join([self.title, line(self.columns), rule, *map(line, self.rows)])
+
+    def rich(self) -> Any:
+        from rich.table import Table
+
+        tab = Table(title=self.title)
+        for col in self.columns:
+            # no_wrap + min_width: rich never folds or ellipsises a number ("36.3…").
+            width = (
+                max(len(col), *(len(r[len(tab.columns)]) for r in self.rows)) if self.rows else 0
+            )
+            tab.add_column(
+                col,
+                justify="left" if col in self.left else "right",
+                no_wrap=True,
+                min_width=width,
+                overflow="ignore",
+            )
+        for row in self.rows:
+            tab.add_row(*row)
+        return tab
+
+
+class _Out:
+    """Where the report goes: rich on a terminal (widened to fit every table), plain text
+    when stdout is a pipe or a file, so no number is ever cut to the terminal width."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stdout.isatty()
+        self._con: Any = None
+        if self.tty:
+            from rich.console import Console
+
+            self._con = Console()
+
+    def line(self, text: str) -> None:
+        if self._con is not None:
+            self._con.print(text, soft_wrap=True, highlight=False, markup=False)
+        else:
+            print(text)
+
+    def table(self, table: _Table) -> None:
+        if not table.rows:
+            return
+        if self._con is None:
+            print()
+            print(table.plain())
+            return
+        from rich.console import Console
+
+        tab = table.rich()
+        need = self._con.measure(tab).maximum
+        con = self._con if need <= self._con.width else Console(width=need)
+        con.print(tab)
+
+
+def _print_report(doc: dict[str, Any]) -> None:
+    out = _Out()
     t = doc["trace"]
     mx = doc["max"]
-    con.print(
-        f"[bold]{doc['trace_name']}[/]: {t['requests']} requests over {t['duration_s']:.0f} s, "
+    out.line(
+        f"{doc['trace_name']}: {t['requests']} requests over {t['duration_s']:.0f} s, "
         f"mean input {t['mean_input']:.2f} / output {t['mean_output']:.2f} tokens, "
         f"{t['unique_blocks']} unique blocks, {t['block_refs']} block references, "
         f"max {t['max_blocks']} blocks per request"
     )
-    con.print(
+    out.line(
         f"theoretical max hit (infinite cache): block-weighted {_pct(mx['block_hit_rate'])}, "
         f"token-weighted {_pct(mx['token_hit_rate'])}; est. prefill "
         f"{mx['prefill_nocache_s_per_request']:.3f} s/request without cache, "
         f"{mx['prefill_s_per_request']:.3f} s with an infinite one"
     )
-    if doc["caches"]:
-        tab = Table(title="Hit rate per policy and capacity (blocks)")
-        for col in (
-            "scope",
-            "policy",
-            "blocks",
-            "block hit",
-            "token hit",
-            "of max",
-            "prefill s/req",
-            "KV read TiB",
-            "KV written TiB",
-        ):
-            left = col in ("scope", "policy")
-            tab.add_column(col, justify="left" if left else "right", no_wrap=left)
-        for c in doc["caches"]:
+    belady = doc.get("belady", [])
+    if doc["caches"] or belady:
+        tab = _Table(
+            "Hit rate per policy and capacity (blocks)",
+            [
+                "scope",
+                "policy",
+                "blocks",
+                "block hit",
+                "token hit",
+                "of max",
+                "prefill s/req",
+                "KV read TiB",
+                "KV written TiB",
+            ],
+            left=("scope", "policy"),
+        )
+        for c in [*doc["caches"], *belady]:
             scope = c["scope"] if c["scope"] == "global" else f"{c['instances']}xlocal"
             tab.add_row(
                 scope,
@@ -360,36 +450,58 @@ def _print_report(doc: dict[str, Any]) -> None:
                 _tib(c["kv_bytes_read"]),
                 _tib(c["kv_bytes_written"]),
             )
-        con.print(tab)
+        out.table(tab)
+    gaps = _belady_gaps(doc)
+    if gaps:
+        policies = sorted(
+            {p for _, p, _, _ in gaps}, key=[c["policy"] for c in doc["caches"]].index
+        )
+        tab = _Table(
+            "Gap to Belady's optimum (token-weighted hit, percentage points below it)",
+            ["blocks", "belady", *policies],
+            left=(),
+        )
+        by_cap: dict[int, dict[str, float]] = {}
+        opt = {b["capacity_blocks"]: b["token_hit_rate"] for b in belady}
+        for cap, policy, _, gap in gaps:
+            by_cap.setdefault(cap, {})[policy] = gap
+        for cap in sorted(by_cap):
+            tab.add_row(
+                str(cap),
+                _pct(opt[cap]),
+                *(f"{100 * by_cap[cap][p]:.2f}" if p in by_cap[cap] else "-" for p in policies),
+            )
+        out.table(tab)
     pairs = _global_local_pairs(doc)
     if pairs:
         n_inst = doc["config"]["instances"]
-        tab = Table(title=f"Global pool vs {n_inst} local caches of C/{n_inst} (token-weighted)")
-        for col in ("policy", "C (blocks)", "global", "local", "global/local"):
-            tab.add_column(col, justify="left" if col == "policy" else "right")
+        tab = _Table(
+            f"Global pool vs {n_inst} local caches of C/{n_inst} (token-weighted)",
+            ["policy", "C (blocks)", "global", "local", "global/local"],
+            left=("policy",),
+        )
         for policy, cap, g, loc in pairs:
             ratio = f"{g / loc:.2f}x" if loc else "-"
             tab.add_row(policy, str(cap), _pct(g), _pct(loc), ratio)
-        con.print(tab)
+        out.table(tab)
     if doc["schedules"]:
         cfg = doc["config"]
-        tab = Table(
-            title=f"Scheduling: {cfg['instances']} prefill instances x "
-            f"{cfg['instance_capacity']} blocks ({cfg['schedule_policy']}), modelled TTFT"
+        tab = _Table(
+            f"Scheduling: {cfg['instances']} prefill instances x "
+            f"{cfg['instance_capacity']} blocks ({cfg['schedule_policy']}), modelled TTFT",
+            [
+                "strategy",
+                "mean TTFT s",
+                "P50 s",
+                "P90 s",
+                "P99 s",
+                "mean queue s",
+                "token hit",
+                "prefill s/req",
+                "KV moved TiB",
+            ],
+            left=("strategy",),
         )
-        for col in (
-            "strategy",
-            "mean TTFT s",
-            "P50 s",
-            "P90 s",
-            "P99 s",
-            "mean queue s",
-            "token hit",
-            "prefill s/req",
-            "KV moved TiB",
-        ):
-            left = col == "strategy"
-            tab.add_column(col, justify="left" if left else "right", no_wrap=left)
         for s in doc["schedules"]:
             tab.add_row(
                 s["strategy"],
@@ -402,4 +514,19 @@ def _print_report(doc: dict[str, Any]) -> None:
                 f"{s['prefill_s_per_request']:.3f}",
                 _tib(s["kv_bytes_transferred"]),
             )
-        con.print(tab)
+        out.table(tab)
+
+
+def _belady_gaps(doc: dict[str, Any]) -> list[tuple[int, str, float, float]]:
+    """(capacity, policy, policy token hit, Belady minus policy) for global sweep caches."""
+    opt = {b["capacity_blocks"]: b["token_hit_rate"] for b in doc.get("belady", [])}
+    return [
+        (
+            c["capacity_blocks"],
+            c["policy"],
+            c["token_hit_rate"],
+            opt[c["capacity_blocks"]] - c["token_hit_rate"],
+        )
+        for c in doc["caches"]
+        if c["scope"] == "global" and c["capacity_blocks"] in opt
+    ]

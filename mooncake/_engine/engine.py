@@ -45,6 +45,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, overload
 
 import anyio
@@ -66,6 +67,15 @@ from mooncake._core.transfer import (
 )
 from mooncake._engine.handshake import HandshakeServer
 from mooncake._engine.metadata import MetadataBackend, open_backend
+from mooncake._engine.metrics import (
+    LOG_MAX,
+    EngineMetrics,
+    MetricsServer,
+    make_registry,
+    serve_metrics,
+)
+from mooncake._engine.metrics import enabled as metrics_enabled
+from mooncake._engine.metrics import env_port as metrics_env_port
 from mooncake._engine.transports.base import PeerInfo, Transport
 from mooncake.errors import (
     ClosedError,
@@ -287,6 +297,9 @@ class Engine:
         self._stager: Stager | None = None
         self._closed = False
         self._desc_cache: dict[str, Any] | None = None
+        self.metrics: EngineMetrics | None = EngineMetrics(self) if metrics_enabled() else None
+        self.metrics_registry = make_registry(*([self.metrics] if self.metrics else []))
+        self.metrics_server: MetricsServer | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -369,6 +382,17 @@ class Engine:
                 await t.on_close()
             except MooncakeError as e:
                 log.warning("closing %s: %s", t.name, e)
+
+    def serve_metrics(self, port: int = 0, host: str = "127.0.0.1") -> int:
+        """Serve :attr:`metrics_registry` at ``http://host:port/metrics`` until the engine
+        closes (port 0: a free one); returns the port. A second call returns the running
+        exporter's port."""
+        self._check_open()
+        if self.metrics is None:
+            raise InvalidArgumentError("metrics are off (MC_METRICS=0)")
+        if self.metrics_server is None:
+            self.metrics_server = serve_metrics(self.metrics_registry, port, host)
+        return self.metrics_server.port
 
     def _check_open(self) -> None:
         if self._closed:
@@ -770,6 +794,8 @@ class Engine:
             raise
         except MooncakeError as e:  # unreachable, unknown or malformed: every request fails
             self.forget(segment)
+            if self.metrics is not None:
+                self.metrics.failed_batch("", segment, _op(reqs), len(reqs), e)
             return [failed(e) for _ in reqs]
         results: list[TransferResult | None] = [None] * len(reqs)
         for i in missing:
@@ -780,6 +806,10 @@ class Engine:
                     "of its registered buffers"
                 )
             )
+        if missing and self.metrics is not None:
+            err = results[missing[0]]
+            assert err is not None and err.error is not None
+            self.metrics.failed_batch("", segment, _op(reqs), len(missing), err.error)
         send_idx = (
             [i for i in range(len(reqs)) if results[i] is None]
             if missing
@@ -867,12 +897,23 @@ class Engine:
         results: list[TransferResult | None],
     ) -> None:
         sub = [reqs[i] for i in idx]
+        t0 = perf_counter()
         # the local regions were looked up (and pinned) by transfer(): no second lookup here
         devices = [] if t.device_memory else [device_of(regs[i].location) for i in idx]
-        if t.device_memory or all(d is None for d in devices):
-            out = await t.execute(peer, sub)
-        else:
-            out = await self.staging.run(partial(t.execute, peer), sub, devices)
+        try:
+            if t.device_memory or all(d is None for d in devices):
+                out = await t.execute(peer, sub)
+            else:
+                out = await self.staging.run(partial(t.execute, peer), sub, devices)
+        except MooncakeError as e:
+            if self.metrics is not None:
+                self.metrics.failed_batch(t.name, peer.segment, _op(sub), len(sub), e)
+            raise
+        m = self.metrics
+        if m is not None:
+            m.log.append((t.name, peer.segment, sub, out, perf_counter() - t0))
+            if len(m.log) > LOG_MAX:
+                m.drain()
         for i, res in zip(idx, out, strict=True):
             results[i] = res
 
@@ -914,6 +955,7 @@ class Engine:
         for the copies, worker-thread ones included.
         """
         results: list[TransferResult | None] = [None] * len(reqs)
+        t0 = perf_counter()
         held = self._pin_locals(reqs, regs, range(len(reqs)))
         remotes: list[Region | None] = []
         try:
@@ -954,7 +996,13 @@ class Engine:
                 results[i] = completed(r.length)
         finally:
             self._release_all(held)
-        return [r if r is not None else failed(TransferError("not attempted")) for r in results]
+        out = [r if r is not None else failed(TransferError("not attempted")) for r in results]
+        m = self.metrics
+        if m is not None:
+            m.log.append(("local", self.segment_name, reqs, out, perf_counter() - t0))
+            if len(m.log) > LOG_MAX:
+                m.drain()
+        return out
 
     def submit(
         self, segment: str, requests: Sequence[TransferRequest], *, transport: str | None = None
@@ -1043,6 +1091,25 @@ class Engine:
 _U64 = 1 << 64
 
 
+def _start_exporter(engine: Engine, port: int, host: str, from_env: bool) -> None:
+    """Start ``engine``'s metrics exporter; a port from ``MC_METRICS_PORT`` that is taken
+    (another engine of this process serves it) is logged, not an error."""
+    try:
+        engine.serve_metrics(port, host)
+    except InvalidArgumentError as e:
+        if not from_env:
+            raise
+        log.warning("MC_METRICS_PORT: %s; this engine serves none", e)
+
+
+def _op(reqs: Sequence[TransferRequest]) -> str:
+    """The ``op`` metrics label of a batch: ``read``, ``write`` or ``mixed``."""
+    first = reqs[0].opcode
+    if len(reqs) > 1 and any(r.opcode is not first for r in reqs):
+        return "mixed"
+    return "read" if first is Opcode.READ else "write"
+
+
 def _uncovered(
     desc: SegmentDescriptor, reqs: Sequence[TransferRequest], idx: Iterable[int]
 ) -> list[int]:
@@ -1098,6 +1165,8 @@ async def open_engine(
     tcp_lanes: int | None = None,
     segment_name: str | None = None,
     cuda_runtime: CudaRuntime | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
 ) -> AsyncIterator[Engine]:
     """Start an engine and yield it; everything it started stops when the block exits.
 
@@ -1111,7 +1180,16 @@ async def open_engine(
     ``local_server_name``); its handshake address is published under ``rpc_meta``.
     ``cuda_runtime`` replaces the process-wide CUDA runtime for this engine (an object
     implementing :class:`mooncake._fast.cuda.CudaRuntime`; tests pass a fake).
+
+    ``metrics_port`` (default ``MC_METRICS_PORT``; 0 picks a free port, unset serves nothing)
+    serves ``engine.metrics_registry`` at ``http://metrics_host:port/metrics`` while the engine
+    is open (``engine.metrics_server.port``); see docs/metrics.md. A port given here that
+    cannot be bound raises :class:`InvalidArgumentError`; one from ``MC_METRICS_PORT`` already
+    taken (a second engine in the process) is logged and skipped.
     """
+    from_env = metrics_port is None
+    if metrics_port is None:
+        metrics_port = metrics_env_port()
     if transports is None:
         from mooncake._engine.transports import default_transports
 
@@ -1138,12 +1216,16 @@ async def open_engine(
             try:
                 try:
                     await engine._start()
+                    if metrics_port is not None and engine.metrics is not None:
+                        _start_exporter(engine, metrics_port, metrics_host, from_env)
                 except MooncakeError as e:
                     # raised as itself below, not wrapped in the task group's ExceptionGroup
                     start_error = e
                 else:
                     yield engine
             finally:
+                if engine.metrics_server is not None:
+                    engine.metrics_server.close()
                 engine._closed = True
                 with anyio.CancelScope(shield=True):
                     await engine._unpublish()

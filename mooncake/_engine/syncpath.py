@@ -52,6 +52,7 @@ from mooncake._core.gpu import device_of
 from mooncake._core.memory import Region
 from mooncake._core.transfer import Opcode, TransferRequest, TransferResult
 from mooncake._engine import _sockio
+from mooncake._engine.metrics import LOG_MAX
 from mooncake._engine.transports import shm as shm_mod
 from mooncake._engine.transports import tcp as tcp_mod
 from mooncake._engine.transports.base import PeerInfo
@@ -195,7 +196,7 @@ class SyncPath:
             self._inflight += 1
         out = None
         try:
-            out = self._run(peer, op, las, ras, lens, timeout_s)
+            out = self._run(peer, op, las, ras, lens, timeout_s, total)
         finally:
             with self._lock:
                 self._inflight -= 1
@@ -213,6 +214,7 @@ class SyncPath:
         ras: Sequence[int],
         lens: Sequence[int],
         timeout_s: float,
+        total: int = 0,
     ) -> list[TransferResult] | None:
         regions = self._local_regions(las, lens)
         if regions is None:
@@ -220,15 +222,25 @@ class SyncPath:
         transport = self._route(peer, ras, lens)
         if transport is None:
             return None
+        t0 = time.perf_counter()
         deadline = time.monotonic() + timeout_s
         if not self._pin(regions):
             return None
         try:
             if transport.name == "tcp":
-                return self._tcp(peer, op, las, ras, lens, deadline)
-            return self._shm(transport, peer, op, las, ras, lens)
+                out = self._tcp(peer, op, las, ras, lens, deadline)
+            else:
+                out = self._shm(transport, peer, op, las, ras, lens)
         finally:
             self._unpin(regions)
+        m = self.engine.metrics
+        if out is not None and m is not None:  # counted once, here or on the loop path
+            m.sync_log.append(
+                (transport, peer, op, len(lens), total, out, time.perf_counter() - t0)
+            )
+            if len(m.sync_log) > LOG_MAX:
+                m.drain()
+        return out
 
     def _local_regions(self, las: Sequence[int], lens: Sequence[int]) -> list[Region] | None:
         """The distinct host regions holding every local range, or None (the loop path then

@@ -68,18 +68,22 @@ from mooncake._core.staging import RangeAllocator
 from mooncake._core.tiers import Admission, make_admission
 from mooncake._engine.engine import DeviceMemory, Engine, open_engine
 from mooncake._store.admin import _Admin
+from mooncake._store.metrics import StoreMetrics, instrument
 from mooncake._store.moves import HEARTBEAT_S
 from mooncake._store.shm import SharedSegment, ShmPeers, ShmServer
 from mooncake._store.ssd import open_ssd_tier
 from mooncake.errors import InvalidArgumentError, MooncakeError
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from mooncake._fast.cuda import CudaRuntime
 
 
 log = logging.getLogger("mooncake.store")
 
 
+@instrument
 class Store(_Admin):
     """A connected store client. Create with :func:`open_store`.
 
@@ -89,6 +93,14 @@ class Store(_Admin):
     :mod:`~mooncake._store.ranges` (ranges and sessions), :mod:`~mooncake._store.admin`
     (queries, removal, tasks, extra segments); this class adds the lifecycle.
     """
+
+    metrics: StoreMetrics | None = None
+    """This client's counters (see :mod:`mooncake._store.metrics`); None when off."""
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry:
+        """The registry of this client's and its engine's metrics (docs/metrics.md)."""
+        return self.engine.metrics_registry
 
     async def _start(self, tg: anyio.abc.TaskGroup) -> None:
         eng = self.engine
@@ -221,6 +233,7 @@ async def open_store(
     ssd_sync: bool = True,
     segment_location: str = "cpu:0",
     cuda_runtime: CudaRuntime | None = None,
+    metrics_port: int | None = None,
 ) -> AsyncIterator[Store]:
     """Connect to the master at ``master``, mount a segment and yield a :class:`Store`.
 
@@ -240,6 +253,9 @@ async def open_store(
     ``segment_location`` ``"cuda:N"`` makes the segment GPU memory on device ``N`` (the GPU
     tier, see the module docstring); ``cuda_runtime`` is passed to the engine this opens (tests
     pass :class:`mooncake.testing.fake_cuda.FakeCudaRuntime`; ignored with ``engine``).
+
+    ``metrics_port`` (default ``MC_METRICS_PORT``; ignored with ``engine``) serves
+    :attr:`Store.metrics_registry` over HTTP on loopback (docs/metrics.md).
     """
     if protocol not in ("tcp", "rdma", ""):
         raise InvalidArgumentError(f"protocol {protocol!r} is not supported (use 'tcp' or 'rdma')")
@@ -262,7 +278,9 @@ async def open_store(
                     on_drop=store._on_ssd_drop,
                 )
             )
-        async with _open_with_engine(store, engine, hostname, metadata, cuda_runtime) as opened:
+        async with _open_with_engine(
+            store, engine, hostname, metadata, cuda_runtime, metrics_port
+        ) as opened:
             yield opened
 
 
@@ -273,9 +291,13 @@ async def _open_with_engine(
     hostname: str,
     metadata: str,
     cuda_runtime: CudaRuntime | None = None,
+    metrics_port: int | None = None,
 ) -> AsyncIterator[Store]:
-    async with _engine_for(engine, hostname, metadata, cuda_runtime) as eng:
+    async with _engine_for(engine, hostname, metadata, cuda_runtime, metrics_port) as eng:
         store.engine = eng
+        if eng.metrics is not None:
+            store.metrics = StoreMetrics(store)
+            eng.metrics_registry.register(store.metrics)
         try:
             async with anyio.create_task_group() as tg:
                 try:
@@ -288,16 +310,24 @@ async def _open_with_engine(
                 await store._aclose()
             else:
                 store.master.close()
+            if store.metrics is not None:
+                eng.metrics_registry.unregister(store.metrics)
 
 
 @asynccontextmanager
 async def _engine_for(
-    engine: Engine | None, hostname: str, metadata: str, cuda_runtime: CudaRuntime | None = None
+    engine: Engine | None,
+    hostname: str,
+    metadata: str,
+    cuda_runtime: CudaRuntime | None = None,
+    metrics_port: int | None = None,
 ) -> AsyncIterator[Engine]:
     if engine is not None:
         yield engine
         return
-    async with open_engine(hostname, metadata, cuda_runtime=cuda_runtime) as eng:
+    async with open_engine(
+        hostname, metadata, cuda_runtime=cuda_runtime, metrics_port=metrics_port
+    ) as eng:
         yield eng
 
 

@@ -40,6 +40,7 @@ from mooncake._core import rpc
 from mooncake._core import store_types as st
 from mooncake._core.master import parse_miss
 from mooncake._store.bounds import check_replica_list, own_extent
+from mooncake._store.metrics import instrument_fast
 from mooncake._store.shm import MappedPeer
 from mooncake.errors import (
     LeaseExpiredError,
@@ -110,6 +111,7 @@ class SyncMaster:
         return rpc.decode_result(method, msg)
 
 
+@instrument_fast
 class FastPath:
     """Sync put/get for one facade (see the module docstring)."""
 

@@ -1,4 +1,4 @@
-"""The store master server: the RPC port, the sweeper, ``/metrics`` + ``/health``.
+"""The store master server: the RPC port, the sweeper, ``/metrics``, ``/status``, ``/health``.
 
 ::
 
@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -437,6 +438,8 @@ class MasterServer:
             return 200, "text/plain; version=0.0.4; charset=utf-8", generate_latest(self.registry)
         if url.path == "/health":
             return 200, "text/plain", b"OK\n"
+        if url.path == "/status":
+            return 200, "application/json", msgspec.json.encode(self.status())
         if url.path == "/query_key":
             key = parse_qs(url.query).get("key", [""])[0]
             try:
@@ -451,6 +454,56 @@ class MasterServer:
         if url.path == "/get_all_segments":
             return 200, "application/json", msgspec.json.encode(self.state.all_segments())
         return 404, "text/plain", b"not found\n"
+
+    def status(self) -> dict[str, Any]:
+        """The ``/status`` document (what ``mooncake top`` shows): totals, tiers, segments,
+        clients and the monotonic counters, as JSON-ready builtins (docs/metrics.md)."""
+        s = self.state
+        segments = []
+        clients: dict[str, dict[str, int]] = {}
+        for info in s.all_segments():
+            loc = info.segment.location or "cpu"
+            tier = "gpu" if loc.startswith("cuda:") else "dram"
+            segments.append(
+                {
+                    "id": info.segment.id,
+                    "name": info.segment.name,
+                    "client_id": info.client_id,
+                    "tier": tier,
+                    "capacity": info.capacity,
+                    "used": info.used,
+                }
+            )
+            c = clients.setdefault(info.client_id, {"segments": 0, "capacity": 0, "used": 0})
+            c["segments"] += 1
+            c["capacity"] += info.capacity
+            c["used"] += info.used
+        tiers: dict[str, dict[str, int]] = {t: dict(d) for t, d in s.segment_tiers().items()}
+        for t, tc in s.tiers.items():
+            tiers.setdefault(t, {}).update(hits=tc.hits, misses=tc.misses, evictions=tc.evictions)
+        st = s.stats
+        return {
+            "time": time.time(),
+            "objects": s.object_count,
+            "clients": s.client_count,
+            "segments": s.segment_count,
+            "capacity_bytes": s.capacity_bytes,
+            "used_bytes": s.used_bytes,
+            "tiers": tiers,
+            "segment_list": segments,
+            "client_list": [{"client_id": k, **v} for k, v in sorted(clients.items())],
+            "counters": {
+                "gets": st.gets,
+                "get_misses": st.get_misses,
+                "puts_started": st.puts_started,
+                "puts_ended": st.puts_ended,
+                "evicted_objects": st.evicted_objects,
+                "evicted_bytes": st.evicted_bytes,
+                "removes": st.removes,
+                "lease_refusals": st.lease_refusals,
+                "clients_expired": st.clients_expired,
+            },
+        }
 
     async def serve_http_connection(self, sock: socket.socket, slot: _accept.Slot) -> None:
         """One admin HTTP connection (keep-alive; at most ``_HTTP_MAX_CONNECTIONS`` live, the

@@ -3,8 +3,9 @@
 Each function takes the ``--json`` report document (:meth:`ReplayReport.to_dict`), so plots can
 be redrawn from a saved report, and writes one PNG:
 
-* :func:`plot_hit_rate` - hit rate against capacity per policy, with the theoretical maximum
-  (Fig. 9 form);
+* :func:`plot_hit_rate` - hit rate against capacity per policy, with Belady's offline optimum
+  and the theoretical maximum (Fig. 9 form);
+* :func:`plot_belady_gap` - each policy's gap to Belady's optimum per capacity;
 * :func:`plot_global_local` - one global pool against ``N`` local caches of the same total
   capacity (Fig. 10 form);
 * :func:`plot_ttft` - mean and P90 TTFT per scheduling strategy (Fig. 5 form).
@@ -29,7 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise NotSupportedError("plots need matplotlib: pip install 'mooncake-py[plot]'") from exc
 
 _WEIGHTS = {"token": "token_hit_rate", "block": "block_hit_rate"}
-_LABELS = {"s3fifo": "S3-FIFO", "prefix-lru": "prefix-LRU"}
+_LABELS = {"s3fifo": "S3-FIFO", "prefix-lru": "prefix-LRU", "belady": "Belady (offline MIN)"}
 
 
 def _label(policy: str) -> str:
@@ -74,6 +75,17 @@ def plot_hit_rate(
             linewidth=1.6,
             markersize=5,
         )
+    opt = sorted((b["capacity_blocks"], 100 * b[key]) for b in report.get("belady", []))
+    if opt:
+        ax.plot(
+            [p[0] for p in opt],
+            [p[1] for p in opt],
+            color="black",
+            linewidth=2.2,
+            marker="*",
+            markersize=7,
+            label=_label("belady"),
+        )
     ax.axhline(
         100 * report["max"][key],
         color="black",
@@ -88,6 +100,46 @@ def plot_hit_rate(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title(_title(report, "Hit rate vs capacity"))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_belady_gap(
+    report: dict[str, Any], path: str | os.PathLike[str], *, weight: str = "token"
+) -> None:
+    """Percentage points of hit rate (``weight``) each policy leaves below Belady's offline
+    optimum, against global capacity."""
+    key = _WEIGHTS[weight]
+    bt = report["config"]["kv"]["block_tokens"]
+    opt = {b["capacity_blocks"]: 100 * b[key] for b in report.get("belady", [])}
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    by_policy: dict[str, list[tuple[int, float]]] = {}
+    for c in report["caches"]:
+        if c["scope"] == "global" and c["capacity_blocks"] in opt:
+            cap = c["capacity_blocks"]
+            by_policy.setdefault(c["policy"], []).append((cap, opt[cap] - 100 * c[key]))
+    markers = "osD^vP*X"
+    styles = ("-", "--", "-.", ":")
+    for n, (policy, pts) in enumerate(by_policy.items()):
+        pts.sort()
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            marker=markers[n % len(markers)],
+            linestyle=styles[n % len(styles)],
+            markerfacecolor="none" if n % 2 else None,
+            label=_label(policy),
+            linewidth=1.6,
+            markersize=5,
+        )
+    ax.axhline(0, color="black", linewidth=1.0)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"cache capacity (blocks of {bt} tokens, log scale)")
+    ax.set_ylabel(f"Belady minus policy, {weight}-weighted hit (points)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="upper right", fontsize=8)
+    ax.set_title(_title(report, "Gap to Belady's optimum"))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -190,6 +242,10 @@ def write_plots(
     if any(c["scope"] == "global" for c in report["caches"]):
         p = os.path.join(directory, f"{prefix}hit_rate.png")
         plot_hit_rate(report, p)
+        out.append(p)
+    if report.get("belady") and any(c["scope"] == "global" for c in report["caches"]):
+        p = os.path.join(directory, f"{prefix}belady_gap.png")
+        plot_belady_gap(report, p)
         out.append(p)
     policies = [c["policy"] for c in report["caches"] if c["scope"] == "local"]
     if policies:

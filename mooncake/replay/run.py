@@ -16,6 +16,7 @@ from typing import Any
 
 from mooncake._core.policies import POLICIES, make_policy
 from mooncake.errors import InvalidArgumentError
+from mooncake.replay.belady import BeladySim, next_references
 from mooncake.replay.cache import PolicyFactory
 from mooncake.replay.model import KVModel, PrefillModel
 from mooncake.replay.sim import STRATEGIES, HitRateSim, MaxHitSim, Router, ScheduleSim, Scope
@@ -56,7 +57,9 @@ class ReplayConfig:
     the global-vs-local comparison is the paper's for LRU, and every policy would double the
     sweep's time). ``strategies``: routing strategies for
     ``instances`` prefill instances of ``instance_capacity`` blocks each, with the
-    ``schedule_policy`` eviction policy.
+    ``schedule_policy`` eviction policy. ``belady``: also run Belady's offline optimum
+    (:mod:`mooncake.replay.belady`) at every capacity, the reference the policies are
+    measured against.
     """
 
     policies: tuple[str, ...] = ("lru",)
@@ -69,6 +72,7 @@ class ReplayConfig:
     schedule_policy: str = "lru"
     balance_threshold: float = 1.0
     seed: int = 0
+    belady: bool = True
     kv: KVModel = field(default_factory=KVModel)
     model: PrefillModel = field(default_factory=PrefillModel)
 
@@ -132,6 +136,8 @@ class ReplayReport:
     schedules: list[ScheduleSim]
     #: per request: (index, line_no, timestamp_ms, input_length, output_length, blocks)
     requests: list[tuple[int, int, float, int, int, int]]
+    #: Belady's optimum per capacity (empty if the config turned it off)
+    belady: list[BeladySim] = field(default_factory=list)
 
     def cache(self, scope: str, policy: str, capacity: int) -> HitRateSim:
         """The hit-rate simulator of ``(scope, policy, capacity)``; ``KeyError`` if not run."""
@@ -157,6 +163,7 @@ class ReplayReport:
             "max_hit_blocks",
         ]
         cols += [f"hit_blocks[{sim.name}]" for sim in self.caches]
+        cols += [f"hit_blocks[{sim.name}]" for sim in self.belady]
         for s in self.schedules:
             cols += [
                 f"{s.name}.instance",
@@ -173,6 +180,7 @@ class ReplayReport:
         for i, meta in enumerate(self.requests):
             row: list[int | float] = [*meta, self.max_hit.hits[i]]
             row += [sim.hits[i] for sim in self.caches]
+            row += [sim.hits[i] for sim in self.belady]
             for s in self.schedules:
                 row += [
                     s.instance[i],
@@ -191,6 +199,7 @@ class ReplayReport:
             "max": self.max_hit.summary(),
             "caches": [sim.summary() for sim in self.caches],
             "schedules": [sim.summary() for sim in self.schedules],
+            "belady": [sim.summary() for sim in self.belady],
         }
         if requests:
             out["requests"] = {"columns": self.columns(), "rows": list(self.request_rows())}
@@ -272,9 +281,14 @@ def replay(
         done += len(reqs)
         if not isinstance(sim, MaxHitSim):
             sim.release()  # a policy object of a big cache holds ~100 B per block
+    belady = [BeladySim(c, kv=kv, model=model) for c in cfg.capacities] if cfg.belady else []
+    if belady:
+        nexts = next_references([r.hash_ids for r in reqs])
+        for b in belady:
+            b.run(reqs, nexts)
     trace.unique_blocks = max_hit.unique_blocks
     meta = [
         (r.index, r.line_no, r.timestamp_ms, r.input_length, r.output_length, len(r.hash_ids))
         for r in reqs
     ]
-    return ReplayReport(cfg, trace, max_hit, caches, schedules, meta)
+    return ReplayReport(cfg, trace, max_hit, caches, schedules, meta, belady)

@@ -19,9 +19,11 @@ Pure: the caller owns the file; :func:`iter_trace` takes an iterable of lines (`
 
 from __future__ import annotations
 
+import gzip
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import IO
 
 import msgspec
 
@@ -161,6 +163,13 @@ def iter_trace(
         index += 1
 
 
+def open_trace(path: str) -> IO[bytes]:
+    """Open a trace file for reading bytes; a ``.gz`` name is read through gzip."""
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")  # type: ignore[return-value]  # GzipFile is a binary IO
+    return open(path, "rb")
+
+
 def load_trace(
     path: str,
     *,
@@ -168,8 +177,9 @@ def load_trace(
     skip_bad: bool = False,
     stats: TraceStats | None = None,
 ) -> list[TraceRequest]:
-    """Read a whole trace file into a list (tests and small traces; the CLI streams)."""
-    with open(path, "rb") as f:
+    """Read a whole trace file (``.gz`` too) into a list (tests and small traces; the CLI
+    streams)."""
+    with open_trace(path) as f:
         return list(
             iter_trace(f, source=path, block_tokens=block_tokens, skip_bad=skip_bad, stats=stats)
         )

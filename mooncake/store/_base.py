@@ -246,6 +246,19 @@ class StoreBase:
         except Exception:
             return 2
 
+    @property
+    def metrics_registry(self) -> Any:
+        """The ``prometheus_client`` registry of this client and its engine (None before
+        setup; not in the published API, see docs/metrics.md)."""
+        return None if self._store is None else self._store.metrics_registry
+
+    def serve_metrics(self, port: int = 0, host: str = "127.0.0.1") -> int:
+        """Serve :attr:`metrics_registry` over HTTP until the store closes; returns the port
+        (``MC_METRICS_PORT`` starts it at ``setup``). A negative code before setup."""
+        if self._store is None:
+            return int(ErrorCode.INVALID_PARAMS)
+        return self._store.engine.serve_metrics(port, host)
+
     def get_engine(self) -> Any:
         """A :class:`mooncake.engine.TransferEngine` view of this store's engine (None before
         setup): pass it to another store's ``setup(engine=...)`` to share it, or use its

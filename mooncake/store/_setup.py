@@ -46,6 +46,11 @@ SETUP_NAMES = (
     "enable_client_http_server",
     "client_http_port",
 )
+#: config-file spellings accepted in ``setup(dict)`` for the published dict keys
+CONFIG_ALIASES = {
+    "master_server_address": "master_server_addr",
+    "device_name": "rdma_devices",
+}
 #: protocol strings of the published client (``installTransport`` names)
 PUBLISHED_PROTOCOLS = frozenset(
     {
@@ -75,10 +80,17 @@ def collect(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         for req in ("local_hostname", "metadata_server"):
             if req not in cfg:
                 raise InvalidArgumentError(f"setup(config): missing required key {req!r}")
+        # the spellings of the config files that vLLM's, SGLang's and LMCache's Mooncake
+        # configs use (MOONCAKE_CONFIG_PATH JSON), where the dict's own name is absent
+        for alias, name in CONFIG_ALIASES.items():
+            if alias in cfg and name not in cfg:
+                cfg[name] = cfg.pop(alias)
         known = (set(SETUP_NAMES) - {"engine"}) | {"ipc_socket_path"}
         unknown = set(cfg) - known
-        if unknown:
-            raise InvalidArgumentError(f"setup(config): unknown keys {sorted(unknown)}")
+        if unknown:  # the published client ignores keys it does not read: so do we, aloud
+            log.warning("setup(config): ignoring unknown keys %s", sorted(unknown))
+            for k in unknown:
+                del cfg[k]
         return cfg
     if len(args) > len(SETUP_NAMES):
         raise InvalidArgumentError(f"setup takes at most {len(SETUP_NAMES)} arguments")

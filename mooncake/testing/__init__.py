@@ -16,21 +16,27 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mooncake.testing.policy import (
+        ORACLES,
         PolicyModel,
         check_policy,
         fifo_oracle,
         lfu_oracle,
         lru_oracle,
         prefix_lru_oracle,
+        s3fifo_oracle,
+        sieve_oracle,
     )
 
 __all__ = [
+    "ORACLES",
     "PolicyModel",
     "check_policy",
     "fifo_oracle",
     "lfu_oracle",
     "lru_oracle",
     "prefix_lru_oracle",
+    "s3fifo_oracle",
+    "sieve_oracle",
 ]
 
 _LAZY = {name: "mooncake.testing.policy" for name in __all__}

@@ -1,11 +1,12 @@
-"""Property tests for eviction policies: :func:`check_policy` runs a hypothesis state machine.
+"""Property tests for eviction policies: :func:`check_policy` drives a policy and checks it.
 
-The machine drives a policy through random sequences of inserts (with and without prefix
-parents), accesses, removals, pin changes, lease/incomplete flips and eviction rounds, keeps
-its own model of what the policy should track, and after every step checks:
+The harness drives a policy through sequences of inserts (with and without prefix parents),
+accesses, removals, pin changes, lease/incomplete flips, refused bad sizes and eviction rounds,
+keeps its own model of what the policy should track, and after every step checks:
 
 - bookkeeping: ``len(policy)``, ``key in policy``, ``total_bytes`` match the model, and
-  ``policy.self_check()`` passes; events on untracked keys raise ``KeyError``;
+  ``policy.self_check()`` passes; events on untracked keys raise ``KeyError``; a negative,
+  float or bool size raises :class:`~mooncake.errors.InvalidArgumentError` and changes nothing;
 - every ``victims(nbytes, can_evict)`` answer: tracked keys only, no duplicates; never a
   hard-pinned key or one with ``can_evict(key)`` false (leased or incomplete); ``can_evict``
   asked only about tracked keys; soft-pinned keys only after every evictable unpinned key;
@@ -17,17 +18,35 @@ its own model of what the policy should track, and after every step checks:
   pinned or busy itself;
 - an optional policy-specific oracle: ``oracle(model, nbytes)`` returns the exact victim list
   the policy must propose (or ``None`` to skip). :func:`lru_oracle`, :func:`fifo_oracle`,
-  :func:`lfu_oracle` and :func:`prefix_lru_oracle` are the shipped policies' oracles.
+  :func:`lfu_oracle`, :func:`sieve_oracle`, :func:`s3fifo_oracle` and
+  :func:`prefix_lru_oracle` are the shipped policies' oracles (:data:`ORACLES` by name).
 
-A failure raises ``AssertionError`` naming the broken rule, with hypothesis' shrunk sequence
-of steps in its ``__notes__`` (pytest prints them). Needs the ``test`` extra (``hypothesis``);
-refuses to run under ``python -O``, where its assertions would vanish.
+Two searches run, in order:
+
+1. a fixed *schedule* of generated sequences (``schedule`` of them, from seeds 0, 1, 2, ...:
+   the same sequences on every run, whatever the policy's name or the process state). Each
+   sequence is a *swarm* configuration: it draws which kinds of step it uses and how often,
+   a subset of the key pool, a size regime (unit, small, wide, zeros), how often inserts are
+   chained to their prefix parent, and how often state is built in bulk (a burst of inserts,
+   a whole chain at once); eviction rounds are biased to states with pins and busy keys and
+   ask for boundary byte counts (1, one key's size, every evictable byte, one more). A
+   violation is shrunk (steps removed, arguments simplified, same failure kept) and reported
+   as hypothesis-style ``state.insert(...)`` steps plus a script to paste;
+2. hypothesis' stateful search (``max_examples`` random sequences of up to
+   ``stateful_step_count`` steps; ``derandomize`` and ``settings_`` as in hypothesis), which
+   shrinks its own counter-examples.
+
+A failure raises ``AssertionError`` naming the broken rule, with the shrunk sequence of steps
+in its ``__notes__`` (pytest prints them). Needs the ``test`` extra (``hypothesis``); refuses
+to run under ``python -O``, where its assertions would vanish.
 """
 
 from __future__ import annotations
 
+import operator
+import random
 import re
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,9 +55,13 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from mooncake._core.policies.base import EvictionPolicy, Key, Pin
+from mooncake.errors import InvalidArgumentError
+from mooncake.testing import _policy_ref
 
 __all__ = [
+    "DEFAULT_SCHEDULE",
     "KEYS",
+    "ORACLES",
     "ModelEntry",
     "Oracle",
     "PolicyModel",
@@ -47,6 +70,8 @@ __all__ = [
     "lfu_oracle",
     "lru_oracle",
     "prefix_lru_oracle",
+    "s3fifo_oracle",
+    "sieve_oracle",
 ]
 
 KEYS: tuple[str, ...] = (
@@ -60,8 +85,31 @@ KEYS: tuple[str, ...] = (
     "b",
     "b/a",
     "b/a/a",
+    "a/a/a/a/a",
+    "a/b/b",
+    "b/b",
+    "c",
+    "c/a",
+    "c/a/a",
+    "d",
+    "d/a",
+    "d/a/a",
+    "d/b",
+    "e",
+    "e/a",
+    "e/a/a",
+    "e/a/a/a",
+    "f",
+    "f/a",
+    "g",
+    "g/a",
+    "h",
+    "h/a",
+    "h/b",
+    "i",
 )
-"""The key pool: a small prefix forest; a key's parent is the key without its last segment."""
+"""The key pool: a prefix forest of 32 keys (chains up to five deep, fan-out up to two; more
+keys than S3-FIFO's ghost queue keeps); a key's parent is the key without its last segment."""
 
 
 def _parent_of(key: str) -> str | None:
@@ -89,13 +137,21 @@ class PolicyModel:
     """The harness's reference state; oracles read it.
 
     ``entries`` is in insertion order; ``busy`` holds keys the caller may not evict now
-    (leased or incomplete: ``can_evict`` false), tracked or not.
+    (leased or incomplete: ``can_evict`` false), tracked or not. ``log`` lists every event
+    fed to the policy so far, for oracles that replay a reference model:
+    ``("insert", key, size, parent)``, ``("access", key)``, ``("remove", key)``,
+    ``("pin", key, pin)`` and ``("victims", nbytes, frozenset(busy))``.
     """
 
     prefix_closed: bool
     entries: dict[Key, ModelEntry] = field(default_factory=dict)
     busy: set[Key] = field(default_factory=set)
     clock: int = 0
+    log: list[tuple[Any, ...]] = field(default_factory=list)
+    policy: Any = field(default=None, repr=False, compare=False)
+    """The policy under test, for oracles that also compare its counters (SIEVE's ``laps``)."""
+    refs: dict[str, tuple[Any, int]] = field(default_factory=dict, repr=False, compare=False)
+    """Reference models the oracles keep up to date with ``log`` (name -> model, events fed)."""
 
     def tick(self) -> int:
         self.clock += 1
@@ -189,7 +245,13 @@ def fifo_oracle(model: PolicyModel, nbytes: int) -> list[Key]:
 
 
 def lfu_oracle(model: PolicyModel, nbytes: int) -> list[Key]:
-    """Fewest uses first, then least recently used."""
+    """Fewest uses first, then least recently used. A policy with a ``frequency(key)`` method
+    (:class:`~mooncake.policies.LFUPolicy`) must also report each key's use count."""
+    frequency = getattr(model.policy, "frequency", None)
+    if frequency is not None:
+        for k, e in model.entries.items():
+            got = frequency(k)
+            assert got == e.uses, f"frequency({k!r}) = {got!r}, but it was used {e.uses} times"
     order = sorted(model.entries, key=lambda k: (model.entries[k].uses, model.entries[k].last_use))
     return model.select(order, nbytes)
 
@@ -225,6 +287,46 @@ def prefix_lru_oracle(model: PolicyModel, nbytes: int) -> list[Key]:
         remaining.discard(key)
         freed += model.entries[key].size
     return out
+
+
+def _reference(model: PolicyModel, name: str, make: Callable[[], Any], nbytes: int) -> list[Key]:
+    """Bring the reference model ``name`` up to date with ``model.log`` and ask it for the
+    victims of the ``victims`` call being checked (the log's next event, which it then skips:
+    the reference has already answered it, with the same busy set). The policy has answered
+    that call already, so counters both keep (``COUNTERS``) must agree."""
+    ref, fed = model.refs.get(name) or (make(), 0)
+    _policy_ref.replay(ref, model.log[fed:])
+    out: list[Key] = ref.victims(nbytes, model.can_evict)
+    # Called after the policy answered the same call: its counters must agree now.
+    for counter in getattr(ref, "COUNTERS", ()):
+        if hasattr(model.policy, counter):
+            got, want = getattr(model.policy, counter), getattr(ref, counter)
+            assert got == want, f"{counter} = {got!r}, reference model says {want!r}"
+    model.refs[name] = (ref, len(model.log) + 1)
+    return out
+
+
+def sieve_oracle(model: PolicyModel, nbytes: int) -> list[Key]:
+    """SIEVE (NSDI'24) as :class:`~mooncake.policies.SIEVEPolicy` documents it, hand and all:
+    the model's log replayed on a plain reference model."""
+    return _reference(model, "sieve", _policy_ref.RefSieve, nbytes)
+
+
+def s3fifo_oracle(model: PolicyModel, nbytes: int) -> list[Key]:
+    """S3-FIFO (SOSP'23) with ``small_ratio=0.1`` as :class:`~mooncake.policies.S3FIFOPolicy`
+    documents it: the model's log replayed on a plain reference model."""
+    return _reference(model, "s3fifo", _policy_ref.RefS3FIFO, nbytes)
+
+
+ORACLES: dict[str, Oracle] = {
+    "lru": lru_oracle,
+    "lfu": lfu_oracle,
+    "fifo": fifo_oracle,
+    "sieve": sieve_oracle,
+    "s3fifo": s3fifo_oracle,
+    "prefix-lru": prefix_lru_oracle,
+}
+"""The exact oracle of each shipped policy (default parameters), by registry name."""
 
 
 def check_victims(
@@ -295,16 +397,46 @@ def check_victims(
             assert victims == expected, f"victims({nbytes}) = {victims!r}, oracle says {expected!r}"
 
 
-class PolicyMachine(RuleBasedStateMachine):
-    """The state machine :func:`check_policy` runs; subclassed per policy factory."""
+Op = tuple[Any, ...]
+"""One step of a sequence: ``(rule, *args)``, the rules of :class:`PolicyMachine`."""
 
-    factory: Callable[[], EvictionPolicy]
-    oracle: Any = None
+_ARGS: dict[str, tuple[str, ...]] = {
+    "insert": ("key", "size", "chained"),
+    "access": ("key",),
+    "remove": ("key",),
+    "set_pin": ("key", "pin"),
+    "set_busy": ("key", "busy"),
+    "victims": ("nbytes", "evict"),
+    "bad_insert": ("key", "size"),
+    "bad_pin": ("key", "pin"),
+    "bad_parent": ("key", "parent"),
+}
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.policy = type(self).factory()
-        self.model = PolicyModel(prefix_closed=bool(getattr(self.policy, "prefix_closed", False)))
+
+class IntLike:
+    """An integer-like size that is not an ``int`` (as ``numpy.int64``): ``__index__`` only."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+    def __repr__(self) -> str:
+        return f"IntLike({self.value})"
+
+
+class _Driver:
+    """Feeds one policy and the model the same steps and checks the policy after each."""
+
+    def __init__(self, policy: EvictionPolicy, oracle: Any) -> None:
+        self.policy = policy
+        self.oracle = oracle
+        self.model = PolicyModel(prefix_closed=bool(getattr(policy, "prefix_closed", False)))
+        self.model.policy = policy
+
+    def apply(self, op: Op) -> None:
+        getattr(self, op[0])(*op[1:])
 
     def _expect_key_error(self, call: Callable[[], object], what: str) -> None:
         try:
@@ -313,54 +445,85 @@ class PolicyMachine(RuleBasedStateMachine):
             return
         raise AssertionError(f"{what} on an untracked key did not raise KeyError")
 
-    @rule(key=st.sampled_from(KEYS), size=st.integers(0, 64), chained=st.booleans())
     def insert(self, key: str, size: int, chained: bool) -> None:
         parent = _parent_of(key) if chained else None
-        now = self.model.tick()
+        model = self.model
+        now = model.tick()
         self.policy.on_insert(key, size, parent=parent, now=float(now))
-        self.model.entries.pop(key, None)
-        self.model.entries[key] = ModelEntry(size, parent, Pin.NONE, now, now, 1)
+        size = operator.index(size)
+        model.entries.pop(key, None)
+        model.entries[key] = ModelEntry(size, parent, Pin.NONE, now, now, 1)
+        model.log.append(("insert", key, size, parent))
 
-    @rule(key=st.sampled_from(KEYS))
-    def access(self, key: str) -> None:
+    def bad_insert(self, key: str, size: object) -> None:
+        try:
+            self.policy.on_insert(key, size, now=0.0)  # type: ignore[arg-type]
+        except InvalidArgumentError:
+            return
+        raise AssertionError(f"on_insert({key!r}, {size!r}) did not raise InvalidArgumentError")
+
+    def bad_parent(self, key: str, parent: str) -> None:
+        """A parent link that closes a cycle (``parent`` is ``key`` or descends from it): a
+        prefix-closed policy refuses it and changes nothing; others ignore parents."""
+        model = self.model
+        if not model.prefix_closed:
+            return
+        try:
+            self.policy.on_insert(key, 1, parent=parent, now=0.0)
+        except InvalidArgumentError:
+            return
+        raise AssertionError(
+            f"on_insert({key!r}, parent={parent!r}) closes a cycle but did not raise "
+            "InvalidArgumentError"
+        )
+
+    def bad_pin(self, key: str, pin: object) -> None:
         entry = self.model.entries.get(key)
+        try:
+            self.policy.set_pin(key, pin)  # type: ignore[arg-type]
+        except (InvalidArgumentError, KeyError) as exc:
+            if isinstance(exc, KeyError) and entry is not None:
+                raise
+            return
+        raise AssertionError(f"set_pin({key!r}, {pin!r}) did not raise InvalidArgumentError")
+
+    def access(self, key: str) -> None:
+        model = self.model
+        entry = model.entries.get(key)
         if entry is None:
             self._expect_key_error(lambda: self.policy.on_access(key, 0.0), "on_access")
             return
-        now = self.model.tick()
+        now = model.tick()
         self.policy.on_access(key, float(now))
         entry.last_use = now
         entry.uses += 1
+        model.log.append(("access", key))
 
-    @rule(key=st.sampled_from(KEYS))
     def remove(self, key: str) -> None:
-        if key not in self.model.entries:
+        model = self.model
+        if key not in model.entries:
             self._expect_key_error(lambda: self.policy.on_remove(key), "on_remove")
             return
         self.policy.on_remove(key)
-        del self.model.entries[key]
+        del model.entries[key]
+        model.log.append(("remove", key))
 
-    @rule(key=st.sampled_from(KEYS), pin=st.sampled_from(Pin))
     def set_pin(self, key: str, pin: Pin) -> None:
-        entry = self.model.entries.get(key)
+        model = self.model
+        entry = model.entries.get(key)
         if entry is None:
             self._expect_key_error(lambda: self.policy.set_pin(key, pin), "set_pin")
             return
         self.policy.set_pin(key, pin)
         entry.pin = pin
+        model.log.append(("pin", key, pin))
 
-    @rule(key=st.sampled_from(KEYS), busy=st.booleans())
     def set_busy(self, key: str, busy: bool) -> None:
-        """A lease granted or expired, or a put started or completed: ``can_evict`` flips."""
         if busy:
             self.model.busy.add(key)
         else:
             self.model.busy.discard(key)
 
-    @rule(
-        nbytes=st.integers(-1, 300),
-        evict=st.sampled_from(("all", "none", "first")),
-    )
     def victims(self, nbytes: int, evict: str) -> None:
         model = self.model
         asked: list[Hashable] = []
@@ -372,15 +535,17 @@ class PolicyMachine(RuleBasedStateMachine):
         victims = self.policy.victims(nbytes, can_evict)
         strays = [k for k in asked if k not in model.entries]
         assert not strays, f"can_evict asked about untracked keys {strays!r}"
-        check_victims(model, nbytes, victims, type(self).oracle)
+        check_victims(model, nbytes, victims, self.oracle)
+        model.log.append(("victims", nbytes, frozenset(model.busy)))
         chosen = victims if evict == "all" else victims[:1] if evict == "first" else []
         for key in chosen:
             self.policy.on_remove(key)
             del model.entries[key]
+            model.log.append(("remove", key))
 
-    @invariant()
-    def bookkeeping(self) -> None:
-        policy, entries = self.policy, self.model.entries
+    def check(self) -> None:
+        policy, model = self.policy, self.model
+        entries = model.entries
         assert len(policy) == len(entries), f"len(policy) = {len(policy)}, model {len(entries)}"
         for key in KEYS:
             assert (key in policy) == (key in entries), f"membership of {key!r} disagrees"
@@ -389,16 +554,410 @@ class PolicyMachine(RuleBasedStateMachine):
         policy.self_check()
         dead = policy.unreachable()
         assert len(set(dead)) == len(dead), f"unreachable() has duplicates: {dead!r}"
-        if self.model.prefix_closed:
-            expected = {k for k in entries if not self.model.reachable(k)}
+        if model.prefix_closed:
+            expected = {k for k in entries if not model.reachable(k)}
             assert set(dead) == expected, (
                 f"unreachable() = {dead!r}, model {sorted(map(repr, expected))}"
             )
             for i, gone in enumerate(dead):
-                later = [c for c in self.model.children(gone) if c in dead[i:]]
+                later = [c for c in model.children(gone) if c in dead[i:]]
                 assert not later, f"unreachable() lists {gone!r} before its children {later!r}"
         else:
             assert dead == [], f"unreachable() = {dead!r} from a policy that is not prefix-closed"
+
+
+class PolicyMachine(RuleBasedStateMachine):
+    """The state machine :func:`check_policy` runs; subclassed per policy factory."""
+
+    factory: Callable[[], EvictionPolicy]
+    oracle: Any = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.driver = _Driver(type(self).factory(), type(self).oracle)
+        self.policy = self.driver.policy
+        self.model = self.driver.model
+
+    @rule(key=st.sampled_from(KEYS), size=st.integers(0, 64), chained=st.booleans())
+    def insert(self, key: str, size: int, chained: bool) -> None:
+        self.driver.insert(key, size, chained)
+
+    @rule(key=st.sampled_from(KEYS))
+    def access(self, key: str) -> None:
+        self.driver.access(key)
+
+    @rule(key=st.sampled_from(KEYS))
+    def remove(self, key: str) -> None:
+        self.driver.remove(key)
+
+    @rule(key=st.sampled_from(KEYS), pin=st.sampled_from(Pin))
+    def set_pin(self, key: str, pin: Pin) -> None:
+        self.driver.set_pin(key, pin)
+
+    @rule(key=st.sampled_from(KEYS), busy=st.booleans())
+    def set_busy(self, key: str, busy: bool) -> None:
+        """A lease granted or expired, or a put started or completed: ``can_evict`` flips."""
+        self.driver.set_busy(key, busy)
+
+    @rule(nbytes=st.integers(-1, 300), evict=st.sampled_from(("all", "none", "first")))
+    def victims(self, nbytes: int, evict: str) -> None:
+        self.driver.victims(nbytes, evict)
+
+    @invariant()
+    def bookkeeping(self) -> None:
+        self.driver.check()
+
+
+# -- the fixed schedule ---------------------------------------------------------------------
+
+_SHRINK = True  # the mutation run turns it off: it only needs to know that a failure exists
+
+DEFAULT_SCHEDULE = 300
+"""Sequences of the fixed schedule :func:`check_policy` runs before hypothesis' search."""
+
+_BAD_SIZES: tuple[object, ...] = (-1, 1.5, True, -64, IntLike(-2), "3")
+_BAD_PINS: tuple[object, ...] = (7, -1, "HARD")
+_WEIGHTS: dict[str, float] = {
+    "insert": 3.0,
+    "access": 2.0,
+    "remove": 0.7,
+    "set_pin": 1.2,
+    "set_busy": 0.8,
+    "victims": 2.0,
+    "bad_insert": 0.0,
+    "bad_pin": 0.0,
+    "bad_parent": 0.0,
+}
+
+
+class _Swarm:
+    """One sequence's generator: a random configuration, then steps drawn from the state."""
+
+    def __init__(self, rng: random.Random, bad_sizes: bool) -> None:
+        self.rng = rng
+        n = rng.choice((3, 5, 8, 16, 16, len(KEYS)))
+        picked = set(rng.sample(range(len(KEYS)), n))
+        self.pool = [k for i, k in enumerate(KEYS) if i in picked]
+        weights = dict(_WEIGHTS)
+        self.bad_sizes = bad_sizes
+        if bad_sizes:
+            weights["bad_insert"] = weights["bad_pin"] = weights["bad_parent"] = 0.8
+        for kind in ("access", "remove", "set_pin", "set_busy"):
+            weights[kind] = 0.0 if rng.random() < 0.3 else weights[kind] * rng.uniform(0.3, 2)
+        self.kinds = list(weights)
+        self.weights = list(weights.values())
+        self.sizes = rng.choice(((1, 1), (0, 3), (0, 64), (0, 1), (2, 9)))
+        self.p_chain = rng.choice((0.0, 0.6, 1.0, 1.0))
+        self.p_burst = rng.choice((0.0, 0.15, 0.4))
+        self.p_bias = rng.choice((0.0, 0.3, 0.6))
+
+    def _size(self) -> int:
+        return self.rng.randint(*self.sizes)
+
+    def _insert(self, key: str) -> Op:
+        size = self._size()
+        sized: int | IntLike = size
+        if self.bad_sizes and self.rng.random() < 0.3:
+            sized = IntLike(size)
+        return ("insert", key, sized, self.rng.random() < self.p_chain)
+
+    def _key(self, model: PolicyModel) -> str:
+        tracked = [k for k in self.pool if k in model.entries]
+        if tracked and self.rng.random() < 0.9:
+            return self.rng.choice(tracked)
+        return self.rng.choice(self.pool)
+
+    def _chain(self, key: str) -> list[str]:
+        chain = [key]
+        while (parent := _parent_of(chain[-1])) is not None and parent in self.pool:
+            chain.append(parent)
+        chain.reverse()
+        return chain
+
+    def _nbytes(self, model: PolicyModel) -> int:
+        rng = self.rng
+        evictable = model.evictable()
+        # In insertion order, not set order: the schedule must not depend on str hashing.
+        sizes = [e.size for k, e in model.entries.items() if k in evictable]
+        possible = sum(sizes)
+        pick = rng.random()
+        if pick < 0.05:
+            return rng.choice((-1, 0))
+        if pick < 0.2 or not sizes:
+            return 1
+        if pick < 0.35:
+            return rng.choice(sizes) or 1
+        if pick < 0.55:
+            return possible + rng.choice((0, 0, 1))
+        if pick < 0.65:
+            return max(1, possible - 1)
+        return rng.randint(1, possible + 2)
+
+    def steps(self, model: PolicyModel) -> list[Op]:
+        rng = self.rng
+        kind = rng.choices(self.kinds, self.weights)[0]
+        if kind == "insert":
+            untracked = [k for k in self.pool if k not in model.entries]
+            if rng.random() < self.p_burst:
+                if rng.random() < 0.5:
+                    keys = self._chain(rng.choice(self.pool))
+                    if rng.random() < 0.2:
+                        keys.reverse()  # children before their parents
+                else:
+                    keys = rng.sample(self.pool, rng.randint(2, len(self.pool)))
+                return [self._insert(k) for k in keys]
+            pool = untracked if untracked and rng.random() < 0.7 else self.pool
+            return [self._insert(rng.choice(pool))]
+        if kind == "bad_insert":
+            return [("bad_insert", self._key(model), rng.choice(_BAD_SIZES))]
+        if kind == "bad_pin":
+            return [("bad_pin", self._key(model), rng.choice(_BAD_PINS))]
+        if kind == "bad_parent":
+            key = self._key(model)
+            below = [d for d in model.descendants(key) if d in model.entries]
+            return [("bad_parent", key, rng.choice(below) if below and rng.random() < 0.7 else key)]
+        if kind == "access" and model.entries and rng.random() < self.p_burst:
+            # A run of hits (a hot key set): lazy structures grow and compact.
+            hot: list[Key] = list(model.entries)
+            return [("access", k) for k in rng.choices(hot, k=rng.randint(8, 60))]
+        if kind in ("access", "remove"):
+            return [(kind, self._key(model))]
+        if kind == "set_pin":
+            return [("set_pin", self._key(model), rng.choice((Pin.NONE, Pin.SOFT, Pin.HARD)))]
+        if kind == "set_busy":
+            return [("set_busy", self._key(model), rng.random() < 0.6)]
+        out: list[Op] = []
+        if rng.random() < self.p_bias and model.entries:
+            # Eviction rounds in states that have pins and busy keys.
+            target: Key = rng.choice(list(model.entries))
+            if rng.random() < 0.5 and self.weights[self.kinds.index("set_pin")]:
+                out.append(("set_pin", target, rng.choice((Pin.SOFT, Pin.HARD))))
+            elif self.weights[self.kinds.index("set_busy")]:
+                out.append(("set_busy", target, True))
+        evict = rng.choice(("all", "all", "none", "first"))
+        out.append(("victims", -2, evict))  # nbytes drawn once the steps before it ran
+        return out
+
+
+def _run(
+    factory: Callable[[], EvictionPolicy], oracle: Any, ops: Sequence[Op]
+) -> BaseException | None:
+    """Replay ``ops`` on a fresh policy; the first failure, or ``None``."""
+    try:
+        driver = _Driver(factory(), oracle)
+        driver.check()
+        for op in ops:
+            driver.apply(op)
+            driver.check()
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _explore(
+    factory: Callable[[], EvictionPolicy], oracle: Any, seed: int, length: int, bad_sizes: bool
+) -> tuple[list[Op], BaseException] | None:
+    """Run the schedule's sequence ``seed``; the steps and the failure, or ``None``."""
+    rng = random.Random(seed)
+    swarm = _Swarm(rng, bad_sizes)
+    ops: list[Op] = []
+    try:
+        driver = _Driver(factory(), oracle)
+        driver.check()
+        for _ in range(rng.randint(length // 3, length)):
+            for op in swarm.steps(driver.model):
+                if op[0] == "victims" and op[1] == -2:
+                    op = ("victims", swarm._nbytes(driver.model), op[2])
+                ops.append(op)
+                driver.apply(op)
+                driver.check()
+    except Exception as exc:
+        return ops, exc
+    return None
+
+
+_NOISE = re.compile(r"'[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^}]*\}|\([^)]*\)|-?\d+")
+
+
+def _kind(exc: BaseException) -> str:
+    """What a failure is, without the keys and numbers of one example."""
+    return f"{type(exc).__name__}:{_NOISE.sub('_', str(exc))}"
+
+
+def _simpler(op: Op) -> list[Op]:
+    """Candidate simplifications of one step (smaller sizes, plainer arguments)."""
+    name = op[0]
+    out: list[Op] = []
+    if name == "insert":
+        _, key, size, chained = op
+        out += [("insert", key, s, chained) for s in (0, 1, size // 2) if s < size]
+        if chained:
+            out.append(("insert", key, size, False))
+    elif name == "victims":
+        _, nbytes, evict = op
+        out += [("victims", n, evict) for n in (1, nbytes // 2, nbytes - 1) if 0 < n < nbytes]
+        if evict != "all":
+            out.append(("victims", nbytes, "all"))
+    elif name == "set_pin" and op[2] is Pin.SOFT:
+        out.append(("set_pin", op[1], Pin.HARD))
+    return out
+
+
+def _weight(ops: list[Op]) -> tuple[int, int]:
+    """What shrinking minimises: steps, then the sizes and byte counts in them."""
+    return len(ops), sum(
+        abs(op[2])
+        if op[0] == "insert" and type(op[2]) is int
+        else abs(op[1])
+        if op[0] == "victims"
+        else 0
+        for op in ops
+    )
+
+
+def _bulk_candidates(ops: list[Op]) -> Iterator[list[Op]]:
+    """Whole-sequence simplifications single-step edits cannot reach (an early eviction round
+    that only works with these exact sizes): every size 0 or 1, no eviction round but the
+    last, both; then every step of one key dropped."""
+    last = max((i for i, op in enumerate(ops) if op[0] == "victims"), default=-1)
+
+    def sized(size: int, seq: list[Op]) -> list[Op]:
+        return [("insert", op[1], size, op[3]) if op[0] == "insert" else op for op in seq]
+
+    no_rounds = [op for i, op in enumerate(ops) if op[0] != "victims" or i == last]
+    for size in (0, 1):
+        yield sized(size, ops)
+    if len(no_rounds) < len(ops):
+        yield no_rounds
+        for size in (0, 1):
+            yield sized(size, no_rounds)
+    keys = {op[1] for op in ops if op[0] not in ("victims",)}
+    for key in sorted(keys, key=str):
+        yield [op for op in ops if op[0] == "victims" or op[1] != key]
+
+
+def _shrink(
+    factory: Callable[[], EvictionPolicy], oracle: Any, ops: list[Op], exc: BaseException
+) -> tuple[list[Op], BaseException]:
+    """Delete steps and simplify arguments while the same kind of failure stays."""
+    kind = _kind(exc)
+
+    def fails(cand: list[Op]) -> BaseException | None:
+        got = _run(factory, oracle, cand)
+        return got if got is not None and _kind(got) == kind else None
+
+    changed = True
+    while changed:
+        changed = False
+        for cand in _bulk_candidates(ops):
+            if _weight(cand) >= _weight(ops):
+                continue
+            got = fails(cand)
+            if got is not None:
+                ops, exc, changed = cand, got, True
+                break
+        chunk = max(1, len(ops) // 2)
+        while chunk >= 1:
+            i = len(ops) - chunk
+            while i >= 0:
+                cand = ops[:i] + ops[i + chunk :]
+                got = fails(cand)
+                if got is not None:
+                    ops, exc, changed = cand, got, True
+                i -= chunk
+            chunk //= 2
+        for i in range(len(ops)):
+            for simpler in _simpler(ops[i]):
+                cand = [*ops[:i], simpler, *ops[i + 1 :]]
+                got = fails(cand)
+                if got is not None:
+                    ops, exc, changed = cand, got, True
+                    break
+    return ops, exc
+
+
+def _step_note(op: Op) -> str:
+    args = dict(zip(_ARGS[op[0]], op[1:], strict=True))
+    return f"state.{op[0]}({', '.join(f'{k}={args[k]!r}' for k in sorted(args))})"
+
+
+def _script(factory: Callable[[], EvictionPolicy], ops: Sequence[Op], message: str) -> str:
+    """The shrunk sequence as a script a user can paste to reproduce the failure."""
+    name = getattr(factory, "__qualname__", "")
+    make = f"{name}()" if name.isidentifier() else "factory()  # the factory under test"
+    lines = [
+        "from mooncake.policies import Pin",
+        *(
+            ["from mooncake.testing.policy import IntLike"]
+            if any("IntLike(" in repr(op) for op in ops)
+            else []
+        ),
+        f"policy = {make}",
+        "busy = set()  # keys can_evict refuses (leased, put not completed)",
+    ]
+    for n, op in enumerate(ops, 1):
+        kind = op[0]
+        if kind == "insert":
+            _, key, size, chained = op
+            parent = _parent_of(key) if chained else None
+            lines.append(f"policy.on_insert({key!r}, {size!r}, parent={parent!r})")
+        elif kind == "bad_parent":
+            lines.append(
+                f"policy.on_insert({op[1]!r}, 1, parent={op[2]!r})  # cycle: must raise "
+                "InvalidArgumentError"
+            )
+        elif kind == "bad_pin":
+            lines.append(f"policy.set_pin({op[1]!r}, {op[2]!r})  # must raise InvalidArgumentError")
+        elif kind == "bad_insert":
+            lines.append(
+                f"policy.on_insert({op[1]!r}, {op[2]!r})  # must raise InvalidArgumentError"
+            )
+        elif kind in ("access", "remove"):
+            lines.append(f"policy.on_{kind}({op[1]!r})  # KeyError if {op[1]!r} is not tracked")
+        elif kind == "set_pin":
+            lines.append(f"policy.set_pin({op[1]!r}, Pin.{op[2].name})")
+        elif kind == "set_busy":
+            lines.append(f"busy.{'add' if op[2] else 'discard'}({op[1]!r})")
+        else:
+            _, nbytes, evict = op
+            lines.append(f"victims = policy.victims({nbytes!r}, lambda key: key not in busy)")
+            if n == len(ops):
+                lines.append("print(victims)")
+            elif evict == "all":
+                lines.append("for key in victims:\n    policy.on_remove(key)")
+            elif evict == "first":
+                lines.append("for key in victims[:1]:\n    policy.on_remove(key)")
+    if ops and ops[-1][0] != "victims":
+        lines.append("print(len(policy), policy.total_bytes, policy.unreachable())")
+    lines.append(f"# check_policy: {message}")
+    return "\n".join(lines)
+
+
+def _run_schedule(
+    factory: Callable[[], EvictionPolicy],
+    oracle: Any,
+    count: int,
+    length: int,
+    *,
+    bad_sizes: bool = False,
+    first_seed: int = 0,
+) -> None:
+    """Run the fixed schedule; raise the first failure, shrunk, as ``AssertionError``."""
+    for seed in range(first_seed, first_seed + count):
+        found = _explore(factory, oracle, seed, length, bad_sizes)
+        if found is None:
+            continue
+        ops, exc = _shrink(factory, oracle, *found) if _SHRINK else found
+        message = str(exc) if isinstance(exc, AssertionError) else f"{type(exc).__name__}: {exc}"
+        err = AssertionError(message)
+        # __notes__ as hypothesis writes them (pytest and Python >= 3.11 print them).
+        err.__notes__ = [
+            f"Failing sequence of check_policy's schedule (seed {seed}), shrunk:",
+            "state = PolicyMachine()",
+            *(_step_note(op) for op in ops),
+            "To reproduce, paste:\n" + _script(factory, ops, message),
+        ]
+        raise err from (None if isinstance(exc, AssertionError) else exc)
 
 
 def check_policy(
@@ -409,19 +968,29 @@ def check_policy(
     stateful_step_count: int = 50,
     derandomize: bool = False,
     settings_: settings | None = None,
+    schedule: int = DEFAULT_SCHEDULE,
 ) -> None:
     """Property-test the policy that ``policy_factory()`` builds (a class works).
 
-    Runs ``max_examples`` random sequences of up to ``stateful_step_count`` steps and raises
-    ``AssertionError`` on the first violation of the contract (see the module docstring),
-    after hypothesis has shrunk it to a minimal sequence of steps: the error's ``__notes__``
-    (printed by pytest) list them as ``state.insert(...)`` calls. ``oracle(model, nbytes)``
-    adds a policy-specific exact check (:func:`lru_oracle` ...). ``derandomize=True`` makes
-    the run repeatable; ``settings_`` replaces every hypothesis setting.
+    First runs the fixed schedule (``schedule`` generated sequences of up to 60 rounds,
+    identical on every run; ``0`` skips it), then hypothesis' search: ``max_examples`` random
+    sequences of up to ``stateful_step_count`` steps. Raises ``AssertionError`` on the first
+    violation of the contract (see the module docstring), after shrinking it: the error's
+    ``__notes__`` (printed by pytest) list the steps as ``state.insert(...)`` calls, and the
+    schedule's failures add a script to paste. ``oracle(model, nbytes)`` adds a
+    policy-specific exact check (:func:`lru_oracle` ...). ``derandomize=True`` makes
+    hypothesis' part repeatable; ``settings_`` replaces every hypothesis setting.
     """
     if not __debug__:
         # The checks are assert statements: under -O they would all pass vacuously.
         raise RuntimeError("check_policy needs assertions enabled (do not run python -O)")
+    if schedule:
+        _run_schedule(policy_factory, oracle, schedule, 60)
+        # Input checks after the contract: a contract bug is reported before a missing
+        # size check.
+        _run_schedule(
+            policy_factory, oracle, max(1, schedule // 6), 30, bad_sizes=True, first_seed=10**6
+        )
     label = re.sub(r"\W", "_", getattr(policy_factory, "__name__", "Policy"))
     machine = type(
         f"{label}Machine",

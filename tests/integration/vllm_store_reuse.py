@@ -5,8 +5,12 @@ and this checkout first on ``PYTHONPATH`` (so ``import mooncake`` is ours)::
 
     python tests/integration/vllm_store_reuse.py [--json OUT]
 
-It starts our master, then three fresh vLLM instances, one process each, on a tiny llama-style
-model with dummy weights (``tests/integration/tiny-llama/config.json``; no download):
+It starts our master and our ``mooncake_client`` (the standalone store client that owns the
+pool), then three fresh vLLM instances, one process each, on a tiny llama-style model with
+dummy weights (``tests/integration/tiny-llama/config.json``; no download). The instances use
+vLLM's ``standalone-store`` mode (each rank contributes no memory; the pool outlives them, as
+a prefix cache shared across instances must: an ``embedded`` rank's segment, and the KV in it,
+goes away with its instance):
 
 A. with ``MooncakeStoreConnector`` (``kv_both``): prompt P1, whose KV the connector saves;
 B. with the connector, fresh process: prompt P2 sharing a long prefix with P1; vLLM's own
@@ -83,6 +87,14 @@ def instance(prompt: list[int], connector: bool) -> dict[str, Any]:
     }
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def run_child(name: str, prompt: list[int], connector: bool, env: dict[str, str]) -> dict[str, Any]:
     proc = subprocess.run(
         [
@@ -124,6 +136,23 @@ def main() -> int:
         assert master.stdout is not None
         line = master.stdout.readline()
         address = line.split("rpc=", 1)[1].split()[0]
+        pool = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mooncake._cli.real_client",
+                "--host=127.0.0.1",
+                f"--port={_free_port()}",
+                "--metadata_server=P2PHANDSHAKE",
+                f"--master_server_address={address}",
+                "--protocol=tcp",
+                "--global_segment_size=256MB",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert pool.stdout is not None
+        print(f"[vllm] pool: {pool.stdout.readline().strip()}", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             cfg = Path(tmp) / "mooncake.json"
             cfg.write_text(
@@ -133,7 +162,8 @@ def main() -> int:
                         "master_server_address": address,
                         "protocol": os.environ.get("MOONCAKE_PROTOCOL", "rdma"),
                         "device_name": "",
-                        "global_segment_size": "256mb",
+                        "mode": "standalone-store",
+                        "global_segment_size": 0,
                         "local_buffer_size": "64mb",
                     }
                 )
@@ -143,8 +173,9 @@ def main() -> int:
             b = run_child("B", P2, True, env)
             c = run_child("C", P2, False, env)
     finally:
-        master.terminate()
-        master.wait(10)
+        for proc in (pool, master) if "pool" in locals() else (master,):
+            proc.terminate()
+            proc.wait(10)
     hits = b["metrics"].get("vllm:external_prefix_cache_hits") or 0
     result = {
         "external_hit_tokens_B": hits,

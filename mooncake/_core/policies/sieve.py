@@ -36,9 +36,15 @@ class SIEVEPolicy(EvictionPolicy):
 
     Doubly linked list + dict: every event is O(1); ``victims`` walks at most about two laps
     past non-evictable objects, O(v + s) amortised in practice.
+
+    ``laps`` counts how often the hand has passed the newest object and wrapped to the oldest.
+    With nothing pinned or refused by ``can_evict``, until the first wrap SIEVE proposes
+    exactly what LFU (least-recently-used ties) would: every object behind the hand was hit
+    since its insert, so the first unvisited one ahead of it is the oldest never-hit object,
+    LFU's first victim (``docs/replay.md`` works this through).
     """
 
-    __slots__ = ("_bytes", "_hand", "_head", "_nodes", "_pins", "_tail")
+    __slots__ = ("_bytes", "_hand", "_head", "_nodes", "_pins", "_tail", "laps")
     name = "sieve"
 
     def __init__(self) -> None:
@@ -48,6 +54,7 @@ class SIEVEPolicy(EvictionPolicy):
         self._hand: _Node | None = None  # next node the hand examines; None = the tail
         self._pins: dict[Key, Pin] = {}
         self._bytes = 0
+        self.laps = 0
 
     def on_insert(
         self, key: Key, size: int, *, parent: Key | None = None, now: float = 0.0
@@ -78,6 +85,8 @@ class SIEVEPolicy(EvictionPolicy):
         if self._hand is node:
             # SIEVE: after evicting at the hand, the hand continues toward the head.
             self._hand = newer
+            if newer is None:
+                self.laps += 1
         if newer is None:
             self._head = older
         else:
@@ -129,7 +138,11 @@ class SIEVEPolicy(EvictionPolicy):
                     idle = 0
                     if freed >= nbytes:
                         self._hand = node.newer
+                        if node.newer is None:
+                            self.laps += 1
                         return out
+            if node.newer is None:
+                self.laps += 1
             node = node.newer or tail
         self._hand = node
         for soft in deferred:

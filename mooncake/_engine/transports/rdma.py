@@ -442,6 +442,7 @@ class RdmaTransport(Transport):
             nic.continuing = False
 
     def _log_pause(self, nic: str, peer_path: str) -> None:
+        self.stats["rail_pauses"] += 1
         log.warning(
             "rdma: rail %s -> %s paused for %.0f s after repeated errors",
             nic,
