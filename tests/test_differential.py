@@ -35,6 +35,7 @@ pytestmark = [
 ]
 SURFACE = ROOT / "benchmarks" / "anchor" / "api_surface.py"
 
+
 def anchor_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["MC_LOG_LEVEL"] = "ERROR"
