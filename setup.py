@@ -22,7 +22,13 @@ SOFT_PROVIDER = "mooncake._fast.libmcsoftverbs"
 VERBS_MODULES = ["_verbs_lib", "_verbs_device", "_verbs_pd", "_verbs_mr", "_verbs_cq", "_verbs_qp"]
 
 extensions = [
-    Extension("mooncake._fast._io", ["mooncake/_fast/_io.pyx"], extra_compile_args=CFLAGS),
+    Extension(
+        "mooncake._fast._io",
+        ["mooncake/_fast/_io.pyx"],
+        include_dirs=[CSRC],
+        depends=[f"{CSRC}/mc_copy.h"],
+        extra_compile_args=CFLAGS,
+    ),
     # libcudart is dlopen()ed at run time: no CUDA headers or libraries at build time
     Extension("mooncake._fast._cuda", ["mooncake/_fast/_cuda.pyx"], extra_compile_args=CFLAGS),
     *(

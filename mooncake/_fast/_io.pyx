@@ -8,7 +8,10 @@ raises except on bad Python arguments.
 """
 
 from libc.errno cimport errno
-from libc.string cimport memcpy as c_memcpy
+cdef extern from "mc_copy.h" nogil:
+    void c_memcpy "mc_copy"(void *dst, const void *src, size_t n)
+    void c_memcpy_stream "mc_copy_stream"(void *dst, const void *src, size_t n)
+    void c_copy_fence "mc_copy_fence"()
 from libc.stdint cimport uint8_t, uintptr_t
 from libc.stdlib cimport malloc, free
 
@@ -132,11 +135,14 @@ cdef extern from "<sys/uio.h>" nogil:
                               const iovec *remote_iov, unsigned long riovcnt, unsigned long flags)
 
 
-def memcpy_batch(dsts, srcs, lens):
+def memcpy_batch(dsts, srcs, lens, bint stream=False):
     """memcpy(3) of ``(dsts[i], srcs[i], lens[i])`` for every i, all with the GIL released once.
 
     The three sequences are read into a C array first, so no Python object is touched while
-    copying. Returns the number of bytes copied.
+    copying. With ``stream`` the destinations are written with non-temporal stores (for
+    destinations not read again soon, such as a put into a store segment: less memory traffic
+    on copies larger than the cache), fenced before returning. Returns the number of bytes
+    copied.
     """
     cdef Py_ssize_t n = len(dsts), i
     if len(srcs) != n or len(lens) != n:
@@ -154,8 +160,13 @@ def memcpy_batch(dsts, srcs, lens):
             a[3 * i + 2] = <uintptr_t>lens[i]
             total += a[3 * i + 2]
         with nogil:
-            for i in range(n):
-                c_memcpy(<void *>a[3 * i], <const void *>a[3 * i + 1], <size_t>a[3 * i + 2])
+            if stream:
+                for i in range(n):
+                    c_memcpy_stream(<void *>a[3 * i], <const void *>a[3 * i + 1], <size_t>a[3 * i + 2])
+                c_copy_fence()
+            else:
+                for i in range(n):
+                    c_memcpy(<void *>a[3 * i], <const void *>a[3 * i + 1], <size_t>a[3 * i + 2])
         return total
     finally:
         free(a)

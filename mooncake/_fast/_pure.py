@@ -96,8 +96,11 @@ def prefault(addr: int, n: int, write: bool = True) -> None:
 del socket
 
 
-def memcpy_batch(dsts: Sequence[int], srcs: Sequence[int], lens: Sequence[int]) -> int:
-    """memcpy(3) of every ``(dsts[i], srcs[i], lens[i])``; returns the bytes copied."""
+def memcpy_batch(
+    dsts: Sequence[int], srcs: Sequence[int], lens: Sequence[int], stream: bool = False
+) -> int:
+    """memcpy(3) of every ``(dsts[i], srcs[i], lens[i])``; returns the bytes copied
+    (``stream``, non-temporal stores in the compiled twin, changes nothing here)."""
     if not len(dsts) == len(srcs) == len(lens):
         raise ValueError("memcpy_batch: dsts, srcs and lens differ in length")
     total = 0

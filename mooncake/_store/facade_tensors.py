@@ -5,11 +5,14 @@ a 304-byte header, then the bytes), under the published key names, so tensors an
 written by either implementation read back in the other. The mixin is built only on the
 published byte-level methods of the class it is mixed into (``put_from``, ``upsert_from``,
 ``batch_put_from``, ``batch_upsert_from``, ``get_into``, ``batch_get_buffer``, ``get_size``,
-``put``, ``upsert``, ``register_buffer``, ``unregister_buffer``) and keeps no state of its own
-but one registered staging buffer (grown on demand, guarded by a lock): a put copies header and
-data into it once and hands it to ``put_from``; a single get reads into it and copies the data
-out once into a fresh tensor. The ``_into``/``_from`` forms use the caller's registered buffer
-as is (no copy).
+``put``, ``upsert``, ``register_buffer``, ``unregister_buffer``), plus, on a set-up real client
+with the caller-thread path on (:mod:`mooncake._store.fastpath`), a direct route: a put writes
+header and tensor memory as two parts straight into memcpy-able replicas and a get copies the
+data once from the pinned replica into the new tensor (then the read fences). What the direct
+route cannot copy (a remote replica, an upsert, an SSD tier) goes through one registered
+staging buffer (grown on demand, guarded by a lock): a put copies header and data into it once
+and hands it to ``put_from``; a get reads into it and copies the data out once into a fresh
+tensor. The ``_into``/``_from`` forms use the caller's registered buffer as is (no copy).
 
 Return shapes and codes are the published ones: puts return ``0`` or a negative code (``-600``
 INVALID_PARAMS for a bad tensor, shape or request), batch puts a list of codes of
@@ -22,6 +25,7 @@ torch is needed only when a tensor method is called (:class:`TorchMissingError` 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -29,9 +33,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mooncake import _fast
 from mooncake._core import tensor_layout as tl
 from mooncake._store import tensor_support as ts
 from mooncake._store.facade_parallel import ParallelTensorMethods
+from mooncake._store.moves import _check_key
 from mooncake._store.tensor_support import (
     ParallelAxis,
     ReadTarget,
@@ -42,6 +48,10 @@ from mooncake._store.tensor_support import (
     _tensor_metadata_size,
 )
 from mooncake.errors import ErrorCode, InvalidArgumentError, MooncakeError, to_code
+
+if TYPE_CHECKING:
+    from mooncake._store.client import Store
+    from mooncake._store.fastpath import FastPath
 
 __all__ = [
     "ParallelAxis",
@@ -137,11 +147,81 @@ class TensorMethods(ParallelTensorMethods):
         st.buf, st.addr, st.owner = buf, addr, owner
         return addr
 
+    def _tm_direct(self) -> tuple[FastPath, Store] | None:
+        """The caller-thread path and client, when this object has them (a set-up real
+        client with the fast path on and no SSD tier); else None."""
+        fp, store = getattr(self, "_fast", None), getattr(self, "_store", None)
+        if fp is None or store is None or store._closed or store.ssd is not None:
+            return None
+        return fp, store
+
+    def _tm_write_direct(
+        self, items: Sequence[_Item], sizes: list[int], config: Any
+    ) -> list[int] | None:
+        """Put each ``header + data`` straight from the header bytes and the tensor's memory
+        (a two-part put: no staging copy) when every replica is memcpy-able; keys with a
+        remote replica are staged into the registered buffer and written by the async
+        client. None: not available here (the caller stages everything)."""
+        direct = self._tm_direct()
+        if direct is None:
+            return None
+        fp, store = direct
+        keys = [k for k, _, _ in items]
+        try:
+            for k in keys:
+                _check_key(k)
+        except MooncakeError:
+            return None
+        heads = [np.frombuffer(h, dtype=np.uint8) for _, h, _ in items]
+        ptrs: list[list[int]] = []
+        plens: list[list[int]] = []
+        for (_, h, d), hd, n in zip(items, heads, sizes, strict=True):
+            if d is not None and n > len(h):
+                ptrs.append([int(hd.ctypes.data), int(d.data_ptr())])
+                plens.append([len(h), n - len(h)])
+            else:
+                ptrs.append([int(hd.ctypes.data)])
+                plens.append([len(h)])
+        try:
+            out, slow, reps = fp.put_parts_local(keys, ptrs, plens, sizes, config)
+        except MooncakeError as e:
+            return [to_code(e)] * len(items)
+        if slow:
+            st = self._tm_staging()
+            try:
+                with st.lock:
+                    off = self._tm_reserve(st, sum(sizes[i] for i in slow))
+                    srcs: list[int] = []
+                    for i in slow:
+                        srcs.append(off)
+                        dsts = list(itertools.accumulate(plens[i][:-1], initial=off))
+                        _fast.memcpy_batch(dsts, ptrs[i], plens[i])
+                        off += sizes[i]
+                    res: list[MooncakeError | None] = fp.loop.call(
+                        store._complete_puts,
+                        "Put",
+                        [keys[i] for i in slow],
+                        srcs,
+                        [sizes[i] for i in slow],
+                        reps,
+                    )
+            except BaseException:
+                fp.revoke([keys[i] for i in slow])
+                raise
+            for i, r in zip(slow, res, strict=True):
+                out[i] = r
+        del heads
+        return [0 if e is None else to_code(e) for e in out]
+
     def _tm_write(self, items: Sequence[_Item], config: Any, upsert: bool) -> list[int]:
         """Write objects ``header + data``; one code per item."""
         if not items:
             return []
         sizes = [len(h) + (0 if d is None else d.numel() * d.element_size()) for _, h, d in items]
+        if not upsert:
+            codes = self._tm_write_direct(items, sizes, config)
+            if codes is not None:
+                return codes
         st = self._tm_staging()
         with st.lock:
             base = self._tm_reserve(st, sum(sizes))
@@ -164,12 +244,38 @@ class TensorMethods(ParallelTensorMethods):
         r = self._tm_read([key])[0]
         return None if r is None else r[1]
 
-    def _tm_read(self, keys: Sequence[str]) -> list[tuple[tl.TensorMetadata, Any] | None]:
+    def _tm_read(
+        self, keys: Sequence[str], staged: bool = False
+    ) -> list[tuple[tl.TensorMetadata, Any] | None]:
         """``(header, tensor)`` per key, or None: read into the staging buffer (one slot per
         key, sized by the largest object seen so far; a key that does not fit is read again on
         its own at its size) and copied out once into memory of the tensor's own."""
         out: list[tuple[tl.TensorMetadata, Any] | None] = [None] * len(keys)
         if not keys:
+            return out
+        direct = None if staged else self._tm_direct()
+        if direct is not None:  # straight from memcpy-able replicas into the new tensors
+            rest = []
+            for i, k in enumerate(keys):
+
+                def copy_out(
+                    a: int, n: int, k: str = k
+                ) -> tuple[tuple[tl.TensorMetadata, Any] | None]:
+                    return (self._tm_copy_out(k, a, n),)
+
+                try:
+                    got = direct[0].read_with(k, copy_out)
+                except MooncakeError as e:
+                    log.debug("tensor read %r: %s", k, e)
+                    continue
+                if got is None:
+                    rest.append(i)
+                else:
+                    out[i] = got[0]
+            if not rest:
+                return out
+            for i, r in zip(rest, self._tm_read([keys[i] for i in rest], staged=True), strict=True):
+                out[i] = r
             return out
         st = self._tm_staging()
         with st.lock:

@@ -30,7 +30,8 @@ import itertools
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 #: values up to this size take the fast path (larger copies belong in worker threads)
 FAST_MAX = 1 << 20
 RPC_TIMEOUT_S = 30.0
+T = TypeVar("T")
 
 
 class SyncMaster:
@@ -283,6 +285,293 @@ class FastPath:
             return n
         self.loop.call(self.store._read_one, resp, addr, n, deadline)
         return n
+
+    # -- multi-part batches (the multi-buffer family, tensors) -----------------------------
+
+    def _pin(self, p: MappedPeer | None, pinned: dict[int, MappedPeer]) -> bool:
+        """Pin ``p`` once for this call (own segment: nothing to pin); False if it died."""
+        if p is None or id(p) in pinned:
+            return True
+        if not p.acquire():
+            return False
+        pinned[id(p)] = p
+        return True
+
+    def batch_put_parts(
+        self,
+        keys: list[str],
+        ptrs: list[list[int]],
+        plens: list[list[int]],
+        sizes: list[int],
+        config: Any,
+    ) -> list[MooncakeError | None]:
+        """Put key ``i`` as the concatenation of the ``plens[i][j]`` bytes at ``ptrs[i][j]``
+        (``sizes[i]`` bytes in all; the
+        caller validated keys and host sources): one ``BatchPutStart``, every part of every
+        memcpy-able replica in one GIL-free :func:`~mooncake._fast.memcpy_batch`, one
+        ``BatchPutEnd`` (``BatchPutRevoke`` for what failed). Keys with a replica that is not
+        memcpy-able are written and finished by the async client on the loop. An existing key
+        is success, as for ``put``. Sources must be registered host memory (the async client
+        writes remote replicas straight from them)."""
+        out, slow, slow_reps = self.put_parts_local(keys, ptrs, plens, sizes, config)
+        if slow:
+            res: list[MooncakeError | None] = self.loop.call(
+                self.store._complete_puts,
+                "Put",
+                [keys[i] for i in slow],
+                [list(zip(ptrs[i], plens[i], strict=True)) for i in slow],
+                [sizes[i] for i in slow],
+                slow_reps,
+            )
+            for i, r in zip(slow, res, strict=True):
+                out[i] = r
+        return out
+
+    def put_parts_local(
+        self,
+        keys: list[str],
+        ptrs: list[list[int]],
+        plens: list[list[int]],
+        sizes: list[int],
+        config: Any,
+    ) -> tuple[list[MooncakeError | None], list[int], list[list[st.ReplicaDescriptor]]]:
+        """The caller-thread half of :meth:`batch_put_parts`, for any host sources (registered
+        or not): the keys whose replicas are all memcpy-able are written and finished; the
+        others come back *started* as ``(indexes, their replicas)``, and the caller must
+        finish them (``Store._complete_puts`` from registered memory, or :meth:`revoke`)."""
+        from mooncake._store.config import to_wire
+        from mooncake.errors import error_from_code
+
+        s = self.store
+        m = self._master()
+        out: list[MooncakeError | None] = [None] * len(keys)
+        items: list[rpc.Item[list[st.ReplicaDescriptor]]] = m.call(
+            "BatchPutStart",
+            rpc.BatchPutStartParams(
+                client_id=s.client_id, keys=keys, sizes=sizes, config=to_wire(config)
+            ),
+        )
+        if len(items) != len(keys):
+            self._finish_batch(
+                m, "Put", [], [k for k, it in zip(keys, items, strict=False) if it.code == 0]
+            )
+            raise ProtocolError(f"BatchPutStart answered {len(items)} results for {len(keys)} keys")
+        fast: list[int] = []
+        slow: list[int] = []
+        slow_reps: list[list[st.ReplicaDescriptor]] = []
+        dsts: list[int] = []
+        srcs: list[int] = []
+        lens: list[int] = []
+        owners: list[tuple[int, MappedPeer | None]] = []
+        pinned: dict[int, MappedPeer] = {}
+        exists = int(ObjectAlreadyExistsError.code)
+        try:
+            for i, item in enumerate(items):
+                reps = item.value
+                if item.code != 0 or reps is None:
+                    if item.code != exists:
+                        out[i] = error_from_code(item.code)
+                    continue
+                n = sizes[i]
+                targets = [self._target(r, n) if r.length == n else None for r in reps]
+                if not reps or any(t is None for t in targets):
+                    slow.append(i)
+                    slow_reps.append(reps)
+                    continue
+                fast.append(i)
+                for t in targets:
+                    assert t is not None
+                    dst, peer = t
+                    if not self._pin(peer, pinned):
+                        out[i] = PeerDiedError(
+                            f"{peer.segment if peer else '?'}: its owner is gone"
+                        )
+                        break
+                    owners.append((i, peer))
+                    dsts += itertools.accumulate(plens[i][:-1], initial=dst)
+                    srcs += ptrs[i]
+                    lens += plens[i]
+            if dsts:  # into segments: not read again soon, so non-temporal stores
+                _fast.memcpy_batch(dsts, srcs, lens, stream=True)
+        except BaseException:
+            self._unpin(pinned)
+            self._finish_batch(m, "Put", [], [keys[i] for i in fast + slow])
+            raise
+        self._unpin(pinned)
+        for i, peer in owners:
+            if peer is not None and not peer.alive() and out[i] is None:
+                out[i] = PeerDiedError(f"{peer.segment}: its owner died during the write")
+        ok = [i for i in fast if out[i] is None]
+        bad = [i for i in fast if out[i] is not None]
+        for i, err in self._finish_batch(
+            m, "Put", [keys[i] for i in ok], [keys[i] for i in bad]
+        ).items():
+            out[ok[i]] = err
+        self.hits += 1
+        return out, slow, slow_reps
+
+    def revoke(self, keys: list[str]) -> None:
+        """``BatchPutRevoke`` started keys (nothing of them becomes readable)."""
+        self._finish_batch(self._master(), "Put", [], keys)
+
+    def read_with(self, key: str, fn: Callable[[int, int], T]) -> T | None:
+        """``fn(address, size)`` on the cheapest memcpy-able replica of ``key`` while it is
+        pinned, then the fences of :meth:`get`; None when no replica is memcpy-able (or the
+        object is on the SSD tier): the caller takes the loop path. Raises what ``get``
+        raises (:class:`ObjectNotFoundError` for a missing key, ``LeaseExpiredError``,
+        ``PeerDiedError``)."""
+        resp, deadline = self._query(key)
+        s = self.store
+        n = s._size_of(resp)
+        for r in s._order(resp.replicas):
+            t = self._target(r, n)
+            if t is None:
+                continue
+            src, p = t
+            if p is not None and not p.acquire():
+                continue
+            try:
+                result = fn(src, n)
+            finally:
+                if p is not None:
+                    p.unpin()
+            if p is not None and not p.alive():
+                raise PeerDiedError(f"{p.segment}: its owner died while the read was in flight")
+            self._fence(deadline)
+            self.hits += 1
+            return result
+        return None
+
+    @staticmethod
+    def _unpin(pinned: dict[int, MappedPeer]) -> None:
+        for p in pinned.values():
+            p.unpin()
+        pinned.clear()
+
+    def _finish_batch(
+        self, m: SyncMaster, prefix: str, ends: list[str], revokes: list[str]
+    ) -> dict[int, MooncakeError]:
+        """``Batch{prefix}End`` ``ends`` and ``Batch{prefix}Revoke`` ``revokes``; the End
+        errors by index into ``ends`` (a failed revoke leaves the object unreadable anyway:
+        the master drops unfinished puts at their TTL)."""
+        from mooncake.errors import error_from_code
+
+        errs: dict[int, MooncakeError] = {}
+        cid = self.store.client_id
+        if revokes:
+            try:
+                m.call(
+                    f"Batch{prefix}Revoke", rpc.BatchKeyClientParams(client_id=cid, keys=revokes)
+                )
+            except MooncakeError:
+                pass
+        if ends:
+            try:
+                codes: list[int] = m.call(
+                    f"Batch{prefix}End", rpc.BatchKeyClientParams(client_id=cid, keys=ends)
+                )
+            except MooncakeError as e:
+                return dict.fromkeys(range(len(ends)), e)
+            for j, c in enumerate(codes):
+                if c != 0:
+                    errs[j] = error_from_code(c)
+        return errs
+
+    def batch_get_parts(
+        self, keys: list[str], ptrs: list[list[int]], plens: list[list[int]], caps: list[int]
+    ) -> list[int | MooncakeError]:
+        """Read key ``i`` scattered in order over the ``plens[i][j]`` bytes at ``ptrs[i][j]``
+        (``caps[i]`` bytes in all; the
+        caller validated keys and host buffers): one ``BatchGetReplicaList``, every part from
+        the cheapest memcpy-able replica in one GIL-free
+        :func:`~mooncake._fast.memcpy_batch`, then the fences of :meth:`get` per key (read
+        window measured from before the request, owner alive after the copy). The value's
+        length per key, or the exception: missing, buffers larger or smaller than the value
+        (as the async client). Keys with no memcpy-able replica are read by the async client."""
+        from mooncake.errors import InvalidArgumentError, error_from_code
+
+        s = self.store
+        t0 = time.monotonic()
+        items: list[rpc.Item[st.GetReplicaListResponse]] = self._master().call(
+            "BatchGetReplicaList", rpc.KeysParams(keys=keys, for_read=True)
+        )
+        if len(items) != len(keys):
+            raise ProtocolError(
+                f"BatchGetReplicaList answered {len(items)} results for {len(keys)} keys"
+            )
+        out: list[int | MooncakeError] = [0] * len(keys)
+        slow: list[int] = []
+        dsts: list[int] = []
+        srcs: list[int] = []
+        lens: list[int] = []
+        owners: list[tuple[int, MappedPeer | None, float]] = []
+        pinned: dict[int, MappedPeer] = {}
+        try:
+            for i, item in enumerate(items):
+                resp = item.value
+                if item.code != 0 or resp is None:
+                    out[i] = error_from_code(item.code)
+                    continue
+                try:
+                    check_replica_list(keys[i], resp)
+                except MooncakeError as e:
+                    out[i] = e
+                    continue
+                if not resp.replicas and resp.disk_clients:
+                    slow.append(i)
+                    continue
+                n = s._size_of(resp)
+                if n > caps[i]:
+                    out[i] = InvalidArgumentError(
+                        f"buffers of {caps[i]} bytes are smaller than the {n}-byte value"
+                    )
+                    continue
+                if n < caps[i]:  # the published client reads every buffer in full
+                    out[i] = TransferError(
+                        f"buffers of {caps[i]} bytes are larger than the {n}-byte value"
+                    )
+                    continue
+                target = None
+                for r in s._order(resp.replicas):
+                    t = self._target(r, n)
+                    if t is not None and self._pin(t[1], pinned):
+                        target = t
+                        break
+                if target is None:
+                    slow.append(i)
+                    continue
+                src, peer = target
+                dsts += ptrs[i]
+                srcs += itertools.accumulate(plens[i][:-1], initial=src)
+                lens += plens[i]
+                owners.append((i, peer, t0 + (resp.read_ttl_ms or resp.lease_ttl_ms) / 1000.0))
+                out[i] = n
+            if dsts:
+                _fast.memcpy_batch(dsts, srcs, lens)
+        finally:
+            self._unpin(pinned)
+        now = time.monotonic()
+        for i, peer, deadline in owners:
+            if peer is not None and not peer.alive():
+                out[i] = PeerDiedError(
+                    f"{peer.segment}: its owner died while the read was in flight"
+                )
+            elif now > deadline:
+                s.lease_fences += 1
+                out[i] = LeaseExpiredError("the read finished after its lease expired")
+        if slow:
+            got: list[int | MooncakeError] = self.loop.call(
+                s.batch_get_parts,
+                [keys[i] for i in slow],
+                [list(zip(ptrs[i], plens[i], strict=True)) for i in slow],
+            )
+            for i, g in zip(slow, got, strict=True):
+                out[i] = g
+        for g in out:
+            if isinstance(g, MooncakeError):
+                s._note_miss(g)
+        self.hits += 1
+        return out
 
     def call(self, method: str, params: msgspec.Struct) -> Any:
         """Any other single RPC, answered on this thread's blocking connection."""

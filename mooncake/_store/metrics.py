@@ -79,6 +79,14 @@ def _batch_got(args: tuple[Any, ...], out: Any) -> tuple[int, int, int]:
     return len(out), n, bad
 
 
+def _fast_put_parts(args: tuple[Any, ...], out: Any) -> tuple[int, int, int]:
+    # FastPath.put_parts_local(keys, ptrs, lens, sizes, config) -> (errors, handed over, ...)
+    errs: Sequence[Any] = out[0]
+    sizes: Sequence[int] = args[3]
+    ok = [n for n, e in zip(sizes, errs, strict=False) if e is None]
+    return len(errs), sum(ok), len(errs) - len(ok)
+
+
 #: Store methods counted, by API family: (direction, counter).
 STORE_FAMILIES: dict[str, tuple[str, _Counter]] = {
     "put": ("write", _one_value),
@@ -102,6 +110,9 @@ FAST_FAMILIES: dict[str, tuple[str, str, _Counter]] = {
     "put": ("put", "write", lambda a, o: (1, int(a[2]), 0)),
     "get": ("get", "read", _got_bytes),
     "get_into": ("get_into", "read", _got_int),
+    # the multi-buffer pair and the tensor puts (keys handed to the loop count there too)
+    "put_parts_local": ("batch_put_parts", "write", _fast_put_parts),
+    "batch_get_parts": ("batch_get_parts", "read", _batch_got),
 }
 
 

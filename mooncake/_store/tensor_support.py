@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from mooncake import _fast
 from mooncake._core import tensor_layout as tl
 from mooncake.errors import InvalidArgumentError, NotSupportedError
 
@@ -94,7 +95,7 @@ def tensor_copy(meta: tl.TensorMetadata, addr: int) -> Any:
     if meta.data_bytes == 0:
         return t.empty(meta.local_shape, dtype=dtype)
     arr = np.empty(meta.data_bytes, dtype=np.uint8)
-    ctypes.memmove(arr.ctypes.data, addr + meta.data_offset, meta.data_bytes)
+    _fast.memcpy_at(int(arr.ctypes.data), addr + meta.data_offset, meta.data_bytes)
     flat = t.from_numpy(arr).view(dtype)
     return flat.reshape(meta.local_shape) if meta.local_shape else flat
 

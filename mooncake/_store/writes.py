@@ -361,6 +361,51 @@ class _Writes(_Tiered):
         errs = await self._finish(prefix, [key], [0], [err is not None], False)
         return err or errs.get(0)
 
+    async def _complete_puts(
+        self,
+        prefix: str,
+        keys: Sequence[str],
+        sources: Sequence[Source],
+        sizes: Sequence[int],
+        reps: Sequence[list[st.ReplicaDescriptor]],
+    ) -> list[MooncakeError | None]:
+        """Write already ``Batch{prefix}Start``-ed keys from registered ``sources`` (one
+        address or ``(address, length)`` parts each), then End the ones written and Revoke
+        the rest; one result per key. The caller-thread path hands over keys it cannot copy."""
+        out: list[MooncakeError | None] = [None] * len(keys)
+        ops: list[tuple[int, _Op]] = []
+        try:
+            await self._resolve(r.segment_name for rs in reps for r in rs)
+            for i, rs in enumerate(reps):
+                if not rs:
+                    out[i] = TransferError(f"master allocated no replica for {keys[i]!r}")
+                    continue
+                if any(r.length != sizes[i] for r in rs):
+                    out[i] = TransferError(
+                        f"master allocated a replica of the wrong size for {keys[i]!r}"
+                    )
+                    continue
+                local = _parts_of(sources[i], sizes[i])
+                for r in rs:
+                    roff = 0
+                    for pa, pn in local:
+                        ops.append((i, _Op(True, pa, r, pn, offset=roff)))
+                        roff += pn
+            await self._move([op for _, op in ops])
+            for i, op in ops:
+                if op.error is not None and out[i] is None:
+                    out[i] = op.error
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._finish(prefix, keys, list(range(len(keys))), [True] * len(keys), True)
+            raise
+        failed = [e is not None for e in out]
+        end_errs = await self._finish(prefix, keys, list(range(len(keys))), failed, True)
+        for i, end_err in end_errs.items():
+            if out[i] is None:
+                out[i] = end_err
+        return out
+
     async def _finish(
         self,
         prefix: str,
@@ -400,10 +445,13 @@ class _Writes(_Tiered):
                     errs[i] = error_from_code(c)
         return errs
 
-    def _check_parts(self, parts: Sequence[tuple[int, int]], what: str) -> int:
-        """Validate registered ``(address, length)`` parts; their total length. (Parts are
-        usually slices of one registered region: a hit on the last region found skips the
-        registry lookup.)"""
+    def _check_parts(
+        self, parts: Sequence[tuple[int, int]], what: str, regions: list[Region] | None = None
+    ) -> int:
+        """Validate registered ``(address, length)`` parts; their total length (and, with
+        ``regions``, the registered regions they lie in appended to it). (Parts are usually
+        slices of one registered region: a hit on the last region found skips the registry
+        lookup.)"""
         total = 0
         last: Region | None = None
         for j, (a, n) in enumerate(parts):
@@ -418,6 +466,8 @@ class _Writes(_Tiered):
                 total += n
                 continue
             last = self._require_local(a, n, f"{what}[{j}]")
+            if regions is not None:
+                regions.append(last)
             total += n
         if not parts:
             raise InvalidArgumentError(f"{what}: no buffers")
