@@ -7,6 +7,7 @@ Timeouts here are hang guards (a failure is a hang on the old code), never speed
 
 from __future__ import annotations
 
+import ctypes
 import json
 import socket
 import struct
@@ -44,7 +45,7 @@ pytestmark = pytest.mark.anyio
 R = TransferRequest
 V2_WRITE = 0x81
 V2_READ = 0x80
-MODES = ["thread", "loop", "staged"]
+MODES = ["thread", "loop"]
 
 
 def tcp_of(engine: Engine) -> TcpTransport:
@@ -53,12 +54,9 @@ def tcp_of(engine: Engine) -> TcpTransport:
 
 
 def set_mode(t: TcpTransport, mode: str) -> None:
-    """Pick which server serves the next connections: the compiled one on a thread, the same
-    state machine stepped on the loop, or the Python loop used while device memory is
-    registered (forced here for host memory, which it serves the same way)."""
+    """Pick how the next connections are served: the state machine on a thread of its own,
+    or stepped on the loop."""
     t.serve_threads = mode == "thread"
-    if mode == "staged":
-        t._device_regions += 1
 
 
 @asynccontextmanager
@@ -116,10 +114,7 @@ async def test_unregister_drops_a_peer_silent_mid_write(mode: str) -> None:
         host, port = data_addr(target)
         async with raw_conn(host, port) as s:
             await s.send(struct.pack("<QQB7x", 1 << 20, buf.addr, V2_WRITE) + b"x" * 300_000)
-            if mode == "staged":
-                await wait_for(lambda: t._staged_holds, "server inside the write")
-            else:
-                await wait_for(lambda: any(not c.idle for c in t._live), "server inside the write")
+            await wait_for(lambda: any(not c.idle for c in t._live), "server inside the write")
             with anyio.fail_after(30):  # on the old code: blocks until the peer closes
                 await target.unregister(buf)
             assert await closed_by_server(s)
@@ -138,10 +133,7 @@ async def test_unregister_drops_a_reader_that_stops_reading(mode: str) -> None:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.sendall(struct.pack("<QQB7x", 64 << 20, buf.addr, V2_READ))  # never read
-            if mode == "staged":
-                await wait_for(lambda: t._staged_holds, "server inside the read")
-            else:
-                await wait_for(lambda: any(not c.idle for c in t._live), "server inside the read")
+            await wait_for(lambda: any(not c.idle for c in t._live), "server inside the read")
             with anyio.fail_after(30):
                 await target.unregister(buf)
         finally:
@@ -710,17 +702,19 @@ async def test_engines_with_a_cluster_secret(monkeypatch: pytest.MonkeyPatch) ->
         assert tcp_of(target).auth_failures >= 1
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("op", ["write", "read"])
 async def test_unregister_drops_a_silent_peer_on_device_memory(
-    op: str, monkeypatch: pytest.MonkeyPatch
+    op: str, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The staging server (device regions, here the fake CUDA runtime's) under a peer that stops
+    """Staging of device regions (here the fake CUDA runtime's) under a peer that stops
     mid-WRITE or stops reading a READ: unregister ends it and returns."""
     monkeypatch.setenv("MC_CUDA_STAGING_CHUNK", "4096")
     rt = FakeCudaRuntime()
     try:
         async with open_engine("127.0.0.1", transports=["tcp"], cuda_runtime=rt) as target:
             t = tcp_of(target)
+            set_mode(t, mode)
             t.progress_timeout = 3600.0
             size = 4 << 20
             dev = await target.allocate(size, location="cuda:0")
@@ -732,7 +726,7 @@ async def test_unregister_drops_a_silent_peer_on_device_memory(
                 sock.sendall(struct.pack("<QQB7x", size, dev.addr, opcode))
                 if op == "write":
                     sock.sendall(b"d" * 100_000)
-                await wait_for(lambda: t._staged_holds, "server inside the request")
+                await wait_for(lambda: t._staging, "server inside the request")
                 with anyio.fail_after(30):
                     await target.unregister(dev)
                 assert t.aborted_connections >= 1
@@ -800,3 +794,49 @@ def test_tcp_data_fuzz_one_byte_at_a_time(
                 assert res.ok, res
 
     anyio.run(main, backend="trio")
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_device_requests_pipelined_with_host_ones(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One connection, one send: host READ, device WRITE (its payload arriving with the
+    headers, so partly already taken in by the server), device READ, host READ. The replies
+    come back in order and the device bytes round-trip through the staging."""
+    monkeypatch.setenv("MC_CUDA_STAGING_CHUNK", "4096")
+    rt = FakeCudaRuntime()
+    try:
+        async with open_engine("127.0.0.1", transports=["tcp"], cuda_runtime=rt) as target:
+            t = tcp_of(target)
+            set_mode(t, mode)
+            host_buf = await target.allocate(4096)
+            ctypes.memmove(host_buf.addr, b"h" * 64, 64)
+            dev = await target.allocate(1 << 20, location="cuda:0")
+            payload = bytes(range(256)) * 40  # 10240 B: three staging chunks
+            hdr = struct.Struct("<QQB7x")
+            msg = (
+                hdr.pack(64, host_buf.addr, V2_READ)
+                + hdr.pack(len(payload), dev.addr + 100, V2_WRITE)
+                + payload
+                + hdr.pack(len(payload), dev.addr + 100, V2_READ)
+                + hdr.pack(64, host_buf.addr, V2_READ)
+            )
+            ok = struct.pack("<Q", 0x4D43545600000000)
+            want = ok + b"h" * 64 + ok + ok + payload + ok + b"h" * 64
+            host, port = data_addr(target)
+
+            def client() -> bytes:  # blocking, on a thread: the server runs on this loop
+                with socket.create_connection((host, port), timeout=30) as sock:
+                    sock.sendall(msg)
+                    got = b""
+                    while len(got) < len(want):
+                        chunk = sock.recv(len(want) - len(got))
+                        if not chunk:
+                            break
+                        got += chunk
+                    return got
+
+            assert await anyio.to_thread.run_sync(client) == want
+            assert not t._staging
+    finally:
+        rt.close()

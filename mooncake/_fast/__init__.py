@@ -78,6 +78,7 @@ else:
 STAGE_SIZE = 65536  # the staging buffer a ClientPipe wants (both twins)
 # results of ServeConn.step / ClientPipe.step (identical in both twins)
 DONE, WANT_READ, WANT_WRITE, YIELD, CLOSE, PEER_CLOSED = 0, 1, 2, 3, 4, 5
+STAGE = 6  # ServeConn: a request on a device range waits for the caller's staging
 E_PROTO = 100000
 
 __all__ = [
@@ -86,6 +87,7 @@ __all__ = [
     "DONE",
     "E_PROTO",
     "PEER_CLOSED",
+    "STAGE",
     "STAGE_SIZE",
     "TCP_COMPILED",
     "WANT_READ",

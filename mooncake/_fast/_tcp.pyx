@@ -9,7 +9,11 @@ few system calls and no Python object per request:
   :class:`RegionTable` -> READ: ``writev(status, data)``; WRITE: ``recv`` straight into the
   region, then the status. Refusals follow ``mooncake._engine.transports.tcp``: status 1 and keep
   the connection (a refused WRITE's payload up to ``drain_limit`` is read and dropped); v1
-  requests, or a bigger refused payload, close it.
+  requests, or a bigger refused payload, close it. A request on a range the table marks as
+  device memory is not touched with the CPU: the machine sends the replies before it and
+  returns ``STAGE``; the caller moves that request's bytes through its CUDA staging
+  (:meth:`ServeConn.staged`, :meth:`ServeConn.take_input`) and resumes the machine with
+  :meth:`ServeConn.staged_done`.
 * :class:`ClientPipe` sends one group of same-opcode requests (headers and WRITE payloads in
   ``writev`` calls) and reads the replies in order (statuses, READ data straight into place).
 
@@ -99,6 +103,7 @@ cdef enum:
     R_YIELD = 3
     R_CLOSE = 4
     R_PEER_CLOSED = 5
+    R_STAGE = 6
 
 STAGE_SIZE = 65536  # size of the staging buffer a ClientPipe wants (= STAGE_CAP)
 
@@ -109,6 +114,7 @@ WANT_WRITE = R_WANT_WRITE
 YIELD = R_YIELD
 CLOSE = R_CLOSE  # server: close the connection (v1 refusal, oversized refused payload), all sent
 PEER_CLOSED = R_PEER_CLOSED  # the peer closed: between requests (server), after a refusal (client)
+STAGE = R_STAGE  # server: a request on a device range waits for the caller (ServeConn.staged)
 
 DEF HEADER_SIZE = 24
 DEF STATUS_SIZE = 8
@@ -123,6 +129,7 @@ cdef struct region_t:
     size_t length
     long users
     int closing
+    int device   # >= 0: device memory (CUDA ordinal), served through the caller's staging
 
 
 cdef class RegionTable:
@@ -159,8 +166,12 @@ cdef class RegionTable:
                 hi = mid
         return lo - 1
 
-    def add(self, uintptr_t start, size_t length):
-        """Add ``[start, start+length)``; ``ValueError`` if empty or overlapping."""
+    def add(self, uintptr_t start, size_t length, int device=-1):
+        """Add ``[start, start+length)``; ``ValueError`` if empty or overlapping.
+
+        ``device >= 0`` marks device memory: :class:`ServeConn` never touches it with the CPU,
+        it hands such requests to its caller (``STAGE``).
+        """
         if length == 0:
             raise ValueError("empty range")
         cdef Py_ssize_t i
@@ -186,6 +197,7 @@ cdef class RegionTable:
             r.length = length
             r.users = 0
             r.closing = 0
+            r.device = device if device >= 0 else -1
             for j in range(self.n, i + 1, -1):
                 self.regs[j] = self.regs[j - 1]
             self.regs[i + 1] = r
@@ -288,6 +300,7 @@ DEF S_HDR = 0
 DEF S_PAYLOAD = 1     # WRITE payload into the region
 DEF S_DRAIN = 2       # refused WRITE payload, dropped
 DEF S_CLOSED = 3
+DEF S_STAGE = 4       # a request on a device range, waiting for the caller (staged_done)
 DEF IN_CAP = 65536    # input staging: many small requests arrive in one recv
 DEF OUT_SLOTS = 128   # replies coalesced into one writev
 DEF DIRECT_MIN = 16384  # payloads at least this big go straight from the socket into place
@@ -324,6 +337,10 @@ cdef class ServeConn:
     cdef int stop_fd
     cdef volatile int stopping
     cdef volatile int evicting
+    cdef uint8_t st_op
+    cdef bint st_v2
+    cdef uintptr_t st_addr
+    cdef size_t st_len
 
     def __cinit__(self, int fd, RegionTable table not None, size_t drain_limit,
                   size_t scratch_size=65536):
@@ -362,7 +379,8 @@ cdef class ServeConn:
         final :meth:`step` result, PEER_CLOSED after ``stop``, ``-ETIMEDOUT`` when a request
         made no progress for ``progress_ms``, CLOSE after ``idle_ms`` idle between requests (or
         an :meth:`evict` while idle), ``-ECONNABORTED`` when woken (:meth:`wake`) while holding a
-        range that is closing. Negative times wait forever. Call :meth:`prepare_blocking` first
+        range that is closing, STAGE for a request on a device range (stage it, call
+        :meth:`staged_done`, then call this again). Negative times wait forever. Call :meth:`prepare_blocking` first
         (from the thread that will call ``stop``).
         """
         cdef long r
@@ -447,6 +465,43 @@ cdef class ServeConn:
         self.evicting = 1
         if self.stop_fd >= 0:
             c_write(self.stop_fd, &one, 8)
+
+    def staged(self):
+        """The request a ``STAGE`` result waits on: ``(opcode, addr, size, v2, device)``.
+
+        Its range stays held (``unregister`` waits for it; :meth:`holds_closing` sees it) until
+        :meth:`staged_done`. Every reply before it has been sent. The caller moves the bytes:
+        READ: the v2 OK status (if ``v2``) then ``size`` bytes of data; WRITE: the ``size``
+        payload bytes (the first of them through :meth:`take_input`), then the status.
+        """
+        if self.state != S_STAGE:
+            raise ValueError("no request is waiting for staging")
+        return (self.st_op, self.st_addr, self.st_len, bool(self.st_v2),
+                self.held.device if self.held != NULL else -1)
+
+    def take_input(self, uintptr_t addr, size_t n):
+        """Copy up to ``n`` bytes already received (past the staged header) to ``addr``.
+
+        Returns how many; the rest of a staged WRITE's payload is still in the socket.
+        """
+        cdef size_t k = self.in_len - self.in_pos
+        if self.state != S_STAGE:
+            raise ValueError("no request is waiting for staging")
+        if k > n:
+            k = n
+        memcpy(<void *>addr, self.inbuf + self.in_pos, k)
+        self.in_pos += k
+        return k
+
+    def staged_done(self):
+        """The caller finished the staged request (its bytes and status are out): release
+        its range and go on with the next request."""
+        if self.state != S_STAGE:
+            raise ValueError("no request is waiting for staging")
+        if self.held != NULL:
+            self.table.release(self.held)
+            self.held = NULL
+        self.state = S_HDR
 
     def prepare_blocking(self):
         """Create the eventfd :meth:`stop` signals (once, before ``serve_blocking``)."""
@@ -542,6 +597,9 @@ cdef class ServeConn:
             if nreq >= STEP_REQUESTS or nbytes >= STEP_BYTES:
                 f = self._flush()
                 return f if f != 0 else R_YIELD
+            if self.state == S_STAGE:
+                f = self._flush()
+                return f if f != 0 else R_STAGE
             if self.state == S_HDR:
                 if self.close_after:
                     f = self._flush()
@@ -579,6 +637,14 @@ cdef class ServeConn:
                             self._queue_status(1)
                         continue
                     self.served += 1
+                    if self.held.device >= 0:
+                        # device memory: the caller stages it (replies queued so far go first)
+                        self.st_op = op
+                        self.st_v2 = self.v2
+                        self.st_addr = <uintptr_t>addr
+                        self.st_len = <size_t>size
+                        self.state = S_STAGE
+                        continue
                     if op == 1:
                         self.addr = <uintptr_t>addr
                         self.left = size

@@ -23,6 +23,7 @@ WANT_WRITE = 2
 YIELD = 3
 CLOSE = 4
 PEER_CLOSED = 5
+STAGE = 6
 
 _E_PROTO = 100000
 _HDR = struct.Struct("<QQB7x")
@@ -36,11 +37,12 @@ _AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK)
 
 
 class _Region:
-    __slots__ = ("closing", "length", "start", "users")
+    __slots__ = ("closing", "device", "length", "start", "users")
 
-    def __init__(self, start: int, length: int) -> None:
+    def __init__(self, start: int, length: int, device: int = -1) -> None:
         self.start = start
         self.length = length
+        self.device = device if device >= 0 else -1
         self.users = 0
         self.closing = False
 
@@ -53,7 +55,7 @@ class RegionTable:
         self._regs: list[_Region] = []
         self._cv = threading.Condition()
 
-    def add(self, start: int, length: int) -> None:
+    def add(self, start: int, length: int, device: int = -1) -> None:
         if length == 0:
             raise ValueError("empty range")
         with self._cv:
@@ -63,7 +65,7 @@ class RegionTable:
             if i + 1 < len(self._regs) and self._regs[i + 1].start < start + length:
                 raise ValueError("overlaps a registered range")
             self._starts.insert(i + 1, start)
-            self._regs.insert(i + 1, _Region(start, length))
+            self._regs.insert(i + 1, _Region(start, length, device))
 
     def remove(self, start: int) -> bool:
         with self._cv:
@@ -232,6 +234,24 @@ class ServeConn:
             os.close(self._stop_fd)
             self._stop_fd = -1
 
+    _staged: tuple[int, int, int, bool, int] = (0, 0, 0, False, -1)
+
+    def staged(self) -> tuple[int, int, int, bool, int]:
+        if self.state != "stage":
+            raise ValueError("no request is waiting for staging")
+        return self._staged
+
+    def take_input(self, addr: int, n: int) -> int:
+        if self.state != "stage":
+            raise ValueError("no request is waiting for staging")
+        return 0  # headers are read exactly: a payload is still all in the socket
+
+    def staged_done(self) -> None:
+        if self.state != "stage":
+            raise ValueError("no request is waiting for staging")
+        self._release()
+        self.state = "hdr"
+
     def close(self) -> None:
         self._release()
         self.state = "closed"
@@ -248,6 +268,8 @@ class ServeConn:
         while True:
             if self.state == "closed":
                 return PEER_CLOSED
+            if self.state == "stage":
+                return STAGE
             if nreq >= _STEP_REQUESTS or nbytes >= _STEP_BYTES:
                 return YIELD
             try:
@@ -287,6 +309,10 @@ class ServeConn:
                             self._status(1)
                         continue
                     self.served += 1
+                    if self.held.device >= 0:
+                        self._staged = (op, addr, size, self.v2, self.held.device)
+                        self.state = "stage"
+                        return STAGE
                     if op == 1:
                         self.addr, self.left = addr, size
                         self.state = "payload"

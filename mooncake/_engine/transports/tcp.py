@@ -4,7 +4,9 @@ Server: one listening socket on the engine's host; one task per connection, each
 pipelined requests in order, straight from/into registered memory. The protocol runs in
 ``_fast.ServeConn`` without the GIL; with the compiled hot path each connection gets a thread
 that blocks in ``poll`` (no event-loop round trip per request: ``MOONCAKE_TCP_SERVE=loop``
-keeps it on the loop instead). A
+keeps it on the loop instead). Device (CUDA) regions are in the same table, marked: on a request
+for one the state machine stops (``_fast.STAGE``) and this task moves its bytes through the
+engine's pinned staging chunks (:class:`mooncake._engine.cudaio.Stager`), then resumes it. A
 request outside one registered buffer is refused with status 1; unlike the published server we
 keep the connection (a refused WRITE's payload, up to ``DRAIN_LIMIT``, is read and dropped), so
 one bad request costs its sender nothing else. v1 requests (no status frame) get the connection
@@ -146,10 +148,9 @@ class TcpTransport(Transport):
         #: serve each connection on its own thread (compiled hot path) or on the event loop
         self.serve_threads = mode == "thread" or (mode != "loop" and bool(_fast.TCP_COMPILED))
         self._table = _fast.RegionTable()
-        self._device_regions = 0
         self._live: dict[Any, _accept.Slot] = {}
-        # connections of the Python server holding a region, by region start
-        self._staged_holds: dict[int, set[anyio.CancelScope]] = {}
+        # connections moving a device request's bytes through staging right now
+        self._staging: dict[Any, anyio.CancelScope] = {}
         self._refused = 0
         self.served_connections = 0
         self.aborted_connections = 0
@@ -201,40 +202,33 @@ class TcpTransport(Transport):
     async def on_register(self, region: Region) -> None:
         if not region.remote_accessible:
             return
-        if device_of(region.location) is not None:
-            # device memory is served through pinned staging by the Python server below;
-            # the compiled server's table holds host memory only (it copies with the CPU)
-            self._device_regions += 1
-            return
-        self._table.add(region.addr, region.length)
+        # device memory is marked: the state machine hands its requests to ``_stage``
+        device = device_of(region.location)
+        self._table.add(region.addr, region.length, -1 if device is None else device)
 
     def abort_users(self, region: Region) -> None:
         """Refuse ``region`` from now on and drop every server connection inside a request on
         it: a peer that went quiet mid-request cannot hold memory that is being unregistered.
         """
-        if not region.remote_accessible:
-            return
-        scopes = self._staged_holds.get(region.addr, ())
-        for scope in scopes:
-            scope.cancel()
-        self.aborted_connections += len(scopes)
-        if device_of(region.location) is not None or not self._table.close(region.addr):
+        if not region.remote_accessible or not self._table.close(region.addr):
             return
         for conn, slot in list(self._live.items()):
-            if self.serve_threads:
+            staging = self._staging.get(conn)
+            if staging is not None:
+                if conn.holds_closing():
+                    self.aborted_connections += 1
+                    staging.cancel()
+            elif self.serve_threads:
                 conn.wake()  # the thread drops its connection if it holds a closing range
             elif conn.holds_closing() and slot.scope is not None:
                 self.aborted_connections += 1
                 slot.scope.cancel()
 
     def reopen_users(self, region: Region) -> None:
-        if region.remote_accessible and device_of(region.location) is None:
+        if region.remote_accessible:
             self._table.reopen(region.addr)
 
     async def on_unregister(self, region: Region) -> None:
-        if region.remote_accessible and device_of(region.location) is not None:
-            self._device_regions -= 1
-            return
         if not region.remote_accessible:
             return
         # refuses new requests at once, drops connections stuck inside a request on it, then
@@ -256,18 +250,22 @@ class TcpTransport(Transport):
         if self.secret is not None and not await self._server_auth(sock):
             self.auth_failures += 1
             return
-        if self._device_regions:
-            await self._serve_conn_staged(sock, slot)
-            return
         conn = _fast.ServeConn(sock.fileno(), self._table, DRAIN_LIMIT)
         self._live[conn] = slot
         slot.idle_cb = lambda: bool(conn.idle)
         try:
             if self.serve_threads:
                 slot.evict_cb = conn.evict
-                r = await self._serve_thread(conn)
-            else:
-                r = await self._serve_loop(conn, sock)
+            while True:
+                if self.serve_threads:
+                    r = await self._serve_thread(conn)
+                else:
+                    r = await self._serve_loop(conn, sock)
+                if r != _fast.STAGE:
+                    break
+                r = await self._stage(conn, sock)
+                if r < 0:
+                    break
             if r == -errno.ECONNABORTED:
                 self.aborted_connections += 1
             if r < 0:
@@ -321,78 +319,6 @@ class TcpTransport(Transport):
             tg.cancel_scope.cancel()
         return r
 
-    async def _serve_conn_staged(self, sock: socket.socket, slot: _accept.Slot) -> None:
-        """Serve one connection in Python, staging device regions through pinned host chunks.
-
-        Used while device memory is registered; same protocol, refusals and deadlines as the
-        compiled server, one request at a time.
-        """
-        scratch = _sockio.Scratch(4096)
-        registry = self.engine.registry
-        progress = self.progress_timeout
-        try:
-            while True:
-                slot.rest()
-                with anyio.move_on_after(self.idle_timeout) as idle_scope:
-                    await anyio.wait_readable(sock)
-                if idle_scope.cancelled_caught:
-                    return  # idle past the deadline
-                slot.busy()
-                try:
-                    raw = await _sockio.recv_exact(
-                        sock, tcpwire.HEADER_SIZE, scratch, "header", progress=progress
-                    )
-                except PeerDiedError:
-                    return  # client went away between requests: normal end
-                hdr = tcpwire.decode_header(raw)
-                region = registry.find(hdr.addr, hdr.size) if hdr.size > 0 else None
-                if region is None or not region.remote_accessible or region.closing:
-                    self._refused += 1
-                    log.debug("refusing %s [%#x, +%d)", hdr.opcode.name, hdr.addr, hdr.size)
-                    if not hdr.v2:
-                        return
-                    if hdr.opcode is Opcode.WRITE:
-                        if hdr.size > DRAIN_LIMIT:
-                            await self._send(sock, tcpwire.encode_status(tcpwire.Status.REJECTED))
-                            return
-                        await self._drain(sock, hdr.size, scratch)
-                    await self._send(sock, tcpwire.encode_status(tcpwire.Status.REJECTED))
-                    continue
-                region.users += 1
-                assert slot.scope is not None
-                holders = self._staged_holds.setdefault(region.addr, set())
-                holders.add(slot.scope)
-                try:
-                    device = device_of(region.location)
-                    if device is not None:
-                        await self._serve_device(sock, hdr, device)
-                    elif hdr.opcode is Opcode.WRITE:
-                        await _sockio.recv_into_addr(
-                            sock, hdr.addr, hdr.size, "write payload", progress=progress
-                        )
-                        if hdr.v2:
-                            await self._send(sock, tcpwire.encode_status(tcpwire.Status.OK))
-                    else:
-                        addrs = [hdr.addr]
-                        lens = [hdr.size]
-                        if hdr.v2:
-                            st = tcpwire.encode_status(tcpwire.Status.OK)
-                            scratch.put(0, st)
-                            addrs.insert(0, scratch.addr)
-                            lens.insert(0, 8)
-                        await _sockio.send_addrs(
-                            sock, addrs, lens, "read payload", progress=progress
-                        )
-                finally:
-                    holders.discard(slot.scope)
-                    if not holders:
-                        self._staged_holds.pop(region.addr, None)
-                    self.engine.release_region(region)
-        except (MooncakeError, OSError) as e:
-            log.debug("tcp connection dropped: %s", e)
-        finally:
-            _sockio.close(sock)
-
     async def _server_auth(self, sock: socket.socket) -> bool:
         """The server side of the challenge-response, before the first request."""
         assert self.secret is not None
@@ -417,35 +343,53 @@ class TcpTransport(Transport):
             log.debug("tcp auth: connection dropped: %s", e)
             return False
 
-    async def _serve_device(self, sock: socket.socket, hdr: tcpwire.Header, device: int) -> None:
-        """Serve a request on a device region through the engine's pinned staging chunks.
+    async def _stage(self, conn: Any, sock: socket.socket) -> int:
+        """Move the bytes of the device request ``conn`` stopped at (``_fast.STAGE``) through
+        the engine's pinned staging chunks, then let ``conn`` go on; 0, or ``-ECONNABORTED``
+        when ``unregister`` cut it short (:meth:`abort_users`).
 
         A CUDA failure after the reply has started cannot be reported in-band (v2 sends its
         status before READ data), so it drops the connection: the client sees the peer die.
         """
+        op, addr, size, v2, device = conn.staged()
+        if conn.holds_closing():  # unregister began while the machine was stopping here
+            return -errno.ECONNABORTED
         stager = self.engine.staging
-        if hdr.opcode is Opcode.WRITE:
+        progress = self.progress_timeout
+        scope = anyio.CancelScope()
+        self._staging[conn] = scope
+        try:
+            with scope:
+                if op == Opcode.WRITE:
 
-            async def recv_into(buf: int, n: int) -> None:
-                await _sockio.recv_into_addr(
-                    sock, buf, n, "write payload", progress=self.progress_timeout
-                )
+                    async def recv_into(buf: int, n: int) -> None:
+                        k = int(conn.take_input(buf, n))
+                        if k < n:
+                            await _sockio.recv_into_addr(
+                                sock, buf + k, n - k, "write payload", progress=progress
+                            )
 
-            await stager.serve_write(recv_into, hdr.addr, hdr.size, device)
-            if hdr.v2:
-                await self._send(sock, tcpwire.encode_status(tcpwire.Status.OK))
-            return
+                    await stager.serve_write(recv_into, addr, size, device)
+                    if v2:
+                        await self._send(sock, tcpwire.encode_status(tcpwire.Status.OK))
+                else:
 
-        async def send_from(buf: int, n: int, first: bool) -> None:
-            p = self.progress_timeout
-            if first and hdr.v2:
-                await _sockio.send_addrs(
-                    sock, [_STATUS_OK.addr, buf], [8, n], "read payload", progress=p
-                )
-            else:
-                await _sockio.send_addrs(sock, [buf], [n], "read payload", progress=p)
+                    async def send_from(buf: int, n: int, first: bool) -> None:
+                        if first and v2:
+                            addrs, lens = [_STATUS_OK.addr, buf], [tcpwire.STATUS_SIZE, n]
+                        else:
+                            addrs, lens = [buf], [n]
+                        await _sockio.send_addrs(
+                            sock, addrs, lens, "read payload", progress=progress
+                        )
 
-        await stager.serve_read(send_from, hdr.addr, hdr.size, device)
+                    await stager.serve_read(send_from, addr, size, device)
+        finally:
+            del self._staging[conn]
+        if scope.cancelled_caught:
+            return -errno.ECONNABORTED
+        conn.staged_done()
+        return 0
 
     async def _send(self, sock: socket.socket, data: bytes) -> None:
         scratch = _sockio.Scratch(len(data))
@@ -453,14 +397,6 @@ class TcpTransport(Transport):
         await _sockio.send_addrs(
             sock, [scratch.addr], [len(data)], "status", progress=self.progress_timeout
         )
-
-    async def _drain(self, sock: socket.socket, n: int, scratch: _sockio.Scratch) -> None:
-        while n > 0:
-            chunk = min(n, scratch.size)
-            await _sockio.recv_into_addr(
-                sock, scratch.addr, chunk, "refused payload", progress=self.progress_timeout
-            )
-            n -= chunk
 
     # -- client ---------------------------------------------------------------------------
 
