@@ -28,7 +28,6 @@ import enum
 import itertools
 import logging
 import os
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -96,7 +95,6 @@ _OPCODES: dict[int, Opcode] = {0: Opcode.READ, 1: Opcode.WRITE}
 @dataclass
 class _Batch:
     future: Future[list[TransferResult]]
-    deadline: float
     length: int
     results: list[TransferResult] | None = field(default=None)
 
@@ -518,7 +516,7 @@ class TransferEngine:
         timeout = _timeout_s(total, self._tbase)
         fut = loop.submit(_transfer_with_deadline, engine, target_hostname, reqs, timeout)
         bid = next(self._ids)
-        self._batches[bid] = _Batch(fut, time.monotonic() + timeout, total)
+        self._batches[bid] = _Batch(fut, total)
         return bid
 
     def transfer_submit_write(
