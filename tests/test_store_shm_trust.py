@@ -18,6 +18,7 @@ import pytest
 import trio
 
 import mooncake
+from mooncake._core import auth
 from mooncake._store import shm
 from tests.test_store_client import MIB, master
 
@@ -148,7 +149,7 @@ def test_with_a_cluster_secret_the_name_cannot_be_squatted_ahead(
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "listening"
-        monkeypatch.setenv(shm.SECRET_ENV, "s3cret")
+        monkeypatch.setenv(auth.SECRET_ENV, "s3cret")
         assert shm.socket_name(segment) != plain
 
         async def main() -> None:

@@ -50,6 +50,7 @@ import anyio.abc
 import numpy as np
 
 from mooncake import _fast
+from mooncake._core.auth import load_secret
 from mooncake.errors import InvalidArgumentError, PeerDiedError
 
 log = logging.getLogger("mooncake.store.shm")
@@ -59,7 +60,6 @@ MAX_PEERS = 1024
 HELLO_MAX = 4096
 _PREFIX = "mooncake-store/"
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
-SECRET_ENV = "MOONCAKE_CLUSTER_SECRET"
 ALLOWED_UIDS_ENV = "MC_STORE_SHM_ALLOWED_UIDS"
 # Guards MappedPeer.users/closing: the sync facade's fast path copies from its caller's thread
 # while the loop thread may drop a dead peer.
@@ -71,9 +71,9 @@ def socket_name(segment_name: str) -> str:
 
     Derived from the segment name, keyed by ``MOONCAKE_CLUSTER_SECRET`` when that is set.
     """
-    secret = os.environ.get(SECRET_ENV, "")
+    secret = load_secret()
     if secret:
-        tag = hmac.new(secret.encode(), b"store-shm:" + segment_name.encode(), hashlib.sha256)
+        tag = hmac.new(secret, b"store-shm:" + segment_name.encode(), hashlib.sha256)
         return "\0" + _PREFIX + "h/" + tag.hexdigest()[:40]
     return "\0" + _PREFIX + segment_name
 
