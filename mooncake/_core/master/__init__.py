@@ -5,6 +5,10 @@ RPC (:mod:`mooncake._core.rpc`). Methods are synchronous, never block and take `
 on the caller's clock; the server passes the event loop's clock, tests a ``MockClock``). They
 return the RPC result or raise a :class:`~mooncake.errors.StoreError` subclass carrying the
 Mooncake error code. The master never touches object bytes; it hands out address ranges.
+``now`` never decreases from one call to the next (the loop clock, or the replicated log's
+clock, which never goes below the last applied ``now``): time-driven work
+(:meth:`MasterState.sweep`) looks only at the expired heads of deadline-ordered queues, never at
+every object.
 
 Model
 -----

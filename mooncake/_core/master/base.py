@@ -8,15 +8,18 @@ constructor), and so are, for the type checker, the methods one part calls in an
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 from mooncake._core.master.config import MasterConfig, MasterStats
 from mooncake._core.master.records import (
     _Client,
     _Deferred,
+    _Demote,
     _InUse,
     _Object,
+    _Pending,
+    _Promote,
     _Replica,
     _Seg,
     _Task,
@@ -43,9 +46,13 @@ class _StateBase:
     _seg_list: list[_Seg]
     _clients: dict[str, _Client]
     _deferred: list[_Deferred]
+    _defer_seq: int
     _in_use: dict[str, tuple[Segment, _InUse]]
     _soft_pinned: set[str]
-    _writing: set[str]
+    _writing: OrderedDict[str, _Pending]
+    _demotions: OrderedDict[str, _Demote]
+    _promotions: OrderedDict[str, _Promote]
+    _pin_heap: list[tuple[float, str]]
     _tasks: dict[str, _Task]
     _groups: dict[str, set[str]]
     _active_tasks: dict[str, _Task]
@@ -60,6 +67,8 @@ class _StateBase:
         def _allocate(self, size: int, config: ReplicateConfig) -> list[_Replica]: ...
         def _clear_demoting(self, obj: _Object) -> None: ...
         def _demotion_owner(self, ver: _Version) -> _Replica | None: ...
+        def _defer(self, until: float, reps: list[_Replica]) -> None: ...
+        def _pin_soft(self, key: str, deadline: float) -> None: ...
         def _drop_object(self, obj: _Object, now: float) -> None: ...
         def _end_tier_moves(self, obj: _Object) -> None: ...
         def _fail_task(self, task: _Task, message: str) -> None: ...

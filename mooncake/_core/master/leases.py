@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 
 from mooncake._core.master.base import _StateBase
@@ -129,8 +130,31 @@ class _Leases(_StateBase):
     def batch_exist_key(self, keys: list[str], now: float) -> list[int]:
         return [1 if self.exist_key(k, now) else 0 for k in keys]
 
+    def _pin_soft(self, key: str, deadline: float) -> None:
+        """``key`` is soft-pinned until ``deadline`` (expired by :meth:`_expire_soft_pins`).
+
+        The heap keeps entries of keys unpinned since (checked when they come up); when they
+        outnumber the live pins it is rebuilt from those, so it stays O(live pins).
+        """
+        self._soft_pinned.add(key)
+        heap = self._pin_heap
+        heapq.heappush(heap, (deadline, key))
+        if len(heap) > 2 * len(self._soft_pinned) + 1024:
+            live = []
+            for k in self._soft_pinned:
+                o = self._objects.get(k)
+                if o is not None and o.soft_pin_deadline is not None:
+                    live.append((o.soft_pin_deadline, k))
+            heapq.heapify(live)
+            self._pin_heap = live
+
     def _expire_soft_pins(self, now: float) -> None:
-        for key in list(self._soft_pinned):
+        """Unpin soft pins past their deadline: the deadline heap's expired head only."""
+        heap = self._pin_heap
+        while heap and heap[0][0] <= now:
+            _, key = heapq.heappop(heap)
+            if key not in self._soft_pinned:
+                continue  # unpinned, removed or replaced since
             obj = self._objects.get(key)
             if obj is None or obj.soft_pin_deadline is None:
                 self._soft_pinned.discard(key)

@@ -127,6 +127,7 @@ class _Client:
     disk_drops: list[DiskDrop] = field(default_factory=list)
 
 
-_Deferred = tuple[float, list[_Replica]]
+# A deferred free: (until, sequence number, extents); ``MasterState._deferred`` is a heap of them.
+_Deferred = tuple[float, int, list[_Replica]]
 # Extents of an expired client's segment that others may still touch: (until, addr, length).
 _InUse = list[tuple[float, int, int]]

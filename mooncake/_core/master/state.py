@@ -6,12 +6,22 @@ from __future__ import annotations
 import itertools
 import random
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 
 from mooncake._core.master.config import MasterConfig, MasterStats
 from mooncake._core.master.leases import _Leases
 from mooncake._core.master.objects import _Objects
-from mooncake._core.master.records import _Client, _Deferred, _InUse, _Object, _Seg, _Task
+from mooncake._core.master.records import (
+    _Client,
+    _Deferred,
+    _Demote,
+    _InUse,
+    _Object,
+    _Pending,
+    _Promote,
+    _Seg,
+    _Task,
+)
 from mooncake._core.master.segments import _Segments
 from mooncake._core.master.tasks import _Tasks
 from mooncake._core.master.tiers import _Tiers
@@ -41,11 +51,18 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         self._segments: dict[str, _Seg] = {}
         self._seg_list: list[_Seg] = []
         self._clients: dict[str, _Client] = {}
-        self._deferred: list[_Deferred] = []
+        self._deferred: list[_Deferred] = []  # a heap (see _defer)
+        self._defer_seq = 0
         # segment id -> (segment as mounted, extents still in use when its owner expired)
         self._in_use: dict[str, tuple[Segment, _InUse]] = {}
         self._soft_pinned: set[str] = set()
-        self._writing: set[str] = set()  # keys that had a pending write (pruned by sweep)
+        # Time-ordered queues (``now`` never decreases, so each is in deadline order): pending
+        # writes by PutStart, demotions and promotions by start; soft pins in a deadline heap.
+        # The sweep looks only at their expired heads, never at every object.
+        self._writing: OrderedDict[str, _Pending] = OrderedDict()
+        self._demotions: OrderedDict[str, _Demote] = OrderedDict()
+        self._promotions: OrderedDict[str, _Promote] = OrderedDict()
+        self._pin_heap: list[tuple[float, str]] = []
         self._tasks: dict[str, _Task] = {}
         self._groups: dict[str, set[str]] = {}  # group id -> keys of its readable members
         self._active_tasks: dict[str, _Task] = {}
@@ -130,8 +147,16 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         assert self._capacity == sum(s.segment.size for s in self._seg_list)
         assert self._used == sum(s.alloc.used for s in self._seg_list)
         extents: dict[int, list[tuple[int, int]]] = {}
+        pins = set(self._pin_heap)
         for obj in self._objects.values():
             assert obj.readable is not None or obj.pending is not None
+            assert obj.pending is None or self._writing.get(obj.key) is obj.pending, (
+                "unqueued write"
+            )
+            assert obj.demoting is None or self._demotions.get(obj.key) is obj.demoting
+            assert obj.promoting is None or self._promotions.get(obj.key) is obj.promoting
+            if obj.key in self._soft_pinned and obj.soft_pin_deadline is not None:
+                assert (obj.soft_pin_deadline, obj.key) in pins, f"soft pin of {obj.key!r} unqueued"
             for ver in (obj.readable, obj.pending.version if obj.pending else None):
                 if ver is None:
                     continue
@@ -159,7 +184,7 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
             assert self._objects[task.key].task is task
             for r in task.allocated:
                 extents.setdefault(id(r.seg), []).append((r.addr, r.seg.alloc.extent(r.addr)))
-        for _, reps in self._deferred:
+        for _, _, reps in self._deferred:
             for r in reps:
                 if r.seg.mounted:
                     extents.setdefault(id(r.seg), []).append((r.addr, r.seg.alloc.extent(r.addr)))

@@ -147,7 +147,7 @@ class _Tasks(_StateBase):
             if not any(r.seg is src.seg for r in obj.readable.replicas):
                 src.seg.keys.discard(task.key)
             if obj.read_deadline > now:  # a reader may be copying from it
-                self._deferred.append((obj.read_deadline, [src]))
+                self._defer(obj.read_deadline, [src])
             else:
                 self._free_replicas([src])
         self._finish_task(task, TaskStatus.SUCCESS, "")

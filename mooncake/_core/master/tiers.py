@@ -63,6 +63,8 @@ class _Tiers(_StateBase):
         assert ver is not None
         cid = source.seg.client_id
         obj.demoting = _Demote(cid, now + self.config.demote_timeout, ver.size)
+        self._demotions.pop(obj.key, None)
+        self._demotions[obj.key] = obj.demoting
         self._demoting_bytes += ver.size
         self._untrack(obj)
         self._clients[cid].demote_tasks.append(
@@ -143,6 +145,8 @@ class _Tiers(_StateBase):
         if not replicas:
             raise NoAvailableHandleError(f"no segment has {ver.size} free bytes to promote {key!r}")
         obj.promoting = _Promote(client_id, replicas, now)
+        self._promotions.pop(key, None)
+        self._promotions[key] = obj.promoting
         return [r.descriptor(ReplicaStatus.PROCESSING) for r in replicas]
 
     def promote_end(self, client_id: str, key: str, vid: int, now: float) -> None:
@@ -152,6 +156,7 @@ class _Tiers(_StateBase):
         if p is None or p.client_id != client_id:
             raise IllegalClientError(f"no promotion of {key!r} by client {client_id}")
         obj.promoting = None
+        self._promotions.pop(key, None)
         live = [r for r in p.replicas if r.seg.mounted]
         if not live:
             raise ObjectNotFoundError(f"the segment receiving {key!r} was unmounted")
@@ -171,6 +176,7 @@ class _Tiers(_StateBase):
         if p is None or p.client_id != client_id:
             raise IllegalClientError(f"no promotion of {key!r} by client {client_id}")
         obj.promoting = None
+        self._promotions.pop(key, None)
         self._hold_written(p.replicas, now)
 
     def evict_disk_replica(
@@ -226,13 +232,15 @@ class _Tiers(_StateBase):
         p = obj.promoting
         if p is not None:
             obj.promoting = None
+            self._promotions.pop(obj.key, None)
             # the promoter may still be writing: reuse only after the zombie release timeout
-            self._deferred.append((p.started + self.config.put_start_release_timeout, p.replicas))
+            self._defer(p.started + self.config.put_start_release_timeout, p.replicas)
 
     def _clear_demoting(self, obj: _Object) -> None:
         if obj.demoting is not None:
             self._demoting_bytes -= obj.demoting.size
             obj.demoting = None
+            self._demotions.pop(obj.key, None)
 
     def _forget_disk(self, key: str, ver: _Version) -> None:
         for cid in ver.disk:
@@ -246,15 +254,28 @@ class _Tiers(_StateBase):
         ver.disk = []
 
     def _expire_tier_moves(self, now: float) -> None:
-        stale = self.config.put_start_discard_timeout
-        for key, obj in list(self._objects.items()):
-            d = obj.demoting
-            if d is not None and d.deadline <= now:
+        """Drop objects whose demotion outlived ``demote_timeout``; park promotions older than
+        ``put_start_discard_timeout``. Both queues are in start order (``now`` never
+        decreases), so only their expired heads are looked at."""
+        demotions = self._demotions
+        while demotions:
+            key, d = next(iter(demotions.items()))
+            if d.deadline > now:
+                break
+            del demotions[key]
+            obj = self._objects.get(key)
+            if obj is not None and obj.demoting is d:
                 self._drop_object(obj, now)
                 self.misses.record_eviction(key, policy=self.policy.name, tier="dram", now=now)
-                continue
-            p = obj.promoting
-            if p is not None and now - p.started >= stale:
+        stale = self.config.put_start_discard_timeout
+        promotions = self._promotions
+        while promotions:
+            key, p = next(iter(promotions.items()))
+            if now - p.started < stale:
+                break
+            del promotions[key]
+            obj = self._objects.get(key)
+            if obj is not None and obj.promoting is p:
                 self._end_tier_moves(obj)
 
     # -- helpers ---------------------------------------------------------------------------
