@@ -80,3 +80,40 @@ def test_sweep_never_walks_every_object() -> None:
         m.query_key("zombie")  # released at 20 s
     assert m.used_bytes < used_before  # the revoked write's hold and demotions freed space
     assert m.stats.zombies_released == 1
+
+
+def test_an_eviction_run_is_spread_over_bounded_rounds() -> None:
+    """A run that must free many objects evicts at most ``eviction_round_objects`` per call;
+    the sweeps that follow finish it (down to ``eviction_ratio`` under the watermark), and a
+    PutStart over the watermark evicts only a small round of its own."""
+    m = MasterState(
+        MasterConfig(
+            seed=0,
+            eviction_round_objects=16,
+            eviction_high_watermark_ratio=0.9,
+            eviction_ratio=0.25,
+            offload_on_evict=False,
+        )
+    )
+    m.mount_segment("a", Segment(id="s", name="n", base=0, size=1000 * 4 * KiB), 0.0)
+    for i in range(900):
+        m.put_start("a", f"k{i}", 4 * KiB, ReplicateConfig(), 0.0)
+        m.put_end("a", f"k{i}", 0.0)
+    assert m.stats.evicted_objects == 0
+    m.put_start("a", "over", 4 * KiB, ReplicateConfig(), 1.0)  # crosses the watermark
+    assert 0 < m.stats.evicted_objects <= 1  # its own round: 16 // 16 objects
+    assert m.evicting
+    rounds = 0
+    while m.evicting:
+        before = m.stats.evicted_objects
+        m.ping("a", 2.0)
+        m.sweep(2.0)
+        assert m.stats.evicted_objects - before <= 16
+        rounds += 1
+        m.check_invariants()
+    # the whole run: a quarter of the capacity (250 objects), over many rounds
+    assert 240 <= m.stats.evicted_objects <= 260
+    assert rounds >= 240 // 16
+    assert m.used_bytes <= 0.66 * m.capacity_bytes
+    survivors = sorted(int(k[1:]) for k in m.all_keys() if k[0] == "k")
+    assert survivors == list(range(survivors[0], 900))  # oldest first, as in one run

@@ -164,9 +164,16 @@ class _Leases(_StateBase):
                 if key in self.policy:
                     self.policy.set_pin(key, Pin.NONE)
 
-    def evict(self, now: float, need: int = 0) -> int:
+    def evict(self, now: float, need: int = 0, *, limit: int | None = None) -> int:
         """Evict objects (policy order) to bring usage under the watermark, or to free ``need``
-        bytes; returns the bytes freed. Never evicts leased, pinned-hard, or written objects."""
+        bytes; returns the bytes freed. Never evicts leased, pinned-hard, or written objects.
+
+        An eviction *run* frees ``max(eviction_ratio, used_ratio - watermark +
+        eviction_ratio)`` of the capacity, in rounds: one call evicts at most ``limit`` objects
+        (default ``eviction_round_objects``), and the rest of the run's goal is left to the
+        next calls (every :meth:`sweep` makes one; a PutStart over the watermark a smaller
+        one), so no call does unbounded work however many objects a run has to go.
+        """
         cap = self._capacity
         if cap == 0:
             return 0
@@ -176,9 +183,18 @@ class _Leases(_StateBase):
         # every put would push another victim into demotion.
         pending = self._demoting_bytes
         used = self._used - pending
-        target = max(int(ratio * cap), int(used - wm * cap + ratio * cap), need) - pending
+        if self._evict_goal <= 0:  # a new run
+            self._evict_goal = max(int(ratio * cap), int(used - wm * cap + ratio * cap)) - pending
+        target = max(self._evict_goal, need - pending)
         if target <= 0:
+            self._evict_goal = 0
             return 0
+        if limit is None:
+            limit = self.config.eviction_round_objects
+        # Ask the policy for about ``limit`` objects' worth (by the mean tracked size), so it
+        # neither walks nor returns more than one round needs.
+        n = len(self.policy)
+        ask = min(target, max(need - pending, limit * (self.policy.total_bytes // n))) if n else 0
         allow_soft = self.config.allow_evict_soft_pinned_objects
         objects = self._objects
 
@@ -199,7 +215,10 @@ class _Leases(_StateBase):
         self.stats.eviction_runs += 1
         freed = 0
         policy = self.policy.name
-        for key in self.policy.victims(target, can_evict):
+        victims = self.policy.victims(ask, can_evict)
+        truncated = len(victims) > limit
+        del victims[limit:]  # the policy keeps tracking those left for the next round
+        for key in victims:
             obj = objects[key]  # type: ignore[index]
             ver = obj.readable
             assert ver is not None
@@ -217,4 +236,13 @@ class _Leases(_StateBase):
                 continue
             self._drop_object(obj, now)
             self.misses.record_eviction(key, policy=policy, tier="dram", now=now)
+        # The run goes on next round while there is more to free and the policy had enough
+        # candidates (it proposes every evictable object when they cover less than asked).
+        more = truncated or (ask < target and freed >= ask)
+        self._evict_goal = max(0, self._evict_goal - freed) if more else 0
         return freed
+
+    @property
+    def evicting(self) -> bool:
+        """An eviction run is in progress (the next :meth:`sweep` continues it)."""
+        return self._evict_goal > 0

@@ -139,13 +139,14 @@ class _Objects(_StateBase):
             self._used - self._demoting_bytes + size
             > self.config.eviction_high_watermark_ratio * self._capacity
         ):
-            self.evict(now, need=size)
+            self.evict(now, need=size, limit=self._put_round)
         replicas = self._allocate(size, config)
         # Eviction frees bytes anywhere, but the object needs one contiguous extent: retry with
-        # growing targets while eviction makes progress.
+        # growing targets while eviction makes progress (the retries together: one round).
         need = max(size, int(self.config.eviction_ratio * self._capacity))
+        retry_round = max(1, self.config.eviction_round_objects // _EVICT_RETRIES)
         for _ in range(_EVICT_RETRIES):
-            if replicas or not self.evict(now, need=need):
+            if replicas or not self.evict(now, need=need, limit=retry_round):
                 break
             replicas = self._allocate(size, config)
             need *= 2

@@ -71,6 +71,9 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         self._capacity = 0
         self._next_vid = 0
         self._demoting_bytes = 0
+        self._evict_goal = 0  # bytes the eviction run in progress still has to free
+        # PutStart and PromoteStart over the watermark evict a small round of their own
+        self._put_round = max(1, self.config.eviction_round_objects // 16)
         self.misses = MissLedger()
         """How lost keys were lost; classifies every GetReplicaList miss."""
         self.tiers = {"dram": TierCounters(), "ssd": TierCounters()}
@@ -133,11 +136,12 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
             }
         self._expire_soft_pins(now)
         self._expire_tier_moves(now)
-        if self._capacity and (
-            self._used - self._demoting_bytes
+        if self._evict_goal > 0 or (
+            self._capacity
+            and self._used - self._demoting_bytes
             > self.config.eviction_high_watermark_ratio * self._capacity
         ):
-            self.evict(now)
+            self.evict(now)  # one round of the run (at most eviction_round_objects objects)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if bookkeeping is inconsistent (tests)."""

@@ -140,7 +140,7 @@ class _Tiers(_StateBase):
         if self._capacity and (
             self._used + ver.size > self.config.eviction_high_watermark_ratio * self._capacity
         ):
-            self.evict(now, need=ver.size)
+            self.evict(now, need=ver.size, limit=self._put_round)
         replicas = self._allocate(ver.size, config)
         if not replicas:
             raise NoAvailableHandleError(f"no segment has {ver.size} free bytes to promote {key!r}")
