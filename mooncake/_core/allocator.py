@@ -24,6 +24,7 @@ the two sorted free-block indexes, F the number of free blocks.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 
 from mooncake.errors import InvalidArgumentError
 
@@ -72,6 +73,11 @@ class OffsetAllocator:
     def used(self) -> int:
         """Bytes in allocated extents (rounded sizes)."""
         return self._used
+
+    @property
+    def alignment(self) -> int:
+        """Extents start at multiples of this from ``base`` and are rounded up to it."""
+        return self._alignment
 
     @property
     def capacity(self) -> int:
@@ -183,6 +189,32 @@ class OffsetAllocator:
             prev_free = is_free
             pos = s + n
         assert pos <= self.base + self.size
+
+    @classmethod
+    def restore(
+        cls,
+        base: int,
+        size: int,
+        alignment: int,
+        *,
+        allocated: Iterable[tuple[int, int]],
+        free: Iterable[tuple[int, int]],
+        used: int,
+    ) -> OffsetAllocator:
+        """An allocator in exactly the state described: ``allocated`` extents and ``free``
+        blocks as ``(start, length)`` (free blocks in address order), ``used`` bytes (a
+        snapshot's; :meth:`self_check` verifies the result)."""
+        a = cls(base, size, alignment=alignment)
+        a._allocated = dict(allocated)
+        a._free = dict(free)
+        a._starts = list(a._free)
+        a._by_size = sorted((n, s) for s, n in a._free.items())
+        a._used = used
+        return a
+
+    def state(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], int]:
+        """``(allocated, free, used)`` as :meth:`restore` takes them."""
+        return list(self._allocated.items()), self.free_blocks(), self._used
 
     # -- internals -------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ class _StateBase:
     rng: random.Random
     stats: MasterStats
     view_version_id: int
+    _next_task: int
     misses: MissLedger
     tiers: dict[str, TierCounters]
     _objects: dict[str, _Object]

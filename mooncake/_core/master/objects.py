@@ -131,6 +131,7 @@ class _Objects(_StateBase):
         # for it would only empty the cache.
         if not any(seg.alloc.size >= size for seg in self._seg_list):
             self.stats.put_failures_no_space += 1
+            self._forget_if_empty(key, obj)
             raise NoAvailableHandleError(
                 f"object {key!r} of {size} bytes is larger than every mounted segment "
                 f"({len(self._seg_list)} segments)"
@@ -152,6 +153,7 @@ class _Objects(_StateBase):
             need *= 2
         if not replicas:
             self.stats.put_failures_no_space += 1
+            self._forget_if_empty(key, obj)
             raise NoAvailableHandleError(
                 f"no mounted segment has {size} free bytes for {key!r} "
                 f"({len(self._seg_list)} segments, {self._used}/{self._capacity} bytes used, "
@@ -170,6 +172,16 @@ class _Objects(_StateBase):
             r.seg.keys.add(key)
         self.stats.puts_started += 1
         return [r.descriptor(ReplicaStatus.PROCESSING) for r in replicas]
+
+    def _forget_if_empty(self, key: str, obj: _Object | None) -> None:
+        """A failed PutStart that pre-empted a zombie write leaves no empty record behind."""
+        if (
+            obj is not None
+            and obj.readable is None
+            and obj.pending is None
+            and self._objects.get(key) is obj
+        ):
+            del self._objects[key]
 
     def put_end(self, client_id: str, key: str, now: float) -> None:
         """Make the pending write of ``key`` readable (replaces an older version, if any)."""

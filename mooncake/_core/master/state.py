@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import itertools
 import random
-import uuid
 from collections import OrderedDict, deque
 
+from mooncake._core.master import snapshot
 from mooncake._core.master.config import MasterConfig, MasterStats
 from mooncake._core.master.leases import _Leases
 from mooncake._core.master.objects import _Objects
@@ -46,7 +46,9 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         self.policy = policy if policy is not None else make_policy(self.config.eviction_policy)
         self.rng = rng or random.Random(self.config.seed)
         self.stats = MasterStats()
-        self.view_version_id = uuid.uuid4().int & ((1 << 63) - 1)
+        # From the rng, not uuid/time: the state is a function of its seed and commands.
+        self.view_version_id = self.rng.getrandbits(63)
+        self._next_task = 0
         self._objects: dict[str, _Object] = {}
         self._segments: dict[str, _Seg] = {}
         self._seg_list: list[_Seg] = []
@@ -143,6 +145,20 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         ):
             self.evict(now)  # one round of the run (at most eviction_round_objects objects)
 
+    # -- snapshots -------------------------------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        """The whole state as bytes, compact (objects as columns; see
+        :mod:`mooncake._core.master.snapshot`); :meth:`restore` reads it back."""
+        return snapshot.snapshot(self)
+
+    @classmethod
+    def restore(cls, data: bytes, config: MasterConfig | None = None) -> MasterState:
+        """A state indistinguishable from the one :meth:`snapshot` serialized (allocators,
+        policy order, queues, rng included); ``config`` replaces the saved one when given. The
+        data must come from a trusted store (it is unpickled)."""
+        return snapshot.restore(cls, data, config)
+
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if bookkeeping is inconsistent (tests)."""
         assert self._demoting_bytes == sum(
@@ -152,6 +168,7 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         assert self._used == sum(s.alloc.used for s in self._seg_list)
         extents: dict[int, list[tuple[int, int]]] = {}
         pins = set(self._pin_heap)
+        holders: dict[int, set[str]] = {}  # segment -> keys with a replica on it
         for obj in self._objects.values():
             assert obj.readable is not None or obj.pending is not None
             assert obj.pending is None or self._writing.get(obj.key) is obj.pending, (
@@ -168,6 +185,7 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
                 assert len(segs) == len(set(segs)), "two replicas on one segment"
                 for r in ver.replicas:
                     assert r.seg.mounted and obj.key in r.seg.keys
+                    holders.setdefault(id(r.seg), set()).add(obj.key)
                     extents.setdefault(id(r.seg), []).append((r.addr, r.seg.alloc.extent(r.addr)))
             in_dram = (
                 obj.readable is not None and bool(obj.readable.replicas) and obj.demoting is None
@@ -193,6 +211,7 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
                 if r.seg.mounted:
                     extents.setdefault(id(r.seg), []).append((r.addr, r.seg.alloc.extent(r.addr)))
         for seg in self._seg_list:
+            assert seg.keys == holders.get(id(seg), set()), "stale key in a segment's key set"
             seg.alloc.self_check()
             spans = sorted(extents.get(id(seg), []))
             assert len(spans) == seg.alloc.allocations, "leaked or unaccounted extent"
