@@ -50,9 +50,9 @@ one; readers keep getting the old version until ``UpsertEnd`` swaps them.
 from __future__ import annotations
 
 import itertools
+import pickle
 import random
 import re
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -339,7 +339,9 @@ class MasterState:
         self.policy = policy if policy is not None else make_policy(self.config.eviction_policy)
         self.rng = rng or random.Random(self.config.seed)
         self.stats = MasterStats()
-        self.view_version_id = uuid.uuid4().int & ((1 << 63) - 1)
+        # From the rng, not uuid/time: the state is a function of its seed and commands.
+        self.view_version_id = self.rng.getrandbits(63)
+        self._next_task = 0
         self._objects: dict[str, _Object] = {}
         self._segments: dict[str, _Seg] = {}
         self._seg_list: list[_Seg] = []
@@ -1172,7 +1174,9 @@ class MasterState:
                     f"no mounted segment {name!r} without a replica of {obj.key!r}"
                 )
             segs.append(seg)
-        task = _Task(uuid.uuid4().hex, ttype, obj.key, source, segs, source.seg.client_id, now)
+        self._next_task += 1
+        task_id = f"{self.view_version_id:016x}{self._next_task:016x}"
+        task = _Task(task_id, ttype, obj.key, source, segs, source.seg.client_id, now)
         self._tasks[task.id] = task
         if not segs:  # every target holds a replica already: done, as Mooncake answers it
             self._finish_task(task, TaskStatus.SUCCESS, "every target already holds a replica")
@@ -1710,6 +1714,36 @@ class MasterState:
         if obj.key in self.policy:
             self.policy.on_remove(obj.key)
         self._soft_pinned.discard(obj.key)
+
+    # -- replication ------------------------------------------------------------------------
+
+    def promote(self, now: float) -> None:
+        """A new leader takes over at ``now``: effects of unlogged lease-only calls (read
+        leases, read windows, pings) may be lost, so every lease and read window is extended
+        to ``now + default_kv_lease_ttl`` and every client deadline to
+        ``max(deadline, now + client_ttl)``."""
+        lease = now + self.config.default_kv_lease_ttl
+        for obj in self._objects.values():
+            if obj.readable is not None:
+                obj.lease_deadline = max(obj.lease_deadline, lease)
+                obj.read_deadline = max(obj.read_deadline, lease)
+        for client in self._clients.values():
+            client.deadline = max(client.deadline, now + self.config.client_ttl)
+
+    def snapshot(self) -> bytes:
+        """The whole state as bytes (restore with :meth:`restore`)."""
+        return pickle.dumps(self.__dict__, protocol=pickle.HIGHEST_PROTOCOL)
+
+    @classmethod
+    def restore(cls, data: bytes, config: MasterConfig | None = None) -> MasterState:
+        """A state equal to the one :meth:`snapshot` serialized (``config`` replaces the
+        saved one when given; the data must come from a trusted store)."""
+        state = cls.__new__(cls)
+        state.__dict__.update(pickle.loads(data))
+        if config is not None:
+            config.validate()
+            state.config = config
+        return state
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if bookkeeping is inconsistent (tests)."""

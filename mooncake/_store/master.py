@@ -46,13 +46,14 @@ connections; the state object stays usable (tests inspect it afterwards).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 import anyio
@@ -64,10 +65,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mooncake._core import auth, rpc
+from mooncake._core import auth, commands, rpc
 from mooncake._core.master import MasterConfig, MasterState
-from mooncake._core.misses import Miss
-from mooncake._core.store_types import MissInfo
 from mooncake._engine import _accept
 from mooncake._store.keyscan import DEFAULT_BUDGET_S, SCAN_METHODS, KeyScanner
 from mooncake.errors import (
@@ -75,7 +74,11 @@ from mooncake.errors import (
     InvalidArgumentError,
     MooncakeError,
     ProtocolError,
+    UnavailableError,
 )
+
+if TYPE_CHECKING:
+    from mooncake._store.ha import HaConfig
 
 log = logging.getLogger("mooncake.master")
 
@@ -120,88 +123,31 @@ class MasterServerConfig:
     cluster_secret: str | None = None
     regex_budget: float = DEFAULT_BUDGET_S
     state: MasterConfig = field(default_factory=MasterConfig)
+    #: replicate the state through etcd (leader election, command log, standbys); None: off
+    ha: HaConfig | None = None
 
 
-Handler = Callable[[MasterState, Any, float], Any]
-# The regex methods applied to keys matched beforehand (off the loop) by a KeyScanner.
-_SCAN_APPLY: dict[str, Callable[[MasterState, Any, list[str], float], Any]] = {
-    "GetReplicaListByRegex": lambda s, p, keys, now: s.replica_lists_of(keys, now),
-    "RemoveByRegex": lambda s, p, keys, now: s.remove_keys(keys, p.force, now),
-}
+#: params of one logged call are at most this large (an etcd value holds ~1.5 MiB)
+MAX_LOGGED_PARAMS = 1 << 20
 
 
-def _miss_info(miss: Miss) -> MissInfo:
-    return MissInfo(
-        reason=miss.reason.value,
-        policy=miss.policy,
-        tier=miss.tier,
-        owner=miss.owner,
-        at=miss.at or 0.0,
-    )
+class Replication(Protocol):
+    """What the server asks of the replication layer (:mod:`mooncake._store.ha`)."""
 
+    def refusal(self) -> str | None:
+        """None while this master leads and may answer; else why it may not (naming the
+        leader when it knows one)."""
 
-def _handlers() -> dict[str, Handler]:
-    return {
-        "ServiceReady": lambda s, p, now: rpc.VERSION,
-        "Ping": lambda s, p, now: s.ping(p.client_id, now),
-        "MountLocalDisk": lambda s, p, now: s.mount_local_disk(p.client_id, p.capacity, now),
-        "FetchTierTasks": lambda s, p, now: s.fetch_tier_tasks(p.client_id, now),
-        "DemoteEnd": lambda s, p, now: s.demote_end(p.client_id, p.key, p.vid, now),
-        "DemoteRevoke": lambda s, p, now: s.demote_revoke(p.client_id, p.key, p.vid, now),
-        "PromoteStart": lambda s, p, now: s.promote_start(p.client_id, p.key, p.vid, now),
-        "PromoteEnd": lambda s, p, now: s.promote_end(p.client_id, p.key, p.vid, now),
-        "PromoteRevoke": lambda s, p, now: s.promote_revoke(p.client_id, p.key, p.vid, now),
-        "EvictDiskReplica": lambda s, p, now: s.evict_disk_replica(
-            p.client_id, p.key, p.vid, p.policy, now
-        ),
-        "PutLocal": lambda s, p, now: s.put_local(p.client_id, p.key, p.size, now),
-        "ExplainMiss": lambda s, p, now: _miss_info(s.explain_miss(p.key)),
-        "GetTierStats": lambda s, p, now: {t: c.as_dict() for t, c in s.tiers.items()},
-        "GetSegmentTiers": lambda s, p, now: s.segment_tiers(),
-        "MountSegment": lambda s, p, now: s.mount_segment(p.client_id, p.segment, now),
-        "ReMountSegment": lambda s, p, now: s.remount_segments(p.client_id, p.segments, now),
-        "UnmountSegment": lambda s, p, now: s.unmount_segment(p.client_id, p.segment_id, now),
-        "PutStart": lambda s, p, now: s.put_start(p.client_id, p.key, p.size, p.config, now),
-        "PutEnd": lambda s, p, now: s.put_end(p.client_id, p.key, now),
-        "PutRevoke": lambda s, p, now: s.put_revoke(p.client_id, p.key, now),
-        "UpsertStart": lambda s, p, now: s.upsert_start(p.client_id, p.key, p.size, p.config, now),
-        "UpsertEnd": lambda s, p, now: s.upsert_end(p.client_id, p.key, now),
-        "UpsertRevoke": lambda s, p, now: s.upsert_revoke(p.client_id, p.key, now),
-        "BatchPutStart": lambda s, p, now: s.batch_put_start(
-            p.client_id, p.keys, p.sizes, p.config, now
-        ),
-        "BatchPutEnd": lambda s, p, now: s.batch_put_end(p.client_id, p.keys, now),
-        "BatchPutRevoke": lambda s, p, now: s.batch_put_revoke(p.client_id, p.keys, now),
-        "BatchUpsertStart": lambda s, p, now: s.batch_put_start(
-            p.client_id, p.keys, p.sizes, p.config, now, upsert=True
-        ),
-        "BatchUpsertEnd": lambda s, p, now: s.batch_put_end(p.client_id, p.keys, now),
-        "BatchUpsertRevoke": lambda s, p, now: s.batch_put_revoke(p.client_id, p.keys, now),
-        "GetReplicaList": lambda s, p, now: s.get_replica_list(p.key, now, for_read=p.for_read),
-        "BatchGetReplicaList": lambda s, p, now: s.batch_get_replica_list(
-            p.keys, now, for_read=p.for_read
-        ),
-        "GetReplicaListByRegex": lambda s, p, now: s.get_replica_list_by_regex(p.regex, now),
-        "ExistKey": lambda s, p, now: s.exist_key(p.key, now),
-        "BatchExistKey": lambda s, p, now: s.batch_exist_key(p.keys, now),
-        "Remove": lambda s, p, now: s.remove(p.key, p.force, now),
-        "BatchRemove": lambda s, p, now: s.batch_remove(p.keys, p.force, now),
-        "RemoveByRegex": lambda s, p, now: s.remove_by_regex(p.regex, p.force, now),
-        "RemoveAll": lambda s, p, now: s.remove_all(p.force, now),
-        "QueryKey": lambda s, p, now: s.query_key(p.key),
-        "GetAllKeys": lambda s, p, now: s.all_keys(),
-        "GetAllSegments": lambda s, p, now: s.all_segments(),
-        "BatchReplicaClear": lambda s, p, now: s.batch_replica_clear(
-            p.client_id, p.keys, p.segment_name, now
-        ),
-        "CreateCopyTask": lambda s, p, now: s.create_copy_task(p.key, p.targets, now),
-        "CreateMoveTask": lambda s, p, now: s.create_move_task(p.key, p.source, p.target, now),
-        "QueryTask": lambda s, p, now: s.query_task(p.task_id),
-        "FetchTasks": lambda s, p, now: s.fetch_tasks(p.client_id, now),
-        "TaskStart": lambda s, p, now: s.task_start(p.client_id, p.task_id, now),
-        "TaskEnd": lambda s, p, now: s.task_end(p.client_id, p.task_id, now),
-        "TaskRevoke": lambda s, p, now: s.task_revoke(p.client_id, p.task_id, p.message, now),
-    }
+    def append(self, command: commands.Command) -> int:
+        """Queue an applied command for the log; its ticket (increasing)."""
+
+    @property
+    def barrier(self) -> int:
+        """The ticket of the last mutating command queued."""
+
+    async def wait_durable(self, ticket: int) -> bool:
+        """Until every command up to ``ticket`` is durable (True), or this master was deposed
+        first (False: say nothing to the client)."""
 
 
 class MasterServer:
@@ -210,7 +156,7 @@ class MasterServer:
     def __init__(self, config: MasterServerConfig, state: MasterState | None = None) -> None:
         self.config = config
         self.state = state if state is not None else MasterState(config.state)
-        self.handlers = _handlers()
+        self.handlers = commands.HANDLERS
         missing = set(rpc.METHODS) - set(self.handlers) - rpc.AUTH_METHODS
         assert not missing, f"RPC methods without a handler: {missing}"
         self.requests: dict[str, int] = dict.fromkeys(rpc.METHODS, 0)
@@ -227,8 +173,15 @@ class MasterServer:
         self.auth_failures = 0
         self.http_slots = _accept.Slots(_HTTP_MAX_CONNECTIONS, "master-http")
         self.scanner = KeyScanner(config.regex_budget)
+        self.ha: Replication | None = None
+        self.clock_offset = 0.0
+        self._socks: set[socket.socket] = set()
 
     # -- RPC -------------------------------------------------------------------------------
+
+    def now(self) -> float:
+        """The state's clock: the loop's clock plus the offset a promotion chose (0 without HA)."""
+        return anyio.current_time() + self.clock_offset
 
     def handle_request(
         self, req: rpc.Request, now: float, matched: list[str] | None = None
@@ -237,33 +190,79 @@ class MasterServer:
 
         ``matched``: for a regex method, the keys its pattern matched (:meth:`handle_scan`).
         """
+        return self.execute(req, now, matched)[0]
+
+    def execute(
+        self, req: rpc.Request, now: float, matched: list[str] | None = None
+    ) -> tuple[bytes, int]:
+        """(framed reply, log ticket): with replication on, the reply may be sent only once
+        :meth:`Replication.wait_durable` of the ticket returned True (0: send at once).
+
+        A mutating call waits for its own log entry, any other call for the entries of the
+        mutations before it (so nothing not yet durable is ever shown to a client)."""
         max_frame = self.config.max_frame
         name = req.method
+        ha = self.ha
+        ticket = 0
         try:
             params = rpc.decode_params(req)
             self.requests[name] += 1
+            if ha is not None:
+                refusal = ha.refusal()
+                if refusal is not None:
+                    raise UnavailableError(refusal)
+                kind = commands.durability(name)
+                if kind is not commands.Durability.PURE_READ:
+                    if len(req.params) > MAX_LOGGED_PARAMS:
+                        raise InvalidArgumentError(
+                            f"{name} params of {len(req.params)} bytes exceed the "
+                            f"{MAX_LOGGED_PARAMS} a replicated master logs in one entry"
+                        )
+                    rid = getattr(req, "rid", None)
+                    cmd = (
+                        commands.ScanApply(name, bytes(req.params), matched, now, rid)
+                        if matched is not None
+                        else commands.rpc_command(name, bytes(req.params), now, rid)
+                    )
+                    own = ha.append(cmd)
+                    ticket = own if kind is commands.Durability.MUTATING else ha.barrier
+                else:
+                    ticket = ha.barrier
             if matched is not None:
-                result = _SCAN_APPLY[name](self.state, params, matched, now)
+                result = commands.SCAN_APPLY[name](self.state, params, matched, now)
             else:
                 result = self.handlers[name](self.state, params, now)
             try:
-                return rpc.encode_result(req.id, result, max_frame=max_frame)
+                return rpc.encode_result(req.id, result, max_frame=max_frame), ticket
             except InvalidArgumentError as e:  # answer too large for one frame
                 self.failures[name] += 1
-                return rpc.encode_error(req.id, e, max_frame=max_frame)
+                return rpc.encode_error(req.id, e, max_frame=max_frame), ticket
         except MooncakeError as e:
             if name in self.failures:
                 self.failures[name] += 1
-            return rpc.encode_error(req.id, e, max_frame=max_frame)
+            return rpc.encode_error(req.id, e, max_frame=max_frame), ticket
         except Exception as e:  # a bug here must not take the master down
             log.exception("master: %s failed", name)
             self.failures[name] = self.failures.get(name, 0) + 1
             return rpc.encode_error(
                 req.id, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}", max_frame=max_frame
-            )
+            ), ticket
 
-    async def handle_scan(self, req: rpc.Request) -> bytes:
-        """Answer a regex request: match in a worker thread, then apply on the loop."""
+    def run_command(self, command: commands.Command) -> None:
+        """Apply an internal command (sweep, stall credit), logging it when replicated."""
+        if self.ha is not None:
+            self.ha.append(command)
+        commands.apply(self.state, command)
+
+    def close_connections(self) -> None:
+        """Shut every client connection (a deposed leader does: clients re-resolve)."""
+        for sock in list(self._socks):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    async def handle_scan(self, req: rpc.Request) -> tuple[bytes, int]:
+        """Answer a regex request: match in a worker thread, then apply on the loop
+        ((reply, ticket) as :meth:`execute`)."""
         try:
             params = rpc.decode_params(req)
             assert isinstance(params, rpc.RegexParams)
@@ -271,7 +270,7 @@ class MasterServer:
         except MooncakeError as e:
             self.requests[req.method] += 1
             self.failures[req.method] += 1
-            return rpc.encode_error(req.id, e, max_frame=self.config.max_frame)
+            return rpc.encode_error(req.id, e, max_frame=self.config.max_frame), 0
         except Exception as e:  # a bug here must not take the master down
             log.exception("master: %s failed", req.method)
             self.failures[req.method] += 1
@@ -280,8 +279,8 @@ class MasterServer:
                 ErrorCode.INTERNAL_ERROR,
                 f"{type(e).__name__}: {e}",
                 max_frame=self.config.max_frame,
-            )
-        return self.handle_request(req, anyio.current_time(), matched=keys)
+            ), 0
+        return self.execute(req, self.now(), matched=keys)
 
     async def serve_connection(self, sock: socket.socket, slot: _accept.Slot) -> None:
         """Serve one RPC connection (a connected non-blocking socket, closed by the accept
@@ -292,6 +291,7 @@ class MasterServer:
         (a checkpoint every ``_FAIR_ROUNDS`` busy rounds keeps other connections served).
         """
         self.connections += 1
+        self._socks.add(sock)
         try:
             await self._serve_socket(sock, slot)
         except ProtocolError as e:
@@ -300,6 +300,8 @@ class MasterServer:
         except OSError as e:  # reset, broken pipe
             self.connections_dropped += 1
             log.info("master: connection lost: %s", e)
+        finally:
+            self._socks.discard(sock)
 
     async def _serve_socket(self, sock: socket.socket, slot: _accept.Slot) -> None:
         cfg = self.config
@@ -308,6 +310,7 @@ class MasterServer:
         first = True
         authed = self.secret is None
         nonces: tuple[bytes, bytes] | None = None
+        ticket = 0
         while True:
             try:
                 data = sock.recv(_RECV)
@@ -345,9 +348,19 @@ class MasterServer:
                     continue
                 if msg.method in SCAN_METHODS:
                     slot.busy()
-                    out.append(await self.handle_scan(msg))
+                    reply, t = await self.handle_scan(msg)
+                    out.append(reply)
+                    ticket = max(ticket, t)
                 else:
-                    out.append(self.handle_request(msg, anyio.current_time()))
+                    reply, t = self.execute(msg, self.now())
+                    out.append(reply)
+                    ticket = max(ticket, t)
+            if ticket:
+                slot.busy()
+                ha = self.ha
+                if ha is not None and not await ha.wait_durable(ticket):
+                    return  # deposed before its log entry was durable: no answer at all
+                ticket = 0
             if out:
                 slot.busy()
                 await _send_all(sock, b"".join(out) if len(out) > 1 else out[0])
@@ -421,9 +434,16 @@ class MasterServer:
             now = anyio.current_time()
             stalled, last = now - last - 2 * interval, now
             try:
-                if stalled > 0:
-                    self.state.credit_stall(stalled + interval)
-                self.state.sweep(now)
+                ha = self.ha
+                if ha is None:
+                    if stalled > 0:
+                        self.state.credit_stall(stalled + interval)
+                    self.state.sweep(now)
+                elif ha.refusal() is None:  # a replicated master sweeps only as the leader
+                    now = self.now()
+                    if stalled > 0:
+                        self.run_command(commands.CreditStall(stalled + interval, now))
+                    self.run_command(commands.Sweep(now))
             except Exception:
                 log.exception("master: sweep failed")
 
