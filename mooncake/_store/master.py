@@ -78,7 +78,8 @@ from mooncake.errors import (
 )
 
 if TYPE_CHECKING:
-    from mooncake._store.ha import HaConfig
+    from mooncake._store.ha import HaConfig, HaNode
+    from mooncake._store.snapshots import SnapshotConfig
 
 log = logging.getLogger("mooncake.master")
 
@@ -125,6 +126,8 @@ class MasterServerConfig:
     state: MasterConfig = field(default_factory=MasterConfig)
     #: replicate the state through etcd (leader election, command log, standbys); None: off
     ha: HaConfig | None = None
+    #: periodic snapshots to a local directory without HA (``--enable_snapshot``); None: off
+    snapshot: SnapshotConfig | None = None
 
 
 #: params of one logged call are at most this large (an etcd value holds ~1.5 MiB)
@@ -174,6 +177,8 @@ class MasterServer:
         self.http_slots = _accept.Slots(_HTTP_MAX_CONNECTIONS, "master-http")
         self.scanner = KeyScanner(config.regex_budget)
         self.ha: Replication | None = None
+        self.ha_node: HaNode | None = None
+        self.last_snapshot_seq = 0
         self.clock_offset = 0.0
         self._socks: set[socket.socket] = set()
 
@@ -460,6 +465,11 @@ class MasterServer:
             return 200, "text/plain", b"OK\n"
         if url.path == "/status":
             return 200, "application/json", msgspec.json.encode(self.status())
+        if url.path == "/role":
+            role = self.ha_node.status()["role"] if self.ha_node is not None else "leader"
+            return 200, "text/plain", role.encode() + b"\n"
+        if url.path == "/ha_status":
+            return 200, "application/json", msgspec.json.encode(self.ha_status())
         if url.path == "/query_key":
             key = parse_qs(url.query).get("key", [""])[0]
             try:
@@ -504,6 +514,7 @@ class MasterServer:
         st = s.stats
         return {
             "time": time.time(),
+            "ha": self.ha_status(),
             "objects": s.object_count,
             "clients": s.client_count,
             "segments": s.segment_count,
@@ -523,6 +534,16 @@ class MasterServer:
                 "lease_refusals": st.lease_refusals,
                 "clients_expired": st.clients_expired,
             },
+        }
+
+    def ha_status(self) -> dict[str, Any]:
+        """Role, term/lease, applied seq, log lag, last snapshot (a master without HA leads)."""
+        if self.ha_node is not None:
+            return self.ha_node.status()
+        return {
+            "role": "leader",
+            "enabled": False,
+            "last_snapshot_seq": self.last_snapshot_seq,
         }
 
     async def serve_http_connection(self, sock: socket.socket, slot: _accept.Slot) -> None:
@@ -638,6 +659,20 @@ class _MasterCollector(Collector):
             "Regex requests refused past their budget",
             self.server.scanner.timeouts,
         )
+        ha = self.server.ha_status()
+        yield gauge("master_ha_is_leader", "1 if this master leads", ha["role"] == "leader")
+        for name, doc in (
+            ("term", "HA term (create revision of the leader's master_view key; 0 standby)"),
+            ("applied_seq", "Last log batch applied"),
+            ("log_lag", "Leader: commands not yet durable; standby: batches not yet applied"),
+            ("last_snapshot_seq", "Log seq of the newest snapshot"),
+            ("lease_remaining", "Seconds of the leader's lease left (as it knows)"),
+        ):
+            if name in ha:
+                yield gauge(f"master_ha_{name}", doc, float(ha[name]))
+        for name in ("stepdowns", "elections_won", "batches", "apply_errors"):
+            if name in ha:
+                yield counter(f"master_ha_{name}", f"HA {name.replace('_', ' ')}", ha[name])
         misses = CounterMetricFamily(
             "master_misses",
             "Replica lookups of absent objects, by why the object is absent",
@@ -724,7 +759,21 @@ async def serve_master(
     ``--enable-http-metadata-server`` embeds Mooncake's HTTP metadata protocol on its own port.
     """
     config = config or MasterServerConfig()
-    server = MasterServer(config, state)
+    local = None
+    restored: tuple[MasterState, float] | None = None
+    if config.snapshot is not None and config.ha is None:
+        from mooncake._store.snapshots import DirSnapshots, restore_local
+
+        local = DirSnapshots(
+            config.snapshot.directory, config.snapshot.cluster_id, config.snapshot.retention
+        )
+        if config.snapshot.restore and state is None:
+            restored = await restore_local(local, config.state)
+    server = MasterServer(config, restored[0] if restored else state)
+    if restored is not None:
+        # the restored clock goes on from the snapshot; leases and clients get a fresh TTL
+        server.clock_offset = restored[1] - anyio.current_time()
+        server.state.promote(server.now())
     async with anyio.create_task_group() as tg:
         if config.enable_metric_reporting and config.metrics_port >= 0:
             msock = await _raw_listener(config.metrics_host, config.metrics_port)
@@ -751,6 +800,16 @@ async def serve_master(
             server.rpc_port,
             f"{config.metrics_host}:{server.metrics_port}" if server.metrics_port else "off",
         )
+        if config.ha is not None:
+            from mooncake._store.ha import HaNode
+
+            node = HaNode(server, config.ha)
+            server.ha = server.ha_node = node
+            tg.start_soon(node.run)
+        elif local is not None and config.snapshot is not None:
+            from mooncake._store.snapshots import snapshot_loop
+
+            tg.start_soon(snapshot_loop, server, local, config.snapshot.interval)
         task_status.started(server)
         try:
             await _accept.accept_loop(lsock, server.slots, server.serve_connection, prepare=_tune)
