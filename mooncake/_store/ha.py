@@ -29,8 +29,8 @@ calls get no reply at all), revokes its lease, and rebuilds its state from etcd 
 Standby: loads the newest snapshot and the log after it, tails the log (a watch wakes it, a
 range read fetches; a poll every second covers a silent watch) and applies every entry through
 :func:`commands.apply`, so its state equals the leader's (allocators included). It answers
-every client call ``UNAVAILABLE_IN_CURRENT_STATUS`` (-1010) ``not the leader ...
-leader=host:port`` so clients re-resolve. When ``master_view`` disappears it campaigns; the
+every client call but ``ServiceReady`` with ``UNAVAILABLE_IN_CURRENT_MODE`` (-1011, "not the
+leader: ... leader=host:port"), having applied nothing, so clients re-resolve the leader. When ``master_view`` disappears it campaigns; the
 winner finishes the log (nobody else can append by then), sets its state clock so it continues
 from the last applied ``now``, appends ``Promote(now, seed)`` and serves once that is durable.
 

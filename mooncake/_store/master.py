@@ -74,7 +74,6 @@ from mooncake.errors import (
     InvalidArgumentError,
     MooncakeError,
     ProtocolError,
-    UnavailableError,
 )
 
 if TYPE_CHECKING:
@@ -209,31 +208,22 @@ class MasterServer:
         name = req.method
         ha = self.ha
         ticket = 0
+        cmd: commands.Command | None = None
         try:
             params = rpc.decode_params(req)
             self.requests[name] += 1
             if ha is not None:
                 refusal = ha.refusal()
-                if refusal is not None:
-                    raise UnavailableError(refusal)
-                kind = commands.durability(name)
-                if kind is not commands.Durability.PURE_READ:
-                    if len(req.params) > MAX_LOGGED_PARAMS:
-                        raise InvalidArgumentError(
-                            f"{name} params of {len(req.params)} bytes exceed the "
-                            f"{MAX_LOGGED_PARAMS} a replicated master logs in one entry"
-                        )
-                    rid = getattr(req, "rid", None)
-                    cmd = (
-                        commands.ScanApply(name, bytes(req.params), matched, now, rid)
-                        if matched is not None
-                        else commands.rpc_command(name, bytes(req.params), now, rid)
-                    )
-                    own = ha.append(cmd)
-                    ticket = own if kind is commands.Durability.MUTATING else ha.barrier
-                else:
-                    ticket = ha.barrier
-            if matched is not None:
+                if refusal is not None and name != "ServiceReady":
+                    self.failures[name] += 1
+                    return rpc.encode_error(
+                        req.id, ErrorCode.UNAVAILABLE_IN_CURRENT_MODE, refusal, max_frame=max_frame
+                    ), 0
+                if refusal is None:
+                    ticket, cmd = self._log_call(ha, req, now, matched)
+            if cmd is not None:  # replicated: the same function the standbys apply with
+                result = commands.apply(self.state, cmd, params)
+            elif matched is not None:
                 result = commands.SCAN_APPLY[name](self.state, params, matched, now)
             else:
                 result = self.handlers[name](self.state, params, now)
@@ -252,6 +242,29 @@ class MasterServer:
             return rpc.encode_error(
                 req.id, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}", max_frame=max_frame
             ), ticket
+
+    def _log_call(
+        self, ha: Replication, req: rpc.Request, now: float, matched: list[str] | None
+    ) -> tuple[int, commands.Command | None]:
+        """Queue the call for the log (unless a pure read): (the ticket its reply waits for,
+        the command queued)."""
+        name = req.method
+        kind = commands.durability(name)
+        if kind is commands.Durability.PURE_READ:
+            return ha.barrier, None
+        if len(req.params) > MAX_LOGGED_PARAMS:
+            raise InvalidArgumentError(
+                f"{name} params of {len(req.params)} bytes exceed the "
+                f"{MAX_LOGGED_PARAMS} a replicated master logs in one entry"
+            )
+        rid = getattr(req, "rid", None)
+        cmd = (
+            commands.ScanApply(name, bytes(req.params), matched, now, rid)
+            if matched is not None
+            else commands.rpc_command(name, bytes(req.params), now, rid)
+        )
+        own = ha.append(cmd)
+        return (own if kind is commands.Durability.MUTATING else ha.barrier), cmd
 
     def run_command(self, command: commands.Command) -> None:
         """Apply an internal command (sweep, stall credit), logging it when replicated."""
