@@ -18,6 +18,8 @@ import base64
 import json
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -285,3 +287,104 @@ def test_local_snapshots_without_ha_restore_on_restart(tmp_path: Path) -> None:
         assert put(m2.address, "more")  # the restored segment is still allocatable
     finally:
         m2.stop()
+
+
+# -- a leader cut off in a network namespace --------------------------------------------------
+
+PROBE = services.ROOT / "tests" / "helpers" / "ha_probe.py"
+
+
+def _probe(ns: str, *args: str, timeout: float = 60) -> dict[str, Any]:
+    r = subprocess.run(
+        ["ip", "netns", "exec", ns, sys.executable, str(PROBE), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=services.python_env(),
+        cwd=services.ROOT,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+    return out
+
+
+def _await_role(
+    ns: str, m: HaMaster, role: str, leader: str | None, within: float
+) -> dict[str, Any]:
+    deadline = time.monotonic() + within
+    ha: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        ha = _probe(ns, "status", m.metrics)
+        if ha.get("role") == role and (leader is None or ha.get("leader") == leader):
+            return ha
+        time.sleep(0.2)
+    raise AssertionError(f"{m.address} is not {role} (leader {leader}) within {within} s: {ha}")
+
+
+@pytest.mark.netns
+def test_partitioned_leader_acknowledges_nothing_after_its_lease(tmp_path: Path) -> None:
+    from tests.test_metadata_netns import lab
+
+    lease = 5
+    with lab() as lb, services.etcd_cluster(1, host=lb.addr["S"], netns=lb.ns["S"]) as cluster:
+        ms: list[HaMaster] = []
+        try:
+            for role in ("A", "B"):
+                addr = lb.addr[role]
+                ms.append(
+                    HaMaster(
+                        cluster.conn,
+                        "--rpc-address",
+                        addr,
+                        "--metrics-host",
+                        addr,
+                        cluster="netns",
+                        log=tmp_path / f"master{role}.log",
+                        prefix=("ip", "netns", "exec", lb.ns[role]),
+                    )
+                )
+                if role == "A":
+                    _await_role(lb.ns["A"], ms[0], "leader", None, 30)
+            a, b = ms
+            _await_role(lb.ns["B"], b, "standby", a.address, 30)
+            _probe(lb.ns["A"], "mount", a.address)
+            # a writer next to the leader (in its namespace) keeps putting across the cut
+            writer = subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    lb.ns["A"],
+                    sys.executable,
+                    str(PROBE),
+                    "loop",
+                    a.address,
+                    "16",
+                    "p",
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=services.python_env(),
+                cwd=services.ROOT,
+            )
+            time.sleep(3)
+            cut_at = time.monotonic()
+            lb.cut("A")
+            _await_role(lb.ns["B"], b, "leader", b.address, 30)
+            out, _ = writer.communicate(timeout=90)
+            result = json.loads(out.strip().splitlines()[-1])
+            puts, reads = result["puts"], result["reads"]
+            acked = {k for k, ok, _ in puts if ok}
+            late = [(k, t - cut_at) for k, ok, t in puts if ok and t > cut_at + lease]
+            assert acked, "the writer got nothing acknowledged before the cut"
+            assert not late, f"acknowledged after the leader's lease ended: {late}"
+            stale = [(k, t - cut_at) for k, ok, t in reads if ok and t > cut_at + lease]
+            assert not stale, f"reads answered after the leader's lease ended: {stale}"
+            assert any(ok for _, ok, t in reads if t < cut_at), "no read answered before the cut"
+            assert any(not ok for _, ok, t in puts if t > cut_at), "the cut had no effect"
+            keys = set(_probe(lb.ns["B"], "keys", b.address)["keys"])
+            assert acked <= keys, f"lost: {sorted(acked - keys)[:10]}"
+            lb.mend("A")
+            _await_role(lb.ns["A"], a, "standby", b.address, 30)
+        finally:
+            _stop_all(ms)

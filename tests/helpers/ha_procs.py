@@ -31,8 +31,16 @@ MiB = 1 << 20
 
 
 class HaMaster:
-    def __init__(self, etcd: str, *flags: str, cluster: str = "test", log: Path | None = None):
+    def __init__(
+        self,
+        etcd: str,
+        *flags: str,
+        cluster: str = "test",
+        log: Path | None = None,
+        prefix: tuple[str, ...] = (),
+    ):
         cmd = [
+            *prefix,
             sys.executable,
             "-m",
             "mooncake",
