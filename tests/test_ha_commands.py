@@ -309,3 +309,32 @@ class Replicated(RuleBasedStateMachine):
 
 TestReplicated = Replicated.TestCase
 TestReplicated.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+
+
+def test_replicas_in_other_processes_agree() -> None:
+    """Masters are separate processes with their own string-hash salt, and a standby may start
+    from a snapshot: the same commands must give the same state anyway (a set iterated in
+    hash order once decided policy and ledger order)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    helper = ROOT / "tests" / "helpers" / "replay_digest.py"
+
+    def digest(hashseed: str, *extra: str) -> str:
+        env = {**os.environ, "PYTHONHASHSEED": hashseed, "PYTHONPATH": str(ROOT)}
+        out = subprocess.run(
+            [sys.executable, str(helper), "11", "2500", *extra],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+            timeout=300,
+        )
+        return out.stdout.split()[0]
+
+    first = digest("1")
+    assert digest("2") == first
+    assert digest("3", "--snapshot-at", "1200") == first

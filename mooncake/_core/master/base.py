@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from mooncake._core.master.config import MasterConfig, MasterStats
 from mooncake._core.master.records import (
+    KeySet,
     _Client,
     _Deferred,
     _InUse,
@@ -44,10 +45,10 @@ class _StateBase:
     _clients: dict[str, _Client]
     _deferred: list[_Deferred]
     _in_use: dict[str, tuple[Segment, _InUse]]
-    _soft_pinned: set[str]
-    _writing: set[str]
+    _soft_pinned: KeySet
+    _writing: KeySet
     _tasks: dict[str, _Task]
-    _groups: dict[str, set[str]]
+    _groups: dict[str, KeySet]
     _active_tasks: dict[str, _Task]
     _finished_tasks: deque[str]
     _used: int

@@ -11,7 +11,15 @@ from collections import deque
 from mooncake._core.master.config import MasterConfig, MasterStats
 from mooncake._core.master.leases import _Leases
 from mooncake._core.master.objects import _Objects
-from mooncake._core.master.records import _Client, _Deferred, _InUse, _Object, _Seg, _Task
+from mooncake._core.master.records import (
+    KeySet,
+    _Client,
+    _Deferred,
+    _InUse,
+    _Object,
+    _Seg,
+    _Task,
+)
 from mooncake._core.master.segments import _Segments
 from mooncake._core.master.tasks import _Tasks
 from mooncake._core.master.tiers import _Tiers
@@ -46,10 +54,10 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         self._deferred: list[_Deferred] = []
         # segment id -> (segment as mounted, extents still in use when its owner expired)
         self._in_use: dict[str, tuple[Segment, _InUse]] = {}
-        self._soft_pinned: set[str] = set()
-        self._writing: set[str] = set()  # keys that had a pending write (pruned by sweep)
+        self._soft_pinned = KeySet()
+        self._writing = KeySet()  # keys that had a pending write (pruned by sweep)
         self._tasks: dict[str, _Task] = {}
-        self._groups: dict[str, set[str]] = {}  # group id -> keys of its readable members
+        self._groups: dict[str, KeySet] = {}  # group id -> keys of its readable members
         self._active_tasks: dict[str, _Task] = {}
         self._finished_tasks: deque[str] = deque()
         self._used = 0
