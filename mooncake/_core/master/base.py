@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from mooncake._core.master.config import MasterConfig, MasterStats
 from mooncake._core.master.records import (
+    KeySet,
     _Client,
     _Deferred,
     _Demote,
@@ -39,7 +40,6 @@ class _StateBase:
     rng: random.Random
     stats: MasterStats
     view_version_id: int
-    _next_task: int
     misses: MissLedger
     tiers: dict[str, TierCounters]
     _objects: dict[str, _Object]
@@ -49,18 +49,19 @@ class _StateBase:
     _deferred: list[_Deferred]
     _defer_seq: int
     _in_use: dict[str, tuple[Segment, _InUse]]
-    _soft_pinned: set[str]
+    _soft_pinned: KeySet
     _writing: OrderedDict[str, _Pending]
     _demotions: OrderedDict[str, _Demote]
     _promotions: OrderedDict[str, _Promote]
     _pin_heap: list[tuple[float, str]]
     _tasks: dict[str, _Task]
-    _groups: dict[str, set[str]]
+    _groups: dict[str, KeySet]
     _active_tasks: dict[str, _Task]
     _finished_tasks: deque[str]
     _used: int
     _capacity: int
     _next_vid: int
+    _next_task: int
     _demoting_bytes: int
     _evict_goal: int
     _put_round: int

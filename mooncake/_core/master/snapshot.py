@@ -19,8 +19,8 @@ per object:
   pickle whose references to mounted segments are indices (pickle's persistent ids), so shared
   records (a queued write and its object) stay shared.
 
-Segments' key sets are rebuilt from the replicas (they hold exactly the keys with a replica on
-the segment: ``check_invariants`` checks it). The data must come from a trusted store: it is
+Each mounted segment's key set is written in its own order as row indices (4 bytes a key).
+The data must come from a trusted store: it is
 unpickled.
 """
 
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from mooncake._core.allocator import OffsetAllocator
 from mooncake._core.master.config import MasterConfig
-from mooncake._core.master.records import _Object, _Replica, _Seg, _Version
+from mooncake._core.master.records import KeySet, _Object, _Replica, _Seg, _Version
 from mooncake._core.policies import FIFOPolicy, LRUPolicy, Pin
 from mooncake.errors import InvalidArgumentError
 
@@ -128,10 +128,12 @@ def snapshot(state: MasterState) -> bytes:
                 a._used,
             )
         )
+    row = {k: i for i, k in enumerate(keys)}
+    # each segment's key set in its own (insertion) order, as row indices
+    seg_keys = [array("I", [row[k] for k in s.keys]).tobytes() for s in state._seg_list]
     policy: Any = state.policy
     order: bytes | None = None
     if type(policy) in (LRUPolicy, FIFOPolicy):
-        row = {k: i for i, k in enumerate(keys)}
         order = array("I", [row[k] for k in policy._order]).tobytes()
         policy = (
             type(policy).__name__,
@@ -167,6 +169,8 @@ def snapshot(state: MasterState) -> bytes:
                 "rlen": rlen.tobytes(),
             },
             "order": order,
+            "seg_keys": seg_keys,
+            "fields": list(vars(state)),
         },
         f,
         protocol=pickle.HIGHEST_PROTOCOL,
@@ -232,10 +236,7 @@ def _restore(cls: type[MasterState], data: bytes, config: MasterConfig | None) -
     # Build the simple objects column by column (comprehensions, not one call per field).
     kinds = head["kind"]
     simple_keys = [k for k, t in zip(keys, kinds, strict=True) if not t] if body["full"] else keys
-    rep_keys = [k for k, n in zip(simple_keys, nrep, strict=True) for _ in range(n)]
     rep_list = [_Replica(segs[s], a, n) for s, a, n in zip(rseg, raddr, rlen, strict=True)]
-    for k, s in zip(rep_keys, rseg, strict=True):
-        segs[s].keys.add(k)
     ends = list(itertools.accumulate(nrep))
     groups = [rep_list[a:b] for a, b in zip([0, *ends], ends, strict=False)]
     simple = [
@@ -260,14 +261,11 @@ def _restore(cls: type[MasterState], data: bytes, config: MasterConfig | None) -
     if body["full"]:
         full, it = iter(body["full"]), iter(simple)
         objs = [next(full) if t else next(it) for t in kinds]
-        for obj in body["full"]:
-            for ver in (obj.readable, obj.pending.version if obj.pending else None):
-                if ver is not None:
-                    for rep in ver.replicas:
-                        rep.seg.keys.add(obj.key)
     else:
         objs = simple
     objects = dict(zip(keys, objs, strict=True))
+    for sg, order_of_keys in zip(segs, head["seg_keys"], strict=True):
+        sg.keys = KeySet((keys[i], None) for i in _col("I", order_of_keys))
     state._objects = objects
     policy = body["policy"]
     if isinstance(policy, tuple):
@@ -281,4 +279,9 @@ def _restore(cls: type[MasterState], data: bytes, config: MasterConfig | None) -
         policy = p
     state.policy = policy
     state._put_round = max(1, state.config.eviction_round_objects // 16)
+    # the fields in their original order (a state's own order is part of what it is)
+    fields = vars(state)
+    order = {k: fields[k] for k in head["fields"] if k in fields}
+    fields.clear()
+    fields.update(order)
     return state

@@ -12,6 +12,7 @@ from mooncake._core.master.config import MasterConfig, MasterStats
 from mooncake._core.master.leases import _Leases
 from mooncake._core.master.objects import _Objects
 from mooncake._core.master.records import (
+    KeySet,
     _Client,
     _Deferred,
     _Demote,
@@ -57,7 +58,7 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         self._defer_seq = 0
         # segment id -> (segment as mounted, extents still in use when its owner expired)
         self._in_use: dict[str, tuple[Segment, _InUse]] = {}
-        self._soft_pinned: set[str] = set()
+        self._soft_pinned = KeySet()
         # Time-ordered queues (``now`` never decreases, so each is in deadline order): pending
         # writes by PutStart, demotions and promotions by start; soft pins in a deadline heap.
         # The sweep looks only at their expired heads, never at every object.
@@ -66,7 +67,7 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         self._promotions: OrderedDict[str, _Promote] = OrderedDict()
         self._pin_heap: list[tuple[float, str]] = []
         self._tasks: dict[str, _Task] = {}
-        self._groups: dict[str, set[str]] = {}  # group id -> keys of its readable members
+        self._groups: dict[str, KeySet] = {}  # group id -> keys of its readable members
         self._active_tasks: dict[str, _Task] = {}
         self._finished_tasks: deque[str] = deque()
         self._used = 0
@@ -159,6 +160,21 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         data must come from a trusted store (it is unpickled)."""
         return snapshot.restore(cls, data, config)
 
+    # -- replication ------------------------------------------------------------------------
+
+    def promote(self, now: float) -> None:
+        """A new leader takes over at ``now``: effects of unlogged lease-only calls (read
+        leases, read windows, pings) may be lost, so every lease and read window is extended
+        to ``now + default_kv_lease_ttl`` and every client deadline to
+        ``max(deadline, now + client_ttl)``."""
+        lease = now + self.config.default_kv_lease_ttl
+        for obj in self._objects.values():
+            if obj.readable is not None:
+                obj.lease_deadline = max(obj.lease_deadline, lease)
+                obj.read_deadline = max(obj.read_deadline, lease)
+        for client in self._clients.values():
+            client.deadline = max(client.deadline, now + self.config.client_ttl)
+
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if bookkeeping is inconsistent (tests)."""
         assert self._demoting_bytes == sum(
@@ -211,7 +227,7 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
                 if r.seg.mounted:
                     extents.setdefault(id(r.seg), []).append((r.addr, r.seg.alloc.extent(r.addr)))
         for seg in self._seg_list:
-            assert seg.keys == holders.get(id(seg), set()), "stale key in a segment's key set"
+            assert set(seg.keys) == holders.get(id(seg), set()), "stale key in a segment's key set"
             seg.alloc.self_check()
             spans = sorted(extents.get(id(seg), []))
             assert len(spans) == seg.alloc.allocations, "leaked or unaccounted extent"
