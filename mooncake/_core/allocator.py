@@ -114,7 +114,8 @@ class OffsetAllocator:
         if length <= 0:
             raise InvalidArgumentError(f"allocation length must be positive, got {length}")
         a = self._alignment
-        need = (length + a - 1) & ~(a - 1)
+        # an aligned length is its own extent: keep that int (one object fewer per extent)
+        need = length if not length & (a - 1) else (length + a - 1) & ~(a - 1)
         i = bisect.bisect_left(self._by_size, (need, -1))
         if i == len(self._by_size):
             return None

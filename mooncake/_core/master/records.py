@@ -39,7 +39,7 @@ class _Version:
     size: int
     replicas: list[_Replica]
     vid: int = 0
-    disk: list[str] = field(default_factory=list)
+    disk: tuple[str, ...] = ()
     """Client ids holding an SSD copy of this version."""
 
 

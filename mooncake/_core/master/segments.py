@@ -241,7 +241,7 @@ class _Segments(_StateBase):
                 obj = self._objects.get(key)
                 if obj is None or obj.readable is None or cid not in obj.readable.disk:
                     continue
-                obj.readable.disk.remove(cid)
+                obj.readable.disk = tuple(c for c in obj.readable.disk if c != cid)
                 if not obj.readable.replicas and not obj.readable.disk:
                     self._drop_object(obj, now)
                     lost.append(key)

@@ -107,7 +107,7 @@ class _Tiers(_StateBase):
             raise IllegalClientError(f"no demotion of {key!r} to client {client_id} is in progress")
         self._clear_demoting(obj)
         client = self._touch_client(client_id, now)
-        ver.disk.append(client_id)
+        ver.disk = (*ver.disk, client_id)
         client.ssd_keys.add(key)
         self._to_disk_only(obj, now)
         self.tiers["ssd"].demotions += 1
@@ -194,7 +194,7 @@ class _Tiers(_StateBase):
         ver = obj.readable
         if client_id not in ver.disk:
             return
-        ver.disk.remove(client_id)
+        ver.disk = tuple(c for c in ver.disk if c != client_id)
         client.ssd_keys.discard(key)
         self.tiers["ssd"].evictions += 1
         if not ver.replicas and not ver.disk:
@@ -217,7 +217,7 @@ class _Tiers(_StateBase):
             raise ObjectAlreadyExistsError(f"object {key!r} already exists")
         self._next_vid += 1
         obj = self._objects[key] = _Object(key, writer=client_id)
-        obj.readable = _Version(size, [], self._next_vid, [client_id])
+        obj.readable = _Version(size, [], self._next_vid, (client_id,))
         client.ssd_keys.add(key)
         self.misses.record_stored(key)
         return self._next_vid
@@ -251,7 +251,7 @@ class _Tiers(_StateBase):
             c.disk_drops.append(DiskDrop(key=key, vid=ver.vid))
             if len(c.disk_drops) > self.config.max_disk_drops:
                 del c.disk_drops[0]
-        ver.disk = []
+        ver.disk = ()
 
     def _expire_tier_moves(self, now: float) -> None:
         """Drop objects whose demotion outlived ``demote_timeout``; park promotions older than
