@@ -79,7 +79,11 @@ def run(n: int, size: int, probes: int) -> dict[str, Any]:
         m.put_start("bench", k, size, CFG, 1.0)
         m.put_end("bench", k, 1.0)
         if (i + 1) % step == 0:
-            progress(f"{n:,}: {i + 1:,} objects put")
+            el = time.perf_counter() - t0
+            progress(
+                f"{n:,}: {i + 1:,} objects put, {(i + 1) / el:,.0f}/s, "
+                f"RSS +{(rss() - r0) / (i + 1):,.0f} B/object"
+            )
     put_s = time.perf_counter() - t0
     gc.collect()
     per_obj = (rss() - r0) / n
