@@ -509,10 +509,14 @@ class HaNode:
             seq = self.applied_seq + (1 if batch else 0)
             snap = None
             if self._snap_due and not self._pending:  # the state is exactly "after seq"
-                snap = Snapshot(seq, self.server.state.snapshot(), self.server.now())
                 self._snap_due = False
-                self._snap_busy = True
                 self._snap_last = now
+                if seq > self.snapshot_seq:
+                    try:
+                        snap = Snapshot(seq, self.server.state.snapshot(), self.server.now())
+                        self._snap_busy = True
+                    except Exception:
+                        log.exception("master HA: serializing the state failed")
             if batch:
                 if not await self._append_entry(seq, commands.encode_commands(batch)):
                     self._snap_busy = False
