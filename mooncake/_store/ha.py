@@ -586,13 +586,15 @@ class HaNode:
             if not await self.snapshots.write(snap, self._fence()):
                 log.warning("master HA: snapshot %d fenced (no longer the leader)", snap.seq)
                 return
-            self.snapshot_seq = max(self.snapshot_seq, snap.seq)
             await self.snapshots.prune()
             end = (self.log_prefix + f"{snap.seq + 1:020d}").encode()
             await self.etcd.call(
                 "/v3/kv/deleterange",
                 {"key": _b64(self.log_prefix.encode()), "range_end": _b64(end)},
             )
+            # reported once retention and compaction are done, so a reader of the status
+            # never sees a snapshot whose older copies and log entries still linger
+            self.snapshot_seq = max(self.snapshot_seq, snap.seq)
             log.info("master HA: snapshot at %d (%d bytes)", snap.seq, len(snap.data))
         except (MetadataError, OSError, InvalidArgumentError) as e:
             log.warning("master HA: snapshot %d failed: %s", snap.seq, e)
