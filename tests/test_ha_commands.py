@@ -311,6 +311,7 @@ TestReplicated = Replicated.TestCase
 TestReplicated.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["lru", "s3fifo", "prefix-lru"])
 def test_replicas_in_other_processes_agree(policy: str) -> None:
     """Masters are separate processes with their own string-hash salt, and a standby may start
