@@ -123,3 +123,22 @@ def test_etcd_snapshots_chunked_verified_pruned(etcd_endpoint: str) -> None:
             await kv.aclose()
 
     trio.run(main)
+
+
+def test_forked_snapshot_sees_the_state_at_fork_time() -> None:
+    from mooncake._store.snapshots import ForkedSnapshot
+
+    box = {"v": b"before" * 100_000}
+
+    async def main() -> None:
+        child = ForkedSnapshot(lambda: box["v"])
+        box["v"] = b"after"  # the parent moves on at once
+        assert await child.result() == b"before" * 100_000
+
+        def boom() -> bytes:
+            raise RuntimeError("serializer failed")
+
+        with pytest.raises(OSError, match="status 1"):
+            await ForkedSnapshot(boom).result()
+
+    trio.run(main)

@@ -35,7 +35,8 @@ winner finishes the log (nobody else can append by then), sets its state clock s
 from the last applied ``now``, appends ``Promote(now, seed)`` and serves once that is durable.
 
 Snapshots (leader): every ``snapshot_interval`` seconds or ``snapshot_log_entries`` batches,
-the state is serialized at a batch boundary, written (fenced) to etcd (and ``snapshot_dir`` if
+the state is serialized at a batch boundary (by a forked child: the loop pauses only for the
+fork), written (fenced) to etcd (and ``snapshot_dir`` if
 set), older snapshots beyond ``snapshot_retention`` are deleted, and so are the log entries at
 or below the new snapshot's seq.
 """
@@ -55,7 +56,7 @@ from mooncake._core import commands
 from mooncake._core.commands import Command, Durability
 from mooncake._core.master import MasterState
 from mooncake._engine.metadata.etcd import EtcdKV, _b64, _unb64, prefix_end
-from mooncake._store.snapshots import DirSnapshots, EtcdSnapshots, Snapshot
+from mooncake._store.snapshots import DirSnapshots, EtcdSnapshots, ForkedSnapshot, Snapshot
 from mooncake.errors import InvalidArgumentError, MetadataError, MooncakeError
 
 if TYPE_CHECKING:
@@ -507,13 +508,13 @@ class HaNode:
             del self._pending[:n]
             self._pending_bytes = max(0, self._pending_bytes - size)
             seq = self.applied_seq + (1 if batch else 0)
-            snap = None
+            snap: tuple[int, ForkedSnapshot, float] | None = None
             if self._snap_due and not self._pending:  # the state is exactly "after seq"
                 self._snap_due = False
                 self._snap_last = now
                 if seq > self.snapshot_seq:
-                    try:
-                        snap = Snapshot(seq, self.server.state.snapshot(), self.server.now())
+                    try:  # forked here: the child sees the state exactly "after seq"
+                        snap = (seq, ForkedSnapshot(self.server.state.snapshot), self.server.now())
                         self._snap_busy = True
                     except Exception:
                         log.exception("master HA: serializing the state failed")
@@ -531,7 +532,7 @@ class HaNode:
             if self._pending:
                 self._flush_now.set()
             if snap is not None:
-                tg.start_soon(self._write_snapshot, snap)
+                tg.start_soon(self._write_snapshot, *snap)
 
     def _fence(self) -> list[dict[str, Any]]:
         return [
@@ -579,8 +580,9 @@ class HaNode:
             mine = bool(view) and int(view[0].get("create_revision", 0)) == self.term
             return mine and bool(entry) and _unb64(entry[0].get("value", "")) == data
 
-    async def _write_snapshot(self, snap: Snapshot) -> None:
+    async def _write_snapshot(self, seq: int, child: ForkedSnapshot, last_now: float) -> None:
         try:
+            snap = Snapshot(seq, await child.result(), last_now)
             if self.local is not None:
                 await self.local.write(snap)
             if not await self.snapshots.write(snap, self._fence()):
@@ -597,7 +599,7 @@ class HaNode:
             self.snapshot_seq = max(self.snapshot_seq, snap.seq)
             log.info("master HA: snapshot at %d (%d bytes)", snap.seq, len(snap.data))
         except (MetadataError, OSError, InvalidArgumentError) as e:
-            log.warning("master HA: snapshot %d failed: %s", snap.seq, e)
+            log.warning("master HA: snapshot %d failed: %s", seq, e)
         finally:
             self._snap_busy = False
 
