@@ -258,8 +258,14 @@ class HaNode:
                         await self._lead()
                     except (MetadataError, _Gap) as e:
                         log.warning("master HA: %s; retrying", e)
+                        self._step_down(str(e))
                         self.role = "standby"
                         await anyio.sleep(0.5)
+                    except Exception:  # a bug must not take the master down: start over
+                        log.exception("master HA: unexpected failure; reloading")
+                        self._step_down("unexpected failure")
+                        self.role = "standby"
+                        await anyio.sleep(1.0)
                     finally:
                         await self._release_lease()
         finally:
@@ -283,7 +289,9 @@ class HaNode:
                 await self.etcd.watch(key, on_event)
             except MetadataError as e:
                 log.warning("master HA: watch on %s: %s", key, e)
-                await anyio.sleep(_POLL_S)
+            except Exception:  # only a wake-up: the poll still follows the log
+                log.exception("master HA: watch on %s failed", key)
+            await anyio.sleep(_POLL_S)
 
     # -- standby ---------------------------------------------------------------------------
 
@@ -382,11 +390,11 @@ class HaNode:
             self._wake = anyio.Event()
 
     async def _campaign(self) -> bool:
+        sent = anyio.current_time()  # the lease runs from no earlier than this
         obj = await self.etcd.call("/v3/lease/grant", {"TTL": self.config.lease_ttl})
         if "ID" not in obj:
             raise MetadataError(f"etcd lease grant refused: {obj}")
         lid = str(obj["ID"])
-        sent = anyio.current_time()
         vk = _b64(self.view_key)
         r = await self.etcd.call(
             "/v3/kv/txn",
