@@ -218,6 +218,10 @@ class HaNode:
     def barrier(self) -> int:
         return self._barrier
 
+    def mark_mutated(self) -> None:
+        self._barrier = self._ticket
+        self._flush_now.set()
+
     async def wait_durable(self, ticket: int) -> bool:
         epoch = self._epoch
         while self._durable < ticket:

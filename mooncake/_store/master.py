@@ -149,6 +149,10 @@ class Replication(Protocol):
     def barrier(self) -> int:
         """The ticket of the last mutating command queued."""
 
+    def mark_mutated(self) -> None:
+        """The command queued last changed what clients can see (a sweep that evicted or
+        expired something): later answers wait for it as for a mutation."""
+
     async def wait_durable(self, ticket: int) -> bool:
         """Until every command up to ``ticket`` is durable (True), or this master was deposed
         first (False: say nothing to the client)."""
@@ -269,10 +273,18 @@ class MasterServer:
         return (own if kind is commands.Durability.MUTATING else ha.barrier), cmd
 
     def run_command(self, command: commands.Command) -> None:
-        """Apply an internal command (sweep, stall credit), logging it when replicated."""
-        if self.ha is not None:
-            self.ha.append(command)
-        commands.apply(self.state, command)
+        """Apply an internal command (sweep, stall credit), logging it when replicated; one
+        that changed what reads see (objects, bytes, clients, segments) is a mutation."""
+        ha = self.ha
+        if ha is None:
+            commands.apply(self.state, command)
+            return
+        ha.append(command)
+        s = self.state
+        before = (s.object_count, s.used_bytes, s.client_count, s.segment_count)
+        commands.apply(s, command)
+        if (s.object_count, s.used_bytes, s.client_count, s.segment_count) != before:
+            ha.mark_mutated()
 
     def close_connections(self) -> None:
         """Shut every client connection (a deposed leader does: clients re-resolve)."""
