@@ -125,6 +125,9 @@ _GFLAGS: dict[str, _Flag] = {
         "ha.snapshot_interval_seconds", lambda t: parse_duration(t, "s")
     ),
     "snapshot_log_entries": _Flag("ha.snapshot_log_entries", int),
+    "snapshot_child_timeout_seconds": _Flag(
+        "ha.snapshot_child_timeout_seconds", lambda t: parse_duration(t, "s")
+    ),
     "snapshot_retention_count": _Flag("ha.snapshot_retention_count", int),
     "snapshot_backup_dir": _Flag("ha.snapshot_backup_dir", str),
     "version": _Flag("version", _bool, True),
@@ -149,6 +152,7 @@ class HaFlags:
     enable_snapshot_restore: bool = False
     snapshot_interval_seconds: float = 600.0
     snapshot_log_entries: int = 10_000
+    snapshot_child_timeout_seconds: float = 300.0
     snapshot_retention_count: int = 2
     snapshot_backup_dir: str = ""
 
@@ -186,6 +190,7 @@ def ha_settings(flags: HaFlags, server: MasterServerConfig) -> None:
             lease_ttl=flags.ha_lease_ttl,
             snapshot_interval=flags.snapshot_interval_seconds,
             snapshot_log_entries=flags.snapshot_log_entries,
+            snapshot_child_timeout=flags.snapshot_child_timeout_seconds,
             snapshot_retention=flags.snapshot_retention_count,
             snapshot_dir=flags.snapshot_backup_dir or None,
         )
@@ -201,6 +206,7 @@ def ha_settings(flags: HaFlags, server: MasterServerConfig) -> None:
             directory=flags.snapshot_backup_dir,
             cluster_id=flags.cluster_id,
             interval=flags.snapshot_interval_seconds,
+            child_timeout=flags.snapshot_child_timeout_seconds,
             retention=flags.snapshot_retention_count,
             restore=flags.enable_snapshot_restore,
         )
@@ -458,6 +464,11 @@ def register(sub: Any) -> None:
         default=10_000,
         help="HA: also snapshot after this many log batches",
     )
+    h.add_argument(
+        "--snapshot-child-timeout-seconds",
+        default="300",
+        help="a snapshot's serializing child gets this long",
+    )
     h.add_argument("--snapshot-retention-count", type=int, default=2)
     h.add_argument("--snapshot-backup-dir", default="", help="local directory for snapshot files")
     p.add_argument("--log-level", default="INFO")
@@ -500,6 +511,7 @@ def _run_args(args: argparse.Namespace) -> int:
             enable_snapshot_restore=args.enable_snapshot_restore,
             snapshot_interval_seconds=parse_duration(args.snapshot_interval_seconds, "s"),
             snapshot_log_entries=args.snapshot_log_entries,
+            snapshot_child_timeout_seconds=parse_duration(args.snapshot_child_timeout_seconds, "s"),
             snapshot_retention_count=args.snapshot_retention_count,
             snapshot_backup_dir=args.snapshot_backup_dir,
         )

@@ -840,7 +840,13 @@ async def serve_master(
         elif local is not None and config.snapshot is not None:
             from mooncake._store.snapshots import snapshot_loop
 
-            tg.start_soon(snapshot_loop, server, local, config.snapshot.interval)
+            tg.start_soon(
+                snapshot_loop,
+                server,
+                local,
+                config.snapshot.interval,
+                config.snapshot.child_timeout,
+            )
         task_status.started(server)
         try:
             await _accept.accept_loop(lsock, server.slots, server.serve_connection, prepare=_tune)
