@@ -349,6 +349,8 @@ class MasterState:
         self._in_use: dict[str, tuple[Segment, _InUse]] = {}
         self._soft_pinned: set[str] = set()
         self._writing: set[str] = set()  # keys that had a pending write (pruned by sweep)
+        # keys that had a demotion or promotion in flight, in start order (pruned by sweep)
+        self._moving: dict[str, None] = {}
         self._tasks: dict[str, _Task] = {}
         self._groups: dict[str, set[str]] = {}  # group id -> keys of its readable members
         self._active_tasks: dict[str, _Task] = {}
@@ -1472,6 +1474,7 @@ class MasterState:
         cid = source.seg.client_id
         obj.demoting = _Demote(cid, now + self.config.demote_timeout, ver.size)
         self._demoting_bytes += ver.size
+        self._moving[obj.key] = None
         self._untrack(obj)
         self._clients[cid].demote_tasks.append(
             DemoteTask(
@@ -1551,6 +1554,7 @@ class MasterState:
         if not replicas:
             raise NoAvailableHandleError(f"no segment has {ver.size} free bytes to promote {key!r}")
         obj.promoting = _Promote(client_id, replicas, now)
+        self._moving[key] = None
         return [r.descriptor(ReplicaStatus.PROCESSING) for r in replicas]
 
     def promote_end(self, client_id: str, key: str, vid: int, now: float) -> None:
@@ -1654,8 +1658,13 @@ class MasterState:
         ver.disk = []
 
     def _expire_tier_moves(self, now: float) -> None:
+        # only the keys that started a move (not a scan of every object on each sweep)
         stale = self.config.put_start_discard_timeout
-        for key, obj in list(self._objects.items()):
+        for key in list(self._moving):
+            obj = self._objects.get(key)
+            if obj is None or (obj.demoting is None and obj.promoting is None):
+                del self._moving[key]  # finished, revoked or dropped since
+                continue
             d = obj.demoting
             if d is not None and d.deadline <= now:
                 self._drop_object(obj, now)
