@@ -96,6 +96,7 @@ class Client:
 
     def __init__(self, args: argparse.Namespace) -> None:
         import numpy as np
+
         from mooncake.store import MooncakeDistributedStore
 
         self.np = np
@@ -254,7 +255,7 @@ class Side:
         self.master = subprocess.Popen(
             mcmd,
             stdout=subprocess.DEVNULL,
-            stderr=open(logdir / f"{name}-master.log", "w"),
+            stderr=open(logdir / f"{name}-master.log", "w"),  # noqa: SIM115 (lives as long as the process)
             env=env,
             cwd="/",
         )
@@ -278,7 +279,7 @@ class Side:
                 ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                stderr=open(logdir / f"{name}-client{i}.log", "w"),
+                stderr=open(logdir / f"{name}-client{i}.log", "w"),  # noqa: SIM115
                 text=True,
                 env=env,
                 cwd="/",
