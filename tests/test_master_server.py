@@ -490,3 +490,32 @@ def test_copy_task_over_the_wire() -> None:
             assert len(got.replicas) == 2
 
     run_trio(main)
+
+
+_GC_PROBE = """
+import gc, os, threading, time
+from mooncake._cli.master import _NO_FULL_GC, run_master
+from mooncake._store.master import MasterServerConfig
+
+def watch():
+    for _ in range(1200):
+        if gc.get_threshold()[2] == _NO_FULL_GC:
+            print("frozen", gc.get_freeze_count(), flush=True)
+            os._exit(0)
+        time.sleep(0.05)
+    os._exit(3)
+
+threading.Thread(target=watch, daemon=True).start()
+run_master(MasterServerConfig(rpc_port=0, enable_metric_reporting=False))
+"""
+
+
+def test_master_process_runs_no_automatic_full_collections() -> None:
+    """Once serving, the master process never starts a full collection on its own (one walks
+    every object of the state and stalls all calls) and has frozen its start-up objects."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _GC_PROBE], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    word, frozen = proc.stdout.splitlines()[-1].split()
+    assert word == "frozen" and int(frozen) > 0
