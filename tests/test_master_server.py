@@ -519,3 +519,42 @@ def test_master_process_runs_no_automatic_full_collections() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     word, frozen = proc.stdout.splitlines()[-1].split()
     assert word == "frozen" and int(frozen) > 0
+
+
+def test_answers_larger_than_the_socket_buffer_arrive_whole_on_every_connection() -> None:
+    """Pipelined answers (MBs) that a slow reader leaves in the kernel: the master finishes
+    each one once the reader drains (a partial send resumes where it stopped), while another
+    connection sharing the receive buffer is answered meanwhile."""
+
+    async def main() -> None:
+        async with running_master() as server, client(server) as c:
+            await c.call("MountSegment", rpc.MountSegmentParams(client_id="a", segment=seg(0)))
+            keys = [f"key-{i:05d}-" + "x" * 180 for i in range(1500)]
+            items = await c.call(
+                "BatchPutStart",
+                rpc.BatchPutStartParams(client_id="a", keys=keys, sizes=[64] * len(keys)),
+            )
+            assert all(i.code == 0 for i in items)
+            assert await c.call(
+                "BatchPutEnd", rpc.BatchKeyClientParams(client_id="a", keys=keys)
+            ) == [0] * len(keys)
+            stream = await anyio.connect_tcp("127.0.0.1", server.rpc_port)
+            async with stream:
+                n = 20  # ~300 KB per answer, ~6 MB in all
+                await stream.send(
+                    b"".join(rpc.encode_request(i, "GetAllKeys", rpc.Empty()) for i in range(n))
+                )
+                await anyio.sleep(0.2)  # the master fills the socket buffers and waits
+                async with client(server) as other:  # served while the first is stuck
+                    assert await other.call("ExistKey", rpc.KeyParams(key=keys[7])) is True
+                dec = rpc.MessageDecoder()
+                got: list[int] = []
+                while len(got) < n:
+                    dec.feed(await stream.receive())
+                    for msg in dec:
+                        assert isinstance(msg, rpc.Response)
+                        assert sorted(rpc.decode_result("GetAllKeys", msg)) == keys
+                        got.append(msg.id)
+                assert got == list(range(n))
+
+    run_trio(main, mock=False)
