@@ -294,6 +294,7 @@ def test_gflags_spellings() -> None:
             "--rpc_thread_num",
             "8",
             "--enable_ha=false",
+            "--enable_oplog=false",
         ],
         warn=warnings.append,
     )
@@ -303,7 +304,8 @@ def test_gflags_spellings() -> None:
     assert s.state.allow_evict_soft_pinned_objects is False
     assert s.state.default_kv_lease_ttl == 5.0 and s.state.client_ttl == 3.0
     assert s.state.eviction_high_watermark_ratio == 0.8
-    assert len(warnings) == 2 and "rpc_thread_num" in warnings[0] and "enable_ha" in warnings[1]
+    assert len(warnings) == 2 and "rpc_thread_num" in warnings[0] and "enable_oplog" in warnings[1]
+    assert s.ha is None  # --enable_ha=false is understood
     assert parse_gflags(["--rpc_port=0", "--port=1234"]).server.rpc_port == 1234
     with pytest.raises(InvalidArgumentError, match="eviction_ratio"):
         parse_gflags(["--eviction_ratio=2"])
