@@ -47,6 +47,7 @@ class _StateBase:
     _in_use: dict[str, tuple[Segment, _InUse]]
     _soft_pinned: KeySet
     _writing: KeySet
+    _moving: KeySet
     _tasks: dict[str, _Task]
     _groups: dict[str, KeySet]
     _active_tasks: dict[str, _Task]

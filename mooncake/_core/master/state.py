@@ -56,6 +56,7 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         self._in_use: dict[str, tuple[Segment, _InUse]] = {}
         self._soft_pinned = KeySet()
         self._writing = KeySet()  # keys that had a pending write (pruned by sweep)
+        self._moving = KeySet()  # keys that had a demotion or promotion (pruned by sweep)
         self._tasks: dict[str, _Task] = {}
         self._groups: dict[str, KeySet] = {}  # group id -> keys of its readable members
         self._active_tasks: dict[str, _Task] = {}
