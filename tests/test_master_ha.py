@@ -503,3 +503,31 @@ def test_repeated_failovers_lose_no_acknowledged_object(
         for t in threads:
             t.join(30)
         _stop_all(ms)
+
+
+def test_sigterm_hands_over_at_once(etcd1: services.EtcdCluster, tmp_path: Path) -> None:
+    """A leader stopped with SIGTERM exits cleanly and revokes its lease on the way out: once
+    it has exited its master_view key is gone (not left to expire), and a standby leads."""
+    ms = _masters(etcd1.conn, 2, tmp_path, cluster="term")
+    try:
+        leader = wait_leader(ms)
+        mount(leader.address)
+        assert put(leader.address, "a")
+        leader.signal(signal.SIGTERM)
+        assert leader.proc.wait(30) == 0
+        endpoint = etcd1.members[0].endpoint
+        view = _etcd_get(endpoint, "mooncake-store/term/master_view")
+        assert view != leader.address.encode(), "the old leader's key outlived it"
+        standby = next(m for m in ms if m is not leader)
+        new = wait_leader([standby], timeout=30)
+        assert "a" in all_keys(new.address)
+    finally:
+        _stop_all(ms)
+
+
+def _etcd_get(endpoint: str, key: str) -> bytes | None:
+    body = json.dumps({"key": base64.b64encode(key.encode()).decode()}).encode()
+    req = urllib.request.Request(f"http://{endpoint}/v3/kv/range", data=body, method="POST")
+    with urllib.request.urlopen(req, timeout=5) as r:
+        kvs = json.loads(r.read()).get("kvs") or []
+    return base64.b64decode(kvs[0].get("value", "")) if kvs else None

@@ -23,7 +23,9 @@ import argparse
 import gc
 import logging
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +37,8 @@ from mooncake._store.master import (
     MasterServerConfig,
 )
 from mooncake.errors import InvalidArgumentError
+
+log = logging.getLogger("mooncake.master")
 
 __all__ = [
     "HaFlags",
@@ -354,6 +358,14 @@ def run_master(config: MasterServerConfig, *, memory_allocator: str = "offset") 
                 f"metrics={metrics} metadata={metadata}{ha}",
                 flush=True,
             )
+            if config.ha is not None and threading.current_thread() is threading.main_thread():
+                # SIGTERM stops a replicated master cleanly: it revokes its lease on the way
+                # out, so a standby takes over at once instead of after the lease TTL
+                with trio.open_signal_receiver(signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        log.info("master: SIGTERM, shutting down")
+                        nursery.cancel_scope.cancel()
+                        break
 
     try:
         trio.run(main)
