@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from mooncake._core.allocator import DEFAULT_ALIGNMENT, OffsetAllocator
+from mooncake._core.dedup import DedupLedger
 from mooncake._core.misses import Miss, MissLedger, MissReason
 from mooncake._core.policies import EvictionPolicy, Pin, make_policy
 from mooncake._core.rpc import Item
@@ -359,6 +360,9 @@ class MasterState:
         self._demoting_bytes = 0
         self.misses = MissLedger()
         """How lost keys were lost; classifies every GetReplicaList miss."""
+        self.dedup = DedupLedger()
+        """Replies of mutating calls by request id (:mod:`mooncake._core.dedup`): replicated
+        state, so a retry across a failover is answered, not applied twice."""
         self.tiers = {"dram": TierCounters(), "ssd": TierCounters()}
         """Per-tier counters as the master sees them (SSD reads themselves are counted by the
         owning client)."""

@@ -217,6 +217,8 @@ class MasterServer:
         self.failures: dict[str, int] = dict.fromkeys(rpc.METHODS, 0)
         self.connections = 0
         self.connections_dropped = 0
+        self.deduplicated = 0
+        """Retried mutating calls answered from the dedup ledger instead of applied again."""
         self.rpc_port = 0
         self.metrics_port: int | None = None
         self.http_metadata_port: int | None = None
@@ -236,7 +238,28 @@ class MasterServer:
         """Answer one decoded request (a framed response; never raises for request errors).
 
         ``matched``: for a regex method, the keys its pattern matched (:meth:`handle_scan`).
+        A mutating request with a ``rid`` already in the state's dedup ledger is answered with
+        the recorded reply (its id replaced) and not applied; a new one is applied and its
+        reply recorded (:mod:`mooncake._core.dedup`).
         """
+        if req.rid is None or req.method not in rpc.MUTATING:
+            return self._apply(req, now, matched)
+        # A mutating call with a request id: answered once. The lookup and the recording sit
+        # around the apply step, so whatever replays applied calls replays the ledger too.
+        ledger = self.state.dedup
+        try:
+            recorded = ledger.lookup(req.rid)
+        except MooncakeError as e:
+            self.failures[req.method] = self.failures.get(req.method, 0) + 1
+            return rpc.encode_error(req.id, e, max_frame=self.config.max_frame)
+        if recorded is not None:
+            self.deduplicated += 1
+            return rpc.encode_reply(req.id, recorded, max_frame=self.config.max_frame)
+        reply = self._apply(req, now, matched)
+        ledger.record(req.rid, reply)
+        return reply
+
+    def _apply(self, req: rpc.Request, now: float, matched: list[str] | None) -> bytes:
         max_frame = self.config.max_frame
         name = req.method
         try:
@@ -612,6 +635,16 @@ class _MasterCollector(Collector):
             "master_stall_seconds",
             "Time the master could not serve, credited to every client's TTL",
             st.stall_seconds,
+        )
+        yield counter(
+            "master_rpc_deduplicated",
+            "Retried mutating calls answered from the dedup ledger, not applied again",
+            self.server.deduplicated,
+        )
+        yield gauge(
+            "master_dedup_ledger_bytes",
+            "Bytes of recorded replies the dedup ledger holds",
+            s.dedup.nbytes,
         )
         yield counter(
             "master_regex_timeouts",
