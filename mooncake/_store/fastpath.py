@@ -45,16 +45,17 @@ from mooncake._store.shm import MappedPeer
 from mooncake.errors import (
     LeaseExpiredError,
     MooncakeError,
+    NotLeaderError,
     ObjectAlreadyExistsError,
     ObjectNotFoundError,
     PeerDiedError,
     ProtocolError,
-    RpcError,
     TransferError,
 )
 
 if TYPE_CHECKING:
     from mooncake._store.client import Store
+    from mooncake._store.master_conn import MasterConnection
     from mooncake._sync import LoopThread
 
 #: values up to this size take the fast path (larger copies belong in worker threads)
@@ -64,21 +65,26 @@ T = TypeVar("T")
 
 
 class SyncMaster:
-    """A blocking master RPC connection for one thread."""
+    """A blocking master RPC connection for one thread, beside the store's async one.
 
-    def __init__(self, host: str, port: int) -> None:
-        self._addr = (host, port)
+    It talks to the master the async connection resolved (the leader, for an HA address) and
+    sends the same request ids. When it loses its connection, or a standby answers, it hands
+    the call -- with the request id it already sent -- to the async connection on the loop,
+    whose retry rules (one reconnect; an HA cluster: follow the leader) finish it.
+    """
+
+    def __init__(self, master: MasterConnection, loop: LoopThread) -> None:
+        self._master = master
+        self._loop = loop
         self._sock: socket.socket | None = None
         self._dec = rpc.MessageDecoder()
         self._ids = itertools.count(1)
 
     def _connect(self) -> socket.socket:
-        try:
-            sock = socket.create_connection(self._addr, timeout=RPC_TIMEOUT_S)
-        except OSError as e:
-            raise RpcError(
-                f"cannot reach the master at {self._addr[0]}:{self._addr[1]}: {e}"
-            ) from None
+        m = self._master
+        if not m.port:  # an HA address not resolved yet: let the loop do it
+            raise OSError("the leader is not resolved yet")
+        sock = socket.create_connection((m.host, m.port), timeout=RPC_TIMEOUT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
         self._dec = rpc.MessageDecoder()
@@ -91,10 +97,11 @@ class SyncMaster:
 
     def call(self, method: str, params: msgspec.Struct) -> Any:
         """One request, answered on this connection; the master's errors raise their class."""
-        sock = self._sock or self._connect()
-        req_id = next(self._ids)
+        rid = self._master.next_rid() if method in rpc.MUTATING else None
         try:
-            sock.sendall(rpc.encode_request(req_id, method, params))
+            sock = self._sock or self._connect()
+            req_id = next(self._ids)
+            sock.sendall(rpc.encode_request(req_id, method, params, rid=rid))
             while True:
                 msg = self._dec.next_message()
                 if msg is None:
@@ -105,10 +112,11 @@ class SyncMaster:
                 elif isinstance(msg, rpc.Response) and msg.id == req_id:
                     break
                 # else: the late answer of an interrupted call; skip it
-        except (OSError, ProtocolError) as e:
+            return rpc.decode_result(method, msg)
+        except (OSError, ProtocolError, NotLeaderError):
             self.close()
-            raise RpcError(f"master RPC {method} failed: {e}") from None
-        return rpc.decode_result(method, msg)
+        resumed: Any = self._loop.call(self._master.call, method, params, rid)
+        return resumed
 
 
 @instrument_fast
@@ -126,7 +134,7 @@ class FastPath:
     def _master(self) -> SyncMaster:
         m: SyncMaster | None = getattr(self._local, "master", None)
         if m is None:
-            m = SyncMaster(self.store.master.host, self.store.master.port)
+            m = SyncMaster(self.store.master, self.loop)
             self._local.master = m
             with self._lock:
                 self._conns.append(m)
