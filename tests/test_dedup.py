@@ -68,6 +68,16 @@ def test_encode_reply_keeps_code_message_and_result_under_a_new_id() -> None:
     assert (again.id, again.code, again.message) == (5, -704, "gone")
 
 
+def test_canonical_replies_are_the_id_zero_encodings() -> None:
+    """What the leader records from its framed reply equals what a replica applying the same
+    command records from the result: the ledgers agree byte for byte."""
+    from mooncake.errors import ObjectNotFoundError
+
+    assert rpc.canonical_reply(rpc.encode_result(77, [1, "x"])) == rpc.encode_result(0, [1, "x"])
+    err = ObjectNotFoundError("k")
+    assert rpc.canonical_reply(rpc.encode_error(300, err)) == rpc.encode_error(0, err)
+
+
 def test_every_mutating_method_is_a_method() -> None:
     assert set(rpc.METHODS) >= rpc.MUTATING
     for read in ("Ping", "GetReplicaList", "ExistKey", "QueryKey", "GetAllKeys", "ServiceReady"):

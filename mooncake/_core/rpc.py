@@ -479,6 +479,17 @@ def check_rid(rid: bytes) -> None:
         )
 
 
+def canonical_reply(frame: bytes) -> bytes:
+    """A framed response with its id set to 0: the form a dedup ledger records, the same bytes
+    on every replica (``encode_result(0, r)`` / ``encode_error(0, e)`` give it directly)."""
+    msg = _message_decoder.decode(memoryview(frame)[HEADER.size :])
+    if not isinstance(msg, Response):
+        raise InvalidArgumentError("not a framed response")
+    if msg.id == 0:
+        return bytes(frame)
+    return _frame(_encoder.encode(_OutResponse(0, msg.code, msg.message, msg.result)), 1 << 32)
+
+
 def encode_reply(req_id: int, recorded: bytes, *, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
     """A recorded framed response (the dedup ledger's value) re-sent under ``req_id``: same
     code, message and result, the id of the request it now answers."""
@@ -714,6 +725,7 @@ __all__ = [
     "TaskParams",
     "TaskRevokeParams",
     "UnmountSegmentParams",
+    "canonical_reply",
     "check_rid",
     "decode_params",
     "decode_result",

@@ -256,7 +256,7 @@ class MasterServer:
             self.deduplicated += 1
             return rpc.encode_reply(req.id, recorded, max_frame=self.config.max_frame)
         reply = self._apply(req, now, matched)
-        ledger.record(req.rid, reply)
+        ledger.record(req.rid, rpc.canonical_reply(reply))
         return reply
 
     def _apply(self, req: rpc.Request, now: float, matched: list[str] | None) -> bytes:
