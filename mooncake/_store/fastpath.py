@@ -51,6 +51,7 @@ from mooncake.errors import (
     PeerDiedError,
     ProtocolError,
     TransferError,
+    UnavailableError,
 )
 
 if TYPE_CHECKING:
@@ -113,7 +114,11 @@ class SyncMaster:
                     break
                 # else: the late answer of an interrupted call; skip it
             return rpc.decode_result(method, msg)
-        except (OSError, ProtocolError, NotLeaderError):
+        except (OSError, ProtocolError):
+            self.close()
+        except (NotLeaderError, UnavailableError):
+            if self._master.resolver is None:
+                raise
             self.close()
         resumed: Any = self._loop.call(self._master.call, method, params, rid)
         return resumed

@@ -23,8 +23,9 @@ fails with :class:`~mooncake.errors.MasterUnreachableError`, and it is retried:
   connection reset, costs nothing visible); a master that cannot be reached fails the call.
 * an HA cluster: until an answer comes or ``failover_timeout`` seconds (``MC_STORE_FAILOVER_
   TIMEOUT``, default 30: longer than the leader lease plus an election) have passed since the
-  first failure: on each failure, and on a ``NotLeaderError`` answer from a standby, the leader
-  is re-read from etcd and the call re-sent there with the same ``rid``. Every call in flight
+  first failure: on each failure, and on a ``NotLeaderError`` or ``UnavailableError`` answer
+  (a standby, or a master still taking over), the leader is re-read from etcd and the call
+  re-sent there with the same ``rid``. Every call in flight
   during a failover is retried this way, none is dropped; past the timeout it raises
   :class:`~mooncake.errors.MasterUnreachableError` naming the cluster and the last error. A
   leader change seen by :meth:`follow` closes the connection to the old leader at once.
@@ -66,6 +67,7 @@ from mooncake.errors import (
     NotLeaderError,
     NotSupportedError,
     RpcError,
+    UnavailableError,
 )
 
 log = logging.getLogger("mooncake.store")
@@ -241,8 +243,10 @@ class MasterConnection:
             rid = self.next_rid()
         try:
             return await self._call_once(method, params, rid)
-        except (MasterUnreachableError, NotLeaderError) as e:
-            if method in rpc.AUTH_METHODS:
+        except (MasterUnreachableError, NotLeaderError, UnavailableError) as e:
+            if method in rpc.AUTH_METHODS or (
+                self.resolver is None and not isinstance(e, MasterUnreachableError)
+            ):
                 raise
             return await self._retry(method, params, rid, e)
 
@@ -250,15 +254,13 @@ class MasterConnection:
         self, method: str, params: msgspec.Struct, rid: bytes | None, first: MooncakeError
     ) -> Any:
         if self.resolver is None:
-            if isinstance(first, NotLeaderError):
-                raise first
             self.retries += 1
             return await self._call_once(method, params, rid)  # once, on a fresh connection
         err: MooncakeError = first
         delay = 0.05
         with anyio.move_on_after(self.failover_timeout):
             while True:
-                if isinstance(err, NotLeaderError):
+                if isinstance(err, NotLeaderError | UnavailableError):
                     self.resolver.forget(self.leader)
                     self.close()
                 await anyio.sleep(delay)
@@ -266,7 +268,7 @@ class MasterConnection:
                 self.retries += 1
                 try:
                     return await self._call_once(method, params, rid)
-                except (MasterUnreachableError, NotLeaderError) as e:
+                except (MasterUnreachableError, NotLeaderError, UnavailableError) as e:
                     err = e
         raise MasterUnreachableError(
             f"master RPC {method}: no leader of {self.resolver.describe()} answered within "
