@@ -123,11 +123,16 @@ class HaMasterProc:
 
     def __init__(self, name: str, etcd_hosts: str, cluster_id: str, log_dir: Path) -> None:
         self.name = name
+        # the published --enable_ha --ha_backend_type=etcd --ha_backend_connstring=...
+        # --cluster_id=..., in the spelling of ``mooncake master`` (which binds a free port)
         self.flags = [
-            "--enable_ha",
-            "--ha_backend_type=etcd",
-            f"--ha_backend_connstring={etcd_hosts}",
-            f"--cluster_id={cluster_id}",
+            "--enable-ha",
+            "--ha-backend-type",
+            "etcd",
+            "--ha-backend-connstring",
+            etcd_hosts,
+            "--cluster-id",
+            cluster_id,
         ]
         self.log = log_dir / f"{name}.log"
         self.proc: subprocess.Popen[str] | None = None

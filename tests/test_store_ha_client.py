@@ -332,9 +332,15 @@ def test_a_put_start_whose_reply_is_lost_is_retried_and_applied_once(
             await conn.call("PutEnd", rpc.KeyClientParams(client_id="w", key="once"))
             assert proxy.dropped == 2
             assert await direct.call("GetAllKeys", rpc.Empty()) == ["once"]
+            # a read whose answer is lost is simply asked again; its fence starts at the resend
+            proxy.arm = "GetReplicaList"
+            t_before = trio.current_time()
+            resp, sent = await conn.call_stamped("GetReplicaList", rpc.KeyParams(key="once"))
+            assert proxy.dropped == 3 and conn.retries == 3
+            assert sent > t_before and len(resp.replicas) == 1
             proxy.arm = "Remove"
-            await conn.call("Remove", rpc.RemoveParams(key="once"))  # answered "removed" again
-            assert proxy.dropped == 3
+            await conn.call("Remove", rpc.RemoveParams(key="once", force=True))
+            assert proxy.dropped == 4  # answered "removed" again, not "not found"
             assert await direct.call("GetAllKeys", rpc.Empty()) == []
         finally:
             conn.close()

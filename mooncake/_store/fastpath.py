@@ -96,12 +96,15 @@ class SyncMaster:
             self._sock.close()
             self._sock = None
 
-    def call(self, method: str, params: msgspec.Struct) -> Any:
-        """One request, answered on this connection; the master's errors raise their class."""
+    def call(self, method: str, params: msgspec.Struct, stamp: list[float] | None = None) -> Any:
+        """One request, answered on this connection; the master's errors raise their class.
+        ``stamp`` as :meth:`MasterConnection.call` (``time.monotonic()``, the loop's clock)."""
         rid = self._master.next_rid() if method in rpc.MUTATING else None
         try:
             sock = self._sock or self._connect()
             req_id = next(self._ids)
+            if stamp is not None:
+                stamp[0] = time.monotonic()
             sock.sendall(rpc.encode_request(req_id, method, params, rid=rid))
             while True:
                 msg = self._dec.next_message()
@@ -120,7 +123,7 @@ class SyncMaster:
             if self._master.resolver is None:
                 raise
             self.close()
-        resumed: Any = self._loop.call(self._master.call, method, params, rid)
+        resumed: Any = self._loop.call(self._master.call, method, params, rid, stamp)
         return resumed
 
 
@@ -225,15 +228,17 @@ class FastPath:
     # -- get ------------------------------------------------------------------------------
 
     def _query(self, key: str) -> tuple[st.GetReplicaListResponse, float]:
-        t0 = time.monotonic()
+        stamp = [time.monotonic()]
         try:
             resp: st.GetReplicaListResponse = self._master().call(
-                "GetReplicaList", rpc.KeyParams(key=key)
+                "GetReplicaList", rpc.KeyParams(key=key), stamp
             )
         except ObjectNotFoundError as e:
             e.miss = parse_miss(key, str(e))
             raise
-        return check_replica_list(key, resp), t0 + (resp.read_ttl_ms or resp.lease_ttl_ms) / 1000.0
+        return check_replica_list(key, resp), stamp[0] + (
+            resp.read_ttl_ms or resp.lease_ttl_ms
+        ) / 1000.0
 
     def _copy_out(self, resp: st.GetReplicaListResponse, n: int, into: int | None) -> bytes | None:
         """Copy the object from the cheapest memcpy-able replica; None if there is none."""
@@ -504,10 +509,11 @@ class FastPath:
         from mooncake.errors import InvalidArgumentError, error_from_code
 
         s = self.store
-        t0 = time.monotonic()
+        stamp = [time.monotonic()]
         items: list[rpc.Item[st.GetReplicaListResponse]] = self._master().call(
-            "BatchGetReplicaList", rpc.KeysParams(keys=keys, for_read=True)
+            "BatchGetReplicaList", rpc.KeysParams(keys=keys, for_read=True), stamp
         )
+        t0 = stamp[0]
         if len(items) != len(keys):
             raise ProtocolError(
                 f"BatchGetReplicaList answered {len(items)} results for {len(keys)} keys"

@@ -233,29 +233,49 @@ class MasterConnection:
         for w in self._waiters.values():
             w.event.set()
 
-    async def call(self, method: str, params: msgspec.Struct, rid: bytes | None = None) -> Any:
+    async def call(
+        self,
+        method: str,
+        params: msgspec.Struct,
+        rid: bytes | None = None,
+        stamp: list[float] | None = None,
+    ) -> Any:
         """Send one request and return its decoded result (or raise the master's error).
 
         A mutating call gets a fresh request id unless ``rid`` is given (a caller resuming a
         call it already sent elsewhere passes the one it used). Lost connections and standbys'
-        answers are retried as the module docstring says."""
+        answers are retried as the module docstring says. ``stamp[0]``, when given, is set to
+        ``anyio.current_time()`` just before each attempt is sent: after the call it is the
+        send time of the attempt that was answered (read fences measure from it)."""
         if rid is None and method in rpc.MUTATING:
             rid = self.next_rid()
         try:
-            return await self._call_once(method, params, rid)
+            return await self._call_once(method, params, rid, stamp)
         except (MasterUnreachableError, NotLeaderError, UnavailableError) as e:
             if method in rpc.AUTH_METHODS or (
                 self.resolver is None and not isinstance(e, MasterUnreachableError)
             ):
                 raise
-            return await self._retry(method, params, rid, e)
+            return await self._retry(method, params, rid, e, stamp)
+
+    async def call_stamped(self, method: str, params: msgspec.Struct) -> tuple[Any, float]:
+        """:meth:`call`, and the clock reading taken just before the answered attempt was sent
+        (a lease granted in the answer began after it, whichever master granted it)."""
+        stamp = [anyio.current_time()]
+        result = await self.call(method, params, None, stamp)
+        return result, stamp[0]
 
     async def _retry(
-        self, method: str, params: msgspec.Struct, rid: bytes | None, first: MooncakeError
+        self,
+        method: str,
+        params: msgspec.Struct,
+        rid: bytes | None,
+        first: MooncakeError,
+        stamp: list[float] | None,
     ) -> Any:
         if self.resolver is None:
             self.retries += 1
-            return await self._call_once(method, params, rid)  # once, on a fresh connection
+            return await self._call_once(method, params, rid, stamp)  # once, on a fresh connection
         err: MooncakeError = first
         delay = 0.05
         with anyio.move_on_after(self.failover_timeout):
@@ -267,7 +287,7 @@ class MasterConnection:
                 delay = min(delay * 2, 0.5)
                 self.retries += 1
                 try:
-                    return await self._call_once(method, params, rid)
+                    return await self._call_once(method, params, rid, stamp)
                 except (MasterUnreachableError, NotLeaderError, UnavailableError) as e:
                     err = e
         raise MasterUnreachableError(
@@ -275,7 +295,9 @@ class MasterConnection:
             f"{self.failover_timeout:g} s (last: {err})"
         )
 
-    async def _call_once(self, method: str, params: msgspec.Struct, rid: bytes | None) -> Any:
+    async def _call_once(
+        self, method: str, params: msgspec.Struct, rid: bytes | None, stamp: list[float] | None
+    ) -> Any:
         await self._ensure_connected()
         sock = self._sock
         if sock is None:
@@ -285,6 +307,8 @@ class MasterConnection:
         w = _Waiter(method)
         self._waiters[req_id] = w
         self.calls += 1
+        if stamp is not None:
+            stamp[0] = anyio.current_time()
         try:
             await self._send(sock, frame)
             while w.response is None:
