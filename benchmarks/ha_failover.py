@@ -61,7 +61,18 @@ def run_worker(index: int, args: dict[str, Any], events: Any, stop: Any, close: 
     then keeps its segment mounted until ``close`` is set."""
     os.environ["MC_STORE_CLUSTER_ID"] = args["cluster_id"]
     cfg = SoakConfig(master=args["master"], segment_mib=args["segment_mib"], buffer_mib=8)
+    import numpy as np
+
     s = _open(cfg, cfg.segment_mib, "")
+    buf = np.zeros(args["size"], dtype=np.uint8)
+    ptr = buf.ctypes.data
+    if s.register_buffer(ptr, buf.nbytes) != 0:
+        raise RuntimeError("register_buffer failed")
+
+    def read(key: str) -> tuple[int, bytes]:
+        rc = s.get_into(key, ptr, buf.nbytes)
+        return (0, buf[:rc].tobytes()) if rc > 0 else (rc or -704, b"")
+
     name = f"w{index}"
     rng = random.Random(index)
     acked: list[str] = []
@@ -83,9 +94,9 @@ def run_worker(index: int, args: dict[str, Any], events: Any, stop: Any, close: 
             acked.append(key)
             pending.append((t0, t1))
             k = rng.choice(acked)
-            got = s.get(k)
-            if not got:
-                codes["get:missing"] += 1
+            rc, got = read(k)
+            if rc:
+                codes[f"get:{rc}"] += 1
             elif wrong_bytes(k, got):
                 codes["get:wrong"] += 1
         else:
@@ -104,14 +115,15 @@ def run_worker(index: int, args: dict[str, Any], events: Any, stop: Any, close: 
     missing = corrupted = 0
     final_codes: collections.Counter[str] = collections.Counter()
     for key in acked:
-        got = s.get(key)
-        if not got:
+        rc, got = read(key)
+        if rc:
             missing += 1
-            final_codes["missing"] += 1
+            final_codes[f"get:{rc}"] += 1
         elif wrong_bytes(key, got):
             corrupted += 1
     events.put(("final", name, len(acked), missing, corrupted, dict(final_codes)))
     close.wait(600)  # keep the segment (others' keys live in it) until every worker checked
+    s.unregister_buffer(ptr)
     s.close()
 
 
@@ -121,7 +133,9 @@ def run_worker(index: int, args: dict[str, Any], events: Any, stop: Any, close: 
 class HaMasterProc:
     """One ``mooncake master --enable_ha`` process (rpc port 0: a fresh port per start)."""
 
-    def __init__(self, name: str, etcd_hosts: str, cluster_id: str, log_dir: Path) -> None:
+    def __init__(
+        self, name: str, etcd_hosts: str, cluster_id: str, log_dir: Path, extra: list[str]
+    ) -> None:
         self.name = name
         # the published --enable_ha --ha_backend_type=etcd --ha_backend_connstring=...
         # --cluster_id=..., in the spelling of ``mooncake master`` (which binds a free port)
@@ -133,6 +147,7 @@ class HaMasterProc:
             etcd_hosts,
             "--cluster-id",
             cluster_id,
+            *extra,
         ]
         self.log = log_dir / f"{name}.log"
         self.proc: subprocess.Popen[str] | None = None
@@ -212,8 +227,9 @@ class Run:
         self.cluster_id = f"ha-bench-{os.getpid()}"
         self.log_dir = Path(args.log_dir or f"/tmp/ha-failover-{os.getpid()}")
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        extra = ["--ha-lease-ttl", str(args.ha_lease_ttl)] if args.ha_lease_ttl else []
         self.masters = [
-            HaMasterProc(f"m{i}", self.etcd_hosts, self.cluster_id, self.log_dir)
+            HaMasterProc(f"m{i}", self.etcd_hosts, self.cluster_id, self.log_dir, extra)
             for i in range(args.masters)
         ]
         self.ctx = mp.get_context("spawn")
@@ -279,6 +295,7 @@ class Run:
         print(
             f"etcd: {len(self.etcd.members)} member(s); masters: {a.masters}; workers: "
             f"{a.workers} x {a.put_rate} puts/s of {a.size} B; failovers: {a.failovers}; "
+            f"leader lease: {a.ha_lease_ttl or 'default'} s; "
             f"logs in {self.log_dir}",
             flush=True,
         )
@@ -401,6 +418,12 @@ def main() -> int:
     p.add_argument("--segment-mib", type=int, default=128)
     p.add_argument("--interval", type=float, default=3.0, help="seconds of load between kills")
     p.add_argument("--failover-timeout", type=float, default=60.0)
+    p.add_argument(
+        "--ha-lease-ttl",
+        type=int,
+        default=0,
+        help="the masters' leader lease in seconds (0: their default, the published 5 s)",
+    )
     p.add_argument("--log-dir", default="")
     p.add_argument("--json", default="")
     args = p.parse_args()
