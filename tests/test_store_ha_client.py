@@ -226,6 +226,95 @@ def test_sync_facade_in_a_process_uses_an_etcd_address(
         c.stop()
 
 
+class Standby:
+    """A master that is not the leader: answers every request -1010 "not the leader" (real
+    frames over a real socket, as a standby of an HA cluster does)."""
+
+    def __init__(self) -> None:
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.lsock.getsockname()[1]}"
+        self.refused: list[str] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.lsock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    def _serve(self, c: socket.socket) -> None:
+        with c:
+            self._refuse(c)
+
+    def _refuse(self, c: socket.socket) -> None:
+        dec = rpc.MessageDecoder()
+        while True:
+            try:
+                data = c.recv(1 << 16)
+            except OSError:
+                return
+            if not data:
+                return
+            dec.feed(data)
+            for msg in dec:
+                assert isinstance(msg, rpc.Request)
+                self.refused.append(msg.method)
+                c.sendall(rpc.encode_error(msg.id, -1010, "not the leader: this is a standby"))
+
+
+def test_a_standby_answer_makes_the_client_re_resolve(
+    etcd1: services.EtcdCluster, masters: list[Master], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MC_STORE_CLUSTER_ID", CLUSTER)
+    standby = Standby()
+
+    async def main() -> None:
+        await _set_leader(etcd1, standby.address)
+        conn = MasterConnection(etcd1.conn)
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(conn.follow)
+                got: list[bool] = []
+
+                async def exists() -> None:
+                    got.append(await conn.call("ExistKey", rpc.KeyParams(key="nothing")))
+
+                n.start_soon(exists)
+                with trio.fail_after(10):
+                    while not standby.refused:  # noqa: ASYNC110 (polls another thread)
+                        await trio.sleep(0.05)
+                assert not got  # refused, not failed: still retrying
+                await _set_leader(etcd1, masters[0].address)
+                with trio.fail_after(20):
+                    while not got:  # noqa: ASYNC110 (polls the retrying call)
+                        await trio.sleep(0.05)
+                n.cancel_scope.cancel()
+            assert got == [False] and conn.leader == masters[0].address
+        finally:
+            await conn.aclose()
+            standby.lsock.close()
+
+    trio.run(main)
+
+
+def test_with_one_master_a_standby_answer_is_returned_as_is() -> None:
+    standby = Standby()
+
+    async def main() -> None:
+        conn = MasterConnection(standby.address)
+        try:
+            with pytest.raises(mooncake.errors.UnavailableError, match="not the leader"):
+                await conn.call("ExistKey", rpc.KeyParams(key="k"))
+            assert conn.retries == 0
+        finally:
+            conn.close()
+            standby.lsock.close()
+
+    trio.run(main)
+
+
 # -- a reply lost after the master applied the call -------------------------------------------
 
 

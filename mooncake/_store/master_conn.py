@@ -312,8 +312,9 @@ class MasterConnection:
         try:
             await self._send(sock, frame)
             while w.response is None:
-                if self._broken is not None:
-                    raise MasterUnreachableError(f"master RPC {method} failed: {self._broken}")
+                if self._broken is not None or self._sock is not sock:
+                    why = self._broken or "the connection it was sent on was closed"
+                    raise MasterUnreachableError(f"master RPC {method} failed: {why}")
                 if self._reading:
                     await w.event.wait()
                     w.event = anyio.Event()
@@ -362,11 +363,18 @@ class MasterConnection:
             view = memoryview(frame)[n:]
             try:
                 while view:
-                    await anyio.wait_writable(sock)
+                    try:
+                        await anyio.wait_writable(sock)
+                    except (anyio.ClosedResourceError, OSError):  # closed by another task
+                        raise MasterUnreachableError(
+                            "the connection to the master was closed"
+                        ) from None
                     try:
                         n = sock.send(view)
                     except BlockingIOError:
                         continue
+                    except OSError as e:
+                        raise MasterUnreachableError(f"cannot send to the master: {e}") from None
                     view = view[n:]
             except BaseException as e:
                 # a partial frame on the wire poisons the stream
@@ -380,7 +388,7 @@ class MasterConnection:
         fd = sock.fileno()
         from mooncake import _fast
 
-        while w.response is None and self._broken is None:
+        while w.response is None and self._broken is None and self._sock is sock:
             r = _fast.recv_at(fd, scratch.addr, scratch.size)
             if r > 0:
                 self._decoder.feed(scratch.bytes(0, r))
@@ -399,7 +407,12 @@ class MasterConnection:
                     MasterUnreachableError(f"the master at {self.leader} closed the connection")
                 )
             elif -r in (errno.EAGAIN, errno.EWOULDBLOCK):
-                await anyio.wait_readable(sock)
+                try:
+                    await anyio.wait_readable(sock)
+                except (anyio.ClosedResourceError, OSError):  # closed by another task
+                    if self._sock is sock:
+                        self._fail(MasterUnreachableError("the connection to the master closed"))
+                    return
             elif -r != errno.EINTR:
                 self._fail(
                     MasterUnreachableError(
