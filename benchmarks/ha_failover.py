@@ -15,7 +15,9 @@ killed master, which joins as a standby. With ``--kill-etcd-member-at N`` (3 mem
 member is SIGKILLed after failover N and stays down.
 
 At the end every worker reads every key it was told was stored: a key that is missing or whose
-bytes are wrong counts as *lost* / *corrupted* (goal: 0). Printed: one progress line per second
+bytes are wrong counts as *lost* / *corrupted* (goal: 0); a read that fails for another reason
+(e.g. ``-707``, a read fence missed under load) is asked again up to 5 times first, and the
+final codes are printed. Printed: one progress line per second
 (puts/s, put errors by code) and per failover, then the failover-time distribution
 (min/p50/p90/max) and the loss counts; ``--json PATH`` writes them too.
 
@@ -76,6 +78,7 @@ def run_worker(index: int, args: dict[str, Any], events: Any, stop: Any, close: 
     name = f"w{index}"
     rng = random.Random(index)
     acked: list[str] = []
+    acked_at: dict[str, tuple[float, float]] = {}
     events.put(("ready", name, os.getpid()))
     period = 1.0 / args["put_rate"]
     size = args["size"]
@@ -92,6 +95,7 @@ def run_worker(index: int, args: dict[str, Any], events: Any, stop: Any, close: 
         t1 = time.time()
         if rc == 0:
             acked.append(key)
+            acked_at[key] = (t0, t1)
             pending.append((t0, t1))
             k = rng.choice(acked)
             rc, got = read(k)
@@ -113,15 +117,24 @@ def run_worker(index: int, args: dict[str, Any], events: Any, stop: Any, close: 
             next_t = time.monotonic()
     events.put(("acks", name, pending, dict(codes)))
     missing = corrupted = 0
+    bad: list[tuple[str, int, float, float]] = []
     final_codes: collections.Counter[str] = collections.Counter()
     for key in acked:
         rc, got = read(key)
+        for _ in range(5):  # a transient failure (a read fence under load) is asked again
+            if rc in (0, -704):
+                break
+            final_codes[f"retried:{rc}"] += 1
+            time.sleep(0.2)
+            rc, got = read(key)
         if rc:
             missing += 1
             final_codes[f"get:{rc}"] += 1
+            bad.append((key, rc, *acked_at[key]))
         elif wrong_bytes(key, got):
             corrupted += 1
-    events.put(("final", name, len(acked), missing, corrupted, dict(final_codes)))
+            bad.append((key, 0, *acked_at[key]))
+    events.put(("final", name, len(acked), missing, corrupted, dict(final_codes), bad))
     close.wait(600)  # keep the segment (others' keys live in it) until every worker checked
     s.unregister_buffer(ptr)
     s.close()
@@ -241,6 +254,8 @@ class Run:
         self.codes: collections.Counter[str] = collections.Counter()
         self.finals: dict[str, tuple[int, int, int, dict[str, int]]] = {}
         self.failovers: list[float] = []
+        self.kills: list[float] = []
+        self.bad: list[tuple[str, int, float, float]] = []
         self.unfinished = 0
         self._sec_acks = 0
         self._sec_codes: collections.Counter[str] = collections.Counter()
@@ -261,6 +276,7 @@ class Run:
                 self._sec_codes.update(ev[3])
             elif ev[0] == "final":
                 self.finals[ev[1]] = (ev[2], ev[3], ev[4], ev[5])
+                self.bad.extend(ev[6])
             if time.monotonic() >= deadline:
                 break
         now = time.monotonic()
@@ -332,6 +348,7 @@ class Run:
                     self.drain(0.1)
                 leader = self.wait_leader(60)
                 t_kill = time.time()
+                self.kills.append(t_kill)
                 os.kill(leader.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
                 leader.proc.wait()  # type: ignore[union-attr]
                 took = self.first_put_after(t_kill, a.failover_timeout)
@@ -400,6 +417,15 @@ class Run:
             f"{len(self.finals)}/{len(self.workers)}"
         )
         print("errors seen by workers:", dict(self.codes) or "none")
+        final: collections.Counter[str] = collections.Counter()
+        for v in self.finals.values():
+            final.update(v[3])
+        out["final_check"] = dict(final)
+        print("final check of every acknowledged key:", dict(final) or "all read back intact")
+        for key, rc, t0, t1 in sorted(self.bad, key=lambda b: b[3])[:20]:
+            before = [t1 - k for k in self.kills if k <= t1]
+            since = f"{min(before):.3f} s after kill {len(before)}" if before else "before any kill"
+            print(f"  {key}: {rc or 'wrong bytes'}; put took {t1 - t0:.3f} s, acked {since}")
         if self.args.json:
             Path(self.args.json).write_text(json.dumps(out, indent=1))
         bad = lost or corrupted or self.unfinished or len(self.finals) < len(self.workers)

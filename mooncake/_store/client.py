@@ -173,7 +173,7 @@ class Store(_Admin):
     async def _heartbeat(self) -> None:
         params = rpc.ClientParams(client_id=self.client_id)
         while True:
-            await anyio.sleep(HEARTBEAT_S)
+            await self.master.sleep_or_leader_change(HEARTBEAT_S)
             try:
                 resp: st.PingResponse = await self.master.call("Ping", params)
                 if resp.client_status == st.ClientStatus.NEED_REMOUNT and (

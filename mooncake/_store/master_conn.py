@@ -127,6 +127,8 @@ class MasterConnection:
         self._connect_lock = anyio.Lock()
         self.retries = 0
         """Calls re-sent after a lost connection or a standby's answer."""
+        self.leader_changes = 0
+        self._change: anyio.Event | None = None
         self._sock: socket.socket | None = None
         self._decoder = rpc.MessageDecoder()
         self._ids = itertools.count(1)
@@ -226,6 +228,19 @@ class MasterConnection:
         if addr != self.leader and self._sock is not None:
             log.warning("master leader changed from %s to %s", self.leader, addr or "(none)")
             self.close()
+        if addr is not None:
+            self.leader_changes += 1
+            ev, self._change = self._change, None
+            if ev is not None:
+                ev.set()
+
+    async def sleep_or_leader_change(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less: until the leader key names a master (the heartbeat pings
+        the new leader at once, so a client it does not know re-mounts without delay)."""
+        if self._change is None:
+            self._change = anyio.Event()
+        with anyio.move_on_after(seconds):
+            await self._change.wait()
 
     def _fail(self, err: MooncakeError) -> None:
         if self._broken is None:
