@@ -64,6 +64,7 @@ class _Tiers(_StateBase):
         cid = source.seg.client_id
         obj.demoting = _Demote(cid, now + self.config.demote_timeout, ver.size)
         self._demoting_bytes += ver.size
+        self._moving.add(obj.key)
         self._untrack(obj)
         self._clients[cid].demote_tasks.append(
             DemoteTask(
@@ -143,6 +144,7 @@ class _Tiers(_StateBase):
         if not replicas:
             raise NoAvailableHandleError(f"no segment has {ver.size} free bytes to promote {key!r}")
         obj.promoting = _Promote(client_id, replicas, now)
+        self._moving.add(key)
         return [r.descriptor(ReplicaStatus.PROCESSING) for r in replicas]
 
     def promote_end(self, client_id: str, key: str, vid: int, now: float) -> None:
@@ -246,8 +248,13 @@ class _Tiers(_StateBase):
         ver.disk = []
 
     def _expire_tier_moves(self, now: float) -> None:
+        # only the keys that started a move (not a scan of every object on each sweep)
         stale = self.config.put_start_discard_timeout
-        for key, obj in list(self._objects.items()):
+        for key in list(self._moving):
+            obj = self._objects.get(key)
+            if obj is None or (obj.demoting is None and obj.promoting is None):
+                self._moving.discard(key)  # finished, revoked or dropped since
+                continue
             d = obj.demoting
             if d is not None and d.deadline <= now:
                 self._drop_object(obj, now)
