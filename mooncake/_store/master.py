@@ -132,6 +132,8 @@ class MasterServerConfig:
     snapshot: SnapshotConfig | None = None
 
 
+#: seconds between sweeps of a replicated master (at least)
+HA_SWEEP_INTERVAL = 0.2
 #: params of one logged call are at most this large (an etcd value holds ~1.5 MiB)
 MAX_LOGGED_PARAMS = 1 << 20
 
@@ -472,10 +474,14 @@ class MasterServer:
 
         Each round measures how late it woke: lateness beyond one interval is time the loop
         could not run, credited to the clients (:meth:`MasterState.credit_stall`) first.
+        A replicated master sweeps every :data:`HA_SWEEP_INTERVAL` at least (each sweep is a
+        log entry).
         """
-        interval = self.config.sweep_interval
         last = anyio.current_time()
         while True:
+            interval = self.config.sweep_interval
+            if self.ha is not None:
+                interval = max(interval, HA_SWEEP_INTERVAL)
             await anyio.sleep(interval)
             now = anyio.current_time()
             stalled, last = now - last - 2 * interval, now
