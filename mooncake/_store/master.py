@@ -16,8 +16,9 @@ accepting (the rest wait in the listen backlog) and closes the longest-idle conn
 partial frame, nothing being answered) in favour of the new one: a store client reconnects on
 its next call. Deadlines: the first byte must arrive within ``request_timeout`` of accept;
 a frame that has begun must keep arriving (no ``progress_timeout`` without a byte); a connection
-idle between frames for ``idle_timeout`` is closed (store clients heartbeat far more often).
-A connection is served request by request in arrival order (answers in the same order; each
+idle between frames for ``idle_timeout`` is closed (store clients heartbeat far more often);
+each of these fires at most 5 % (and 0.5 s) late, never early (one cancel scope per connection
+whose deadline moves only when it drifts that far). A connection is served request by request in arrival order (answers in the same order; each
 call is a short synchronous state change, so no request waits on another's I/O). Frames are
 bounded by ``max_frame``; a frame that does not parse drops that connection only. An unknown
 method or malformed params is answered with an error and the connection kept; nothing a client
