@@ -311,7 +311,9 @@ TestReplicated = Replicated.TestCase
 TestReplicated.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
 
 
-def test_replicas_in_other_processes_agree() -> None:
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "prefix-lru"])
+def test_replicas_in_other_processes_agree(policy: str) -> None:
     """Masters are separate processes with their own string-hash salt, and a standby may start
     from a snapshot: the same commands must give the same state anyway (a set iterated in
     hash order once decided policy and ledger order)."""
@@ -326,7 +328,7 @@ def test_replicas_in_other_processes_agree() -> None:
     def digest(hashseed: str, *extra: str) -> str:
         env = {**os.environ, "PYTHONHASHSEED": hashseed, "PYTHONPATH": str(ROOT)}
         out = subprocess.run(
-            [sys.executable, str(helper), "11", "2500", *extra],
+            [sys.executable, str(helper), "11", "2500", "--policy", policy, *extra],
             capture_output=True,
             text=True,
             env=env,

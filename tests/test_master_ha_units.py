@@ -123,3 +123,87 @@ def test_etcd_snapshots_chunked_verified_pruned(etcd_endpoint: str) -> None:
             await kv.aclose()
 
     trio.run(main)
+
+
+def test_forked_snapshot_sees_the_state_at_fork_time() -> None:
+    from mooncake._store.snapshots import ForkedSnapshot
+
+    box = {"v": b"before" * 100_000}
+
+    async def main() -> None:
+        child = ForkedSnapshot(lambda: box["v"])
+        box["v"] = b"after"  # the parent moves on at once
+        assert await child.result() == b"before" * 100_000
+
+        def boom() -> bytes:
+            raise RuntimeError("serializer failed")
+
+        with pytest.raises(OSError, match="status 1"):
+            await ForkedSnapshot(boom).result()
+
+    trio.run(main)
+
+
+@pytest.mark.etcd
+def test_standby_loads_snapshot_plus_log_and_detects_a_gap(etcd_endpoint: str) -> None:
+    import msgspec
+
+    from mooncake._core import commands, rpc
+    from mooncake._core.store_types import Segment
+    from mooncake._store.ha import HaConfig, HaNode, _Gap
+    from mooncake._store.master import MasterServer, MasterServerConfig
+
+    def entry(*cmds: commands.Command) -> bytes:
+        return commands.encode_commands(list(cmds))
+
+    def call(method: str, params: msgspec.Struct, now: float) -> commands.Command:
+        return commands.rpc_command(method, msgspec.msgpack.encode(params), now)
+
+    def node() -> HaNode:
+        return HaNode(
+            MasterServer(MasterServerConfig(rpc_port=0)),
+            HaConfig(endpoints=parse_endpoints(etcd_endpoint), cluster_id="gap"),
+        )
+
+    seg = Segment(id="s", name="h:1", base=0, size=1 << 20)
+    log = [
+        entry(commands.Promote(1.0, 5, genesis=True)),
+        entry(call("MountSegment", rpc.MountSegmentParams("c", seg), 1.0)),
+        entry(call("PutStart", rpc.PutStartParams("c", "k1", 100), 1.5)),
+        entry(call("PutEnd", rpc.KeyClientParams("c", "k1"), 1.6), commands.Sweep(1.7)),
+    ]
+
+    async def main() -> None:
+        a, b, c = node(), node(), node()
+        try:
+            for i, data in enumerate(log, 1):
+                await a.etcd.put(f"{a.log_prefix}{i:020d}", data)
+            await a._load()
+            assert a.applied_seq == 4 and a.server.state.all_keys() == ["k1"]
+            assert a.last_now == 1.7
+            # snapshot at 4, log compacted below it, one more entry
+            snap = Snapshot(4, a.server.state.snapshot(), a.last_now)
+            assert await a.snapshots.write(snap, fence=[])
+            for i in range(1, 5):
+                await a.etcd.delete(f"{a.log_prefix}{i:020d}")
+            more = entry(
+                call("PutStart", rpc.PutStartParams("c", "k2", 100), 2.0),
+                call("PutEnd", rpc.KeyClientParams("c", "k2"), 2.1),
+            )
+            await a.etcd.put(f"{a.log_prefix}{5:020d}", more)
+            await b._load()  # a fresh standby: snapshot 4 + entry 5
+            assert (b.snapshot_seq, b.applied_seq) == (4, 5)
+            await a._catch_up()  # a tailing standby: entry 5 follows its 4
+            assert a.applied_seq == 5
+            assert commands.digest(a.server.state) == commands.digest(b.server.state)
+            assert sorted(b.server.state.all_keys()) == ["k1", "k2"]
+            c.applied_seq = 2  # a standby that stopped at 2: entries 3, 4 are gone
+            with pytest.raises(_Gap, match="entry 3 is gone"):
+                await c._catch_up()
+            await c._load()  # what the HA loop does on a gap: reload from the snapshot
+            assert (c.snapshot_seq, c.applied_seq) == (4, 5)
+        finally:
+            for n in (a, b, c):
+                await n.etcd.aclose()
+
+    trio.run(main)

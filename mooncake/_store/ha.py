@@ -35,7 +35,8 @@ winner finishes the log (nobody else can append by then), sets its state clock s
 from the last applied ``now``, appends ``Promote(now, seed)`` and serves once that is durable.
 
 Snapshots (leader): every ``snapshot_interval`` seconds or ``snapshot_log_entries`` batches,
-the state is serialized at a batch boundary, written (fenced) to etcd (and ``snapshot_dir`` if
+the state is serialized at a batch boundary (by a forked child: the loop pauses only for the
+fork), written (fenced) to etcd (and ``snapshot_dir`` if
 set), older snapshots beyond ``snapshot_retention`` are deleted, and so are the log entries at
 or below the new snapshot's seq.
 """
@@ -55,7 +56,7 @@ from mooncake._core import commands
 from mooncake._core.commands import Command, Durability
 from mooncake._core.master import MasterState
 from mooncake._engine.metadata.etcd import EtcdKV, _b64, _unb64, prefix_end
-from mooncake._store.snapshots import DirSnapshots, EtcdSnapshots, Snapshot
+from mooncake._store.snapshots import DirSnapshots, EtcdSnapshots, ForkedSnapshot, Snapshot
 from mooncake.errors import InvalidArgumentError, MetadataError, MooncakeError
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ class HaConfig:
     """Seconds entries nobody waits for (sweeps, lease-only calls) may wait for a txn."""
     snapshot_interval: float = 600.0
     snapshot_log_entries: int = 10_000
+    snapshot_child_timeout: float = 300.0
     snapshot_retention: int = 2
     snapshot_dir: str | None = None
     """Also keep snapshot copies in this local directory."""
@@ -217,6 +219,10 @@ class HaNode:
     def barrier(self) -> int:
         return self._barrier
 
+    def mark_mutated(self) -> None:
+        self._barrier = self._ticket
+        self._flush_now.set()
+
     async def wait_durable(self, ticket: int) -> bool:
         epoch = self._epoch
         while self._durable < ticket:
@@ -257,8 +263,14 @@ class HaNode:
                         await self._lead()
                     except (MetadataError, _Gap) as e:
                         log.warning("master HA: %s; retrying", e)
+                        self._step_down(str(e))
                         self.role = "standby"
                         await anyio.sleep(0.5)
+                    except Exception:  # a bug must not take the master down: start over
+                        log.exception("master HA: unexpected failure; reloading")
+                        self._step_down("unexpected failure")
+                        self.role = "standby"
+                        await anyio.sleep(1.0)
                     finally:
                         await self._release_lease()
         finally:
@@ -282,7 +294,9 @@ class HaNode:
                 await self.etcd.watch(key, on_event)
             except MetadataError as e:
                 log.warning("master HA: watch on %s: %s", key, e)
-                await anyio.sleep(_POLL_S)
+            except Exception:  # only a wake-up: the poll still follows the log
+                log.exception("master HA: watch on %s failed", key)
+            await anyio.sleep(_POLL_S)
 
     # -- standby ---------------------------------------------------------------------------
 
@@ -381,11 +395,11 @@ class HaNode:
             self._wake = anyio.Event()
 
     async def _campaign(self) -> bool:
+        sent = anyio.current_time()  # the lease runs from no earlier than this
         obj = await self.etcd.call("/v3/lease/grant", {"TTL": self.config.lease_ttl})
         if "ID" not in obj:
             raise MetadataError(f"etcd lease grant refused: {obj}")
         lid = str(obj["ID"])
-        sent = anyio.current_time()
         vk = _b64(self.view_key)
         r = await self.etcd.call(
             "/v3/kv/txn",
@@ -507,12 +521,19 @@ class HaNode:
             del self._pending[:n]
             self._pending_bytes = max(0, self._pending_bytes - size)
             seq = self.applied_seq + (1 if batch else 0)
-            snap = None
+            snap: tuple[int, ForkedSnapshot, float] | None = None
             if self._snap_due and not self._pending:  # the state is exactly "after seq"
-                snap = Snapshot(seq, self.server.state.snapshot(), self.server.now())
                 self._snap_due = False
-                self._snap_busy = True
                 self._snap_last = now
+                if seq > self.snapshot_seq:
+                    try:  # forked here: the child sees the state exactly "after seq"
+                        child = ForkedSnapshot(
+                            self.server.state.snapshot, cfg.snapshot_child_timeout
+                        )
+                        snap = (seq, child, self.server.now())
+                        self._snap_busy = True
+                    except Exception:
+                        log.exception("master HA: serializing the state failed")
             if batch:
                 if not await self._append_entry(seq, commands.encode_commands(batch)):
                     self._snap_busy = False
@@ -527,7 +548,7 @@ class HaNode:
             if self._pending:
                 self._flush_now.set()
             if snap is not None:
-                tg.start_soon(self._write_snapshot, snap)
+                tg.start_soon(self._write_snapshot, *snap)
 
     def _fence(self) -> list[dict[str, Any]]:
         return [
@@ -575,8 +596,9 @@ class HaNode:
             mine = bool(view) and int(view[0].get("create_revision", 0)) == self.term
             return mine and bool(entry) and _unb64(entry[0].get("value", "")) == data
 
-    async def _write_snapshot(self, snap: Snapshot) -> None:
+    async def _write_snapshot(self, seq: int, child: ForkedSnapshot, last_now: float) -> None:
         try:
+            snap = Snapshot(seq, await child.result(), last_now)
             if self.local is not None:
                 await self.local.write(snap)
             if not await self.snapshots.write(snap, self._fence()):
@@ -593,7 +615,7 @@ class HaNode:
             self.snapshot_seq = max(self.snapshot_seq, snap.seq)
             log.info("master HA: snapshot at %d (%d bytes)", snap.seq, len(snap.data))
         except (MetadataError, OSError, InvalidArgumentError) as e:
-            log.warning("master HA: snapshot %d failed: %s", snap.seq, e)
+            log.warning("master HA: snapshot %d failed: %s", seq, e)
         finally:
             self._snap_busy = False
 

@@ -36,7 +36,16 @@ from mooncake.errors import InvalidArgumentError
 
 log = logging.getLogger("mooncake.master.snapshot")
 
-__all__ = ["CHUNK", "DirSnapshots", "EtcdSnapshots", "Snapshot"]
+__all__ = [
+    "CHUNK",
+    "DirSnapshots",
+    "EtcdSnapshots",
+    "ForkedSnapshot",
+    "Snapshot",
+    "SnapshotConfig",
+    "restore_local",
+    "snapshot_loop",
+]
 
 CHUNK = 1 << 20
 _MAGIC = b"MCS1"
@@ -277,6 +286,7 @@ class SnapshotConfig:
     interval: float = 600.0
     retention: int = 2
     restore: bool = False
+    child_timeout: float = 300.0
 
 
 async def restore_local(store: DirSnapshots, config: Any) -> tuple[Any, float] | None:
@@ -291,15 +301,92 @@ async def restore_local(store: DirSnapshots, config: Any) -> tuple[Any, float] |
     return MasterState.restore(snap.data, config), snap.last_now
 
 
-async def snapshot_loop(server: Any, store: DirSnapshots, interval: float) -> None:
+async def snapshot_loop(
+    server: Any, store: DirSnapshots, interval: float, child_timeout: float = 300.0
+) -> None:
     """Every ``interval`` seconds: the server's state to ``store`` (seq counts up)."""
     seq = max(store.seqs(), default=0)
     while True:
         await anyio.sleep(interval)
         seq += 1
-        snap = Snapshot(seq, server.state.snapshot(), server.now())
         try:
+            now = server.now()  # the child sees the state as of this instant
+            child = ForkedSnapshot(server.state.snapshot, child_timeout)
+            snap = Snapshot(seq, await child.result(), now)
             await store.write(snap)
             server.last_snapshot_seq = seq
         except OSError as e:
             log.warning("snapshot %d to %s failed: %s", seq, store.dir, e)
+
+
+class ForkedSnapshot:
+    """A state serialized by a forked child: the fork is the only pause on the caller's loop
+    (the child sees the state exactly as it was at :meth:`start`, copy-on-write), the child
+    writes the bytes to a pipe that :meth:`result` reads without blocking the loop.
+
+    Where ``fork`` is unavailable the state is serialized at :meth:`start`, on the caller.
+    """
+
+    def __init__(self, serialize: Any, timeout: float = 300.0) -> None:
+        self.timeout = timeout
+        self._data: bytes | None = None
+        self._pid = 0
+        self._fd = -1
+        if not hasattr(os, "fork"):
+            self._data = serialize()
+            return
+        r, w = os.pipe()
+        import warnings
+
+        with warnings.catch_warnings():  # the child only serializes and exits
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                os.close(r)
+                data = serialize()
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(w, view) :]
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        os.set_blocking(r, False)
+        self._pid, self._fd = pid, r
+
+    async def result(self) -> bytes:
+        """The serialized state; raises :class:`OSError` if the child failed or timed out."""
+        if self._data is not None:
+            return self._data
+        parts: list[bytes] = []
+        try:
+            with anyio.fail_after(self.timeout):
+                while True:
+                    try:
+                        chunk = os.read(self._fd, 1 << 20)
+                    except BlockingIOError:
+                        await anyio.wait_readable(self._fd)
+                        continue
+                    if not chunk:
+                        break
+                    parts.append(chunk)
+                code = await self._reap()
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._pid, 9)
+            await self._reap()
+            raise OSError(f"snapshot child timed out after {self.timeout} s") from None
+        finally:
+            os.close(self._fd)
+        if code != 0:
+            raise OSError(f"snapshot child exited with status {code}")
+        return b"".join(parts)
+
+    async def _reap(self) -> int:
+        while True:
+            pid, status = os.waitpid(self._pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            await anyio.sleep(0.01)

@@ -1,6 +1,6 @@
 """Apply a pseudo-random command sequence to a fresh master state; print its digest.
 
-  python tests/helpers/replay_digest.py SEED STEPS [--snapshot-at N]
+  python tests/helpers/replay_digest.py SEED STEPS [--snapshot-at N] [--policy NAME]
 
 The tests run it under different ``PYTHONHASHSEED`` values (as separate master processes
 would be) and compare the digests: replicas must not depend on the process's string hashing.
@@ -75,7 +75,8 @@ def script(seed: int, steps: int) -> list[commands.Command]:
 def main(argv: list[str]) -> None:
     seed, steps = int(argv[0]), int(argv[1])
     snap_at = int(argv[argv.index("--snapshot-at") + 1]) if "--snapshot-at" in argv else -1
-    cfg = MasterConfig(client_ttl=1e6, eviction_high_watermark_ratio=0.7)
+    policy = argv[argv.index("--policy") + 1] if "--policy" in argv else "lru"
+    cfg = MasterConfig(client_ttl=1e6, eviction_high_watermark_ratio=0.7, eviction_policy=policy)
     state = MasterState(cfg)
     for i, cmd in enumerate(script(seed, steps)):
         if i == snap_at:

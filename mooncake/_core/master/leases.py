@@ -128,7 +128,22 @@ class _Leases(_StateBase):
             self._groups.setdefault(group, KeySet()).add(obj.key)
 
     def batch_exist_key(self, keys: list[str], now: float) -> list[int]:
-        return [1 if self.exist_key(k, now) else 0 for k in keys]
+        """:meth:`exist_key` per key (1 / 0), in one pass with the lookups hoisted."""
+        objects = self._objects
+        deadline = now + self.config.default_kv_lease_ttl
+        out: list[int] = []
+        add = out.append
+        for key in keys:
+            obj = objects.get(key)
+            if obj is None or obj.readable is None:
+                add(0)
+                continue
+            if obj.group:
+                self._extend_lease(obj, deadline)
+            elif obj.lease_deadline < deadline:
+                obj.lease_deadline = deadline
+            add(1)
+        return out
 
     def _pin_soft(self, key: str, deadline: float) -> None:
         """``key`` is soft-pinned until ``deadline`` (expired by :meth:`_expire_soft_pins`).
