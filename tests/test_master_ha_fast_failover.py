@@ -205,3 +205,36 @@ def test_fast_failover_off_leaves_a_dead_leader_to_its_lease(
     finally:
         for m in ms:
             m.stop()
+
+
+def test_live_leader_whose_lease_is_revoked_steps_down_through_the_fence(
+    etcd1: services.EtcdCluster, tmp_path: Path
+) -> None:
+    # what a wrongly revoked lease would do (e.g. a firewall starting to reject with resets):
+    # the same as an expired one, never two leaders acknowledging writes
+    ms = _masters(etcd1.conn, tmp_path, "--ha-lease-ttl", "30")
+    try:
+        old = wait_leader(ms)
+        rest = [m for m in ms if m is not old]
+        _wait_following(rest, old)
+        mount(old.address)
+        assert put(old.address, "before")
+        view = _view(etcd1)
+        assert view is not None
+        _post(etcd1, "/v3/lease/revoke", {"ID": view[1]})
+        new_view = _wait_new_term(etcd1, view[0], budget=20)
+        deadline = time.monotonic() + 20
+        while old.ha()["role"] != "standby" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert old.ha()["role"] == "standby" and old.ha()["stepdowns"] >= 1
+        new = wait_leader(ms, timeout=20)
+        # a new term (the old master may win it after rebuilding: that is a new term too)
+        assert new.ha()["term"] == new_view[0] != view[0]
+        assert put(new.address, "after")
+        assert "before" in all_keys(new.address)
+        if new is not old:
+            assert not put(old.address, "to-the-deposed")
+            assert "to-the-deposed" not in all_keys(new.address)
+    finally:
+        for m in ms:
+            m.stop()

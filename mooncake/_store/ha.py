@@ -721,7 +721,12 @@ class HaNode:
             lid,
         )
         # lease ids are unique: this deletes the key of that term only
-        await self.etcd.call("/v3/lease/revoke", {"ID": lid})
+        try:
+            await self.etcd.call("/v3/lease/revoke", {"ID": lid})
+        except MetadataError as e:
+            if "not found" not in str(e):
+                raise
+            return False  # another standby (or the expiry) was first
         self.early_revokes += 1
         self._wake.set()
         return True
