@@ -16,8 +16,9 @@ accepting (the rest wait in the listen backlog) and closes the longest-idle conn
 partial frame, nothing being answered) in favour of the new one: a store client reconnects on
 its next call. Deadlines: the first byte must arrive within ``request_timeout`` of accept;
 a frame that has begun must keep arriving (no ``progress_timeout`` without a byte); a connection
-idle between frames for ``idle_timeout`` is closed (store clients heartbeat far more often).
-A connection is served request by request in arrival order (answers in the same order; each
+idle between frames for ``idle_timeout`` is closed (store clients heartbeat far more often);
+each of these fires at most 5 % (and 0.5 s) late, never early (one cancel scope per connection
+whose deadline moves only when it drifts that far). A connection is served request by request in arrival order (answers in the same order; each
 call is a short synchronous state change, so no request waits on another's I/O). Frames are
 bounded by ``max_frame``; a frame that does not parse drops that connection only. An unknown
 method or malformed params is answered with an error and the connection kept; nothing a client
@@ -150,6 +151,10 @@ class Replication(Protocol):
     @property
     def barrier(self) -> int:
         """The ticket of the last mutating command queued."""
+
+    def mark_mutated(self) -> None:
+        """The command queued last changed what clients can see (a sweep that evicted or
+        expired something): later answers wait for it as for a mutation."""
 
     async def wait_durable(self, ticket: int) -> bool:
         """Until every command up to ``ticket`` is durable (True), or this master was deposed
@@ -295,10 +300,18 @@ class MasterServer:
         return (own if kind is commands.Durability.MUTATING else ha.barrier), cmd
 
     def run_command(self, command: commands.Command) -> None:
-        """Apply an internal command (sweep, stall credit), logging it when replicated."""
-        if self.ha is not None:
-            self.ha.append(command)
-        commands.apply(self.state, command)
+        """Apply an internal command (sweep, stall credit), logging it when replicated; one
+        that changed what reads see (objects, bytes, clients, segments) is a mutation."""
+        ha = self.ha
+        if ha is None:
+            commands.apply(self.state, command)
+            return
+        ha.append(command)
+        s = self.state
+        before = (s.object_count, s.used_bytes, s.client_count, s.segment_count)
+        commands.apply(s, command)
+        if (s.object_count, s.used_bytes, s.client_count, s.segment_count) != before:
+            ha.mark_mutated()
 
     def close_connections(self) -> None:
         """Shut every client connection (a deposed leader does: clients re-resolve)."""
@@ -885,7 +898,13 @@ async def serve_master(
         elif local is not None and config.snapshot is not None:
             from mooncake._store.snapshots import snapshot_loop
 
-            tg.start_soon(snapshot_loop, server, local, config.snapshot.interval)
+            tg.start_soon(
+                snapshot_loop,
+                server,
+                local,
+                config.snapshot.interval,
+                config.snapshot.child_timeout,
+            )
         task_status.started(server)
         try:
             await _accept.accept_loop(lsock, server.slots, server.serve_connection, prepare=_tune)
