@@ -241,15 +241,18 @@ def _apply_call(state: MasterState, command: Command, params: Any) -> Any:
     return scan(state, p, list(command.keys or ()), command.now)
 
 
-def _apply_once(state: MasterState, command: Command, params: Any, rid: bytes) -> Any:
+def _apply_once(
+    state: MasterState, command: Command, params: Any, rid: bytes, unrecorded: bool
+) -> Any:
     """A mutating call with a request id: applied unless ``state.dedup`` has it (then nothing
     happens: the leader answered the retry from the ledger), its reply recorded -- the framed
     answer with id 0, so every replica's ledger holds the same bytes."""
-    try:
-        if state.dedup.lookup(rid) is not None:
+    if not unrecorded:
+        try:
+            if state.dedup.lookup(rid) is not None:
+                return None
+        except StaleRequestError:
             return None
-    except StaleRequestError:
-        return None
     try:
         result = _apply_call(state, command, params)
     except MooncakeError as e:
@@ -267,7 +270,9 @@ def _apply_once(state: MasterState, command: Command, params: Any, rid: bytes) -
     return result
 
 
-def apply(state: MasterState, command: Command, params: Any = None) -> Any:
+def apply(
+    state: MasterState, command: Command, params: Any = None, *, unrecorded: bool = False
+) -> Any:
     """Apply one command; returns the RPC result or raises the RPC's
     :class:`~mooncake.errors.MooncakeError` (internal commands return ``None``).
 
@@ -275,13 +280,15 @@ def apply(state: MasterState, command: Command, params: Any = None) -> Any:
     answer); ``None`` decodes ``command.params``. A mutating RPC/scan command with a request id
     is applied at most once per id and its reply recorded in ``state.dedup``
     (:mod:`mooncake._core.dedup`); a repeated one returns ``None`` and changes nothing.
+    ``unrecorded``: the caller has just looked the id up and found it new (the leader does
+    before logging), so the ledger is not asked twice.
     """
     kind = command.kind
     if kind == "rpc" or kind == "scan":
         rid = command.rid if command.method in rpc.MUTATING else None
         if rid is None:
             return _apply_call(state, command, params)
-        return _apply_once(state, command, params, rid)
+        return _apply_once(state, command, params, rid, unrecorded)
     if kind == "sweep":
         state.sweep(command.now)
         return None

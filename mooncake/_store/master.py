@@ -255,7 +255,7 @@ class MasterServer:
                     else commands.rpc_command(name, bytes(req.params), now, rid)
                 )
             if cmd is not None:  # the same function the standbys apply with
-                result = commands.apply(self.state, cmd, params)
+                result = commands.apply(self.state, cmd, params, unrecorded=rid is not None)
             elif matched is not None:
                 result = commands.SCAN_APPLY[name](self.state, params, matched, now)
             else:
