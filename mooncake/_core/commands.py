@@ -50,6 +50,7 @@ __all__ = [
     "ScanApply",
     "Sweep",
     "apply",
+    "config_fingerprint",
     "decode_commands",
     "durability",
     "encode_commands",
@@ -72,6 +73,9 @@ class Command(msgspec.Struct, array_like=True, frozen=True):
     seed: int = 0
     genesis: bool = False
     """Promote only: the first leader of a cluster (the view id is drawn from ``seed`` too)."""
+    config: str = ""
+    """Promote only: :func:`config_fingerprint` of the leader's settings (replicas with other
+    settings would diverge; a standby compares it with its own)."""
 
 
 def rpc_command(method: str, params: bytes, now: float, rid: bytes | None = None) -> Command:
@@ -92,8 +96,19 @@ def ScanApply(
     return Command("scan", now, method, bytes(params), rid, keys=list(keys))
 
 
-def Promote(now: float, seed: int, *, genesis: bool = False) -> Command:
-    return Command("promote", now, seed=seed, genesis=genesis)
+def Promote(now: float, seed: int, *, genesis: bool = False, config: str = "") -> Command:
+    return Command("promote", now, seed=seed, genesis=genesis, config=config)
+
+
+def config_fingerprint(config: Any) -> str:
+    """A digest of a master's state settings (a dataclass), ``seed`` left out (the log fixes
+    the randomness): masters of one cluster must agree on it."""
+    import dataclasses
+    import hashlib
+
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    fields.pop("seed", None)
+    return hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
 
 
 class Durability(enum.Enum):

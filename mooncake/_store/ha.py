@@ -175,6 +175,7 @@ class HaNode:
         self.stepdowns = 0
         self.elections_won = 0
         self.apply_errors = 0
+        self.config_mismatch = False
 
     # -- what the server asks ------------------------------------------------------------
 
@@ -365,6 +366,18 @@ class HaNode:
             return
         state = self.server.state
         for cmd in batch:
+            if cmd.kind == "promote" and cmd.config:
+                mine = commands.config_fingerprint(self.server.config.state)
+                if cmd.config != mine and not self.config_mismatch:
+                    log.error(
+                        "master HA: the leader runs with other state settings (%s, here %s): "
+                        "this master's state will diverge; start every master of cluster %r "
+                        "with the same flags",
+                        cmd.config,
+                        mine,
+                        self.config.cluster_id,
+                    )
+                self.config_mismatch = cmd.config != mine
             try:
                 commands.apply(state, cmd)
             except MooncakeError:
@@ -446,7 +459,12 @@ class HaNode:
                 self.server.clock_offset = target - loop_now
                 genesis = self._from_scratch and self.applied_seq == 0
                 self.server.run_command(
-                    commands.Promote(self.server.now(), secrets.randbits(63), genesis=genesis)
+                    commands.Promote(
+                        self.server.now(),
+                        secrets.randbits(63),
+                        genesis=genesis,
+                        config=commands.config_fingerprint(self.server.config.state),
+                    )
                 )
                 self._snap_last = loop_now
                 tg.start_soon(self._flusher, tg)
@@ -654,4 +672,5 @@ class HaNode:
             "elections_won": self.elections_won,
             "stepdowns": self.stepdowns,
             "apply_errors": self.apply_errors,
+            "config_mismatch": self.config_mismatch,
         }
