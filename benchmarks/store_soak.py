@@ -43,7 +43,6 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import queue
 import random
 import signal
 import socket
@@ -167,26 +166,38 @@ def _open(cfg: SoakConfig, segment_mib: int, ssd: str) -> Any:
     return s
 
 
+class Events:
+    """The sending end of one process's event pipe (a pipe per process: a process killed in
+    the middle of a send cannot leave a lock held that others need, as a shared queue could)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def put(self, item: Any) -> None:
+        self.conn.send(item)
+
+
 def run_holder(index: int, cfg: SoakConfig, events: Any, stop: Any) -> None:
     """A client that only contributes a segment (and an SSD tier with ``cfg.ssd_root``) until
-    ``stop`` is set; puts ``("ready", "h<index>", hostname, pid)`` on ``events``."""
+    ``stop.value`` is true (a lock-free shared value); puts ``("ready", "h<index>", hostname, pid)`` on ``events``."""
     ssd = os.path.join(cfg.ssd_root, f"h{index}") if cfg.ssd_root else ""
     s = _open(cfg, cfg.segment_mib, ssd)
     events.put(("ready", f"h{index}", s.get_hostname(), os.getpid()))
-    stop.wait()
+    while not stop.value:
+        time.sleep(0.05)
     s.close()
 
 
 def run_worker(
     index: int, cfg: SoakConfig, events: Any, stop: Any, pause: Any | None = None
 ) -> None:
-    """One worker: random ops on the shared key space until ``stop`` is set, verifying every
+    """One worker: random ops on the shared key space until ``stop.value``, verifying every
     value read. Puts ``("ready", "w<index>", hostname, pid)`` on ``events``, then once a second
     ``("stats", "w<index>", second, counts, latencies, fail_times)``: ``counts`` maps
     ``"op:code"`` to a count (code ``0`` success; ``"get:wrong"`` counts wrong bytes read),
     ``latencies`` ``"op:code"`` to the summed seconds, ``fail_times`` the wall times
-    (``time.time()``) of failing reads (a code not in :data:`CLEAR`). ``pause`` (an Event),
-    while set, holds the worker between ops."""
+    (``time.time()``) of failing reads (a code not in :data:`CLEAR`). ``pause`` (a shared value),
+    while true, holds the worker between ops."""
     import numpy as np
 
     ssd = os.path.join(cfg.ssd_root, f"w{index}") if cfg.ssd_root else ""
@@ -205,8 +216,8 @@ def run_worker(
     lat: collections.defaultdict[str, float] = collections.defaultdict(float)
     second = int(time.time())
     try:
-        while not stop.is_set():
-            if pause is not None and pause.is_set():
+        while not stop.value:
+            if pause is not None and pause.value:
                 time.sleep(0.01)
                 continue
             now = time.time()
@@ -309,9 +320,10 @@ class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.ctx = mp.get_context("spawn")
-        self.events: Any = self.ctx.Queue()
-        self.stop_ev = self.ctx.Event()
-        self.pause_ev = self.ctx.Event()
+        self.readers: dict[Any, str] = {}
+        # lock-free shared flags: a SIGKILLed process must not take a lock with it
+        self.stop_ev = self.ctx.RawValue("i", 0)
+        self.pause_ev = self.ctx.RawValue("i", 0)
         flags = ["--client-ttl", str(args.client_ttl), "--seed", str(args.seed)]
         self.master = MasterProc(args.port or free_port(), flags)
         self.procs: dict[str, Any] = {}
@@ -329,19 +341,40 @@ class Soak:
         kind, i = name[0], int(name[1:])
         target = run_holder if kind == "h" else run_worker
         extra = (self.pause_ev,) if kind == "w" else ()
+        r, w = self.ctx.Pipe(duplex=False)
         p = self.ctx.Process(
-            target=target, args=(i, self.cfg, self.events, self.stop_ev, *extra), daemon=True
+            target=target, args=(i, self.cfg, Events(w), self.stop_ev, *extra), daemon=True
         )
         p.start()
+        w.close()
+        self.readers[r] = name
         self.procs[name] = p
+
+    def _next(self, timeout: float) -> tuple[Any, ...] | None:
+        """The next event of any process within ``timeout`` s (None: none came)."""
+        from multiprocessing.connection import wait
+
+        end = time.monotonic() + timeout
+        while self.readers:
+            ready = wait(list(self.readers), max(0.0, end - time.monotonic()))
+            if not ready:
+                return None
+            for conn in ready:
+                r: Any = conn
+                try:
+                    ev: tuple[Any, ...] = r.recv()
+                    return ev
+                except (EOFError, OSError):
+                    del self.readers[r]  # the process is gone
+                    r.close()
+        return None
 
     def _wait_ready(self, names: set[str], limit: float = 60) -> None:
         end = time.monotonic() + limit
         while names:
-            try:
-                ev = self.events.get(timeout=max(0.1, end - time.monotonic()))
-            except queue.Empty:
-                raise RuntimeError(f"not ready within {limit} s: {sorted(names)}") from None
+            ev = self._next(max(0.1, end - time.monotonic()))
+            if ev is None:
+                raise RuntimeError(f"not ready within {limit} s: {sorted(names)}")
             if ev[0] == "ready":
                 self.hosts[ev[1]] = ev[2]
                 names.discard(ev[1])
@@ -364,14 +397,8 @@ class Soak:
 
     def _drain(self, until: float) -> None:
         while True:
-            left = until - time.time()
-            try:
-                ev = (
-                    self.events.get(timeout=max(0.0, left))
-                    if left > 0
-                    else self.events.get_nowait()
-                )
-            except queue.Empty:
+            ev = self._next(max(0.0, until - time.time()))
+            if ev is None:
                 return
             self._take(ev)
 
@@ -393,7 +420,7 @@ class Soak:
 
     def _restart(self, what: str) -> None:
         """Pause, count, restart ``what`` (``master`` or a holder), settle, count, resume."""
-        self.pause_ev.set()
+        self.pause_ev.value = 1
         time.sleep(0.3)
         self.counts[f"{what}_before"] = self._count_readable()
         self.marks[f"{what}_restart"] = time.time()
@@ -410,7 +437,7 @@ class Soak:
             self._wait_ready({victim})
         time.sleep(self.args.settle)
         self.counts[f"{what}_after"] = self._count_readable()
-        self.pause_ev.clear()
+        self.pause_ev.value = 0
 
     def run(self) -> dict[str, Any]:
         a = self.args
@@ -463,7 +490,7 @@ class Soak:
             while printed + 1.5 < time.time() - 0.0 and printed < int(end):
                 self._progress(printed, start)
                 printed += 1
-        self.stop_ev.set()
+        self.stop_ev.value = 1
         self._drain(time.time() + 2)
         if a.stop_holder and "stop" in self.marks:
             self._signal(self._victim(), signal.SIGCONT)
@@ -611,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = soak.run()
     finally:
-        soak.stop_ev.set()
+        soak.stop_ev.value = 1
         for p in soak.procs.values():
             if p.is_alive():
                 p.kill()
