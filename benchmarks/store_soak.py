@@ -137,13 +137,24 @@ class SoakConfig:
     )
     seed: int = 1
     ssd_root: str = ""
-    memcpy: bool = False
-    """Same-host replicas by memcpy (``MC_STORE_MEMCPY``); off: every peer through the engine,
-    as between hosts."""
+    transport: str = "engine"
+    """``shm``: same-host replicas by memcpy (``MC_STORE_MEMCPY=1``, what one host gives);
+    ``engine``: every peer through the engine with its default transports (its same-host shm
+    one included); ``tcp``: the engine on TCP only (``MC_FORCE_TCP=1``), as between hosts."""
+
+
+def transport_env(transport: str) -> dict[str, str]:
+    """The environment a client process of ``transport`` (see :class:`SoakConfig`) needs."""
+    if transport not in ("shm", "engine", "tcp"):
+        raise ValueError(f"transport must be shm, engine or tcp, got {transport!r}")
+    return {
+        "MC_STORE_MEMCPY": "1" if transport == "shm" else "0",
+        "MC_FORCE_TCP": "1" if transport == "tcp" else "0",
+    }
 
 
 def _open(cfg: SoakConfig, segment_mib: int, ssd: str) -> Any:
-    os.environ["MC_STORE_MEMCPY"] = "1" if cfg.memcpy else "0"
+    os.environ.update(transport_env(cfg.transport))
     from mooncake.store import MooncakeDistributedStore
 
     s = MooncakeDistributedStore()
@@ -273,7 +284,7 @@ class MasterProc:
 
     def start(self) -> str:
         env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env.setdefault("PYTHONPATH", str(ROOT))  # as given: the soak may run another tree
         cmd = [sys.executable, "-m", "mooncake", "master", "--rpc-port", str(self.port)]
         cmd += ["--no-metrics", *self.flags]
         deadline = time.monotonic() + 30
@@ -450,12 +461,12 @@ class Soak:
             buffer_mib=a.buffer_mib,
             seed=a.seed,
             ssd_root=a.ssd or "",
-            memcpy=a.memcpy,
+            transport=a.transport,
         )
         names = [f"h{i}" for i in range(a.holders)] + [f"w{i}" for i in range(a.workers)]
         for n in names:
             self._spawn(n)
-        os.environ["MC_STORE_MEMCPY"] = "1" if a.memcpy else "0"
+        os.environ.update(transport_env(a.transport))
         from mooncake.store import MooncakeDistributedStore
 
         self._probe = MooncakeDistributedStore()
@@ -615,7 +626,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--client-ttl", type=float, default=10.0, help="the master's client TTL (s)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--port", type=int, default=0, help="master port (0: a free one)")
-    p.add_argument("--memcpy", action="store_true", help="same-host replicas by memcpy")
+    p.add_argument(
+        "--transport",
+        choices=["shm", "engine", "tcp"],
+        default="engine",
+        help="shm: same-host memcpy; engine: the engine's default transports; tcp: TCP only",
+    )
     p.add_argument("--ssd", default="", help="root directory of per-process SSD tiers")
     p.add_argument("--kill-holder-at", type=float, default=None)
     p.add_argument("--stop-holder", action="store_true", help="SIGSTOP instead of SIGKILL")

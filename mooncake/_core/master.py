@@ -62,6 +62,7 @@ import msgspec
 from mooncake._core.allocator import DEFAULT_ALIGNMENT, OffsetAllocator
 from mooncake._core.misses import Miss, MissLedger, MissReason
 from mooncake._core.policies import EvictionPolicy, Pin, make_policy
+from mooncake._core.quarantine import Quarantine
 from mooncake._core.rpc import Item
 from mooncake._core.store_types import (
     ClientStatus,
@@ -147,6 +148,11 @@ class MasterConfig:
     """Space of a revoked write (PutRevoke/UpsertRevoke, PromoteRevoke, TaskRevoke) is reused
     only this many seconds later: the writer's transfer may have been cancelled mid-way, and
     the segment owner's server may still be copying bytes it had already received."""
+    quarantine_grace: float = 0.1
+    """A quarantined segment's holder lifts it with a heartbeat arriving at least this long
+    after the report (an earlier one may have been sent before it died)."""
+    quarantine_refute_hold: float = 10.0
+    """A reporter whose report a heartbeat refuted is not heard on that segment for this long."""
 
     def validate(self) -> None:
         """Raise :class:`InvalidArgumentError` naming the first bad setting."""
@@ -163,6 +169,8 @@ class MasterConfig:
             "pending_task_timeout",
             "processing_task_timeout",
             "put_revoke_hold",
+            "quarantine_grace",
+            "quarantine_refute_hold",
         ):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -362,6 +370,10 @@ class MasterState:
         self.tiers = {"dram": TierCounters(), "ssd": TierCounters()}
         """Per-tier counters as the master sees them (SSD reads themselves are counted by the
         owning client)."""
+        self.quarantine = Quarantine(
+            self.config.quarantine_grace, self.config.quarantine_refute_hold
+        )
+        """Segments reported unreachable (:mod:`mooncake._core.quarantine`)."""
 
     # -- introspection ---------------------------------------------------------------------
 
@@ -414,7 +426,35 @@ class MasterState:
                 view_version_id=self.view_version_id, client_status=ClientStatus.NEED_REMOUNT
             )
         client.deadline = now + self.config.client_ttl
+        if self.quarantine:
+            self._holder_alive(client, now)
         return PingResponse(view_version_id=self.view_version_id, client_status=ClientStatus.OK)
+
+    def _holder_alive(self, client: _Client, now: float) -> None:
+        """``client`` was heard from: lift the quarantine of its segments (see
+        :class:`~mooncake._core.quarantine.Quarantine` for the grace)."""
+        names = {seg.segment.name for sid in client.segments if (seg := self._segments.get(sid))}
+        self.quarantine.alive(names, now)
+
+    def report_segment_failure(
+        self, client_id: str, segment_name: str, reason: str, now: float
+    ) -> bool:
+        """``client_id`` failed a transfer to ``segment_name``: quarantine it (no new
+        allocations there; reads are not given its replicas) until its holder's next heartbeat
+        or the holder's expiry. Whether it is quarantined now (False: this reporter was refuted
+        on that segment within ``quarantine_refute_hold``).
+
+        ``CLIENT_NOT_FOUND`` from a client the master does not know, ``SEGMENT_NOT_FOUND`` for
+        a name no mounted segment has, ``INVALID_PARAMS`` for a client's own segment."""
+        _check_client_id(client_id)
+        if client_id not in self._clients:
+            raise ClientNotFoundError(f"client {client_id} is not known to this master")
+        owners = {s.client_id for s in self._seg_list if s.segment.name == segment_name}
+        if not owners:
+            raise SegmentNotFoundError(f"no mounted segment is named {segment_name!r}")
+        if client_id in owners:
+            raise InvalidArgumentError(f"client {client_id} cannot report its own segment")
+        return self.quarantine.report(client_id, segment_name, now, reason)
 
     def _touch_client(self, client_id: str, now: float) -> _Client:
         client = self._clients.get(client_id)
@@ -519,9 +559,11 @@ class MasterState:
     def remount_segments(self, client_id: str, segments: Iterable[Segment], now: float) -> None:
         """Mount each of ``segments`` not mounted yet (after ``NEED_REMOUNT``)."""
         _check_client_id(client_id)
-        self._touch_client(client_id, now)
+        client = self._touch_client(client_id, now)
         for seg in segments:
             self.mount_segment(client_id, seg, now)
+        if self.quarantine:
+            self._holder_alive(client, now)
 
     def unmount_segment(self, client_id: str, segment_id: str, now: float) -> None:
         """Unmount a segment of ``client_id``: its replicas vanish at once."""
@@ -547,6 +589,9 @@ class MasterState:
             client.segments.discard(seg.segment.id)
         self._capacity -= seg.segment.size
         self._used -= seg.alloc.used
+        name = seg.segment.name
+        if name in self.quarantine and not any(s.segment.name == name for s in self._seg_list):
+            self.quarantine.end(name)
         for key in list(seg.keys):
             obj = self._objects.get(key)
             if obj is None:
@@ -746,8 +791,9 @@ class MasterState:
         want = config.replica_num
         out: list[_Replica] = []
         used_segs: set[int] = set()
+        quarantined = self.quarantine
         for seg in self._candidates(config):
-            if id(seg) in used_segs:
+            if id(seg) in used_segs or (quarantined and seg.segment.name in quarantined):
                 continue
             addr = seg.alloc.allocate(size)
             if addr is None:
@@ -894,16 +940,28 @@ class MasterState:
         """
         obj = self._objects.get(key)
         if obj is None or obj.readable is None:
+            # A key whose only version is still being written has no complete version to
+            # read: not found (as ExistKey says), not "not ready" -- the write is ordered after
+            # this read.
             self.stats.get_misses += 1
             self.tiers["dram"].misses += 1
-            if obj is not None:
-                raise ReplicaNotReadyError(f"object {key!r} is still being written")
             raise ObjectNotFoundError(
                 f"object {key!r} not found {format_miss(self.misses.classify(key))}"
             )
+        ver = obj.readable
+        replicas = ver.replicas
+        if self.quarantine and replicas:
+            replicas = [r for r in replicas if r.seg.segment.name not in self.quarantine]
+            if not replicas and not ver.disk:
+                self.stats.get_misses += 1
+                self.tiers["dram"].misses += 1
+                names = sorted({r.seg.segment.name for r in ver.replicas})
+                raise ReplicaNotFoundError(
+                    f"object {key!r} has no reachable replica: its holder(s) {', '.join(names)} "
+                    "failed a transfer and have not been heard from since"
+                )
         ttl = self.config.default_kv_lease_ttl
         self._extend_lease(obj, now + ttl)
-        ver = obj.readable
         read_ttl = min(
             ttl,
             self.config.read_fence_ttl + self.config.read_fence_s_per_mib * ver.size / (1 << 20),
@@ -913,13 +971,13 @@ class MasterState:
         if key in self.policy:
             self.policy.on_access(key, now)
         self.stats.gets += 1
-        if ver.replicas:
+        if replicas:
             self.tiers["dram"].hits += 1
         else:
             self.tiers["dram"].misses += 1
             self.tiers["ssd"].hits += 1
         return GetReplicaListResponse(
-            replicas=[r.descriptor(ReplicaStatus.COMPLETE) for r in ver.replicas],
+            replicas=[r.descriptor(ReplicaStatus.COMPLETE) for r in replicas],
             lease_ttl_ms=int(ttl * 1000),
             size=ver.size,
             read_ttl_ms=int(read_ttl * 1000),
@@ -999,16 +1057,16 @@ class MasterState:
     # -- removal ---------------------------------------------------------------------------
 
     def remove(self, key: str, force: bool, now: float) -> None:
-        """Remove the readable object ``key``.
+        """Remove the readable version of ``key``.
 
         ``OBJECT_HAS_LEASE`` while leased unless ``force`` (then its space waits for the lease
-        to end); ``REPLICA_IS_NOT_READY`` while a write of it is in progress.
+        to end). A write of ``key`` still in progress is ordered after the removal: it is not
+        touched and becomes readable at its End; a key with nothing readable (only such a
+        write) is ``OBJECT_NOT_FOUND``.
         """
         obj = self._objects.get(key)
-        if obj is None:
+        if obj is None or obj.readable is None:
             raise ObjectNotFoundError(f"object {key!r} not found")
-        if obj.pending is not None:
-            raise ReplicaNotReadyError(f"object {key!r} has a write in progress")
         if obj.task is not None:
             raise ObjectHasReplicationTaskError(f"object {key!r} has task {obj.task.id} in flight")
         if obj.lease_deadline > now and not force:
@@ -1046,7 +1104,7 @@ class MasterState:
         n = 0
         for obj in objs:
             key = obj.key
-            if obj.readable is None or obj.pending is not None or obj.task:
+            if obj.readable is None or obj.task:
                 continue
             if obj.lease_deadline > now and not force:
                 self.stats.lease_refusals += 1
@@ -1058,8 +1116,11 @@ class MasterState:
         return n
 
     def _drop_object(self, obj: _Object, now: float) -> None:
+        """Drop the readable version of ``obj``; the object goes with it unless a write of it
+        is in progress (that write stays, and becomes the readable version at its End)."""
         ver = obj.readable
-        del self._objects[obj.key]
+        if obj.pending is None:
+            del self._objects[obj.key]
         if obj.group:
             members = self._groups.get(obj.group)
             if members is not None:
@@ -1073,6 +1134,11 @@ class MasterState:
             self._end_tier_moves(obj)
             self._forget_disk(obj.key, ver)
             obj.readable = None
+        if obj.pending is not None:  # the record stays for the write: nothing of the old one
+            obj.group = ""
+            obj.lease_deadline = 0.0
+            obj.hard_pinned = False
+            obj.soft_pin_deadline = None
 
     def batch_replica_clear(
         self, client_id: str, keys: list[str], segment_name: str, now: float

@@ -71,6 +71,7 @@ PutLocal               PutLocalParams                   int (version id of the r
 ExplainMiss            KeyParams                        MissInfo (no miss counted)
 GetTierStats           Empty                            dict[str, dict[str, int]] (per tier)
 GetSegmentTiers        Empty                            dict[str, dict[str, int]] (dram/gpu)
+ReportSegmentFailure   SegmentFailureParams             bool (the segment is quarantined now)
 AuthHello              AuthHelloParams                  AuthChallenge (cluster secret only)
 AuthProve              AuthProveParams                  None (cluster secret only)
 ====================== ================================ ==========================================
@@ -162,6 +163,15 @@ class PutStartParams(_Params):
 class KeyClientParams(_Params):
     client_id: str
     key: str
+
+
+class SegmentFailureParams(_Params):
+    """``client_id`` failed a transfer to the segment named ``segment_name`` (its transfer
+    engine segment name, as in ``ReplicaDescriptor.segment_name``); ``reason`` for the log."""
+
+    client_id: str
+    segment_name: str
+    reason: str = ""
 
 
 class BatchPutStartParams(_Params):
@@ -361,6 +371,7 @@ METHODS: dict[str, MethodSpec] = {
         _spec("ExplainMiss", KeyParams, MissInfo),
         _spec("GetTierStats", Empty, dict[str, dict[str, int]]),
         _spec("GetSegmentTiers", Empty, dict[str, dict[str, int]]),
+        _spec("ReportSegmentFailure", SegmentFailureParams, bool),
         _spec("AuthHello", AuthHelloParams, AuthChallenge),
         _spec("AuthProve", AuthProveParams, None),
     )
@@ -604,6 +615,7 @@ __all__ = [
     "RemoveParams",
     "Request",
     "Response",
+    "SegmentFailureParams",
     "TaskIdParams",
     "TaskParams",
     "TaskRevokeParams",

@@ -158,6 +158,9 @@ def _handlers() -> dict[str, Handler]:
         "ExplainMiss": lambda s, p, now: _miss_info(s.explain_miss(p.key)),
         "GetTierStats": lambda s, p, now: {t: c.as_dict() for t, c in s.tiers.items()},
         "GetSegmentTiers": lambda s, p, now: s.segment_tiers(),
+        "ReportSegmentFailure": lambda s, p, now: s.report_segment_failure(
+            p.client_id, p.segment_name, p.reason, now
+        ),
         "MountSegment": lambda s, p, now: s.mount_segment(p.client_id, p.segment, now),
         "ReMountSegment": lambda s, p, now: s.remount_segments(p.client_id, p.segments, now),
         "UnmountSegment": lambda s, p, now: s.unmount_segment(p.client_id, p.segment_id, now),
@@ -612,6 +615,20 @@ class _MasterCollector(Collector):
             "master_stall_seconds",
             "Time the master could not serve, credited to every client's TTL",
             st.stall_seconds,
+        )
+        q = s.quarantine.stats
+        for name, doc, value in (
+            ("reports", "Transfer failures to a segment reported by clients", q.reports),
+            ("started", "Segments quarantined on a client's report", q.started),
+            ("ignored", "Reports ignored (reporter refuted on that segment)", q.ignored),
+            ("lifted", "Quarantines lifted by the holder's heartbeat", q.lifted),
+            ("ended", "Quarantines ended with the segment (owner expired)", q.ended),
+        ):
+            yield counter(f"master_quarantine_{name}", doc, value)
+        yield GaugeMetricFamily(
+            "master_quarantined_segments",
+            "Segment names quarantined now",
+            value=len(s.quarantine.names),
         )
         yield counter(
             "master_regex_timeouts",
