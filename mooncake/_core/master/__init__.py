@@ -1,0 +1,70 @@
+"""The master's state machine (sans-I/O): objects, replicas, segments, clients, leases, eviction.
+
+:class:`MasterState` holds all metadata of a Mooncake Store master and implements one method per
+RPC (:mod:`mooncake._core.rpc`). Methods are synchronous, never block and take ``now`` (seconds
+on the caller's clock; the server passes the event loop's clock, tests a ``MockClock``). They
+return the RPC result or raise a :class:`~mooncake.errors.StoreError` subclass carrying the
+Mooncake error code. The master never touches object bytes; it hands out address ranges.
+
+Model
+-----
+* **Segment**: ``[base, base+size)`` of a client's memory, named by its transfer-engine segment
+  name, with an :class:`~mooncake._core.allocator.OffsetAllocator`. A segment id is mounted by one
+  client; ranges of segments with the same name must not overlap.
+* **Object** ``key``: at most one *readable* version (size + replicas, every replica COMPLETE)
+  and at most one *pending* write (PutStart/UpsertStart .. PutEnd/UpsertEnd or Revoke). Each
+  replica of a version is one contiguous extent on a distinct segment. Readers only ever see the
+  readable version: a half-written object is never returned.
+* **Lease**: ``GetReplicaList``/``ExistKey`` (and their batch/regex forms) extend the object's
+  lease to ``now + default_kv_lease_ttl``. A leased object is not evicted, and ``Remove`` /
+  ``RemoveAll`` / ``RemoveByRegex`` refuse it (``OBJECT_HAS_LEASE``) unless ``force``.
+* **Read window**: a ``GetReplicaList`` for reading also opens a short window (``read_fence_ttl``
+  plus ``read_fence_s_per_mib`` per MiB, at most the lease) during which the space of that
+  version is not reused, even if the object is force-removed or replaced; the client fails a
+  read that finishes after the window (``read_ttl_ms``). So bytes a reader copies are never
+  handed to another object while it copies them, without holding space for a whole lease.
+* **Pins**: ``with_hard_pin`` objects are never evicted. A soft pin (``with_soft_pin`` or
+  ``soft_pin_action=ENABLE``) lasts ``soft_pin_ttl_ms`` (default ``default_kv_soft_pin_ttl``,
+  capped at ``max_kv_soft_pin_ttl``) from PutEnd; soft-pinned objects are evicted only after every
+  unpinned candidate, and not at all if ``allow_evict_soft_pinned_objects`` is false.
+* **Eviction** runs when the used ratio exceeds ``eviction_high_watermark_ratio`` (at PutStart
+  and in :meth:`MasterState.sweep`) or when an allocation fails. It frees
+  ``max(eviction_ratio, used_ratio - watermark + eviction_ratio)`` of the capacity, asking the
+  policy (:mod:`mooncake._core.policies`, LRU by default) for victims among objects that are
+  readable, have no pending write, no lease and no hard pin.
+* **Zombie writes**: a pending write older than ``put_start_discard_timeout`` may be pre-empted
+  by a new PutStart of the same key; its space is released ``put_start_release_timeout`` after
+  its PutStart (the writer might still be writing into it until then). :meth:`sweep` also
+  releases un-pre-empted zombies at that point.
+* **Clients**: ``Ping``, ``MountSegment`` and ``ReMountSegment`` keep a client alive until
+  ``now + client_ttl``. :meth:`sweep` drops clients past their deadline: their segments are
+  unmounted, replicas on them dropped, objects left without replicas removed. ``Ping`` from an
+  unknown (new or expired) client answers ``NEED_REMOUNT``. Time the master itself was
+  unresponsive is credited to every client (:meth:`credit_stall`), so a stall of the master
+  never reads as silence of its clients.
+
+Upsert: ``UpsertStart`` on a readable key allocates a new version (fresh extents) beside the old
+one; readers keep getting the old version until ``UpsertEnd`` swaps them.
+"""
+
+from __future__ import annotations
+
+from mooncake._core.master.config import (
+    ALLOCATION_STRATEGIES,
+    MAX_KEY_LENGTH,
+    MasterConfig,
+    MasterStats,
+    format_miss,
+    parse_miss,
+)
+from mooncake._core.master.state import MasterState
+
+__all__ = [
+    "ALLOCATION_STRATEGIES",
+    "MAX_KEY_LENGTH",
+    "MasterConfig",
+    "MasterState",
+    "MasterStats",
+    "format_miss",
+    "parse_miss",
+]

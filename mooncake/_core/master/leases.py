@@ -1,0 +1,208 @@
+"""Reads and what they hold: leases, read windows, groups, soft pins, and eviction."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from mooncake._core.master.base import _StateBase
+from mooncake._core.master.config import _compile, format_miss
+from mooncake._core.master.records import _Object
+from mooncake._core.policies import Pin
+from mooncake._core.rpc import Item
+from mooncake._core.store_types import GetReplicaListResponse, ReplicaDescriptor, ReplicaStatus
+from mooncake.errors import MooncakeError, ObjectNotFoundError, ReplicaNotFoundError
+
+
+class _Leases(_StateBase):
+    """Replica lookups (with their leases and read windows), groups, soft pins, eviction."""
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def get_replica_list(
+        self, key: str, now: float, *, for_read: bool = True
+    ) -> GetReplicaListResponse:
+        """Replicas of the readable version of ``key``; extends its lease.
+
+        ``for_read`` also opens a *read window* of ``read_fence_ttl`` plus ``read_fence_s_per_mib``
+        per MiB of the object (at most the lease; i.e. reads slower than ~100 MB/s fail): until it
+        closes, the space of this version is not reused even if the object is force-removed or
+        replaced, and the client fails any read that finishes after it (``read_ttl_ms``). A
+        descriptor-only query (``for_read=False``) opens none.
+        """
+        obj = self._objects.get(key)
+        if obj is None or obj.readable is None:
+            # A key whose only version is still being written has no complete version to
+            # read: not found (as ExistKey says), not "not ready" -- the write is ordered after
+            # this read.
+            self.stats.get_misses += 1
+            self.tiers["dram"].misses += 1
+            raise ObjectNotFoundError(
+                f"object {key!r} not found {format_miss(self.misses.classify(key))}"
+            )
+        ver = obj.readable
+        replicas = ver.replicas
+        if self.quarantine and replicas:
+            replicas = [r for r in replicas if r.seg.segment.name not in self.quarantine]
+            if not replicas and not ver.disk:
+                self.stats.get_misses += 1
+                self.tiers["dram"].misses += 1
+                names = sorted({r.seg.segment.name for r in ver.replicas})
+                raise ReplicaNotFoundError(
+                    f"object {key!r} has no reachable replica: its holder(s) {', '.join(names)} "
+                    "failed a transfer and have not been heard from since"
+                )
+        ttl = self.config.default_kv_lease_ttl
+        self._extend_lease(obj, now + ttl)
+        read_ttl = min(
+            ttl,
+            self.config.read_fence_ttl + self.config.read_fence_s_per_mib * ver.size / (1 << 20),
+        )
+        if for_read:
+            obj.read_deadline = max(obj.read_deadline, now + read_ttl)
+        if key in self.policy:
+            self.policy.on_access(key, now)
+        self.stats.gets += 1
+        if replicas:
+            self.tiers["dram"].hits += 1
+        else:
+            self.tiers["dram"].misses += 1
+            self.tiers["ssd"].hits += 1
+        return GetReplicaListResponse(
+            replicas=[r.descriptor(ReplicaStatus.COMPLETE) for r in replicas],
+            lease_ttl_ms=int(ttl * 1000),
+            size=ver.size,
+            read_ttl_ms=int(read_ttl * 1000),
+            vid=ver.vid,
+            disk_clients=list(ver.disk),
+        )
+
+    def batch_get_replica_list(
+        self, keys: list[str], now: float, *, for_read: bool = True
+    ) -> list[Item[GetReplicaListResponse]]:
+        out: list[Item[GetReplicaListResponse]] = []
+        for key in keys:
+            try:
+                out.append(Item(code=0, value=self.get_replica_list(key, now, for_read=for_read)))
+            except MooncakeError as e:
+                out.append(Item(code=int(e.code)))
+        return out
+
+    def get_replica_list_by_regex(
+        self, regex: str, now: float
+    ) -> dict[str, list[ReplicaDescriptor]]:
+        """Replicas of every readable key matching ``regex`` (``re.search``); leases them.
+
+        Runs the pattern over every key in the caller's thread: the server does not call this
+        (it matches in a worker thread within a time budget, :mod:`mooncake._store.keyscan`,
+        then calls :meth:`replica_lists_of`).
+        """
+        pattern = _compile(regex)
+        return self.replica_lists_of([k for k in self.readable_keys() if pattern.search(k)], now)
+
+    def replica_lists_of(
+        self, keys: Iterable[str], now: float
+    ) -> dict[str, list[ReplicaDescriptor]]:
+        """Replicas of those of ``keys`` still readable (leasing them, as ``GetReplicaList``)."""
+        out: dict[str, list[ReplicaDescriptor]] = {}
+        for key in keys:
+            obj = self._objects.get(key)
+            if obj is not None and obj.readable is not None:
+                out[key] = self.get_replica_list(key, now).replicas
+        return out
+
+    def exist_key(self, key: str, now: float) -> bool:
+        """Whether ``key`` is readable; a true answer extends its lease (as Mooncake does)."""
+        obj = self._objects.get(key)
+        if obj is None or obj.readable is None:
+            return False
+        self._extend_lease(obj, now + self.config.default_kv_lease_ttl)
+        return True
+
+    def _extend_lease(self, obj: _Object, deadline: float) -> None:
+        """Lease ``obj`` until ``deadline`` -- and every current member of its group."""
+        obj.lease_deadline = max(obj.lease_deadline, deadline)
+        if not obj.group:
+            return
+        members = self._groups.get(obj.group, set())
+        for key in list(members):
+            other = self._objects.get(key)
+            if other is None or other.group != obj.group or other.readable is None:
+                members.discard(key)
+                continue
+            other.lease_deadline = max(other.lease_deadline, deadline)
+
+    def _set_group(self, obj: _Object, group: str) -> None:
+        if obj.group and obj.group != group:
+            self._groups.get(obj.group, set()).discard(obj.key)
+        obj.group = group
+        if group:
+            self._groups.setdefault(group, set()).add(obj.key)
+
+    def batch_exist_key(self, keys: list[str], now: float) -> list[int]:
+        return [1 if self.exist_key(k, now) else 0 for k in keys]
+
+    def _expire_soft_pins(self, now: float) -> None:
+        for key in list(self._soft_pinned):
+            obj = self._objects.get(key)
+            if obj is None or obj.soft_pin_deadline is None:
+                self._soft_pinned.discard(key)
+            elif obj.soft_pin_deadline <= now:
+                obj.soft_pin_deadline = None
+                self._soft_pinned.discard(key)
+                if key in self.policy:
+                    self.policy.set_pin(key, Pin.NONE)
+
+    def evict(self, now: float, need: int = 0) -> int:
+        """Evict objects (policy order) to bring usage under the watermark, or to free ``need``
+        bytes; returns the bytes freed. Never evicts leased, pinned-hard, or written objects."""
+        cap = self._capacity
+        if cap == 0:
+            return 0
+        wm = self.config.eviction_high_watermark_ratio
+        ratio = self.config.eviction_ratio
+        # Bytes being demoted come back when their owners confirm: count them as freed, or
+        # every put would push another victim into demotion.
+        pending = self._demoting_bytes
+        used = self._used - pending
+        target = max(int(ratio * cap), int(used - wm * cap + ratio * cap), need) - pending
+        if target <= 0:
+            return 0
+        allow_soft = self.config.allow_evict_soft_pinned_objects
+        objects = self._objects
+
+        def can_evict(key: object) -> bool:
+            obj = objects.get(key)  # type: ignore[call-overload]
+            return (
+                obj is not None
+                and obj.readable is not None
+                and obj.pending is None
+                and obj.demoting is None
+                and obj.promoting is None
+                and obj.task is None
+                and not obj.hard_pinned
+                and obj.lease_deadline <= now
+                and (allow_soft or obj.soft_pin_deadline is None)
+            )
+
+        self.stats.eviction_runs += 1
+        freed = 0
+        policy = self.policy.name
+        for key in self.policy.victims(target, can_evict):
+            obj = objects[key]  # type: ignore[index]
+            ver = obj.readable
+            assert ver is not None
+            freed += ver.size * len(ver.replicas)
+            self.stats.evicted_bytes += ver.size
+            self.stats.evicted_objects += 1
+            self.tiers["dram"].evictions += 1
+            if ver.disk:
+                # Already on an SSD: dropping the memory replicas is the whole demotion.
+                self._to_disk_only(obj, now)
+                continue
+            owner = self._demotion_owner(ver)
+            if owner is not None:
+                self._start_demotion(obj, owner, now)
+                continue
+            self._drop_object(obj, now)
+            self.misses.record_eviction(key, policy=policy, tier="dram", now=now)
+        return freed

@@ -1,0 +1,132 @@
+"""The master's internal records (objects, versions, replicas, segments, clients, tasks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mooncake._core.allocator import OffsetAllocator
+from mooncake._core.store_types import (
+    DemoteTask,
+    DiskDrop,
+    ReplicaDescriptor,
+    ReplicaStatus,
+    ReplicaTask,
+    ReplicateConfig,
+    Segment,
+    TaskStatus,
+    TaskType,
+)
+
+
+@dataclass(slots=True)
+class _Replica:
+    seg: _Seg
+    addr: int
+    length: int
+
+    def descriptor(self, status: ReplicaStatus) -> ReplicaDescriptor:
+        return ReplicaDescriptor(
+            segment_name=self.seg.segment.name,
+            addr=self.addr,
+            length=self.length,
+            status=status,
+            protocol=self.seg.segment.protocol,
+        )
+
+
+@dataclass(slots=True)
+class _Version:
+    size: int
+    replicas: list[_Replica]
+    vid: int = 0
+    disk: list[str] = field(default_factory=list)
+    """Client ids holding an SSD copy of this version."""
+
+
+@dataclass(slots=True)
+class _Demote:
+    client_id: str
+    deadline: float
+    size: int
+
+
+@dataclass(slots=True)
+class _Promote:
+    client_id: str
+    replicas: list[_Replica]
+    started: float
+
+
+@dataclass(slots=True)
+class _Pending:
+    client_id: str
+    version: _Version
+    started: float
+    config: ReplicateConfig
+
+
+@dataclass(slots=True)
+class _Object:
+    key: str
+    readable: _Version | None = None
+    pending: _Pending | None = None
+    writer: str = ""
+    lease_deadline: float = 0.0
+    read_deadline: float = 0.0
+    hard_pinned: bool = False
+    soft_pin_deadline: float | None = None
+    demoting: _Demote | None = None
+    promoting: _Promote | None = None
+    task: _Task | None = None
+    group: str = ""
+
+
+@dataclass(slots=True, eq=False)
+class _Task:
+    id: str
+    type: TaskType
+    key: str
+    source: _Replica
+    targets: list[_Seg]
+    executor: str
+    created: float
+    status: TaskStatus = TaskStatus.PENDING
+    started: float = 0.0
+    allocated: list[_Replica] = field(default_factory=list)
+    message: str = ""
+
+    def info(self) -> ReplicaTask:
+        return ReplicaTask(
+            id=self.id,
+            type=self.type,
+            key=self.key,
+            source=self.source.seg.segment.name,
+            targets=[s.segment.name for s in self.targets],
+            status=self.status,
+            executor=self.executor,
+            message=self.message,
+        )
+
+
+@dataclass(slots=True, eq=False)
+class _Seg:
+    segment: Segment
+    client_id: str
+    alloc: OffsetAllocator
+    keys: set[str] = field(default_factory=set)
+    mounted: bool = True
+
+
+@dataclass(slots=True)
+class _Client:
+    deadline: float
+    segments: set[str] = field(default_factory=set)
+    ssd_capacity: int = 0
+    ssd_keys: set[str] = field(default_factory=set)
+    demote_tasks: list[DemoteTask] = field(default_factory=list)
+    disk_drops: list[DiskDrop] = field(default_factory=list)
+
+
+_Deferred = tuple[float, list[_Replica]]
+# Extents of an expired client's segment that others may still touch: (until, addr, length).
+_InUse = list[tuple[float, int, int]]

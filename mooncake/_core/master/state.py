@@ -1,0 +1,176 @@
+"""The master's state machine: one :class:`MasterState` over its parts (the rules are in
+:mod:`mooncake._core.master`)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import uuid
+from collections import deque
+
+from mooncake._core.master.config import MasterConfig, MasterStats
+from mooncake._core.master.leases import _Leases
+from mooncake._core.master.objects import _Objects
+from mooncake._core.master.records import _Client, _Deferred, _InUse, _Object, _Seg, _Task
+from mooncake._core.master.segments import _Segments
+from mooncake._core.master.tasks import _Tasks
+from mooncake._core.master.tiers import _Tiers
+from mooncake._core.misses import MissLedger
+from mooncake._core.policies import EvictionPolicy, make_policy
+from mooncake._core.quarantine import Quarantine
+from mooncake._core.store_types import Segment
+from mooncake._core.tiers import TierCounters
+
+
+class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
+    """All master metadata; one method per RPC (see the module docstring for the rules)."""
+
+    def __init__(
+        self,
+        config: MasterConfig | None = None,
+        *,
+        policy: EvictionPolicy | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config or MasterConfig()
+        self.config.validate()
+        self.policy = policy if policy is not None else make_policy(self.config.eviction_policy)
+        self.rng = rng or random.Random(self.config.seed)
+        self.stats = MasterStats()
+        self.view_version_id = uuid.uuid4().int & ((1 << 63) - 1)
+        self._objects: dict[str, _Object] = {}
+        self._segments: dict[str, _Seg] = {}
+        self._seg_list: list[_Seg] = []
+        self._clients: dict[str, _Client] = {}
+        self._deferred: list[_Deferred] = []
+        # segment id -> (segment as mounted, extents still in use when its owner expired)
+        self._in_use: dict[str, tuple[Segment, _InUse]] = {}
+        self._soft_pinned: set[str] = set()
+        self._writing: set[str] = set()  # keys that had a pending write (pruned by sweep)
+        self._tasks: dict[str, _Task] = {}
+        self._groups: dict[str, set[str]] = {}  # group id -> keys of its readable members
+        self._active_tasks: dict[str, _Task] = {}
+        self._finished_tasks: deque[str] = deque()
+        self._used = 0
+        self._capacity = 0
+        self._next_vid = 0
+        self._demoting_bytes = 0
+        self.misses = MissLedger()
+        """How lost keys were lost; classifies every GetReplicaList miss."""
+        self.tiers = {"dram": TierCounters(), "ssd": TierCounters()}
+        """Per-tier counters as the master sees them (SSD reads themselves are counted by the
+        owning client)."""
+        self.quarantine = Quarantine(
+            self.config.quarantine_grace, self.config.quarantine_refute_hold
+        )
+        """Segments reported unreachable (:mod:`mooncake._core.quarantine`)."""
+
+    # -- introspection ---------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes allocated over all mounted segments (readable, pending and deferred extents)."""
+        return self._used
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of all mounted segments."""
+        return self._capacity
+
+    def segment_tiers(self) -> dict[str, dict[str, int]]:
+        """Mounted segments by memory tier: ``gpu`` for ``cuda:N`` segments, ``dram`` for host
+        ones; for each, ``segments``, ``capacity`` and ``used`` bytes."""
+        out = {t: {"segments": 0, "capacity": 0, "used": 0} for t in ("dram", "gpu")}
+        for seg in self._segments.values():
+            t = out["gpu" if seg.segment.location.startswith("cuda:") else "dram"]
+            t["segments"] += 1
+            t["capacity"] += seg.alloc.capacity
+            t["used"] += seg.alloc.used
+        return out
+
+    @property
+    def object_count(self) -> int:
+        """Objects with a readable version."""
+        return len(self.policy)  # the policy tracks exactly the readable objects
+
+    @property
+    def client_count(self) -> int:
+        return len(self._clients)
+
+    @property
+    def segment_count(self) -> int:
+        return len(self._segments)
+
+    def has_client(self, client_id: str) -> bool:
+        return client_id in self._clients
+
+    # -- time-driven work ------------------------------------------------------------------
+
+    def sweep(self, now: float) -> None:
+        """Everything that happens because time passed: client expiry, zombie release, deferred
+        frees, soft-pin expiry, watermark eviction. Call it periodically (the server does)."""
+        self.expire_clients(now)
+        self._release_zombies(now)
+        self._expire_tasks(now)
+        self._release_deferred(now)
+        if self._in_use:
+            self._in_use = {
+                sid: (sg, kept)
+                for sid, (sg, held) in self._in_use.items()
+                if (kept := [h for h in held if h[0] > now])
+            }
+        self._expire_soft_pins(now)
+        self._expire_tier_moves(now)
+        if self._capacity and (
+            self._used - self._demoting_bytes
+            > self.config.eviction_high_watermark_ratio * self._capacity
+        ):
+            self.evict(now)
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if bookkeeping is inconsistent (tests)."""
+        assert self._demoting_bytes == sum(
+            o.demoting.size for o in self._objects.values() if o.demoting is not None
+        ), "demoting bytes"
+        assert self._capacity == sum(s.segment.size for s in self._seg_list)
+        assert self._used == sum(s.alloc.used for s in self._seg_list)
+        extents: dict[int, list[tuple[int, int]]] = {}
+        for obj in self._objects.values():
+            assert obj.readable is not None or obj.pending is not None
+            for ver in (obj.readable, obj.pending.version if obj.pending else None):
+                if ver is None:
+                    continue
+                segs = [id(r.seg) for r in ver.replicas]
+                assert len(segs) == len(set(segs)), "two replicas on one segment"
+                for r in ver.replicas:
+                    assert r.seg.mounted and obj.key in r.seg.keys
+                    extents.setdefault(id(r.seg), []).append((r.addr, r.seg.alloc.extent(r.addr)))
+            in_dram = (
+                obj.readable is not None and bool(obj.readable.replicas) and obj.demoting is None
+            )
+            assert in_dram == (obj.key in self.policy), f"policy tracking of {obj.key!r}"
+            if obj.readable is not None:
+                assert obj.readable.replicas or obj.readable.disk, f"{obj.key!r} has no replica"
+                for cid in obj.readable.disk:
+                    c = self._clients.get(cid)
+                    assert c is None or obj.key in c.ssd_keys
+            if obj.promoting is not None:
+                for r in obj.promoting.replicas:
+                    if r.seg.mounted:
+                        extents.setdefault(id(r.seg), []).append(
+                            (r.addr, r.seg.alloc.extent(r.addr))
+                        )
+        for task in self._active_tasks.values():
+            assert self._objects[task.key].task is task
+            for r in task.allocated:
+                extents.setdefault(id(r.seg), []).append((r.addr, r.seg.alloc.extent(r.addr)))
+        for _, reps in self._deferred:
+            for r in reps:
+                if r.seg.mounted:
+                    extents.setdefault(id(r.seg), []).append((r.addr, r.seg.alloc.extent(r.addr)))
+        for seg in self._seg_list:
+            seg.alloc.self_check()
+            spans = sorted(extents.get(id(seg), []))
+            assert len(spans) == seg.alloc.allocations, "leaked or unaccounted extent"
+            for (a, n), (b, _) in itertools.pairwise(spans):
+                assert a + n <= b, "overlapping extents"
