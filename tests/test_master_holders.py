@@ -19,6 +19,7 @@ from mooncake._core.store_types import ReplicateConfig, Segment
 from mooncake.errors import (
     ClientNotFoundError,
     InvalidArgumentError,
+    ObjectAlreadyExistsError,
     ObjectHasLeaseError,
     ObjectNotFoundError,
     ReplicaNotFoundError,
@@ -251,3 +252,35 @@ def test_a_hostile_reporter_costs_a_live_holder_about_one_heartbeat_per_hold(
         out_total += next_beat - out_since  # lifted by the next heartbeat at the latest
     holds = now / cfg.quarantine_refute_hold + 1
     assert out_total <= holds * (beat + cfg.quarantine_grace) + 1e-9
+
+
+# -- re-adoption of an SSD tier by a restarted client -----------------------------------------
+
+
+def test_a_client_restarted_on_its_ssd_directory_readopts_its_copies() -> None:
+    m = master(client_ttl=10.0)
+    m.mount_local_disk("old", 1 << 30, 0, tier_id="dir-1")
+    vid = m.put_local("old", "k", 100, 0)
+    m.put_local("old", "gone", 100, 0)
+    m.remove("gone", True, 0)  # the old instance was told to delete that copy, and died
+    m.mount_local_disk("new", 1 << 30, 1, tier_id="dir-1")  # the same directory, new process
+    assert m.put_local("new", "k", 100, 1) == vid  # re-adopted, not refused
+    with pytest.raises(ObjectAlreadyExistsError):  # a deleted copy is not resurrected
+        m.put_local("new", "gone", 100, 1)
+    assert [d.key for d in m.fetch_tier_tasks("new", 1).drop] == ["gone"]
+    for t in (5, 11, 12):  # the old instance expires: it takes nothing with it
+        m.ping("new", t)
+        m.sweep(t)
+    assert not m.has_client("old")
+    assert m.get_replica_list("k", 12).disk_clients == ["new"]
+    m.check_invariants()
+
+
+def test_another_directory_does_not_take_over_a_live_clients_copies() -> None:
+    m = master()
+    m.mount_local_disk("a", 1 << 30, 0, tier_id="dir-1")
+    m.put_local("a", "k", 100, 0)
+    m.mount_local_disk("b", 1 << 30, 0, tier_id="dir-2")
+    with pytest.raises(ObjectAlreadyExistsError):
+        m.put_local("b", "k", 100, 0)
+    assert m.get_replica_list("k", 0).disk_clients == ["a"]

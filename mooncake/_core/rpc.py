@@ -199,6 +199,9 @@ class KeysParams(_Params):
 class LocalDiskParams(_Params):
     client_id: str
     capacity: int
+    tier_id: str = ""
+    """The SSD directory's identity: the same directory seen again (the client restarted on
+    it) takes over what the master lists on its previous instance's tier."""
 
 
 class TierKeyParams(_Params):

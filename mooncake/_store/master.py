@@ -144,7 +144,9 @@ def _handlers() -> dict[str, Handler]:
     return {
         "ServiceReady": lambda s, p, now: rpc.VERSION,
         "Ping": lambda s, p, now: s.ping(p.client_id, now),
-        "MountLocalDisk": lambda s, p, now: s.mount_local_disk(p.client_id, p.capacity, now),
+        "MountLocalDisk": lambda s, p, now: s.mount_local_disk(
+            p.client_id, p.capacity, now, tier_id=p.tier_id
+        ),
         "FetchTierTasks": lambda s, p, now: s.fetch_tier_tasks(p.client_id, now),
         "DemoteEnd": lambda s, p, now: s.demote_end(p.client_id, p.key, p.vid, now),
         "DemoteRevoke": lambda s, p, now: s.demote_revoke(p.client_id, p.key, p.vid, now),
