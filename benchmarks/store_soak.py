@@ -63,7 +63,9 @@ KIB = 1 << 10
 # -- values ----------------------------------------------------------------------------------
 
 _MAGIC = b"SOAK"
-_HEAD = struct.Struct("<4sHQI16s")  # magic, key length, generation, payload length, digest
+_HEAD = struct.Struct(
+    "<4sHQI16s"
+)  # magic, key length, generation, payload length, digest
 
 
 def _payload(key: str, gen: int, n: int) -> bytes:
@@ -118,9 +120,10 @@ def wrong_bytes(key: str, data: bytes | memoryview) -> int:
 
 # -- the processes ---------------------------------------------------------------------------
 
-CLEAR = (0, -704, -703, -710)
+CLEAR = (0, -704, -703, -707, -710)
 """Read outcomes that are not a failed transfer: success, not found, not ready (counted on its
-own), no reachable replica (answered at once). Any other code counts as a *failing* read."""
+own), lease expired (the read itself was slow: this machine's load, not a holder), no
+reachable replica (answered at once). Any other code counts as a *failing* read."""
 
 
 @dataclass
@@ -133,7 +136,13 @@ class SoakConfig:
     segment_mib: int = 16
     buffer_mib: int = 8
     mix: dict[str, int] = field(
-        default_factory=lambda: {"get": 50, "put": 15, "upsert": 15, "exist": 10, "remove": 10}
+        default_factory=lambda: {
+            "get": 50,
+            "put": 15,
+            "upsert": 15,
+            "exist": 10,
+            "remove": 10,
+        }
     )
     seed: int = 1
     ssd_root: str = ""
@@ -233,8 +242,14 @@ def run_worker(
                 continue
             now = time.time()
             if int(now) != second:
-                events.put(("stats", f"w{index}", second, dict(counts), dict(lat), fail_t))
-                counts, lat, fail_t = collections.Counter(), collections.defaultdict(float), []
+                events.put(
+                    ("stats", f"w{index}", second, dict(counts), dict(lat), fail_t)
+                )
+                counts, lat, fail_t = (
+                    collections.Counter(),
+                    collections.defaultdict(float),
+                    [],
+                )
                 second = int(now)
             op = rng.choices(ops, weights)[0]
             key = f"k{rng.randrange(cfg.keys)}"
@@ -284,13 +299,19 @@ class MasterProc:
 
     def start(self) -> str:
         env = dict(os.environ)
-        env.setdefault("PYTHONPATH", str(ROOT))  # as given: the soak may run another tree
+        env.setdefault(
+            "PYTHONPATH", str(ROOT)
+        )  # as given: the soak may run another tree
         cmd = [sys.executable, "-m", "mooncake", "master", "--rpc-port", str(self.port)]
         cmd += ["--no-metrics", *self.flags]
         deadline = time.monotonic() + 30
         while True:
             self.proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                env=env,
             )
             assert self.proc.stdout is not None
             line = self.proc.stdout.readline()
@@ -354,7 +375,9 @@ class Soak:
         extra = (self.pause_ev,) if kind == "w" else ()
         r, w = self.ctx.Pipe(duplex=False)
         p = self.ctx.Process(
-            target=target, args=(i, self.cfg, Events(w), self.stop_ev, *extra), daemon=True
+            target=target,
+            args=(i, self.cfg, Events(w), self.stop_ev, *extra),
+            daemon=True,
         )
         p.start()
         w.close()
@@ -421,19 +444,28 @@ class Soak:
         if pid is not None:
             os.kill(pid, sig)
 
-    def _count_readable(self) -> int:
+    def _count_readable(self) -> tuple[int, int]:
+        """Keys readable, and of those the ones held only on an SSD tier."""
         s = self._probe
         keys = [f"k{i}" for i in range(self.args.keys)]
-        n = 0
+        n = ssd = 0
         for j in range(0, len(keys), 256):
-            n += sum(1 for r in s.batch_is_exist(keys[j : j + 256]) if r == 1)
-        return n
+            part = keys[j : j + 256]
+            there = [
+                k for k, r in zip(part, s.batch_is_exist(part), strict=True) if r == 1
+            ]
+            n += len(there)
+            descs = s.batch_get_replica_desc(there) if there else {}
+            ssd += sum(1 for k in there if k in descs and not descs[k])
+        return n, ssd
 
     def _restart(self, what: str) -> None:
         """Pause, count, restart ``what`` (``master`` or a holder), settle, count, resume."""
         self.pause_ev.value = 1
         time.sleep(0.3)
-        self.counts[f"{what}_before"] = self._count_readable()
+        self.counts[f"{what}_before"], self.counts[f"{what}_ssd_before"] = (
+            self._count_readable()
+        )
         self.marks[f"{what}_restart"] = time.time()
         if what == "master":
             self.master.kill()
@@ -442,12 +474,15 @@ class Soak:
             victim = self._victim()
             self._signal(victim, signal.SIGKILL)
             self.procs[victim].join()
-            # its segment must go before the new one mounts (same SSD directory)
-            time.sleep(self.args.client_ttl + 1)
+            # at once, on the same SSD directory: the master still lists the dead instance
             self._spawn(victim)
             self._wait_ready({victim})
-        time.sleep(self.args.settle)
-        self.counts[f"{what}_after"] = self._count_readable()
+        # after a client restart, past its old instance's TTL: what the master still listed
+        # only there is gone by then, what the new instance re-adopted stays
+        time.sleep(self.args.settle if what == "master" else self.args.client_ttl + 1)
+        self.counts[f"{what}_after"], self.counts[f"{what}_ssd_after"] = (
+            self._count_readable()
+        )
         self.pause_ev.value = 0
 
     def run(self) -> dict[str, Any]:
@@ -463,14 +498,18 @@ class Soak:
             ssd_root=a.ssd or "",
             transport=a.transport,
         )
-        names = [f"h{i}" for i in range(a.holders)] + [f"w{i}" for i in range(a.workers)]
+        names = [f"h{i}" for i in range(a.holders)] + [
+            f"w{i}" for i in range(a.workers)
+        ]
         for n in names:
             self._spawn(n)
         os.environ.update(transport_env(a.transport))
         from mooncake.store import MooncakeDistributedStore
 
         self._probe = MooncakeDistributedStore()
-        rc = self._probe.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 * MIB, "tcp", "", address)
+        rc = self._probe.setup(
+            "127.0.0.1", "P2PHANDSHAKE", 0, 1 * MIB, "tcp", "", address
+        )
         if rc != 0:
             raise RuntimeError(f"probe client setup failed: {rc}")
         self._wait_ready(set(names))
@@ -543,34 +582,44 @@ class Soak:
         elif what == "master":
             print("# restarting the master", flush=True)
             self._restart("master")
+            c = self.counts
             print(
-                f"# master restarted: readable {self.counts['master_before']} -> "
-                f"{self.counts['master_after']}",
+                f"# master restarted: readable {c['master_before']} -> {c['master_after']}, "
+                f"on SSD only {c['master_ssd_before']} -> {c['master_ssd_after']}",
                 flush=True,
             )
         else:
             print(f"# restarting client {self._victim()}", flush=True)
             self._restart("client")
+            c = self.counts
             print(
-                f"# client restarted: readable {self.counts['client_before']} -> "
-                f"{self.counts['client_after']}",
+                f"# client restarted: readable {c['client_before']} -> {c['client_after']}, "
+                f"on SSD only {c['client_ssd_before']} -> {c['client_ssd_after']}",
                 flush=True,
             )
 
     def _progress(self, t: int, start: float) -> None:
         sec = self.seconds.get(t, Second(t))
-        errs = {k: n for k, n in sorted(sec.codes.items()) if not k.endswith((":0",)) and n}
-        print(f"t={t - int(start):4d}s ops/s={sec.ops:6d} {json.dumps(errs)}", flush=True)
+        errs = {
+            k: n for k, n in sorted(sec.codes.items()) if not k.endswith((":0",)) and n
+        }
+        print(
+            f"t={t - int(start):4d}s ops/s={sec.ops:6d} {json.dumps(errs)}", flush=True
+        )
 
     def _summary(self, start: float, end: float) -> dict[str, Any]:
         a = self.args
-        per_sec = [self.seconds.get(t, Second(t)).ops for t in range(int(start), int(end))]
+        per_sec = [
+            self.seconds.get(t, Second(t)).ops for t in range(int(start), int(end))
+        ]
         out: dict[str, Any] = {
             "config": {k: v for k, v in vars(a).items()},
             "ops": sum(per_sec),
             "ops_per_s_median": statistics.median(per_sec) if per_sec else 0,
             "wrong_bytes": self.totals.get("get:wrong", 0),
-            "replica_not_ready_703": {k: n for k, n in self.totals.items() if k.endswith(":-703")},
+            "replica_not_ready_703": {
+                k: n for k, n in self.totals.items() if k.endswith(":-703")
+            },
             "codes": dict(sorted(self.totals.items())),
             "counts": self.counts,
         }
@@ -584,12 +633,16 @@ class Soak:
         fault = self.marks.get("fault")
         if fault is not None:
             after = [t for t in self.fail_times if t >= fault]
-            out["holder_keys_failing_s"] = round(max(after) - fault, 3) if after else 0.0
+            out["holder_keys_failing_s"] = (
+                round(max(after) - fault, 3) if after else 0.0
+            )
             out["failing_reads_after_fault"] = len(after)
             w = a.window
             f = int(fault)
             before = [self.seconds.get(t, Second(t)).ops for t in range(f - w, f)]
-            during = [self.seconds.get(t, Second(t)).ops for t in range(f + 1, f + 1 + w)]
+            during = [
+                self.seconds.get(t, Second(t)).ops for t in range(f + 1, f + 1 + w)
+            ]
             out["ops_per_s_before"] = statistics.mean(before) if before else 0
             out["ops_per_s_fault_window"] = statistics.mean(during) if during else 0
             if out["ops_per_s_before"]:
@@ -618,12 +671,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=int, default=40, help="measured run length")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--holders", type=int, default=1, help="segment-only client processes")
+    p.add_argument(
+        "--holders", type=int, default=1, help="segment-only client processes"
+    )
     p.add_argument("--keys", type=int, default=2048, help="shared key space")
-    p.add_argument("--sizes", default=f"{4 * KIB},{32 * KIB},{128 * KIB}", help="value sizes")
+    p.add_argument(
+        "--sizes", default=f"{4 * KIB},{32 * KIB},{128 * KIB}", help="value sizes"
+    )
     p.add_argument("--segment-mib", type=int, default=16, help="segment per process")
     p.add_argument("--buffer-mib", type=int, default=8, help="local buffer per process")
-    p.add_argument("--client-ttl", type=float, default=10.0, help="the master's client TTL (s)")
+    p.add_argument(
+        "--client-ttl", type=float, default=10.0, help="the master's client TTL (s)"
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--port", type=int, default=0, help="master port (0: a free one)")
     p.add_argument(
@@ -634,12 +693,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--ssd", default="", help="root directory of per-process SSD tiers")
     p.add_argument("--kill-holder-at", type=float, default=None)
-    p.add_argument("--stop-holder", action="store_true", help="SIGSTOP instead of SIGKILL")
-    p.add_argument("--stop-for", type=float, default=0.0, help="SIGCONT after this many s")
+    p.add_argument(
+        "--stop-holder", action="store_true", help="SIGSTOP instead of SIGKILL"
+    )
+    p.add_argument(
+        "--stop-for", type=float, default=0.0, help="SIGCONT after this many s"
+    )
     p.add_argument("--restart-master-at", type=float, default=None)
     p.add_argument("--restart-client-at", type=float, default=None)
-    p.add_argument("--settle", type=float, default=3.0, help="s after a restart before counting")
-    p.add_argument("--window", type=int, default=10, help="fault window for throughput (s)")
+    p.add_argument(
+        "--settle", type=float, default=3.0, help="s after a restart before counting"
+    )
+    p.add_argument(
+        "--window", type=int, default=10, help="fault window for throughput (s)"
+    )
     p.add_argument("--json", default="", help="write the summary here too")
     return p.parse_args(argv)
 
