@@ -294,6 +294,7 @@ def test_gflags_spellings() -> None:
             "--rpc_thread_num",
             "8",
             "--enable_ha=false",
+            "--enable_oplog=false",
         ],
         warn=warnings.append,
     )
@@ -303,7 +304,8 @@ def test_gflags_spellings() -> None:
     assert s.state.allow_evict_soft_pinned_objects is False
     assert s.state.default_kv_lease_ttl == 5.0 and s.state.client_ttl == 3.0
     assert s.state.eviction_high_watermark_ratio == 0.8
-    assert len(warnings) == 2 and "rpc_thread_num" in warnings[0] and "enable_ha" in warnings[1]
+    assert len(warnings) == 2 and "rpc_thread_num" in warnings[0] and "enable_oplog" in warnings[1]
+    assert s.ha is None  # --enable_ha=false is understood
     assert parse_gflags(["--rpc_port=0", "--port=1234"]).server.rpc_port == 1234
     with pytest.raises(InvalidArgumentError, match="eviction_ratio"):
         parse_gflags(["--eviction_ratio=2"])
@@ -490,3 +492,71 @@ def test_copy_task_over_the_wire() -> None:
             assert len(got.replicas) == 2
 
     run_trio(main)
+
+
+_GC_PROBE = """
+import gc, os, threading, time
+from mooncake._cli.master import _NO_FULL_GC, run_master
+from mooncake._store.master import MasterServerConfig
+
+def watch():
+    for _ in range(1200):
+        if gc.get_threshold()[2] == _NO_FULL_GC:
+            print("frozen", gc.get_freeze_count(), flush=True)
+            os._exit(0)
+        time.sleep(0.05)
+    os._exit(3)
+
+threading.Thread(target=watch, daemon=True).start()
+run_master(MasterServerConfig(rpc_port=0, enable_metric_reporting=False))
+"""
+
+
+def test_master_process_runs_no_automatic_full_collections() -> None:
+    """Once serving, the master process never starts a full collection on its own (one walks
+    every object of the state and stalls all calls) and has frozen its start-up objects."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _GC_PROBE], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    word, frozen = proc.stdout.splitlines()[-1].split()
+    assert word == "frozen" and int(frozen) > 0
+
+
+def test_answers_larger_than_the_socket_buffer_arrive_whole_on_every_connection() -> None:
+    """Pipelined answers (MBs) that a slow reader leaves in the kernel: the master finishes
+    each one once the reader drains (a partial send resumes where it stopped), while another
+    connection sharing the receive buffer is answered meanwhile."""
+
+    async def main() -> None:
+        async with running_master() as server, client(server) as c:
+            await c.call("MountSegment", rpc.MountSegmentParams(client_id="a", segment=seg(0)))
+            keys = [f"key-{i:05d}-" + "x" * 180 for i in range(1500)]
+            items = await c.call(
+                "BatchPutStart",
+                rpc.BatchPutStartParams(client_id="a", keys=keys, sizes=[64] * len(keys)),
+            )
+            assert all(i.code == 0 for i in items)
+            assert await c.call(
+                "BatchPutEnd", rpc.BatchKeyClientParams(client_id="a", keys=keys)
+            ) == [0] * len(keys)
+            stream = await anyio.connect_tcp("127.0.0.1", server.rpc_port)
+            async with stream:
+                n = 20  # ~300 KB per answer, ~6 MB in all
+                await stream.send(
+                    b"".join(rpc.encode_request(i, "GetAllKeys", rpc.Empty()) for i in range(n))
+                )
+                await anyio.sleep(0.2)  # the master fills the socket buffers and waits
+                async with client(server) as other:  # served while the first is stuck
+                    assert await other.call("ExistKey", rpc.KeyParams(key=keys[7])) is True
+                dec = rpc.MessageDecoder()
+                got: list[int] = []
+                while len(got) < n:
+                    dec.feed(await stream.receive())
+                    for msg in dec:
+                        assert isinstance(msg, rpc.Response)
+                        assert sorted(rpc.decode_result("GetAllKeys", msg)) == keys
+                        got.append(msg.id)
+                assert got == list(range(n))
+
+    run_trio(main, mock=False)

@@ -9,7 +9,7 @@ pins respected, readers get exactly the extents the writer was given.
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -338,6 +338,34 @@ def test_remove_by_regex_and_batch_forms() -> None:
     assert m.remove_by_regex("^a", False, 100) == 1  # a1 leased by exist_key, a2 not
     assert m.remove_by_regex("^a", False, 111) == 1
     assert m.batch_remove(["a1"], False, 111) == [-704]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.sampled_from(["a", "b", "g1", "g2", "w", "none"]), max_size=12),
+    st.floats(min_value=0, max_value=50),
+)
+def test_batch_exist_key_is_exist_key_per_key(keys: list[str], now: float) -> None:
+    """The batch form answers and leases exactly as :meth:`exist_key` does key by key
+    (grouped objects lease their whole group; a pending write does not exist)."""
+
+    def build() -> MasterState:
+        m = master()
+        m.mount_segment("c", seg(0), 0)
+        put(m, "c", "a", 10, 0)
+        put(m, "c", "b", 10, 0)
+        grouped = ReplicateConfig(group_ids=["grp"])
+        put(m, "c", "g1", 10, 0, grouped)
+        put(m, "c", "g2", 10, 0, grouped)
+        m.put_start("c", "w", 10, DEF, 0)
+        return m
+
+    one, many = build(), build()
+    expected = [1 if one.exist_key(k, now) else 0 for k in keys]
+    assert many.batch_exist_key(keys, now) == expected
+    for k in ("a", "b", "g1", "g2"):
+        assert one.query_key(k) == many.query_key(k)
+    many.check_invariants()
 
 
 # -- stateful ---------------------------------------------------------------------------------

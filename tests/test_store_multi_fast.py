@@ -195,3 +195,42 @@ def test_tensors_on_a_peer_segment_round_trip(
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("fast", ["1", "0"], ids=["caller-thread", "loop"])
+def test_batch_put_from_and_batch_is_exist_take_the_caller_thread(
+    master: Master, monkeypatch: pytest.MonkeyPatch, fast: str
+) -> None:
+    """``batch_put_from`` (host buffers, own segment) and ``batch_is_exist`` make no loop
+    crossing when the fast path is on, and answer the same codes on both paths."""
+    monkeypatch.setenv("MC_STORE_SYNC_FASTPATH", fast)
+    s = _make(master)
+    crossings = [0]
+    assert s._loop is not None
+    inner = s._loop.call
+
+    def counted(*args: Any) -> Any:
+        crossings[0] += 1
+        return inner(*args)
+
+    monkeypatch.setattr(s._loop, "call", counted)
+    try:
+        src = _buf(s, 64 * 1024, 5)
+        p = int(src.ctypes.data)
+        u = int(np.zeros(64, np.uint8).ctypes.data)
+        crossings[0] = 0  # from here on: the calls under test only
+        keys = [f"bf{fast}_{i}" for i in range(5)]
+        ptrs = [p, p + 64, u, p + 128, p + 192]
+        sizes = [64, 64, 64, 0, 64]
+        assert s.batch_put_from(keys, ptrs, sizes) == [0, 0, INVALID, INVALID, 0]
+        assert s.batch_put_from(keys[:1], [p + 999], [64]) == [0]  # exists: left alone
+        assert s.batch_is_exist([*keys, "nope"]) == [1, 1, 0, 0, 1, 0]
+        assert (crossings[0] == 0) == (fast == "1")
+        assert s.batch_put_from(keys, ptrs[:2], sizes) == [INVALID] * 5
+        assert s.batch_is_exist([]) == []
+        assert s.batch_is_exist(["ok", ""]) == [int(ErrorCode.INVALID_PARAMS)] * 2
+        assert s.get(keys[0]) == src[:64].tobytes()
+        assert s.get(keys[4]) == src[192:256].tobytes()
+    finally:
+        s.remove_all(True)
+        s.close()

@@ -18,6 +18,7 @@ Every call is O(1). Time is whatever the caller passes as ``now`` (the ledger re
 from __future__ import annotations
 
 import enum
+import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
@@ -98,7 +99,7 @@ class MissLedger:
         lost[miss.key] = miss
         if len(lost) > self.capacity:
             old = lost.popitem(last=False)[0]
-            bit = hash(old) & self._filter_mask
+            bit = _stable_hash(old) & self._filter_mask
             self._filter[bit >> 3] |= 1 << (bit & 7)
             self.forgotten += 1
 
@@ -130,7 +131,7 @@ class MissLedger:
         miss = self._lost.get(key)
         if miss is not None:
             return miss
-        bit = hash(key) & self._filter_mask
+        bit = _stable_hash(key) & self._filter_mask
         if self._filter[bit >> 3] & (1 << (bit & 7)):
             return Miss(key, MissReason.UNKNOWN)
         return Miss(key, MissReason.NEVER_STORED)
@@ -185,3 +186,15 @@ class MissLedger:
 
     def __repr__(self) -> str:
         return f"<MissLedger {len(self._lost)} losses remembered, {self.total} misses counted>"
+
+
+def _stable_hash(key: Hashable) -> int:
+    """A hash that is the same in every process (``hash(str)`` is salted per process): the
+    ledger is part of the master's replicated state, and replicas must agree on it."""
+    if isinstance(key, str):
+        return zlib.crc32(key.encode("utf-8", "surrogatepass"))
+    if isinstance(key, bytes):
+        return zlib.crc32(key)
+    if isinstance(key, int):
+        return key
+    return zlib.crc32(repr(key).encode("utf-8", "surrogatepass"))

@@ -20,8 +20,9 @@ client can take a live segment out of service for at most ~one heartbeat per ``r
 Only clients the master knows may report (with a cluster secret set, only authenticated
 connections reach the master at all); a client cannot report its own segment.
 
-The master state owns one :class:`Quarantine`; this module knows segment names and clocks
-only.
+The master state owns one :class:`Quarantine` (part of its snapshot and replicated through the
+command log like every state change); this module knows segment names and clocks only, and
+iterates in insertion order, so replicas applying the same reports agree.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ MAX_REFUTED = 4096
 @dataclass(slots=True)
 class _Entry:
     since: float
-    reporters: set[str] = field(default_factory=set)
+    reporters: dict[str, None] = field(default_factory=dict)  # insertion-ordered: deterministic
     reason: str = ""
 
 
@@ -89,7 +90,7 @@ class Quarantine:
         if entry is None:
             entry = self.names[name] = _Entry(now, reason=reason[:200])
             self.stats.started += 1
-        entry.reporters.add(reporter)
+        entry.reporters[reporter] = None
         return True
 
     def alive(self, names: Iterable[str], now: float) -> list[str]:

@@ -73,6 +73,7 @@ class SyncMaster:
         self._sock: socket.socket | None = None
         self._dec = rpc.MessageDecoder()
         self._ids = itertools.count(1)
+        self._rbuf = memoryview(bytearray(1 << 16))  # recv_into: no allocation per answer
 
     def _connect(self) -> socket.socket:
         try:
@@ -100,10 +101,10 @@ class SyncMaster:
             while True:
                 msg = self._dec.next_message()
                 if msg is None:
-                    data = sock.recv(1 << 16)
-                    if not data:
+                    n = sock.recv_into(self._rbuf)
+                    if not n:
                         raise OSError("the master closed the connection")
-                    self._dec.feed(data)
+                    self._dec.feed(self._rbuf[:n])
                 elif isinstance(msg, rpc.Response) and msg.id == req_id:
                     break
                 # else: the late answer of an interrupted call; skip it

@@ -46,13 +46,15 @@ connections; the state object stays usable (tests inspect it afterwards).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 import anyio
@@ -64,10 +66,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mooncake._core import auth, rpc
+from mooncake._core import auth, commands, rpc
 from mooncake._core.master import MasterConfig, MasterState
-from mooncake._core.misses import Miss
-from mooncake._core.store_types import MissInfo
 from mooncake._engine import _accept
 from mooncake._store.keyscan import DEFAULT_BUDGET_S, SCAN_METHODS, KeyScanner
 from mooncake.errors import (
@@ -76,6 +76,10 @@ from mooncake.errors import (
     MooncakeError,
     ProtocolError,
 )
+
+if TYPE_CHECKING:
+    from mooncake._store.ha import HaConfig, HaNode
+    from mooncake._store.snapshots import SnapshotConfig
 
 log = logging.getLogger("mooncake.master")
 
@@ -86,6 +90,7 @@ DEFAULT_METRICS_PORT = 9003
 DEFAULT_SERVER_MAX_FRAME = 16 << 20
 _RECV = 256 << 10
 _FAIR_ROUNDS = 16
+_DEADLINE_SLACK = 0.5  # seconds a connection's wait deadline may fire late (5 % at most)
 _HTTP_MAX_HEAD = 16 << 10
 _HTTP_IDLE_S = 30.0
 _HTTP_MAX_CONNECTIONS = 64
@@ -120,93 +125,35 @@ class MasterServerConfig:
     cluster_secret: str | None = None
     regex_budget: float = DEFAULT_BUDGET_S
     state: MasterConfig = field(default_factory=MasterConfig)
+    #: replicate the state through etcd (leader election, command log, standbys); None: off
+    ha: HaConfig | None = None
+    #: periodic snapshots to a local directory without HA (``--enable_snapshot``); None: off
+    snapshot: SnapshotConfig | None = None
 
 
-Handler = Callable[[MasterState, Any, float], Any]
-# The regex methods applied to keys matched beforehand (off the loop) by a KeyScanner.
-_SCAN_APPLY: dict[str, Callable[[MasterState, Any, list[str], float], Any]] = {
-    "GetReplicaListByRegex": lambda s, p, keys, now: s.replica_lists_of(keys, now),
-    "RemoveByRegex": lambda s, p, keys, now: s.remove_keys(keys, p.force, now),
-}
+#: seconds between sweeps of a replicated master (at least)
+HA_SWEEP_INTERVAL = 0.2
+#: params of one logged call are at most this large (an etcd value holds ~1.5 MiB)
+MAX_LOGGED_PARAMS = 1 << 20
 
 
-def _miss_info(miss: Miss) -> MissInfo:
-    return MissInfo(
-        reason=miss.reason.value,
-        policy=miss.policy,
-        tier=miss.tier,
-        owner=miss.owner,
-        at=miss.at or 0.0,
-    )
+class Replication(Protocol):
+    """What the server asks of the replication layer (:mod:`mooncake._store.ha`)."""
 
+    def refusal(self) -> str | None:
+        """None while this master leads and may answer; else why it may not (naming the
+        leader when it knows one)."""
 
-def _handlers() -> dict[str, Handler]:
-    return {
-        "ServiceReady": lambda s, p, now: rpc.VERSION,
-        "Ping": lambda s, p, now: s.ping(p.client_id, now),
-        "MountLocalDisk": lambda s, p, now: s.mount_local_disk(
-            p.client_id, p.capacity, now, tier_id=p.tier_id
-        ),
-        "FetchTierTasks": lambda s, p, now: s.fetch_tier_tasks(p.client_id, now),
-        "DemoteEnd": lambda s, p, now: s.demote_end(p.client_id, p.key, p.vid, now),
-        "DemoteRevoke": lambda s, p, now: s.demote_revoke(p.client_id, p.key, p.vid, now),
-        "PromoteStart": lambda s, p, now: s.promote_start(p.client_id, p.key, p.vid, now),
-        "PromoteEnd": lambda s, p, now: s.promote_end(p.client_id, p.key, p.vid, now),
-        "PromoteRevoke": lambda s, p, now: s.promote_revoke(p.client_id, p.key, p.vid, now),
-        "EvictDiskReplica": lambda s, p, now: s.evict_disk_replica(
-            p.client_id, p.key, p.vid, p.policy, now
-        ),
-        "PutLocal": lambda s, p, now: s.put_local(p.client_id, p.key, p.size, now),
-        "ExplainMiss": lambda s, p, now: _miss_info(s.explain_miss(p.key)),
-        "GetTierStats": lambda s, p, now: {t: c.as_dict() for t, c in s.tiers.items()},
-        "GetSegmentTiers": lambda s, p, now: s.segment_tiers(),
-        "ReportSegmentFailure": lambda s, p, now: s.report_segment_failure(
-            p.client_id, p.segment_name, p.reason, now
-        ),
-        "MountSegment": lambda s, p, now: s.mount_segment(p.client_id, p.segment, now),
-        "ReMountSegment": lambda s, p, now: s.remount_segments(p.client_id, p.segments, now),
-        "UnmountSegment": lambda s, p, now: s.unmount_segment(p.client_id, p.segment_id, now),
-        "PutStart": lambda s, p, now: s.put_start(p.client_id, p.key, p.size, p.config, now),
-        "PutEnd": lambda s, p, now: s.put_end(p.client_id, p.key, now),
-        "PutRevoke": lambda s, p, now: s.put_revoke(p.client_id, p.key, now),
-        "UpsertStart": lambda s, p, now: s.upsert_start(p.client_id, p.key, p.size, p.config, now),
-        "UpsertEnd": lambda s, p, now: s.upsert_end(p.client_id, p.key, now),
-        "UpsertRevoke": lambda s, p, now: s.upsert_revoke(p.client_id, p.key, now),
-        "BatchPutStart": lambda s, p, now: s.batch_put_start(
-            p.client_id, p.keys, p.sizes, p.config, now
-        ),
-        "BatchPutEnd": lambda s, p, now: s.batch_put_end(p.client_id, p.keys, now),
-        "BatchPutRevoke": lambda s, p, now: s.batch_put_revoke(p.client_id, p.keys, now),
-        "BatchUpsertStart": lambda s, p, now: s.batch_put_start(
-            p.client_id, p.keys, p.sizes, p.config, now, upsert=True
-        ),
-        "BatchUpsertEnd": lambda s, p, now: s.batch_put_end(p.client_id, p.keys, now),
-        "BatchUpsertRevoke": lambda s, p, now: s.batch_put_revoke(p.client_id, p.keys, now),
-        "GetReplicaList": lambda s, p, now: s.get_replica_list(p.key, now, for_read=p.for_read),
-        "BatchGetReplicaList": lambda s, p, now: s.batch_get_replica_list(
-            p.keys, now, for_read=p.for_read
-        ),
-        "GetReplicaListByRegex": lambda s, p, now: s.get_replica_list_by_regex(p.regex, now),
-        "ExistKey": lambda s, p, now: s.exist_key(p.key, now),
-        "BatchExistKey": lambda s, p, now: s.batch_exist_key(p.keys, now),
-        "Remove": lambda s, p, now: s.remove(p.key, p.force, now),
-        "BatchRemove": lambda s, p, now: s.batch_remove(p.keys, p.force, now),
-        "RemoveByRegex": lambda s, p, now: s.remove_by_regex(p.regex, p.force, now),
-        "RemoveAll": lambda s, p, now: s.remove_all(p.force, now),
-        "QueryKey": lambda s, p, now: s.query_key(p.key),
-        "GetAllKeys": lambda s, p, now: s.all_keys(),
-        "GetAllSegments": lambda s, p, now: s.all_segments(),
-        "BatchReplicaClear": lambda s, p, now: s.batch_replica_clear(
-            p.client_id, p.keys, p.segment_name, now
-        ),
-        "CreateCopyTask": lambda s, p, now: s.create_copy_task(p.key, p.targets, now),
-        "CreateMoveTask": lambda s, p, now: s.create_move_task(p.key, p.source, p.target, now),
-        "QueryTask": lambda s, p, now: s.query_task(p.task_id),
-        "FetchTasks": lambda s, p, now: s.fetch_tasks(p.client_id, now),
-        "TaskStart": lambda s, p, now: s.task_start(p.client_id, p.task_id, now),
-        "TaskEnd": lambda s, p, now: s.task_end(p.client_id, p.task_id, now),
-        "TaskRevoke": lambda s, p, now: s.task_revoke(p.client_id, p.task_id, p.message, now),
-    }
+    def append(self, command: commands.Command) -> int:
+        """Queue an applied command for the log; its ticket (increasing)."""
+
+    @property
+    def barrier(self) -> int:
+        """The ticket of the last mutating command queued."""
+
+    async def wait_durable(self, ticket: int) -> bool:
+        """Until every command up to ``ticket`` is durable (True), or this master was deposed
+        first (False: say nothing to the client)."""
 
 
 class MasterServer:
@@ -215,7 +162,7 @@ class MasterServer:
     def __init__(self, config: MasterServerConfig, state: MasterState | None = None) -> None:
         self.config = config
         self.state = state if state is not None else MasterState(config.state)
-        self.handlers = _handlers()
+        self.handlers = commands.HANDLERS
         missing = set(rpc.METHODS) - set(self.handlers) - rpc.AUTH_METHODS
         assert not missing, f"RPC methods without a handler: {missing}"
         self.requests: dict[str, int] = dict.fromkeys(rpc.METHODS, 0)
@@ -232,8 +179,21 @@ class MasterServer:
         self.auth_failures = 0
         self.http_slots = _accept.Slots(_HTTP_MAX_CONNECTIONS, "master-http")
         self.scanner = KeyScanner(config.regex_budget)
+        # One receive buffer for every connection (each copies what it got into its decoder
+        # before it awaits): a fresh recv(256 KiB) allocation per request was an mmap, mremap
+        # and munmap each (~0.1 ms a request on the development VM).
+        self._scratch = memoryview(bytearray(_RECV))
+        self.ha: Replication | None = None
+        self.ha_node: HaNode | None = None
+        self.last_snapshot_seq = 0
+        self.clock_offset = 0.0
+        self._socks: set[socket.socket] = set()
 
     # -- RPC -------------------------------------------------------------------------------
+
+    def now(self) -> float:
+        """The state's clock: the loop's clock plus the offset a promotion chose (0 without HA)."""
+        return anyio.current_time() + self.clock_offset
 
     def handle_request(
         self, req: rpc.Request, now: float, matched: list[str] | None = None
@@ -242,33 +202,93 @@ class MasterServer:
 
         ``matched``: for a regex method, the keys its pattern matched (:meth:`handle_scan`).
         """
+        return self.execute(req, now, matched)[0]
+
+    def execute(
+        self, req: rpc.Request, now: float, matched: list[str] | None = None
+    ) -> tuple[bytes, int]:
+        """(framed reply, log ticket): with replication on, the reply may be sent only once
+        :meth:`Replication.wait_durable` of the ticket returned True (0: send at once).
+
+        A mutating call waits for its own log entry, any other call for the entries of the
+        mutations before it (so nothing not yet durable is ever shown to a client)."""
         max_frame = self.config.max_frame
         name = req.method
+        ha = self.ha
+        ticket = 0
+        cmd: commands.Command | None = None
         try:
             params = rpc.decode_params(req)
             self.requests[name] += 1
-            if matched is not None:
-                result = _SCAN_APPLY[name](self.state, params, matched, now)
+            if ha is not None:
+                refusal = ha.refusal()
+                if refusal is not None and name != "ServiceReady":
+                    self.failures[name] += 1
+                    return rpc.encode_error(
+                        req.id, ErrorCode.UNAVAILABLE_IN_CURRENT_MODE, refusal, max_frame=max_frame
+                    ), 0
+                if refusal is None:
+                    ticket, cmd = self._log_call(ha, req, now, matched)
+            if cmd is not None:  # replicated: the same function the standbys apply with
+                result = commands.apply(self.state, cmd, params)
+            elif matched is not None:
+                result = commands.SCAN_APPLY[name](self.state, params, matched, now)
             else:
                 result = self.handlers[name](self.state, params, now)
             try:
-                return rpc.encode_result(req.id, result, max_frame=max_frame)
+                return rpc.encode_result(req.id, result, max_frame=max_frame), ticket
             except InvalidArgumentError as e:  # answer too large for one frame
                 self.failures[name] += 1
-                return rpc.encode_error(req.id, e, max_frame=max_frame)
+                return rpc.encode_error(req.id, e, max_frame=max_frame), ticket
         except MooncakeError as e:
             if name in self.failures:
                 self.failures[name] += 1
-            return rpc.encode_error(req.id, e, max_frame=max_frame)
+            return rpc.encode_error(req.id, e, max_frame=max_frame), ticket
         except Exception as e:  # a bug here must not take the master down
             log.exception("master: %s failed", name)
             self.failures[name] = self.failures.get(name, 0) + 1
             return rpc.encode_error(
                 req.id, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}", max_frame=max_frame
-            )
+            ), ticket
 
-    async def handle_scan(self, req: rpc.Request) -> bytes:
-        """Answer a regex request: match in a worker thread, then apply on the loop."""
+    def _log_call(
+        self, ha: Replication, req: rpc.Request, now: float, matched: list[str] | None
+    ) -> tuple[int, commands.Command | None]:
+        """Queue the call for the log (unless a pure read): (the ticket its reply waits for,
+        the command queued)."""
+        name = req.method
+        kind = commands.durability(name)
+        if kind is commands.Durability.PURE_READ:
+            return ha.barrier, None
+        if len(req.params) > MAX_LOGGED_PARAMS:
+            raise InvalidArgumentError(
+                f"{name} params of {len(req.params)} bytes exceed the "
+                f"{MAX_LOGGED_PARAMS} a replicated master logs in one entry"
+            )
+        rid = getattr(req, "rid", None)
+        cmd = (
+            commands.ScanApply(name, bytes(req.params), matched, now, rid)
+            if matched is not None
+            else commands.rpc_command(name, bytes(req.params), now, rid)
+        )
+        own = ha.append(cmd)
+        return (own if kind is commands.Durability.MUTATING else ha.barrier), cmd
+
+    def run_command(self, command: commands.Command) -> None:
+        """Apply an internal command (sweep, stall credit), logging it when replicated."""
+        if self.ha is not None:
+            self.ha.append(command)
+        commands.apply(self.state, command)
+
+    def close_connections(self) -> None:
+        """Shut every client connection (a deposed leader does: clients re-resolve)."""
+        for sock in list(self._socks):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    async def handle_scan(self, req: rpc.Request) -> tuple[bytes, int]:
+        """Answer a regex request: match in a worker thread, then apply on the loop
+        ((reply, ticket) as :meth:`execute`)."""
         try:
             params = rpc.decode_params(req)
             assert isinstance(params, rpc.RegexParams)
@@ -276,7 +296,7 @@ class MasterServer:
         except MooncakeError as e:
             self.requests[req.method] += 1
             self.failures[req.method] += 1
-            return rpc.encode_error(req.id, e, max_frame=self.config.max_frame)
+            return rpc.encode_error(req.id, e, max_frame=self.config.max_frame), 0
         except Exception as e:  # a bug here must not take the master down
             log.exception("master: %s failed", req.method)
             self.failures[req.method] += 1
@@ -285,8 +305,8 @@ class MasterServer:
                 ErrorCode.INTERNAL_ERROR,
                 f"{type(e).__name__}: {e}",
                 max_frame=self.config.max_frame,
-            )
-        return self.handle_request(req, anyio.current_time(), matched=keys)
+            ), 0
+        return self.execute(req, self.now(), matched=keys)
 
     async def serve_connection(self, sock: socket.socket, slot: _accept.Slot) -> None:
         """Serve one RPC connection (a connected non-blocking socket, closed by the accept
@@ -297,6 +317,7 @@ class MasterServer:
         (a checkpoint every ``_FAIR_ROUNDS`` busy rounds keeps other connections served).
         """
         self.connections += 1
+        self._socks.add(sock)
         try:
             await self._serve_socket(sock, slot)
         except ProtocolError as e:
@@ -305,6 +326,8 @@ class MasterServer:
         except OSError as e:  # reset, broken pipe
             self.connections_dropped += 1
             log.info("master: connection lost: %s", e)
+        finally:
+            self._socks.discard(sock)
 
     async def _serve_socket(self, sock: socket.socket, slot: _accept.Slot) -> None:
         cfg = self.config
@@ -313,53 +336,85 @@ class MasterServer:
         first = True
         authed = self.secret is None
         nonces: tuple[bytes, bytes] | None = None
-        while True:
-            try:
-                data = sock.recv(_RECV)
-            except (BlockingIOError, InterruptedError):
-                busy = 0
-                if decoder.buffered:
-                    slot.busy()
-                    timeout, what = cfg.progress_timeout, "no progress inside a frame"
-                else:
-                    slot.rest()
-                    timeout = cfg.request_timeout if first else cfg.idle_timeout
-                    what = "no request" if first else "idle"
-                with anyio.move_on_after(timeout) as scope:
+        ticket = 0
+        scratch = self._scratch
+        what, timeout = "no request", cfg.request_timeout
+        # One cancel scope for the connection's life instead of one per wait: its deadline is
+        # moved only when it drifts out of [want, want + 2 slack] (a connection with steady
+        # traffic never touches it), so a deadline fires at most 2 slack late and never
+        # early. It is lifted (inf) before every await that is not the wait for a request.
+        with anyio.CancelScope() as scope:
+            while True:
+                try:
+                    n = sock.recv_into(scratch)
+                except (BlockingIOError, InterruptedError):
+                    busy = 0
+                    if decoder.buffered:
+                        slot.busy()
+                        timeout, what = cfg.progress_timeout, "no progress inside a frame"
+                    else:
+                        slot.rest()
+                        timeout = cfg.request_timeout if first else cfg.idle_timeout
+                        what = "no request" if first else "idle"
+                    want = anyio.current_time() + timeout
+                    slack = min(_DEADLINE_SLACK, timeout * 0.05)
+                    if not want <= scope.deadline <= want + 2 * slack:
+                        scope.deadline = want + slack
                     await anyio.wait_readable(sock)
-                if scope.cancelled_caught:
-                    self.connections_dropped += 1
-                    log.info("master: closing a connection: %s for %g s", what, timeout)
-                    return
-                continue
-            if not data:
-                decoder.check_eof()
-                return
-            decoder.feed(data)
-            out: list[bytes] = []
-            for msg in decoder:
-                first = False
-                if not isinstance(msg, rpc.Request):
-                    raise ProtocolError("a client sent a response frame")
-                if not authed or msg.method in rpc.AUTH_METHODS:
-                    reply, authed, nonces, close = self._auth_step(msg, authed, nonces)
-                    out.append(reply)
-                    if close:
-                        await _send_all(sock, b"".join(out))
-                        return
                     continue
-                if msg.method in SCAN_METHODS:
+                if not n:
+                    decoder.check_eof()
+                    return
+                decoder.feed(scratch[:n])  # copied out before the next await
+                out: list[bytes] = []
+                for msg in decoder:
+                    first = False
+                    if not isinstance(msg, rpc.Request):
+                        raise ProtocolError("a client sent a response frame")
+                    if not authed or msg.method in rpc.AUTH_METHODS:
+                        reply, authed, nonces, close = self._auth_step(msg, authed, nonces)
+                        out.append(reply)
+                        if close:
+                            scope.deadline = math.inf
+                            await _send_all(sock, b"".join(out))
+                            return
+                        continue
+                    if msg.method in SCAN_METHODS:
+                        slot.busy()
+                        scope.deadline = math.inf
+                        reply, t = await self.handle_scan(msg)
+                        out.append(reply)
+                        ticket = max(ticket, t)
+                    else:
+                        reply, t = self.execute(msg, self.now())
+                        out.append(reply)
+                        ticket = max(ticket, t)
+                if ticket:
                     slot.busy()
-                    out.append(await self.handle_scan(msg))
-                else:
-                    out.append(self.handle_request(msg, anyio.current_time()))
-            if out:
-                slot.busy()
-                await _send_all(sock, b"".join(out) if len(out) > 1 else out[0])
-            busy += 1
-            if busy >= _FAIR_ROUNDS:
-                busy = 0
-                await anyio.lowlevel.checkpoint()
+                    ha = self.ha
+                    if ha is not None:
+                        scope.deadline = math.inf
+                        if not await ha.wait_durable(ticket):
+                            return  # deposed before its log entry was durable: no answer at all
+                    ticket = 0
+                if out:
+                    slot.busy()
+                    reply = b"".join(out) if len(out) > 1 else out[0]
+                    try:  # almost always all of it at once: no coroutine, no scheduler trip
+                        sent = sock.send(reply)
+                    except (BlockingIOError, InterruptedError):
+                        sent = 0
+                    if sent < len(reply):
+                        scope.deadline = math.inf
+                        await _send_all(sock, memoryview(reply)[sent:])
+                busy += 1
+                if busy >= _FAIR_ROUNDS:
+                    busy = 0
+                    scope.deadline = math.inf
+                    await anyio.lowlevel.checkpoint()
+        if scope.cancelled_caught:
+            self.connections_dropped += 1
+            log.info("master: closing a connection: %s for %g s", what, timeout)
 
     def _auth_step(
         self, req: rpc.Request, authed: bool, nonces: tuple[bytes, bytes] | None
@@ -418,17 +473,28 @@ class MasterServer:
 
         Each round measures how late it woke: lateness beyond one interval is time the loop
         could not run, credited to the clients (:meth:`MasterState.credit_stall`) first.
+        A replicated master sweeps every :data:`HA_SWEEP_INTERVAL` at least (each sweep is a
+        log entry).
         """
-        interval = self.config.sweep_interval
         last = anyio.current_time()
         while True:
+            interval = self.config.sweep_interval
+            if self.ha is not None:
+                interval = max(interval, HA_SWEEP_INTERVAL)
             await anyio.sleep(interval)
             now = anyio.current_time()
             stalled, last = now - last - 2 * interval, now
             try:
-                if stalled > 0:
-                    self.state.credit_stall(stalled + interval)
-                self.state.sweep(now)
+                ha = self.ha
+                if ha is None:
+                    if stalled > 0:
+                        self.state.credit_stall(stalled + interval)
+                    self.state.sweep(now)
+                elif ha.refusal() is None:  # a replicated master sweeps only as the leader
+                    now = self.now()
+                    if stalled > 0:
+                        self.run_command(commands.CreditStall(stalled + interval, now))
+                    self.run_command(commands.Sweep(now))
             except Exception:
                 log.exception("master: sweep failed")
 
@@ -445,6 +511,11 @@ class MasterServer:
             return 200, "text/plain", b"OK\n"
         if url.path == "/status":
             return 200, "application/json", msgspec.json.encode(self.status())
+        if url.path == "/role":
+            role = self.ha_node.status()["role"] if self.ha_node is not None else "leader"
+            return 200, "text/plain", role.encode() + b"\n"
+        if url.path == "/ha_status":
+            return 200, "application/json", msgspec.json.encode(self.ha_status())
         if url.path == "/query_key":
             key = parse_qs(url.query).get("key", [""])[0]
             try:
@@ -489,6 +560,7 @@ class MasterServer:
         st = s.stats
         return {
             "time": time.time(),
+            "ha": self.ha_status(),
             "objects": s.object_count,
             "clients": s.client_count,
             "segments": s.segment_count,
@@ -508,6 +580,16 @@ class MasterServer:
                 "lease_refusals": st.lease_refusals,
                 "clients_expired": st.clients_expired,
             },
+        }
+
+    def ha_status(self) -> dict[str, Any]:
+        """Role, term/lease, applied seq, log lag, last snapshot (a master without HA leads)."""
+        if self.ha_node is not None:
+            return self.ha_node.status()
+        return {
+            "role": "leader",
+            "enabled": False,
+            "last_snapshot_seq": self.last_snapshot_seq,
         }
 
     async def serve_http_connection(self, sock: socket.socket, slot: _accept.Slot) -> None:
@@ -637,6 +719,20 @@ class _MasterCollector(Collector):
             "Regex requests refused past their budget",
             self.server.scanner.timeouts,
         )
+        ha = self.server.ha_status()
+        yield gauge("master_ha_is_leader", "1 if this master leads", ha["role"] == "leader")
+        for name, doc in (
+            ("term", "HA term (create revision of the leader's master_view key; 0 standby)"),
+            ("applied_seq", "Last log batch applied"),
+            ("log_lag", "Leader: commands not yet durable; standby: batches not yet applied"),
+            ("last_snapshot_seq", "Log seq of the newest snapshot"),
+            ("lease_remaining", "Seconds of the leader's lease left (as it knows)"),
+        ):
+            if name in ha:
+                yield gauge(f"master_ha_{name}", doc, float(ha[name]))
+        for name in ("stepdowns", "elections_won", "batches", "apply_errors"):
+            if name in ha:
+                yield counter(f"master_ha_{name}", f"HA {name.replace('_', ' ')}", ha[name])
         misses = CounterMetricFamily(
             "master_misses",
             "Replica lookups of absent objects, by why the object is absent",
@@ -676,7 +772,7 @@ class _MasterCollector(Collector):
         yield fail
 
 
-async def _send_all(sock: socket.socket, data: bytes) -> None:
+async def _send_all(sock: socket.socket, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
         try:
@@ -723,7 +819,21 @@ async def serve_master(
     ``--enable-http-metadata-server`` embeds Mooncake's HTTP metadata protocol on its own port.
     """
     config = config or MasterServerConfig()
-    server = MasterServer(config, state)
+    local = None
+    restored: tuple[MasterState, float] | None = None
+    if config.snapshot is not None and config.ha is None:
+        from mooncake._store.snapshots import DirSnapshots, restore_local
+
+        local = DirSnapshots(
+            config.snapshot.directory, config.snapshot.cluster_id, config.snapshot.retention
+        )
+        if config.snapshot.restore and state is None:
+            restored = await restore_local(local, config.state)
+    server = MasterServer(config, restored[0] if restored else state)
+    if restored is not None:
+        # the restored clock goes on from the snapshot; leases and clients get a fresh TTL
+        server.clock_offset = restored[1] - anyio.current_time()
+        server.state.promote(server.now())
     async with anyio.create_task_group() as tg:
         if config.enable_metric_reporting and config.metrics_port >= 0:
             msock = await _raw_listener(config.metrics_host, config.metrics_port)
@@ -750,6 +860,16 @@ async def serve_master(
             server.rpc_port,
             f"{config.metrics_host}:{server.metrics_port}" if server.metrics_port else "off",
         )
+        if config.ha is not None:
+            from mooncake._store.ha import HaNode
+
+            node = HaNode(server, config.ha)
+            server.ha = server.ha_node = node
+            tg.start_soon(node.run)
+        elif local is not None and config.snapshot is not None:
+            from mooncake._store.snapshots import snapshot_loop
+
+            tg.start_soon(snapshot_loop, server, local, config.snapshot.interval)
         task_status.started(server)
         try:
             await _accept.accept_loop(lsock, server.slots, server.serve_connection, prepare=_tune)

@@ -19,8 +19,9 @@ from mooncake._store.client import Store
 from mooncake._store.config import ReplicateConfig
 from mooncake._store.fastpath import FAST_MAX
 from mooncake._store.moves import _check_key, _value_addr
-from mooncake.errors import InvalidArgumentError, MooncakeError, to_code
+from mooncake.errors import ErrorCode, InvalidArgumentError, MooncakeError, to_code
 from mooncake.store._base import StoreBase, _kw
+from mooncake.store._multi import MultiBufferMethods
 
 log = logging.getLogger("mooncake.store")
 
@@ -114,6 +115,18 @@ class BytesMethods(StoreBase):
     def _batch_from(
         self, keys: list[str], ptrs: list[int], sizes: list[int], config: Any, upsert: bool
     ) -> list[int]:
+        if (
+            not upsert
+            and isinstance(self, MultiBufferMethods)
+            and keys
+            and len(keys) == len(ptrs) == len(sizes)
+        ):
+            # host buffers: one BatchPutStart, one memcpy_batch, one BatchPutEnd on this thread
+            codes = self._fast_put_parts(
+                keys, [[p] for p in ptrs], [[n] for n in sizes], config, "batch_put_from"
+            )
+            if codes is not None:
+                return codes
         try:
             fn = self._s.batch_upsert_from if upsert else self._s.batch_put_from
         except Exception as e:
@@ -205,6 +218,14 @@ class BytesMethods(StoreBase):
     def batch_is_exist(self, keys: list[str]) -> list[int]:
         """1 / 0 / negative code per key."""
         try:
+            if keys:
+                codes = self._fast_rpc(
+                    "BatchExistKey", rpc.KeysParams(keys=[_check_key(k) for k in keys])
+                )
+                if codes is not _NO_FAST:
+                    if len(codes) != len(keys):
+                        return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+                    return list(codes)
             return list(self._call(self._s.batch_exists, keys))
         except Exception as e:
             return [to_code(e)] * len(keys)

@@ -78,6 +78,37 @@ class MultiBufferMethods(StoreBase):
             return None  # GPU buffers: the loop path copies through the engine's stream
         return good, totals, codes
 
+    def _fast_put_parts(
+        self,
+        keys: list[str],
+        ptrs: list[list[int]],
+        sizes: list[list[int]],
+        config: ReplicateConfig | None,
+        what: str,
+    ) -> list[int] | None:
+        """Put key ``i`` from its parts on the caller's thread; a code per key, or None when
+        the loop path must answer (fast path off, GPU buffers, no valid key, a per-key
+        config that cannot be split). Shapes must already be checked."""
+        fast = self._fast_parts(keys, ptrs, sizes, what)
+        if fast is None or self._fast is None:
+            return None
+        good, totals, codes = fast
+        if not good or not _plain_config(config, len(keys), len(good)):
+            return None
+        try:
+            res: list[Any] = self._fast.batch_put_parts(
+                [keys[i] for i in good],
+                [ptrs[i] for i in good],
+                [sizes[i] for i in good],
+                totals,
+                config,
+            )
+        except Exception as e:
+            res = [e] * len(good)
+        for i, c in zip(good, self._codes(res), strict=True):
+            codes[i] = c
+        return codes
+
     def batch_put_from_multi_buffers(
         self,
         keys: list[str],
@@ -90,23 +121,11 @@ class MultiBufferMethods(StoreBase):
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
         if not keys:
             return []
-        fast = self._fast_parts(keys, all_buffer_ptrs, all_sizes, "batch_put_from_multi_buffers")
-        if fast is not None and self._fast is not None:
-            good, totals, codes = fast
-            if good and _plain_config(config, len(keys), len(good)):
-                try:
-                    res: list[Any] = self._fast.batch_put_parts(
-                        [keys[i] for i in good],
-                        [all_buffer_ptrs[i] for i in good],
-                        [all_sizes[i] for i in good],
-                        totals,
-                        config,
-                    )
-                except Exception as e:
-                    res = [e] * len(good)
-                for i, c in zip(good, self._codes(res), strict=True):
-                    codes[i] = c
-                return codes
+        codes = self._fast_put_parts(
+            keys, all_buffer_ptrs, all_sizes, config, "batch_put_from_multi_buffers"
+        )
+        if codes is not None:
+            return codes
         parts = _parts(all_buffer_ptrs, all_sizes)
         try:
             fn = self._s.batch_put_parts

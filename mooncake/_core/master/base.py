@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from mooncake._core.master.config import MasterConfig, MasterStats
 from mooncake._core.master.records import (
+    KeySet,
     _Client,
     _Deferred,
     _InUse,
@@ -46,15 +47,17 @@ class _StateBase:
     _clients: dict[str, _Client]
     _deferred: list[_Deferred]
     _in_use: dict[str, tuple[Segment, _InUse]]
-    _soft_pinned: set[str]
-    _writing: set[str]
+    _soft_pinned: KeySet
+    _writing: KeySet
+    _moving: KeySet
     _tasks: dict[str, _Task]
-    _groups: dict[str, set[str]]
+    _groups: dict[str, KeySet]
     _active_tasks: dict[str, _Task]
     _finished_tasks: deque[str]
     _used: int
     _capacity: int
     _next_vid: int
+    _next_task: int
     _demoting_bytes: int
 
     if TYPE_CHECKING:

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from mooncake._core.master.base import _StateBase
 from mooncake._core.master.config import _compile, format_miss
-from mooncake._core.master.records import _Object
+from mooncake._core.master.records import KeySet, _Object
 from mooncake._core.policies import Pin
 from mooncake._core.rpc import Item
 from mooncake._core.store_types import GetReplicaListResponse, ReplicaDescriptor, ReplicaStatus
@@ -123,7 +123,7 @@ class _Leases(_StateBase):
         obj.lease_deadline = max(obj.lease_deadline, deadline)
         if not obj.group:
             return
-        members = self._groups.get(obj.group, set())
+        members = self._groups.get(obj.group, KeySet())
         for key in list(members):
             other = self._objects.get(key)
             if other is None or other.group != obj.group or other.readable is None:
@@ -133,13 +133,28 @@ class _Leases(_StateBase):
 
     def _set_group(self, obj: _Object, group: str) -> None:
         if obj.group and obj.group != group:
-            self._groups.get(obj.group, set()).discard(obj.key)
+            self._groups.get(obj.group, KeySet()).discard(obj.key)
         obj.group = group
         if group:
-            self._groups.setdefault(group, set()).add(obj.key)
+            self._groups.setdefault(group, KeySet()).add(obj.key)
 
     def batch_exist_key(self, keys: list[str], now: float) -> list[int]:
-        return [1 if self.exist_key(k, now) else 0 for k in keys]
+        """:meth:`exist_key` per key (1 / 0), in one pass with the lookups hoisted."""
+        objects = self._objects
+        deadline = now + self.config.default_kv_lease_ttl
+        out: list[int] = []
+        add = out.append
+        for key in keys:
+            obj = objects.get(key)
+            if obj is None or obj.readable is None:
+                add(0)
+                continue
+            if obj.group:
+                self._extend_lease(obj, deadline)
+            elif obj.lease_deadline < deadline:
+                obj.lease_deadline = deadline
+            add(1)
+        return out
 
     def _expire_soft_pins(self, now: float) -> None:
         for key in list(self._soft_pinned):

@@ -108,21 +108,36 @@ class _Task:
         )
 
 
+class KeySet(dict[str, None]):
+    """A set of strings iterated in insertion order. A plain ``set[str]``'s order depends on
+    the process's string hashing (and on how the set was built, e.g. by a snapshot restore);
+    the master's state must not, so that replicas applying the same commands agree (the order
+    decides policy insertion order, preferred segments, what a sweep does first)."""
+
+    __slots__ = ()
+
+    def add(self, key: str) -> None:
+        self[key] = None
+
+    def discard(self, key: str) -> None:
+        self.pop(key, None)
+
+
 @dataclass(slots=True, eq=False)
 class _Seg:
     segment: Segment
     client_id: str
     alloc: OffsetAllocator
-    keys: set[str] = field(default_factory=set)
+    keys: KeySet = field(default_factory=KeySet)
     mounted: bool = True
 
 
 @dataclass(slots=True)
 class _Client:
     deadline: float
-    segments: set[str] = field(default_factory=set)
+    segments: KeySet = field(default_factory=KeySet)
     ssd_capacity: int = 0
-    ssd_keys: set[str] = field(default_factory=set)
+    ssd_keys: KeySet = field(default_factory=KeySet)
     demote_tasks: list[DemoteTask] = field(default_factory=list)
     disk_drops: list[DiskDrop] = field(default_factory=list)
     ssd_tier_id: str = ""

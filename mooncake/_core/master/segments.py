@@ -54,7 +54,9 @@ class _Segments(_StateBase):
     def _holder_alive(self, client: _Client, now: float) -> None:
         """``client`` was heard from: lift the quarantine of its segments (see
         :class:`~mooncake._core.quarantine.Quarantine` for the grace)."""
-        names = {seg.segment.name for sid in client.segments if (seg := self._segments.get(sid))}
+        names = dict.fromkeys(
+            seg.segment.name for sid in client.segments if (seg := self._segments.get(sid))
+        )
         self.quarantine.alive(names, now)
 
     def report_segment_failure(

@@ -4,14 +4,22 @@
 from __future__ import annotations
 
 import itertools
+import pickle
 import random
-import uuid
 from collections import deque
 
 from mooncake._core.master.config import MasterConfig, MasterStats
 from mooncake._core.master.leases import _Leases
 from mooncake._core.master.objects import _Objects
-from mooncake._core.master.records import _Client, _Deferred, _InUse, _Object, _Seg, _Task
+from mooncake._core.master.records import (
+    KeySet,
+    _Client,
+    _Deferred,
+    _InUse,
+    _Object,
+    _Seg,
+    _Task,
+)
 from mooncake._core.master.segments import _Segments
 from mooncake._core.master.tasks import _Tasks
 from mooncake._core.master.tiers import _Tiers
@@ -37,7 +45,9 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         self.policy = policy if policy is not None else make_policy(self.config.eviction_policy)
         self.rng = rng or random.Random(self.config.seed)
         self.stats = MasterStats()
-        self.view_version_id = uuid.uuid4().int & ((1 << 63) - 1)
+        # From the rng, not uuid/time: the state is a function of its seed and commands.
+        self.view_version_id = self.rng.getrandbits(63)
+        self._next_task = 0
         self._objects: dict[str, _Object] = {}
         self._segments: dict[str, _Seg] = {}
         self._seg_list: list[_Seg] = []
@@ -45,10 +55,11 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         self._deferred: list[_Deferred] = []
         # segment id -> (segment as mounted, extents still in use when its owner expired)
         self._in_use: dict[str, tuple[Segment, _InUse]] = {}
-        self._soft_pinned: set[str] = set()
-        self._writing: set[str] = set()  # keys that had a pending write (pruned by sweep)
+        self._soft_pinned = KeySet()
+        self._writing = KeySet()  # keys that had a pending write (pruned by sweep)
+        self._moving = KeySet()  # keys that had a demotion or promotion (pruned by sweep)
         self._tasks: dict[str, _Task] = {}
-        self._groups: dict[str, set[str]] = {}  # group id -> keys of its readable members
+        self._groups: dict[str, KeySet] = {}  # group id -> keys of its readable members
         self._active_tasks: dict[str, _Task] = {}
         self._finished_tasks: deque[str] = deque()
         self._used = 0
@@ -126,6 +137,36 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
             > self.config.eviction_high_watermark_ratio * self._capacity
         ):
             self.evict(now)
+
+    # -- replication ------------------------------------------------------------------------
+
+    def promote(self, now: float) -> None:
+        """A new leader takes over at ``now``: effects of unlogged lease-only calls (read
+        leases, read windows, pings) may be lost, so every lease and read window is extended
+        to ``now + default_kv_lease_ttl`` and every client deadline to
+        ``max(deadline, now + client_ttl)``."""
+        lease = now + self.config.default_kv_lease_ttl
+        for obj in self._objects.values():
+            if obj.readable is not None:
+                obj.lease_deadline = max(obj.lease_deadline, lease)
+                obj.read_deadline = max(obj.read_deadline, lease)
+        for client in self._clients.values():
+            client.deadline = max(client.deadline, now + self.config.client_ttl)
+
+    def snapshot(self) -> bytes:
+        """The whole state as bytes (restore with :meth:`restore`)."""
+        return pickle.dumps(self.__dict__, protocol=pickle.HIGHEST_PROTOCOL)
+
+    @classmethod
+    def restore(cls, data: bytes, config: MasterConfig | None = None) -> MasterState:
+        """A state equal to the one :meth:`snapshot` serialized (``config`` replaces the
+        saved one when given; the data must come from a trusted store)."""
+        state = cls.__new__(cls)
+        state.__dict__.update(pickle.loads(data))
+        if config is not None:
+            config.validate()
+            state.config = config
+        return state
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if bookkeeping is inconsistent (tests)."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
-
 from mooncake._core.master.base import _StateBase
 from mooncake._core.master.records import _Object, _Replica, _Seg, _Task
 from mooncake._core.store_types import (
@@ -83,7 +81,9 @@ class _Tasks(_StateBase):
                     f"no mounted segment {name!r} without a replica of {obj.key!r}"
                 )
             segs.append(seg)
-        task = _Task(uuid.uuid4().hex, ttype, obj.key, source, segs, source.seg.client_id, now)
+        self._next_task += 1
+        task_id = f"{self.view_version_id:016x}{self._next_task:016x}"
+        task = _Task(task_id, ttype, obj.key, source, segs, source.seg.client_id, now)
         self._tasks[task.id] = task
         if not segs:  # every target holds a replica already: done, as Mooncake answers it
             self._finish_task(task, TaskStatus.SUCCESS, "every target already holds a replica")

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from mooncake._core.master.base import _StateBase
 from mooncake._core.master.config import _check_client_id, _check_key
-from mooncake._core.master.records import _Client, _Demote, _Object, _Promote, _Replica, _Version
+from mooncake._core.master.records import (
+    KeySet,
+    _Client,
+    _Demote,
+    _Object,
+    _Promote,
+    _Replica,
+    _Version,
+)
 from mooncake._core.misses import Miss
 from mooncake._core.policies import Pin
 from mooncake._core.store_types import (
@@ -62,7 +70,7 @@ class _Tiers(_StateBase):
             new.ssd_keys.add(key)
         new.stale_ssd.update(d.key for d in old.disk_drops)
         new.disk_drops += old.disk_drops
-        old.ssd_keys, old.disk_drops, old.demote_tasks = set(), [], []
+        old.ssd_keys, old.disk_drops, old.demote_tasks = KeySet(), [], []
         old.ssd_capacity, old.ssd_tier_id = 0, ""
 
     def fetch_tier_tasks(self, client_id: str, now: float) -> TierTasks:
@@ -91,6 +99,7 @@ class _Tiers(_StateBase):
         cid = source.seg.client_id
         obj.demoting = _Demote(cid, now + self.config.demote_timeout, ver.size)
         self._demoting_bytes += ver.size
+        self._moving.add(obj.key)
         self._untrack(obj)
         self._clients[cid].demote_tasks.append(
             DemoteTask(
@@ -170,6 +179,7 @@ class _Tiers(_StateBase):
         if not replicas:
             raise NoAvailableHandleError(f"no segment has {ver.size} free bytes to promote {key!r}")
         obj.promoting = _Promote(client_id, replicas, now)
+        self._moving.add(key)
         return [r.descriptor(ReplicaStatus.PROCESSING) for r in replicas]
 
     def promote_end(self, client_id: str, key: str, vid: int, now: float) -> None:
@@ -285,8 +295,13 @@ class _Tiers(_StateBase):
         ver.disk = []
 
     def _expire_tier_moves(self, now: float) -> None:
+        # only the keys that started a move (not a scan of every object on each sweep)
         stale = self.config.put_start_discard_timeout
-        for key, obj in list(self._objects.items()):
+        for key in list(self._moving):
+            obj = self._objects.get(key)
+            if obj is None or (obj.demoting is None and obj.promoting is None):
+                self._moving.discard(key)  # finished, revoked or dropped since
+                continue
             d = obj.demoting
             if d is not None and d.deadline <= now:
                 self._drop_object(obj, now)

@@ -1,0 +1,328 @@
+"""The master's commands (sans-I/O): one RPC call or one internal step, applied to a state.
+
+Everything that changes a :class:`~mooncake._core.master.MasterState` goes through
+:func:`apply`: the leader applies a command when it receives it, a standby when it reads it from
+the replicated log, and the tests when they replay one. The state being deterministic (all
+randomness from ``state.rng``, all time from ``command.now``), the same command sequence gives
+the same state everywhere, allocators included.
+
+A :class:`Command` is either an RPC call (``kind == "rpc"``: ``method`` and the msgpack
+``params`` bytes the client sent) or an internal one:
+
+* :func:`Sweep` ``(now)``: time-driven work (:meth:`MasterState.sweep`);
+* :func:`CreditStall` ``(seconds, now)``: the master could not run for ``seconds``;
+* :func:`ScanApply` ``(method, params, keys, now)``: a regex method applied to the keys the
+  leader matched beforehand (off its loop), so replicas never run the pattern;
+* :func:`Promote` ``(now, seed, genesis)``: a leader took over: leases and client deadlines
+  extended (:meth:`MasterState.promote`) and the rng re-seeded from ``seed`` (so the state's
+  randomness is fixed by the log, whatever seed each process started with); the cluster's
+  first leader (``genesis``) also draws the view id from it.
+
+Classification (:func:`durability`): a **mutating** call's reply is sent only after its log
+entry is durable; a **lease-only** call (read leases, pings) is logged but its reply does not
+wait for its own entry; a **pure read** changes nothing and is not logged.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from mooncake._core import rpc
+from mooncake._core.master import MasterState
+from mooncake._core.misses import Miss
+from mooncake._core.store_types import MissInfo
+from mooncake.errors import InvalidArgumentError, NotSupportedError
+
+__all__ = [
+    "HANDLERS",
+    "LEASE_ONLY",
+    "PURE_READS",
+    "SCAN_APPLY",
+    "Command",
+    "CreditStall",
+    "Durability",
+    "Promote",
+    "ScanApply",
+    "Sweep",
+    "apply",
+    "decode_commands",
+    "durability",
+    "encode_commands",
+    "rpc_command",
+]
+
+
+class Command(msgspec.Struct, array_like=True, frozen=True):
+    """One entry of the replicated log (see the module docstring)."""
+
+    kind: str
+    """``"rpc"``, ``"sweep"``, ``"stall"``, ``"scan"`` or ``"promote"``."""
+    now: float
+    method: str = ""
+    params: bytes = b""
+    rid: bytes | None = None
+    """The client's request id (``None`` if it sent none): what a dedup ledger records."""
+    keys: list[str] | None = None
+    seconds: float = 0.0
+    seed: int = 0
+    genesis: bool = False
+    """Promote only: the first leader of a cluster (the view id is drawn from ``seed`` too)."""
+
+
+def rpc_command(method: str, params: bytes, now: float, rid: bytes | None = None) -> Command:
+    return Command("rpc", now, method, bytes(params), rid)
+
+
+def Sweep(now: float) -> Command:
+    return Command("sweep", now)
+
+
+def CreditStall(seconds: float, now: float) -> Command:
+    return Command("stall", now, seconds=seconds)
+
+
+def ScanApply(
+    method: str, params: bytes, keys: list[str], now: float, rid: bytes | None = None
+) -> Command:
+    return Command("scan", now, method, bytes(params), rid, keys=list(keys))
+
+
+def Promote(now: float, seed: int, *, genesis: bool = False) -> Command:
+    return Command("promote", now, seed=seed, genesis=genesis)
+
+
+class Durability(enum.Enum):
+    MUTATING = "mutating"
+    LEASE_ONLY = "lease-only"
+    PURE_READ = "pure-read"
+
+
+#: logged, but the reply does not wait for the entry to be durable
+LEASE_ONLY = frozenset(
+    {
+        "Ping",
+        "GetReplicaList",
+        "BatchGetReplicaList",
+        "GetReplicaListByRegex",
+        "ExistKey",
+        "BatchExistKey",
+        "ReportSegmentFailure",  # a hint: lost with a failover, the next failure reports again
+    }
+)
+#: change nothing: never logged (a standby could answer them, but refuses to: it may lag)
+PURE_READS = frozenset(
+    {
+        "ServiceReady",
+        "QueryKey",
+        "GetAllKeys",
+        "GetAllSegments",
+        "ExplainMiss",
+        "GetTierStats",
+        "GetSegmentTiers",
+        "QueryTask",
+    }
+)
+
+
+def durability(method: str) -> Durability:
+    """How a call of ``method`` is replicated (every other method is mutating)."""
+    if method in PURE_READS:
+        return Durability.PURE_READ
+    if method in LEASE_ONLY:
+        return Durability.LEASE_ONLY
+    return Durability.MUTATING
+
+
+def _miss_info(miss: Miss) -> MissInfo:
+    return MissInfo(
+        reason=miss.reason.value,
+        policy=miss.policy,
+        tier=miss.tier,
+        owner=miss.owner,
+        at=miss.at or 0.0,
+    )
+
+
+Handler = Callable[[MasterState, Any, float], Any]
+
+#: RPC method -> handler(state, decoded params, now)
+HANDLERS: dict[str, Handler] = {
+    "ServiceReady": lambda s, p, now: rpc.VERSION,
+    "Ping": lambda s, p, now: s.ping(p.client_id, now),
+    "MountLocalDisk": lambda s, p, now: s.mount_local_disk(
+        p.client_id, p.capacity, now, tier_id=p.tier_id
+    ),
+    "FetchTierTasks": lambda s, p, now: s.fetch_tier_tasks(p.client_id, now),
+    "DemoteEnd": lambda s, p, now: s.demote_end(p.client_id, p.key, p.vid, now),
+    "DemoteRevoke": lambda s, p, now: s.demote_revoke(p.client_id, p.key, p.vid, now),
+    "PromoteStart": lambda s, p, now: s.promote_start(p.client_id, p.key, p.vid, now),
+    "PromoteEnd": lambda s, p, now: s.promote_end(p.client_id, p.key, p.vid, now),
+    "PromoteRevoke": lambda s, p, now: s.promote_revoke(p.client_id, p.key, p.vid, now),
+    "EvictDiskReplica": lambda s, p, now: s.evict_disk_replica(
+        p.client_id, p.key, p.vid, p.policy, now
+    ),
+    "PutLocal": lambda s, p, now: s.put_local(p.client_id, p.key, p.size, now),
+    "ExplainMiss": lambda s, p, now: _miss_info(s.explain_miss(p.key)),
+    "GetTierStats": lambda s, p, now: {t: c.as_dict() for t, c in s.tiers.items()},
+    "GetSegmentTiers": lambda s, p, now: s.segment_tiers(),
+    "ReportSegmentFailure": lambda s, p, now: s.report_segment_failure(
+        p.client_id, p.segment_name, p.reason, now
+    ),
+    "MountSegment": lambda s, p, now: s.mount_segment(p.client_id, p.segment, now),
+    "ReMountSegment": lambda s, p, now: s.remount_segments(p.client_id, p.segments, now),
+    "UnmountSegment": lambda s, p, now: s.unmount_segment(p.client_id, p.segment_id, now),
+    "PutStart": lambda s, p, now: s.put_start(p.client_id, p.key, p.size, p.config, now),
+    "PutEnd": lambda s, p, now: s.put_end(p.client_id, p.key, now),
+    "PutRevoke": lambda s, p, now: s.put_revoke(p.client_id, p.key, now),
+    "UpsertStart": lambda s, p, now: s.upsert_start(p.client_id, p.key, p.size, p.config, now),
+    "UpsertEnd": lambda s, p, now: s.upsert_end(p.client_id, p.key, now),
+    "UpsertRevoke": lambda s, p, now: s.upsert_revoke(p.client_id, p.key, now),
+    "BatchPutStart": lambda s, p, now: s.batch_put_start(
+        p.client_id, p.keys, p.sizes, p.config, now
+    ),
+    "BatchPutEnd": lambda s, p, now: s.batch_put_end(p.client_id, p.keys, now),
+    "BatchPutRevoke": lambda s, p, now: s.batch_put_revoke(p.client_id, p.keys, now),
+    "BatchUpsertStart": lambda s, p, now: s.batch_put_start(
+        p.client_id, p.keys, p.sizes, p.config, now, upsert=True
+    ),
+    "BatchUpsertEnd": lambda s, p, now: s.batch_put_end(p.client_id, p.keys, now),
+    "BatchUpsertRevoke": lambda s, p, now: s.batch_put_revoke(p.client_id, p.keys, now),
+    "GetReplicaList": lambda s, p, now: s.get_replica_list(p.key, now, for_read=p.for_read),
+    "BatchGetReplicaList": lambda s, p, now: s.batch_get_replica_list(
+        p.keys, now, for_read=p.for_read
+    ),
+    "GetReplicaListByRegex": lambda s, p, now: s.get_replica_list_by_regex(p.regex, now),
+    "ExistKey": lambda s, p, now: s.exist_key(p.key, now),
+    "BatchExistKey": lambda s, p, now: s.batch_exist_key(p.keys, now),
+    "Remove": lambda s, p, now: s.remove(p.key, p.force, now),
+    "BatchRemove": lambda s, p, now: s.batch_remove(p.keys, p.force, now),
+    "RemoveByRegex": lambda s, p, now: s.remove_by_regex(p.regex, p.force, now),
+    "RemoveAll": lambda s, p, now: s.remove_all(p.force, now),
+    "QueryKey": lambda s, p, now: s.query_key(p.key),
+    "GetAllKeys": lambda s, p, now: s.all_keys(),
+    "GetAllSegments": lambda s, p, now: s.all_segments(),
+    "BatchReplicaClear": lambda s, p, now: s.batch_replica_clear(
+        p.client_id, p.keys, p.segment_name, now
+    ),
+    "CreateCopyTask": lambda s, p, now: s.create_copy_task(p.key, p.targets, now),
+    "CreateMoveTask": lambda s, p, now: s.create_move_task(p.key, p.source, p.target, now),
+    "QueryTask": lambda s, p, now: s.query_task(p.task_id),
+    "FetchTasks": lambda s, p, now: s.fetch_tasks(p.client_id, now),
+    "TaskStart": lambda s, p, now: s.task_start(p.client_id, p.task_id, now),
+    "TaskEnd": lambda s, p, now: s.task_end(p.client_id, p.task_id, now),
+    "TaskRevoke": lambda s, p, now: s.task_revoke(p.client_id, p.task_id, p.message, now),
+}
+
+#: regex methods applied to keys matched beforehand (off the loop)
+SCAN_APPLY: dict[str, Callable[[MasterState, Any, list[str], float], Any]] = {
+    "GetReplicaListByRegex": lambda s, p, keys, now: s.replica_lists_of(keys, now),
+    "RemoveByRegex": lambda s, p, keys, now: s.remove_keys(keys, p.force, now),
+}
+
+
+def decode(method: str, params: bytes | msgspec.Raw) -> Any:
+    """``params`` as ``method``'s params Struct (errors as :func:`rpc.decode_params`)."""
+    spec = rpc.METHODS.get(method)
+    if spec is None or method not in HANDLERS:
+        raise NotSupportedError(f"unknown method {method!r}")
+    try:
+        return spec.params_decoder.decode(params)
+    except msgspec.DecodeError as e:
+        raise InvalidArgumentError(f"bad params for {method}: {e}") from None
+
+
+def apply(state: MasterState, command: Command, params: Any = None) -> Any:
+    """Apply one command; returns the RPC result or raises the RPC's
+    :class:`~mooncake.errors.MooncakeError` (internal commands return ``None``).
+
+    ``params``: the already decoded params of an RPC/scan command (the leader decoded them to
+    answer); ``None`` decodes ``command.params``.
+    """
+    kind = command.kind
+    if kind == "rpc":
+        p = params if params is not None else decode(command.method, command.params)
+        return HANDLERS[command.method](state, p, command.now)
+    if kind == "scan":
+        scan = SCAN_APPLY.get(command.method)
+        if scan is None:
+            raise NotSupportedError(f"{command.method!r} is not a key-scan method")
+        p = params if params is not None else decode(command.method, command.params)
+        return scan(state, p, list(command.keys or ()), command.now)
+    if kind == "sweep":
+        state.sweep(command.now)
+        return None
+    if kind == "stall":
+        state.credit_stall(command.seconds)
+        return None
+    if kind == "promote":
+        state.rng.seed(command.seed)
+        if command.genesis:
+            state.view_version_id = state.rng.getrandbits(63)
+        state.promote(command.now)
+        return None
+    raise InvalidArgumentError(f"unknown command kind {kind!r}")
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(list[Command])
+
+
+def encode_commands(commands: list[Command]) -> bytes:
+    """A batch of commands as one log entry's bytes."""
+    return _enc.encode(commands)
+
+
+def decode_commands(data: bytes) -> list[Command]:
+    try:
+        return _dec.decode(data)
+    except msgspec.DecodeError as e:
+        raise InvalidArgumentError(f"bad log entry: {e}") from None
+
+
+def digest(state: MasterState) -> str:
+    """A canonical fingerprint of everything in ``state`` (tests: replicas must agree).
+
+    Walks the whole object graph: dicts and sequences in their order (order is state: it
+    decides later iteration), sets sorted, objects by their fields, shared objects by first
+    visit. Slow; for tests and checks, not the hot path.
+    """
+    import hashlib
+    import random as _random
+
+    memo: dict[int, int] = {}
+
+    def canon(o: Any) -> Any:
+        if o is None or isinstance(o, bool | int | float | str | bytes):
+            return o
+        if isinstance(o, enum.Enum):
+            return (type(o).__name__, o.value)
+        oid = id(o)
+        if oid in memo:
+            return ("ref", memo[oid])
+        memo[oid] = len(memo)
+        if isinstance(o, _random.Random):
+            return ("rng", o.getstate())
+        if isinstance(o, dict):
+            return ("dict", [(canon(k), canon(v)) for k, v in o.items()])
+        if isinstance(o, set | frozenset):
+            return ("set", sorted(repr(canon(x)) for x in o))
+        if isinstance(o, list | tuple) or type(o).__name__ == "deque":
+            return ("seq", [canon(x) for x in o])
+        if isinstance(o, msgspec.Struct):
+            return (type(o).__name__, [canon(getattr(o, f)) for f in o.__struct_fields__])
+        fields: dict[str, Any] = {}
+        for cls in type(o).__mro__:
+            for name in getattr(cls, "__slots__", ()):
+                if hasattr(o, name):
+                    fields[name] = getattr(o, name)
+        fields.update(getattr(o, "__dict__", {}))
+        if not fields and callable(o):
+            return ("fn", getattr(o, "__qualname__", type(o).__name__))
+        return (type(o).__name__, [(k, canon(v)) for k, v in sorted(fields.items())])
+
+    fields = {k: v for k, v in state.__dict__.items() if k != "config"}  # settings, not state
+    return hashlib.sha256(repr(canon(fields)).encode()).hexdigest()

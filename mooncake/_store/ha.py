@@ -1,0 +1,649 @@
+"""Master high availability through etcd: election, the replicated command log, standbys.
+
+::
+
+    config = MasterServerConfig(rpc_port=0, ha=HaConfig(endpoints=parse_endpoints("h:2379")))
+    async with anyio.create_task_group() as tg:
+        server = await tg.start(serve_master, config)   # leader or standby; server.ha says
+
+Keys (etcd, under ``mooncake-store/<cluster_id>/``, the published layout for the view key):
+
+* ``master_view``: the leader's RPC address ``host:port``, bound to a 5 s lease
+  (``lease_ttl``), created only if absent (a txn comparing its create revision with 0), kept
+  alive every ``lease_ttl / 5``. Its create revision is the leader's **term**.
+* ``log/<20-digit seq>``: one batch of commands (:mod:`mooncake._core.commands`), msgpack.
+* ``snapshot/...``: see :mod:`mooncake._store.snapshots`.
+
+Leader: every command it applies (RPC calls other than pure reads, sweeps, stall credits) is
+queued; a flusher writes the queue as one log entry per txn (**group commit**: what arrives
+while a txn is in flight goes into the next). The txn compares the ``master_view`` key's create
+revision with the leader's term, so once another master won the key nothing of the old leader
+is appended. A mutating call is answered only after its entry is durable; every other answer
+waits for the entries of the mutations queued before it, so no client ever sees state that a
+failover could take back (lease-only calls' own entries are not waited for: a failover may
+lose their lease extensions, which ``Promote`` covers). A fence that fails, a lease that is
+lost or not renewed within ``lease_ttl - LEASE_MARGIN`` of the last keep-alive sent: the
+leader **steps down** at once: it stops answering, closes every client connection (unanswered
+calls get no reply at all), revokes its lease, and rebuilds its state from etcd as a standby.
+
+Standby: loads the newest snapshot and the log after it, tails the log (a watch wakes it, a
+range read fetches; a poll every second covers a silent watch) and applies every entry through
+:func:`commands.apply`, so its state equals the leader's (allocators included). It answers
+every client call but ``ServiceReady`` with ``UNAVAILABLE_IN_CURRENT_MODE`` (-1011, "not the
+leader: ... leader=host:port"), having applied nothing, so clients re-resolve the leader. When ``master_view`` disappears it campaigns; the
+winner finishes the log (nobody else can append by then), sets its state clock so it continues
+from the last applied ``now``, appends ``Promote(now, seed)`` and serves once that is durable.
+
+Snapshots (leader): every ``snapshot_interval`` seconds or ``snapshot_log_entries`` batches,
+the state is serialized at a batch boundary (by a forked child: the loop pauses only for the
+fork), written (fenced) to etcd (and ``snapshot_dir`` if
+set), older snapshots beyond ``snapshot_retention`` are deleted, and so are the log entries at
+or below the new snapshot's seq.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+
+from mooncake._core import commands
+from mooncake._core.commands import Command, Durability
+from mooncake._core.master import MasterState
+from mooncake._engine.metadata.etcd import EtcdKV, _b64, _unb64, prefix_end
+from mooncake._store.snapshots import DirSnapshots, EtcdSnapshots, ForkedSnapshot, Snapshot
+from mooncake.errors import InvalidArgumentError, MetadataError, MooncakeError
+
+if TYPE_CHECKING:
+    from mooncake._store.master import MasterServer
+
+log = logging.getLogger("mooncake.master.ha")
+
+__all__ = ["HaConfig", "HaNode", "view_key"]
+
+DEFAULT_LEASE_TTL = 5
+#: the leader stops answering this long before its lease could have expired in etcd
+LEASE_MARGIN = 0.5
+#: a log entry holds at most about this many bytes of commands
+MAX_ENTRY = 1 << 20
+_POLL_S = 1.0
+_RANGE_LIMIT = 64
+
+
+def view_key(cluster_id: str) -> str:
+    """The published key holding the leader's RPC address."""
+    return f"mooncake-store/{cluster_id}/master_view"
+
+
+@dataclass
+class HaConfig:
+    """Replication settings of a master (``--enable_ha`` and the snapshot flags)."""
+
+    endpoints: list[str] = field(default_factory=list)
+    """etcd base URLs (:func:`mooncake._engine.metadata.etcd.parse_endpoints`)."""
+    cluster_id: str = "mooncake_cluster"
+    lease_ttl: int = DEFAULT_LEASE_TTL
+    advertise: str = ""
+    """``host:port`` clients should reach this master at ("" = its RPC address and port)."""
+    flush_linger: float = 0.1
+    """Seconds entries nobody waits for (sweeps, lease-only calls) may wait for a txn."""
+    snapshot_interval: float = 600.0
+    snapshot_log_entries: int = 10_000
+    snapshot_retention: int = 2
+    snapshot_dir: str | None = None
+    """Also keep snapshot copies in this local directory."""
+
+    def validate(self) -> None:
+        if not self.endpoints:
+            raise InvalidArgumentError("HA needs at least one etcd endpoint")
+        if not self.cluster_id or "/" in self.cluster_id:
+            raise InvalidArgumentError(f"bad cluster id {self.cluster_id!r}")
+        if self.lease_ttl < 2:
+            raise InvalidArgumentError(f"HA lease TTL must be >= 2 s, got {self.lease_ttl}")
+        if self.snapshot_retention < 1:
+            raise InvalidArgumentError("snapshot retention must be >= 1")
+        if self.snapshot_interval <= 0 or self.snapshot_log_entries < 1:
+            raise InvalidArgumentError("snapshot interval and log-length trigger must be > 0")
+
+
+class _Gap(Exception):
+    """The log no longer holds the entry after the applied one (compacted by a snapshot)."""
+
+
+class _Deposed(Exception):
+    pass
+
+
+def _is_mutating(cmd: Command) -> bool:
+    if cmd.kind == "rpc":
+        return commands.durability(cmd.method) is Durability.MUTATING
+    return cmd.kind == "scan" and cmd.method == "RemoveByRegex"
+
+
+class HaNode:
+    """One master's replication role (see the module docstring); ``server.ha`` is this."""
+
+    def __init__(self, server: MasterServer, config: HaConfig) -> None:
+        config.validate()
+        self.server = server
+        self.config = config
+        self.etcd = EtcdKV(list(config.endpoints), lease_ttl=config.lease_ttl)
+        pre = f"mooncake-store/{config.cluster_id}/"
+        self.view_key = view_key(config.cluster_id)
+        self.log_prefix = pre + "log/"
+        self.snapshots = EtcdSnapshots(self.etcd, pre + "snapshot/", config.snapshot_retention)
+        self.local = (
+            DirSnapshots(config.snapshot_dir, config.cluster_id, config.snapshot_retention)
+            if config.snapshot_dir
+            else None
+        )
+        self.role = "starting"
+        self.serving = False
+        self.leader_addr: str | None = None
+        self.term = 0
+        self.lease_id: str | None = None
+        self.lease_deadline = 0.0
+        self.applied_seq = 0
+        self.latest_seq = 0
+        self.snapshot_seq = 0
+        self.last_now = 0.0
+        self._last_now_local = 0.0
+        self._from_scratch = True
+        # leader side
+        self._pending: list[Command] = []
+        self._pending_bytes = 0
+        self._ticket = 0
+        self._durable = 0
+        self._barrier = 0
+        self._epoch = 0
+        self._durable_changed = anyio.Event()
+        self._flush_now = anyio.Event()
+        self._deposed = anyio.Event()
+        self._wake = anyio.Event()
+        self._snap_due = False
+        self._snap_last = 0.0
+        self._snap_busy = False
+        # counters
+        self.batches = 0
+        self.entries_applied = 0
+        self.stepdowns = 0
+        self.elections_won = 0
+        self.apply_errors = 0
+
+    # -- what the server asks ------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        if self.config.advertise:
+            return self.config.advertise
+        host = self.server.config.rpc_address
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostbyname(socket.gethostname())
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{host}:{self.server.rpc_port}"
+
+    def refusal(self) -> str | None:
+        if self.role == "leader":
+            if anyio.current_time() >= self.lease_deadline:
+                self._step_down("lease not renewed in time")
+            elif self.serving:
+                return None
+            else:
+                return "not the leader yet (taking over); retry"
+        who = self.leader_addr
+        return (
+            f"not the leader: this master is a standby; leader={who}"
+            if who
+            else "not the leader: this master is a standby and no leader is known; retry"
+        )
+
+    def append(self, command: Command) -> int:
+        if self.role != "leader":
+            raise MooncakeError("append on a master that is not the leader")
+        self._pending.append(command)
+        self._pending_bytes += len(command.params) + 64 + 16 * len(command.keys or ())
+        self._ticket += 1
+        if _is_mutating(command):
+            self._barrier = self._ticket
+            self._flush_now.set()
+        return self._ticket
+
+    @property
+    def barrier(self) -> int:
+        return self._barrier
+
+    async def wait_durable(self, ticket: int) -> bool:
+        epoch = self._epoch
+        while self._durable < ticket:
+            if self._epoch != epoch or self.role != "leader":
+                return False
+            ev = self._durable_changed
+            self._flush_now.set()
+            await ev.wait()
+        if self._epoch != epoch:
+            return False
+        if anyio.current_time() >= self.lease_deadline:  # durable, but say nothing this late
+            self._step_down("lease not renewed in time")
+            return False
+        return True
+
+    # -- main loop -------------------------------------------------------------------------
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Follow, campaign, lead, step down, follow again ... until cancelled."""
+        started = False
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch, self.log_prefix, True)
+                tg.start_soon(self._watch, self.view_key, False)
+                while True:
+                    try:
+                        await self._load()
+                        if not started:
+                            started = True
+                            task_status.started()
+                        while True:
+                            self.role = "standby"
+                            await self._follow()
+                            if await self._campaign():
+                                break
+                        await self._lead()
+                    except (MetadataError, _Gap) as e:
+                        log.warning("master HA: %s; retrying", e)
+                        self._step_down(str(e))
+                        self.role = "standby"
+                        await anyio.sleep(0.5)
+                    except Exception:  # a bug must not take the master down: start over
+                        log.exception("master HA: unexpected failure; reloading")
+                        self._step_down("unexpected failure")
+                        self.role = "standby"
+                        await anyio.sleep(1.0)
+                    finally:
+                        await self._release_lease()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.etcd.aclose()
+
+    async def _watch(self, key: str, is_log: bool) -> None:
+        async def on_event(k: str, value: bytes | None) -> None:
+            if is_log and value is not None and self.role == "standby":
+                try:
+                    seq = int(k.rsplit("/", 1)[1])
+                except ValueError:
+                    return
+                self.latest_seq = max(self.latest_seq, seq)
+                if seq == self.applied_seq + 1:
+                    self._apply_entry(seq, value)
+            self._wake.set()
+
+        while True:
+            try:
+                await self.etcd.watch(key, on_event)
+            except MetadataError as e:
+                log.warning("master HA: watch on %s: %s", key, e)
+            except Exception:  # only a wake-up: the poll still follows the log
+                log.exception("master HA: watch on %s failed", key)
+            await anyio.sleep(_POLL_S)
+
+    # -- standby ---------------------------------------------------------------------------
+
+    async def _load(self) -> None:
+        """A fresh state: the newest snapshot (etcd, else the local copy) + the log after it."""
+        cfg = self.server.config.state
+        for _ in range(5):
+            snap: Snapshot | None = await self.snapshots.newest()
+            if snap is None and self.local is not None:
+                snap = await self.local.newest()
+            if snap is not None:
+                state = MasterState.restore(snap.data, cfg)
+                self.applied_seq = self.snapshot_seq = snap.seq
+                self.last_now = snap.last_now
+                self._from_scratch = False
+            else:
+                state = MasterState(cfg)
+                self.applied_seq = self.snapshot_seq = 0
+                self.last_now = 0.0
+                self._from_scratch = True
+            self._last_now_local = 0.0
+            self.server.state = state
+            try:
+                await self._catch_up()
+                log.info(
+                    "master HA: state loaded (snapshot %d, log applied to %d)",
+                    self.snapshot_seq,
+                    self.applied_seq,
+                )
+                return
+            except _Gap:
+                continue  # compacted meanwhile: a newer snapshot exists
+        raise _Gap("the log keeps being compacted past every snapshot read")
+
+    async def _catch_up(self) -> None:
+        end = prefix_end(self.log_prefix.encode())
+        while True:
+            start = (self.log_prefix + f"{self.applied_seq + 1:020d}").encode()
+            obj = await self.etcd.call(
+                "/v3/kv/range",
+                {"key": _b64(start), "range_end": _b64(end), "limit": _RANGE_LIMIT},
+            )
+            kvs = obj.get("kvs") or []
+            for kv in kvs:
+                key = _unb64(kv["key"]).decode()
+                try:
+                    seq = int(key.rsplit("/", 1)[1])
+                except ValueError:
+                    continue
+                self.latest_seq = max(self.latest_seq, seq)
+                if seq <= self.applied_seq:
+                    continue
+                if seq != self.applied_seq + 1:
+                    raise _Gap(f"log entry {self.applied_seq + 1} is gone (next is {seq})")
+                self._apply_entry(seq, _unb64(kv.get("value", "")))
+            if len(kvs) < _RANGE_LIMIT:
+                return
+
+    def _apply_entry(self, seq: int, data: bytes) -> None:
+        try:
+            batch = commands.decode_commands(data)
+        except InvalidArgumentError as e:
+            # nothing after it can be applied safely; stay at this seq, loudly
+            self.apply_errors += 1
+            log.error("master HA: log entry %d does not decode: %s", seq, e)
+            return
+        state = self.server.state
+        for cmd in batch:
+            try:
+                commands.apply(state, cmd)
+            except MooncakeError:
+                pass  # the leader's call failed the same way
+            except Exception:
+                self.apply_errors += 1
+                log.exception("master HA: applying %s from entry %d failed", cmd.method, seq)
+            self.last_now = max(self.last_now, cmd.now)
+        self._last_now_local = anyio.current_time()
+        self.applied_seq = seq
+        self.entries_applied += 1
+
+    async def _follow(self) -> None:
+        """Tail the log until ``master_view`` is vacant."""
+        while True:
+            await self._catch_up()
+            obj = await self.etcd.call("/v3/kv/range", {"key": _b64(self.view_key)})
+            kvs = obj.get("kvs") or []
+            if not kvs:
+                self.leader_addr = None
+                return
+            addr = _unb64(kvs[0].get("value", "")).decode("utf-8", "replace")
+            if addr != self.leader_addr:
+                log.info("master HA: following leader %s", addr)
+            self.leader_addr = addr
+            with anyio.move_on_after(_POLL_S):
+                await self._wake.wait()
+            self._wake = anyio.Event()
+
+    async def _campaign(self) -> bool:
+        sent = anyio.current_time()  # the lease runs from no earlier than this
+        obj = await self.etcd.call("/v3/lease/grant", {"TTL": self.config.lease_ttl})
+        if "ID" not in obj:
+            raise MetadataError(f"etcd lease grant refused: {obj}")
+        lid = str(obj["ID"])
+        vk = _b64(self.view_key)
+        r = await self.etcd.call(
+            "/v3/kv/txn",
+            {
+                "compare": [
+                    {"key": vk, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+                ],
+                "success": [
+                    {"request_put": {"key": vk, "value": _b64(self.address), "lease": lid}}
+                ],
+            },
+        )
+        if not r.get("succeeded"):
+            await self._revoke(lid)
+            return False
+        self.lease_id = lid
+        self.term = int(r["header"]["revision"])
+        self.lease_deadline = sent + self.config.lease_ttl - LEASE_MARGIN
+        self.elections_won += 1
+        log.info("master HA: won the election (term %d) as %s", self.term, self.address)
+        return True
+
+    # -- leader ----------------------------------------------------------------------------
+
+    async def _lead(self) -> None:
+        self._deposed = anyio.Event()
+        self._pending, self._pending_bytes = [], 0
+        self._ticket = self._durable = self._barrier = 0
+        self._epoch += 1
+        self.role = "leader"
+        self.serving = False
+        self.leader_addr = self.address
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._keepalive)
+            try:
+                await self._catch_up()  # the old leader is fenced: this is the whole log
+            except (_Gap, MetadataError) as e:
+                self._step_down(f"cannot finish the log: {e}")
+            if self.role == "leader":
+                loop_now = anyio.current_time()
+                target = self.last_now
+                if self._last_now_local:
+                    target += max(0.0, loop_now - self._last_now_local)
+                self.server.clock_offset = target - loop_now
+                genesis = self._from_scratch and self.applied_seq == 0
+                self.server.run_command(
+                    commands.Promote(self.server.now(), secrets.randbits(63), genesis=genesis)
+                )
+                self._snap_last = loop_now
+                tg.start_soon(self._flusher, tg)
+                if await self.wait_durable(self._ticket):
+                    self.serving = True
+                    log.info(
+                        "master HA: leading at %s (term %d, log at %d)",
+                        self.address,
+                        self.term,
+                        self.applied_seq,
+                    )
+            await self._deposed.wait()
+            tg.cancel_scope.cancel()
+
+    def _step_down(self, why: str) -> None:
+        if self.role != "leader":
+            return
+        log.warning("master HA: stepping down (term %d): %s", self.term, why)
+        self.role = "standby"
+        self.serving = False
+        self.leader_addr = None
+        self.stepdowns += 1
+        self._epoch += 1
+        self._pending, self._pending_bytes = [], 0
+        ev, self._durable_changed = self._durable_changed, anyio.Event()
+        ev.set()
+        self._deposed.set()
+        self.server.close_connections()
+
+    async def _keepalive(self) -> None:
+        ttl = self.config.lease_ttl
+        while self.role == "leader":
+            await anyio.sleep(ttl / 5)
+            lid = self.lease_id
+            if lid is None:
+                return
+            sent = anyio.current_time()
+            try:
+                with anyio.fail_after(ttl / 2):
+                    obj = await self.etcd.call("/v3/lease/keepalive", {"ID": lid})
+            except (MetadataError, TimeoutError) as e:
+                log.warning("master HA: lease keep-alive failed: %s", e)
+                continue
+            result = obj.get("result", obj)
+            if int(result.get("TTL", 0) or 0) <= 0:
+                self._step_down("the lease expired in etcd")
+                return
+            self.lease_deadline = max(self.lease_deadline, sent + ttl - LEASE_MARGIN)
+
+    async def _flusher(self, tg: anyio.abc.TaskGroup) -> None:
+        cfg = self.config
+        while self.role == "leader":
+            with anyio.move_on_after(cfg.flush_linger):
+                await self._flush_now.wait()
+            self._flush_now = anyio.Event()
+            now = anyio.current_time()
+            if not self._snap_busy and (
+                now - self._snap_last >= cfg.snapshot_interval
+                or self.applied_seq - self.snapshot_seq >= cfg.snapshot_log_entries
+            ):
+                self._snap_due = True
+            if not self._pending and not self._snap_due:
+                continue
+            # take at most MAX_ENTRY bytes of commands (the rest goes in the next entry)
+            n, size = 0, 0
+            for cmd in self._pending:
+                size += len(cmd.params) + 64 + 16 * len(cmd.keys or ())
+                if n and size > MAX_ENTRY:
+                    break
+                n += 1
+            batch = self._pending[:n]
+            del self._pending[:n]
+            self._pending_bytes = max(0, self._pending_bytes - size)
+            seq = self.applied_seq + (1 if batch else 0)
+            snap: tuple[int, ForkedSnapshot, float] | None = None
+            if self._snap_due and not self._pending:  # the state is exactly "after seq"
+                self._snap_due = False
+                self._snap_last = now
+                if seq > self.snapshot_seq:
+                    try:  # forked here: the child sees the state exactly "after seq"
+                        snap = (seq, ForkedSnapshot(self.server.state.snapshot), self.server.now())
+                        self._snap_busy = True
+                    except Exception:
+                        log.exception("master HA: serializing the state failed")
+            if batch:
+                if not await self._append_entry(seq, commands.encode_commands(batch)):
+                    self._snap_busy = False
+                    self._step_down("a newer leader holds master_view (log append fenced)")
+                    return
+                self.applied_seq = self.latest_seq = seq
+                self.last_now = max(self.last_now, batch[-1].now)
+                self.batches += 1
+                self._durable += len(batch)
+                ev, self._durable_changed = self._durable_changed, anyio.Event()
+                ev.set()
+            if self._pending:
+                self._flush_now.set()
+            if snap is not None:
+                tg.start_soon(self._write_snapshot, *snap)
+
+    def _fence(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "key": _b64(self.view_key),
+                "target": "CREATE",
+                "result": "EQUAL",
+                "create_revision": str(self.term),
+            }
+        ]
+
+    async def _append_entry(self, seq: int, data: bytes) -> bool:
+        """Write ``log/<seq>`` fenced by the term; False when fenced (or unsure past the
+        lease: then a successor decides)."""
+        key = _b64(self.log_prefix + f"{seq:020d}")
+        body = {
+            "compare": [
+                *self._fence(),
+                {"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"},
+            ],
+            "success": [{"request_put": {"key": key, "value": _b64(data)}}],
+            "failure": [
+                {"request_range": {"key": _b64(self.view_key)}},
+                {"request_range": {"key": key}},
+            ],
+        }
+        while True:
+            if anyio.current_time() >= self.lease_deadline:
+                return False
+            try:
+                r = await self.etcd.call("/v3/kv/txn", body)
+            except MetadataError as e:
+                log.warning("master HA: log append %d: %s; retrying", seq, e)
+                await anyio.sleep(0.1)
+                continue
+            if r.get("succeeded"):
+                return True
+            # an earlier attempt may have committed (its answer was lost)
+            resp = r.get("responses") or []
+            try:
+                view = resp[0]["response_range"].get("kvs") or []
+                entry = resp[1]["response_range"].get("kvs") or []
+            except (IndexError, KeyError, AttributeError):
+                return False
+            mine = bool(view) and int(view[0].get("create_revision", 0)) == self.term
+            return mine and bool(entry) and _unb64(entry[0].get("value", "")) == data
+
+    async def _write_snapshot(self, seq: int, child: ForkedSnapshot, last_now: float) -> None:
+        try:
+            snap = Snapshot(seq, await child.result(), last_now)
+            if self.local is not None:
+                await self.local.write(snap)
+            if not await self.snapshots.write(snap, self._fence()):
+                log.warning("master HA: snapshot %d fenced (no longer the leader)", snap.seq)
+                return
+            await self.snapshots.prune()
+            end = (self.log_prefix + f"{snap.seq + 1:020d}").encode()
+            await self.etcd.call(
+                "/v3/kv/deleterange",
+                {"key": _b64(self.log_prefix.encode()), "range_end": _b64(end)},
+            )
+            # reported once retention and compaction are done, so a reader of the status
+            # never sees a snapshot whose older copies and log entries still linger
+            self.snapshot_seq = max(self.snapshot_seq, snap.seq)
+            log.info("master HA: snapshot at %d (%d bytes)", snap.seq, len(snap.data))
+        except (MetadataError, OSError, InvalidArgumentError) as e:
+            log.warning("master HA: snapshot %d failed: %s", seq, e)
+        finally:
+            self._snap_busy = False
+
+    async def _revoke(self, lid: str) -> None:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+            try:
+                await self.etcd.call("/v3/lease/revoke", {"ID": lid})
+            except MetadataError as e:
+                log.info("master HA: revoking lease %s: %s", lid, e)
+
+    async def _release_lease(self) -> None:
+        lid, self.lease_id = self.lease_id, None
+        if lid is not None:
+            await self._revoke(lid)
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The ``ha`` part of ``/status`` (and ``/ha_status``)."""
+        now = anyio.current_time()
+        leader = self.role == "leader" and self.serving
+        lag = self._ticket - self._durable if leader else max(0, self.latest_seq - self.applied_seq)
+        return {
+            "role": "leader" if leader else "standby",
+            "leader": self.leader_addr or "",
+            "address": self.address,
+            "cluster_id": self.config.cluster_id,
+            "term": self.term if self.role == "leader" else 0,
+            "lease_ttl": self.config.lease_ttl,
+            "lease_remaining": max(0.0, self.lease_deadline - now) if leader else 0.0,
+            "applied_seq": self.applied_seq,
+            "log_lag": lag,
+            "last_snapshot_seq": self.snapshot_seq,
+            "batches": self.batches,
+            "entries_applied": self.entries_applied,
+            "elections_won": self.elections_won,
+            "stepdowns": self.stepdowns,
+            "apply_errors": self.apply_errors,
+        }
