@@ -63,9 +63,7 @@ KIB = 1 << 10
 # -- values ----------------------------------------------------------------------------------
 
 _MAGIC = b"SOAK"
-_HEAD = struct.Struct(
-    "<4sHQI16s"
-)  # magic, key length, generation, payload length, digest
+_HEAD = struct.Struct("<4sHQI16s")  # magic, key length, generation, payload length, digest
 
 
 def _payload(key: str, gen: int, n: int) -> bytes:
@@ -202,7 +200,7 @@ def run_holder(index: int, cfg: SoakConfig, events: Any, stop: Any) -> None:
     ``stop.value`` is true (a lock-free shared value); puts ``("ready", "h<index>", hostname, pid)`` on ``events``."""
     ssd = os.path.join(cfg.ssd_root, f"h{index}") if cfg.ssd_root else ""
     s = _open(cfg, cfg.segment_mib, ssd)
-    events.put(("ready", f"h{index}", s.get_hostname(), os.getpid()))
+    events.put(("ready", f"h{index}", s.get_hostname(), os.getpid(), s._store.client_id))
     while not stop.value:
         time.sleep(0.05)
     s.close()
@@ -242,9 +240,7 @@ def run_worker(
                 continue
             now = time.time()
             if int(now) != second:
-                events.put(
-                    ("stats", f"w{index}", second, dict(counts), dict(lat), fail_t)
-                )
+                events.put(("stats", f"w{index}", second, dict(counts), dict(lat), fail_t))
                 counts, lat, fail_t = (
                     collections.Counter(),
                     collections.defaultdict(float),
@@ -299,9 +295,7 @@ class MasterProc:
 
     def start(self) -> str:
         env = dict(os.environ)
-        env.setdefault(
-            "PYTHONPATH", str(ROOT)
-        )  # as given: the soak may run another tree
+        env.setdefault("PYTHONPATH", str(ROOT))  # as given: the soak may run another tree
         cmd = [sys.executable, "-m", "mooncake", "master", "--rpc-port", str(self.port)]
         cmd += ["--no-metrics", *self.flags]
         deadline = time.monotonic() + 30
@@ -360,6 +354,7 @@ class Soak:
         self.master = MasterProc(args.port or free_port(), flags)
         self.procs: dict[str, Any] = {}
         self.hosts: dict[str, str] = {}
+        self.client_ids: dict[str, str] = {}
         self.seconds: dict[int, Second] = {}
         self.fail_times: list[float] = []
         self.lat: collections.defaultdict[str, float] = collections.defaultdict(float)
@@ -411,6 +406,8 @@ class Soak:
                 raise RuntimeError(f"not ready within {limit} s: {sorted(names)}")
             if ev[0] == "ready":
                 self.hosts[ev[1]] = ev[2]
+                if len(ev) > 4:
+                    self.client_ids[ev[1]] = ev[4]
                 names.discard(ev[1])
             else:
                 self._take(ev)
@@ -444,26 +441,34 @@ class Soak:
         if pid is not None:
             os.kill(pid, sig)
 
-    def _count_readable(self) -> tuple[int, int]:
-        """Keys readable, and of those the ones held only on an SSD tier."""
-        s = self._probe
+    def _count_readable(self) -> tuple[int, int, int]:
+        """Keys readable; of those the ones held only on an SSD tier; and of those the ones on
+        the victim's SSD (the master's answer names the disk holders: an internal call)."""
+        import functools
+
+        loop, store = self._probe._loop, self._probe._store
+        assert loop is not None and store is not None
+        victim = self.client_ids.get(self._victim(), "")
         keys = [f"k{i}" for i in range(self.args.keys)]
-        n = ssd = 0
+        n = ssd = mine = 0
         for j in range(0, len(keys), 256):
             part = keys[j : j + 256]
-            there = [
-                k for k, r in zip(part, s.batch_is_exist(part), strict=True) if r == 1
-            ]
-            n += len(there)
-            descs = s.batch_get_replica_desc(there) if there else {}
-            ssd += sum(1 for k in there if k in descs and not descs[k])
-        return n, ssd
+            resps, _ = loop.call(functools.partial(store._batch_query, for_read=False), part)
+            for r in resps:
+                if isinstance(r, Exception):
+                    continue
+                n += 1
+                if not r.replicas and r.disk_clients:
+                    ssd += 1
+                    mine += victim in r.disk_clients
+        return n, ssd, mine
 
     def _restart(self, what: str) -> None:
         """Pause, count, restart ``what`` (``master`` or a holder), settle, count, resume."""
         self.pause_ev.value = 1
         time.sleep(0.3)
-        self.counts[f"{what}_before"], self.counts[f"{what}_ssd_before"] = (
+        c = self.counts
+        c[f"{what}_before"], c[f"{what}_ssd_before"], c[f"{what}_victim_ssd_before"] = (
             self._count_readable()
         )
         self.marks[f"{what}_restart"] = time.time()
@@ -480,7 +485,7 @@ class Soak:
         # after a client restart, past its old instance's TTL: what the master still listed
         # only there is gone by then, what the new instance re-adopted stays
         time.sleep(self.args.settle if what == "master" else self.args.client_ttl + 1)
-        self.counts[f"{what}_after"], self.counts[f"{what}_ssd_after"] = (
+        c[f"{what}_after"], c[f"{what}_ssd_after"], c[f"{what}_victim_ssd_after"] = (
             self._count_readable()
         )
         self.pause_ev.value = 0
@@ -498,18 +503,14 @@ class Soak:
             ssd_root=a.ssd or "",
             transport=a.transport,
         )
-        names = [f"h{i}" for i in range(a.holders)] + [
-            f"w{i}" for i in range(a.workers)
-        ]
+        names = [f"h{i}" for i in range(a.holders)] + [f"w{i}" for i in range(a.workers)]
         for n in names:
             self._spawn(n)
         os.environ.update(transport_env(a.transport))
         from mooncake.store import MooncakeDistributedStore
 
         self._probe = MooncakeDistributedStore()
-        rc = self._probe.setup(
-            "127.0.0.1", "P2PHANDSHAKE", 0, 1 * MIB, "tcp", "", address
-        )
+        rc = self._probe.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 * MIB, "tcp", "", address)
         if rc != 0:
             raise RuntimeError(f"probe client setup failed: {rc}")
         self._wait_ready(set(names))
@@ -594,32 +595,25 @@ class Soak:
             c = self.counts
             print(
                 f"# client restarted: readable {c['client_before']} -> {c['client_after']}, "
-                f"on SSD only {c['client_ssd_before']} -> {c['client_ssd_after']}",
+                f"on SSD only {c['client_ssd_before']} -> {c['client_ssd_after']}, on the "
+                f"victim's SSD {c['client_victim_ssd_before']} -> {c['client_victim_ssd_after']}",
                 flush=True,
             )
 
     def _progress(self, t: int, start: float) -> None:
         sec = self.seconds.get(t, Second(t))
-        errs = {
-            k: n for k, n in sorted(sec.codes.items()) if not k.endswith((":0",)) and n
-        }
-        print(
-            f"t={t - int(start):4d}s ops/s={sec.ops:6d} {json.dumps(errs)}", flush=True
-        )
+        errs = {k: n for k, n in sorted(sec.codes.items()) if not k.endswith((":0",)) and n}
+        print(f"t={t - int(start):4d}s ops/s={sec.ops:6d} {json.dumps(errs)}", flush=True)
 
     def _summary(self, start: float, end: float) -> dict[str, Any]:
         a = self.args
-        per_sec = [
-            self.seconds.get(t, Second(t)).ops for t in range(int(start), int(end))
-        ]
+        per_sec = [self.seconds.get(t, Second(t)).ops for t in range(int(start), int(end))]
         out: dict[str, Any] = {
             "config": {k: v for k, v in vars(a).items()},
             "ops": sum(per_sec),
             "ops_per_s_median": statistics.median(per_sec) if per_sec else 0,
             "wrong_bytes": self.totals.get("get:wrong", 0),
-            "replica_not_ready_703": {
-                k: n for k, n in self.totals.items() if k.endswith(":-703")
-            },
+            "replica_not_ready_703": {k: n for k, n in self.totals.items() if k.endswith(":-703")},
             "codes": dict(sorted(self.totals.items())),
             "counts": self.counts,
         }
@@ -633,16 +627,12 @@ class Soak:
         fault = self.marks.get("fault")
         if fault is not None:
             after = [t for t in self.fail_times if t >= fault]
-            out["holder_keys_failing_s"] = (
-                round(max(after) - fault, 3) if after else 0.0
-            )
+            out["holder_keys_failing_s"] = round(max(after) - fault, 3) if after else 0.0
             out["failing_reads_after_fault"] = len(after)
             w = a.window
             f = int(fault)
             before = [self.seconds.get(t, Second(t)).ops for t in range(f - w, f)]
-            during = [
-                self.seconds.get(t, Second(t)).ops for t in range(f + 1, f + 1 + w)
-            ]
+            during = [self.seconds.get(t, Second(t)).ops for t in range(f + 1, f + 1 + w)]
             out["ops_per_s_before"] = statistics.mean(before) if before else 0
             out["ops_per_s_fault_window"] = statistics.mean(during) if during else 0
             if out["ops_per_s_before"]:
@@ -671,18 +661,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=int, default=40, help="measured run length")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument(
-        "--holders", type=int, default=1, help="segment-only client processes"
-    )
+    p.add_argument("--holders", type=int, default=1, help="segment-only client processes")
     p.add_argument("--keys", type=int, default=2048, help="shared key space")
-    p.add_argument(
-        "--sizes", default=f"{4 * KIB},{32 * KIB},{128 * KIB}", help="value sizes"
-    )
+    p.add_argument("--sizes", default=f"{4 * KIB},{32 * KIB},{128 * KIB}", help="value sizes")
     p.add_argument("--segment-mib", type=int, default=16, help="segment per process")
     p.add_argument("--buffer-mib", type=int, default=8, help="local buffer per process")
-    p.add_argument(
-        "--client-ttl", type=float, default=10.0, help="the master's client TTL (s)"
-    )
+    p.add_argument("--client-ttl", type=float, default=10.0, help="the master's client TTL (s)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--port", type=int, default=0, help="master port (0: a free one)")
     p.add_argument(
@@ -693,20 +677,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--ssd", default="", help="root directory of per-process SSD tiers")
     p.add_argument("--kill-holder-at", type=float, default=None)
-    p.add_argument(
-        "--stop-holder", action="store_true", help="SIGSTOP instead of SIGKILL"
-    )
-    p.add_argument(
-        "--stop-for", type=float, default=0.0, help="SIGCONT after this many s"
-    )
+    p.add_argument("--stop-holder", action="store_true", help="SIGSTOP instead of SIGKILL")
+    p.add_argument("--stop-for", type=float, default=0.0, help="SIGCONT after this many s")
     p.add_argument("--restart-master-at", type=float, default=None)
     p.add_argument("--restart-client-at", type=float, default=None)
-    p.add_argument(
-        "--settle", type=float, default=3.0, help="s after a restart before counting"
-    )
-    p.add_argument(
-        "--window", type=int, default=10, help="fault window for throughput (s)"
-    )
+    p.add_argument("--settle", type=float, default=3.0, help="s after a restart before counting")
+    p.add_argument("--window", type=int, default=10, help="fault window for throughput (s)")
     p.add_argument("--json", default="", help="write the summary here too")
     return p.parse_args(argv)
 
