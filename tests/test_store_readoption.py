@@ -44,7 +44,7 @@ def wait_until(pred, what: str, limit: float = 60.0) -> None:  # type: ignore[no
 
 
 class Load(threading.Thread):
-    """Puts and gets of its own keys until stopped; counts wrong values read."""
+    """Upserts and gets of its own keys until stopped; counts wrong values read."""
 
     def __init__(self, address: str) -> None:
         super().__init__(daemon=True)
@@ -52,15 +52,19 @@ class Load(threading.Thread):
         self.stop_ = threading.Event()
         self.ops = 0
         self.wrong = 0
+        self.failed = 0
 
     def run(self) -> None:
         i = 0
         while not self.stop_.is_set():
             key = f"load-{i % 64}"
-            self.s.upsert(key, value(10_000 + i, 4096))
+            rc = self.s.upsert(key, value(10_000 + i, 4096))
             got = self.s.get(key)
-            if got and got != value(10_000 + i, 4096):
+            # after a successful upsert a read gets that value (or nothing: evicted, or the
+            # master restarted in between), never another one
+            if rc == 0 and got and got != value(10_000 + i, 4096):
                 self.wrong += 1
+            self.failed += rc != 0
             self.ops += 1
             i += 1
 
