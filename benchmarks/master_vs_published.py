@@ -14,7 +14,9 @@ first alternates per round), with client 0 alone and with all clients at once:
 * ``is_exist`` (sequential calls on existing keys), ``batch_is_exist`` (128 keys),
   ``put`` of 64 B and of 1 KiB (new keys), ``batch_put_from`` (128 keys x 64 B): each for
   ``--seconds`` per round, rate = sum over clients of calls (or keys) / own elapsed time,
-  p50/p99 per call from client 0 (the 4-client p99 from all clients' samples).
+  p50/p99 per call over every client's samples, and the master's CPU time (user + system,
+  from ``/proc``) per call or key: what the master costs, whatever share of the CPUs the
+  scheduler gave it.
 
 Prints the medians over ``--rounds``, the ratio ours/published per row, the load average, and
 writes a summary JSON (``--json``, default ``benchmarks/results/master-vs-published-DATE.json``).
@@ -71,6 +73,13 @@ def wait_port(port: int, seconds: float) -> bool:
         except OSError:
             time.sleep(0.05)
     return False
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_bytes(pid: int) -> int:
@@ -422,11 +431,14 @@ def orchestrate(args: argparse.Namespace) -> int:
                             and name == "ours"
                         ):
                             spies = profile(side, Path(args.profile), args.seconds)
+                        cpu0 = cpu_seconds(side.master.pid)
                         res = side.run(nc, {"op": op, "seconds": args.seconds})
+                        cpu = cpu_seconds(side.master.pid) - cpu0
                         for sp in spies:
                             sp.wait(30)
                         kpc = BATCH if op in ("batch_is_exist", "batch_put_from") else 1
                         s = summarize(res, kpc)
+                        s["master_cpu_us"] = cpu / max(1, sum(r["count"] for r in res)) * 1e6
                         rows.setdefault((op, nc, name), []).append(s)
                         unit = "keys/s" if kpc > 1 else "calls/s"
                         log(
@@ -447,7 +459,7 @@ def orchestrate(args: argparse.Namespace) -> int:
             row: dict[str, Any] = {"op": op, "clients": nc}
             for name in sides:
                 runs = rows.get((op, nc, name), [])
-                for m in ("rate", "p50_us", "p99_us"):
+                for m in ("rate", "p50_us", "p99_us", "master_cpu_us"):
                     row[f"{name}_{m}"] = statistics.median(r[m] for r in runs) if runs else None
                 row[f"{name}_rates"] = [round(r["rate"]) for r in runs]
                 row[f"{name}_errors"] = sum(r["errors"] for r in runs)
@@ -460,20 +472,24 @@ def orchestrate(args: argparse.Namespace) -> int:
         f"{load[2]:.2f} on {os.cpu_count()} CPUs"
     )
     hdr = f"{'op':15} {'clients':>7} " + " ".join(
-        f"{s + ' rate':>16} {'p50/p99 us':>13}" for s in sides
+        f"{s + ' rate':>16} {'p50/p99 us':>13} {'cpu us':>6}" for s in sides
     )
     hdr += "   ratio" if len(sides) == 2 else ""
     print(hdr)
     print("-" * len(hdr))
     for r in table:
         cells = " ".join(
-            f"{r[f'{s}_rate']:>16,.0f} {r[f'{s}_p50_us']:>6.0f}/{r[f'{s}_p99_us']:<6.0f}"
+            f"{r[f'{s}_rate']:>16,.0f} {r[f'{s}_p50_us']:>6.0f}/{r[f'{s}_p99_us']:<6.0f} "
+            f"{r[f'{s}_master_cpu_us']:>6.1f}"
             for s in sides
         )
         ratio = f"  {r['ratio']:5.2f}x" if "ratio" in r else ""
         errs = "".join(f"  ({s}: {r[f'{s}_errors']} errors)" for s in sides if r[f"{s}_errors"])
         print(f"{r['op']:15} {r['clients']:>7} {cells}{ratio}{errs}")
-    print("(rates: calls/s for is_exist and put, keys/s for the 128-key batches)")
+    print(
+        "(rates: calls/s for is_exist and put, keys/s for the 128-key batches; cpu us: the "
+        "master's user+system CPU per call or per key)"
+    )
     for name, m in memory.items():
         print(
             f"{name:9} master RSS per object: {m['bytes_per_object']:.0f} B "

@@ -337,6 +337,18 @@ class RpcError(StoreError):
     code = ErrorCode.RPC_FAIL
 
 
+class MasterUnreachableError(RpcError):
+    """No answer came from the master: it could not be reached, or the connection broke
+    before the answer arrived (the call may or may not have been applied; a retry with the
+    same request id is answered once). Also: no leader appeared in an HA cluster in time."""
+
+
+class NotLeaderError(StoreError):
+    """This master is a standby of an HA cluster, not its leader: it applied nothing."""
+
+    code = ErrorCode.UNAVAILABLE_IN_CURRENT_MODE
+
+
 _BY_CODE: dict[int, type[MooncakeError]] = {
     int(cls.code): cls
     for cls in (
@@ -358,6 +370,7 @@ _BY_CODE: dict[int, type[MooncakeError]] = {
         BufferOverflowError,
         UnavailableError,
         RpcError,
+        NotLeaderError,
         TierDataError,
         SegmentNotFoundError,
         InvalidArgumentError,
@@ -410,10 +423,12 @@ __all__ = [
     "InvalidReplicaError",
     "InvalidWriteError",
     "LeaseExpiredError",
+    "MasterUnreachableError",
     "MetadataError",
     "MooncakeError",
     "NoAvailableHandleError",
     "NoGpuError",
+    "NotLeaderError",
     "NotRegisteredError",
     "NotSupportedError",
     "ObjectAlreadyExistsError",

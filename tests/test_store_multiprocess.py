@@ -11,6 +11,7 @@ import ctypes
 import hashlib
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -331,18 +332,29 @@ def test_sync_fast_path_read_outliving_its_window_fails_closed(
         assert me.put("k", b"v" * 4096) == 0
         assert me.get("k") == b"v" * 4096
         real = time.monotonic
-        calls = {"n": 0}
+        late = {"on": False}
 
         class SlowClock:
             @staticmethod
             def monotonic() -> float:
-                # every second reading (the one after the copy) is 60 s later: a stalled read
-                calls["n"] += 1
-                return real() + (60.0 if calls["n"] % 2 == 0 else 0.0)
+                # every reading after the copy is 60 s later: a read that stalled in the copy
+                return real() + (60.0 if late["on"] else 0.0)
+
+        copy_out = fastpath.FastPath._copy_out
+
+        def stalled_copy(self: fastpath.FastPath, *args: Any) -> bytes | None:
+            try:
+                return copy_out(self, *args)
+            finally:
+                late["on"] = True
 
         monkeypatch.setattr(fastpath, "time", SlowClock)
+        monkeypatch.setattr(fastpath.FastPath, "_copy_out", stalled_copy)
         assert me.get("k") == b""
+        late["on"] = False
         assert me.get_into("k", buf.ctypes.data, 4096) == int(ErrorCode.LEASE_EXPIRED)
+        late["on"] = False
+        monkeypatch.setattr(fastpath.FastPath, "_copy_out", copy_out)
         assert me._store is not None and me._store.lease_fences == 2
         monkeypatch.setattr(fastpath, "time", time)
         assert me.get("k") == b"v" * 4096

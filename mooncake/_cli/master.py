@@ -23,7 +23,9 @@ import argparse
 import gc
 import logging
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +37,8 @@ from mooncake._store.master import (
     MasterServerConfig,
 )
 from mooncake.errors import InvalidArgumentError
+
+log = logging.getLogger("mooncake.master")
 
 __all__ = [
     "HaFlags",
@@ -126,6 +130,9 @@ _GFLAGS: dict[str, _Flag] = {
         "ha.snapshot_interval_seconds", lambda t: parse_duration(t, "s")
     ),
     "snapshot_log_entries": _Flag("ha.snapshot_log_entries", int),
+    "snapshot_child_timeout_seconds": _Flag(
+        "ha.snapshot_child_timeout_seconds", lambda t: parse_duration(t, "s")
+    ),
     "snapshot_retention_count": _Flag("ha.snapshot_retention_count", int),
     "snapshot_backup_dir": _Flag("ha.snapshot_backup_dir", str),
     "version": _Flag("version", _bool, True),
@@ -150,6 +157,7 @@ class HaFlags:
     enable_snapshot_restore: bool = False
     snapshot_interval_seconds: float = 600.0
     snapshot_log_entries: int = 10_000
+    snapshot_child_timeout_seconds: float = 300.0
     snapshot_retention_count: int = 2
     snapshot_backup_dir: str = ""
 
@@ -187,6 +195,7 @@ def ha_settings(flags: HaFlags, server: MasterServerConfig) -> None:
             lease_ttl=flags.ha_lease_ttl,
             snapshot_interval=flags.snapshot_interval_seconds,
             snapshot_log_entries=flags.snapshot_log_entries,
+            snapshot_child_timeout=flags.snapshot_child_timeout_seconds,
             snapshot_retention=flags.snapshot_retention_count,
             snapshot_dir=flags.snapshot_backup_dir or None,
         )
@@ -202,6 +211,7 @@ def ha_settings(flags: HaFlags, server: MasterServerConfig) -> None:
             directory=flags.snapshot_backup_dir,
             cluster_id=flags.cluster_id,
             interval=flags.snapshot_interval_seconds,
+            child_timeout=flags.snapshot_child_timeout_seconds,
             retention=flags.snapshot_retention_count,
             restore=flags.enable_snapshot_restore,
         )
@@ -348,6 +358,14 @@ def run_master(config: MasterServerConfig, *, memory_allocator: str = "offset") 
                 f"metrics={metrics} metadata={metadata}{ha}",
                 flush=True,
             )
+            if config.ha is not None and threading.current_thread() is threading.main_thread():
+                # SIGTERM stops a replicated master cleanly: it revokes its lease on the way
+                # out, so a standby takes over at once instead of after the lease TTL
+                with trio.open_signal_receiver(signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        log.info("master: SIGTERM, shutting down")
+                        nursery.cancel_scope.cancel()
+                        break
 
     try:
         trio.run(main)
@@ -479,6 +497,11 @@ def register(sub: Any) -> None:
         default=10_000,
         help="HA: also snapshot after this many log batches",
     )
+    h.add_argument(
+        "--snapshot-child-timeout-seconds",
+        default="300",
+        help="a snapshot's serializing child gets this long",
+    )
     h.add_argument("--snapshot-retention-count", type=int, default=2)
     h.add_argument("--snapshot-backup-dir", default="", help="local directory for snapshot files")
     p.add_argument("--log-level", default="INFO")
@@ -521,6 +544,7 @@ def _run_args(args: argparse.Namespace) -> int:
             enable_snapshot_restore=args.enable_snapshot_restore,
             snapshot_interval_seconds=parse_duration(args.snapshot_interval_seconds, "s"),
             snapshot_log_entries=args.snapshot_log_entries,
+            snapshot_child_timeout_seconds=parse_duration(args.snapshot_child_timeout_seconds, "s"),
             snapshot_retention_count=args.snapshot_retention_count,
             snapshot_backup_dir=args.snapshot_backup_dir,
         )

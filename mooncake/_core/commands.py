@@ -32,10 +32,11 @@ from typing import Any
 import msgspec
 
 from mooncake._core import rpc
+from mooncake._core.dedup import StaleRequestError
 from mooncake._core.master import MasterState
 from mooncake._core.misses import Miss
 from mooncake._core.store_types import MissInfo
-from mooncake.errors import InvalidArgumentError, NotSupportedError
+from mooncake.errors import ErrorCode, InvalidArgumentError, MooncakeError, NotSupportedError
 
 __all__ = [
     "HANDLERS",
@@ -235,23 +236,58 @@ def decode(method: str, params: bytes | msgspec.Raw) -> Any:
         raise InvalidArgumentError(f"bad params for {method}: {e}") from None
 
 
+def _apply_call(state: MasterState, command: Command, params: Any) -> Any:
+    if command.kind == "rpc":
+        p = params if params is not None else decode(command.method, command.params)
+        return HANDLERS[command.method](state, p, command.now)
+    scan = SCAN_APPLY.get(command.method)
+    if scan is None:
+        raise NotSupportedError(f"{command.method!r} is not a key-scan method")
+    p = params if params is not None else decode(command.method, command.params)
+    return scan(state, p, list(command.keys or ()), command.now)
+
+
+def _apply_once(state: MasterState, command: Command, params: Any, rid: bytes) -> Any:
+    """A mutating call with a request id: applied unless ``state.dedup`` has it (then nothing
+    happens: the leader answered the retry from the ledger), its reply recorded -- the framed
+    answer with id 0, so every replica's ledger holds the same bytes."""
+    try:
+        if state.dedup.lookup(rid) is not None:
+            return None
+    except StaleRequestError:
+        return None
+    try:
+        result = _apply_call(state, command, params)
+    except MooncakeError as e:
+        state.dedup.record(rid, rpc.encode_error(0, e))
+        raise
+    except Exception as e:
+        state.dedup.record(
+            rid, rpc.encode_error(0, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
+        )
+        raise
+    try:
+        state.dedup.record(rid, rpc.encode_result(0, result))
+    except InvalidArgumentError as e:  # too large for one frame: the leader answered that
+        state.dedup.record(rid, rpc.encode_error(0, e))
+    return result
+
+
 def apply(state: MasterState, command: Command, params: Any = None) -> Any:
     """Apply one command; returns the RPC result or raises the RPC's
     :class:`~mooncake.errors.MooncakeError` (internal commands return ``None``).
 
     ``params``: the already decoded params of an RPC/scan command (the leader decoded them to
-    answer); ``None`` decodes ``command.params``.
+    answer); ``None`` decodes ``command.params``. A mutating RPC/scan command with a request id
+    is applied at most once per id and its reply recorded in ``state.dedup``
+    (:mod:`mooncake._core.dedup`); a repeated one returns ``None`` and changes nothing.
     """
     kind = command.kind
-    if kind == "rpc":
-        p = params if params is not None else decode(command.method, command.params)
-        return HANDLERS[command.method](state, p, command.now)
-    if kind == "scan":
-        scan = SCAN_APPLY.get(command.method)
-        if scan is None:
-            raise NotSupportedError(f"{command.method!r} is not a key-scan method")
-        p = params if params is not None else decode(command.method, command.params)
-        return scan(state, p, list(command.keys or ()), command.now)
+    if kind == "rpc" or kind == "scan":
+        rid = command.rid if command.method in rpc.MUTATING else None
+        if rid is None:
+            return _apply_call(state, command, params)
+        return _apply_once(state, command, params, rid)
     if kind == "sweep":
         state.sweep(command.now)
         return None

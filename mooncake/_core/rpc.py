@@ -8,14 +8,25 @@ One TCP connection carries any number of frames in both directions. A frame is::
 
 The body is a msgpack array, first element a tag:
 
-* request  ``[0, id, method, params]`` -- ``id`` a client-chosen unsigned int (unique among the
-  connection's outstanding requests), ``method`` one of :data:`METHODS`, ``params`` the method's
-  params Struct encoded as a msgpack map.
+* request  ``[0, id, method, params]`` or ``[0, id, method, params, rid]`` -- ``id`` a
+  client-chosen unsigned int (unique among the connection's outstanding requests), ``method`` one
+  of :data:`METHODS`, ``params`` the method's params Struct encoded as a msgpack map. ``rid``
+  (optional, msgpack bin of :data:`RID_BYTES` bytes) is the request id: 8 random bytes naming the
+  client instance, then a big-endian u64 sequence number (>= 1) unique within that instance. A
+  client sends it on every :data:`MUTATING` call and resends the *same* ``rid`` when it retries
+  the call on another connection (or another master after a failover); the master answers a
+  ``rid`` it has already applied from its dedup ledger (:mod:`mooncake._core.dedup`) instead of
+  applying it again. A 4-element request is valid (no deduplication); a master that predates
+  ``rid`` ignores the 5th element. Non-mutating calls carry no ``rid`` (one sent is ignored).
 * response ``[1, id, code, message, result]`` -- ``code`` 0 and ``result`` the method's result
   type, or ``code`` a negative Mooncake ``ErrorCode`` (:class:`mooncake.errors.ErrorCode`),
   ``message`` a human-readable reason and ``result`` nil.
 
 Requests may be pipelined; the server may answer them out of order (match by ``id``).
+
+A master that is not the leader of an HA cluster answers every call but ``ServiceReady`` with
+``UNAVAILABLE_IN_CURRENT_MODE`` (-1011, :class:`~mooncake.errors.NotLeaderError`), applying
+nothing; the client re-resolves the leader and retries.
 
 Errors: a frame whose header announces more than ``max_frame`` bytes, or whose body is not a
 request/response array, raises :class:`~mooncake.errors.ProtocolError` from the decoder; the
@@ -117,6 +128,8 @@ from mooncake.errors import (
 
 VERSION = 1
 HEADER = struct.Struct(">I")
+RID_BYTES = 16
+"""Length of a request id: 8 bytes of client instance, 8 bytes of big-endian sequence number."""
 DEFAULT_MAX_FRAME = 64 << 20
 """Default bound on one frame's body (64 MiB: a batch of ~10k keys of 4 KiB each fits)."""
 
@@ -385,11 +398,14 @@ METHODS: dict[str, MethodSpec] = {
 
 
 class Request(msgspec.Struct, tag=0, array_like=True, frozen=True):
-    """A decoded request; ``params`` still raw (decode with :func:`decode_params`)."""
+    """A decoded request; ``params`` still raw (decode with :func:`decode_params`).
+
+    ``rid``: the request id of a mutating call (None in a 4-element frame)."""
 
     id: int
     method: str
     params: msgspec.Raw
+    rid: bytes | None = None
 
 
 class Response(msgspec.Struct, tag=1, array_like=True, frozen=True):
@@ -405,6 +421,13 @@ class _OutRequest(msgspec.Struct, tag=0, array_like=True):
     id: int
     method: str
     params: Any
+
+
+class _OutRequestRid(msgspec.Struct, tag=0, array_like=True):
+    id: int
+    method: str
+    params: Any
+    rid: bytes
 
 
 class _OutResponse(msgspec.Struct, tag=1, array_like=True):
@@ -428,9 +451,15 @@ def _frame(body: bytes, max_frame: int) -> bytes:
 
 
 def encode_request(
-    req_id: int, method: str, params: msgspec.Struct, *, max_frame: int = DEFAULT_MAX_FRAME
+    req_id: int,
+    method: str,
+    params: msgspec.Struct,
+    *,
+    max_frame: int = DEFAULT_MAX_FRAME,
+    rid: bytes | None = None,
 ) -> bytes:
-    """One framed request. ``params`` must be the method's params Struct."""
+    """One framed request. ``params`` must be the method's params Struct; ``rid`` (a
+    :data:`RID_BYTES`-byte request id, see :func:`make_rid`) makes it a 5-element frame."""
     spec = METHODS.get(method)
     if spec is None:
         raise InvalidArgumentError(f"unknown master RPC method {method!r}")
@@ -440,7 +469,50 @@ def encode_request(
         )
     if not 0 <= req_id <= _MAX_ID:
         raise InvalidArgumentError(f"request id {req_id} out of range")
-    return _frame(_encoder.encode(_OutRequest(req_id, method, params)), max_frame)
+    if rid is None:
+        return _frame(_encoder.encode(_OutRequest(req_id, method, params)), max_frame)
+    check_rid(rid)
+    return _frame(_encoder.encode(_OutRequestRid(req_id, method, params, rid)), max_frame)
+
+
+def make_rid(instance: bytes, seq: int) -> bytes:
+    """The request id for call number ``seq`` (>= 1) of client instance ``instance`` (8 bytes)."""
+    if len(instance) != 8 or not 1 <= seq <= _MAX_ID:
+        raise InvalidArgumentError(
+            "a request id is an 8-byte instance and a sequence in [1, 2**64)"
+        )
+    return instance + seq.to_bytes(8, "big")
+
+
+def check_rid(rid: bytes) -> None:
+    """Raise :class:`InvalidArgumentError` unless ``rid`` is a well-formed request id."""
+    if len(rid) != RID_BYTES or rid[8:] == bytes(8):
+        raise InvalidArgumentError(
+            f"request id must be {RID_BYTES} bytes (8 instance + u64 sequence >= 1), "
+            f"got {len(rid)} bytes"
+        )
+
+
+def canonical_reply(frame: bytes) -> bytes:
+    """A framed response with its id set to 0: the form a dedup ledger records, the same bytes
+    on every replica (``encode_result(0, r)`` / ``encode_error(0, e)`` give it directly)."""
+    msg = _message_decoder.decode(memoryview(frame)[HEADER.size :])
+    if not isinstance(msg, Response):
+        raise InvalidArgumentError("not a framed response")
+    if msg.id == 0:
+        return bytes(frame)
+    return _frame(_encoder.encode(_OutResponse(0, msg.code, msg.message, msg.result)), 1 << 32)
+
+
+def encode_reply(req_id: int, recorded: bytes, *, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    """A recorded framed response (the dedup ledger's value) re-sent under ``req_id``: same
+    code, message and result, the id of the request it now answers."""
+    msg = _message_decoder.decode(memoryview(recorded)[HEADER.size :])
+    if not isinstance(msg, Response):
+        raise InvalidArgumentError("a recorded reply must be a framed response")
+    return _frame(
+        _encoder.encode(_OutResponse(req_id, msg.code, msg.message, msg.result)), max_frame
+    )
 
 
 def encode_result(req_id: int, result: Any, *, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
@@ -587,11 +659,56 @@ class MessageDecoder:
 #: methods the connection itself answers (authentication), not the master's state
 AUTH_METHODS = frozenset({"AuthHello", "AuthProve"})
 
+#: methods that change the master's state: the client sends a ``rid`` with each, the master
+#: deduplicates them by it (a retry is answered, not applied twice). Everything else is a read,
+#: a lease grant or a heartbeat, harmless to repeat.
+MUTATING = frozenset(
+    {
+        "MountSegment",
+        "ReMountSegment",
+        "UnmountSegment",
+        "PutStart",
+        "PutEnd",
+        "PutRevoke",
+        "UpsertStart",
+        "UpsertEnd",
+        "UpsertRevoke",
+        "BatchPutStart",
+        "BatchPutEnd",
+        "BatchPutRevoke",
+        "BatchUpsertStart",
+        "BatchUpsertEnd",
+        "BatchUpsertRevoke",
+        "Remove",
+        "BatchRemove",
+        "RemoveByRegex",
+        "RemoveAll",
+        "BatchReplicaClear",
+        "CreateCopyTask",
+        "CreateMoveTask",
+        "FetchTasks",
+        "TaskStart",
+        "TaskEnd",
+        "TaskRevoke",
+        "MountLocalDisk",
+        "FetchTierTasks",
+        "DemoteEnd",
+        "DemoteRevoke",
+        "PromoteStart",
+        "PromoteEnd",
+        "PromoteRevoke",
+        "EvictDiskReplica",
+        "PutLocal",
+    }
+)
+
 __all__ = [
     "AUTH_METHODS",
     "DEFAULT_MAX_FRAME",
     "HEADER",
     "METHODS",
+    "MUTATING",
+    "RID_BYTES",
     "VERSION",
     "AuthChallenge",
     "AuthHelloParams",
@@ -623,9 +740,13 @@ __all__ = [
     "TaskParams",
     "TaskRevokeParams",
     "UnmountSegmentParams",
+    "canonical_reply",
+    "check_rid",
     "decode_params",
     "decode_result",
     "encode_error",
+    "encode_reply",
     "encode_request",
     "encode_result",
+    "make_rid",
 ]

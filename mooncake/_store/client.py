@@ -149,6 +149,7 @@ class Store(_Admin):
             await self._start_ssd()
             tg.start_soon(self._tier_loop)
         tg.start_soon(self._heartbeat)
+        tg.start_soon(self.master.follow)  # an HA address: follow the leader key
         if self.mounted is not None:
             tg.start_soon(self._task_loop)
 
@@ -172,7 +173,7 @@ class Store(_Admin):
     async def _heartbeat(self) -> None:
         params = rpc.ClientParams(client_id=self.client_id)
         while True:
-            await anyio.sleep(HEARTBEAT_S)
+            await self.master.sleep_or_leader_change(HEARTBEAT_S)
             try:
                 resp: st.PingResponse = await self.master.call("Ping", params)
                 if resp.client_status == st.ClientStatus.NEED_REMOUNT and (
@@ -196,6 +197,8 @@ class Store(_Admin):
                 except MooncakeError as e:
                     log.warning("unmounting from the master failed: %s", e)
             self._release_extra()
+            with anyio.move_on_after(2):
+                await self.master.aclose()
             self.master.close()
             self._shm.close()
             dm, self.device_segment = self.device_segment, None
@@ -236,6 +239,10 @@ async def open_store(
     metrics_port: int | None = None,
 ) -> AsyncIterator[Store]:
     """Connect to the master at ``master``, mount a segment and yield a :class:`Store`.
+
+    ``master`` is ``host:port``, or ``etcd://host:port[;host:port...]`` for an HA cluster of
+    masters: the client reads the leader from etcd (cluster id ``MC_STORE_CLUSTER_ID``), follows
+    it across failovers and retries calls in flight there (:mod:`mooncake._store.master_conn`).
 
     ``segment_size`` 0 makes a pure client (contributes no memory); ``local_buffer_size`` 0
     disables the copying APIs' staging for remote replicas. ``hostname`` is this client's
@@ -309,6 +316,8 @@ async def _open_with_engine(
             if hasattr(store, "_shm"):
                 await store._aclose()
             else:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                    await store.master.aclose()
                 store.master.close()
             if store.metrics is not None:
                 eng.metrics_registry.unregister(store.metrics)

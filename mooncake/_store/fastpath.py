@@ -46,17 +46,19 @@ from mooncake._store.writes import UPSERT_WAIT_S
 from mooncake.errors import (
     LeaseExpiredError,
     MooncakeError,
+    NotLeaderError,
     ObjectAlreadyExistsError,
     ObjectNotFoundError,
     PeerDiedError,
     ProtocolError,
     ReplicaNotReadyError,
-    RpcError,
     TransferError,
+    UnavailableError,
 )
 
 if TYPE_CHECKING:
     from mooncake._store.client import Store
+    from mooncake._store.master_conn import MasterConnection
     from mooncake._sync import LoopThread
 
 #: values up to this size take the fast path (larger copies belong in worker threads)
@@ -66,22 +68,27 @@ T = TypeVar("T")
 
 
 class SyncMaster:
-    """A blocking master RPC connection for one thread."""
+    """A blocking master RPC connection for one thread, beside the store's async one.
 
-    def __init__(self, host: str, port: int) -> None:
-        self._addr = (host, port)
+    It talks to the master the async connection resolved (the leader, for an HA address) and
+    sends the same request ids. When it loses its connection, or a standby answers, it hands
+    the call -- with the request id it already sent -- to the async connection on the loop,
+    whose retry rules (one reconnect; an HA cluster: follow the leader) finish it.
+    """
+
+    def __init__(self, master: MasterConnection, loop: LoopThread) -> None:
+        self._master = master
+        self._loop = loop
         self._sock: socket.socket | None = None
         self._dec = rpc.MessageDecoder()
         self._ids = itertools.count(1)
         self._rbuf = memoryview(bytearray(1 << 16))  # recv_into: no allocation per answer
 
     def _connect(self) -> socket.socket:
-        try:
-            sock = socket.create_connection(self._addr, timeout=RPC_TIMEOUT_S)
-        except OSError as e:
-            raise RpcError(
-                f"cannot reach the master at {self._addr[0]}:{self._addr[1]}: {e}"
-            ) from None
+        m = self._master
+        if not m.port:  # an HA address not resolved yet: let the loop do it
+            raise OSError("the leader is not resolved yet")
+        sock = socket.create_connection((m.host, m.port), timeout=RPC_TIMEOUT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
         self._dec = rpc.MessageDecoder()
@@ -92,12 +99,16 @@ class SyncMaster:
             self._sock.close()
             self._sock = None
 
-    def call(self, method: str, params: msgspec.Struct) -> Any:
-        """One request, answered on this connection; the master's errors raise their class."""
-        sock = self._sock or self._connect()
-        req_id = next(self._ids)
+    def call(self, method: str, params: msgspec.Struct, stamp: list[float] | None = None) -> Any:
+        """One request, answered on this connection; the master's errors raise their class.
+        ``stamp`` as :meth:`MasterConnection.call` (``time.monotonic()``, the loop's clock)."""
+        rid = self._master.next_rid() if method in rpc.MUTATING else None
         try:
-            sock.sendall(rpc.encode_request(req_id, method, params))
+            sock = self._sock or self._connect()
+            req_id = next(self._ids)
+            if stamp is not None:
+                stamp[0] = time.monotonic()
+            sock.sendall(rpc.encode_request(req_id, method, params, rid=rid))
             while True:
                 msg = self._dec.next_message()
                 if msg is None:
@@ -108,10 +119,15 @@ class SyncMaster:
                 elif isinstance(msg, rpc.Response) and msg.id == req_id:
                     break
                 # else: the late answer of an interrupted call; skip it
-        except (OSError, ProtocolError) as e:
+            return rpc.decode_result(method, msg)
+        except (OSError, ProtocolError):
             self.close()
-            raise RpcError(f"master RPC {method} failed: {e}") from None
-        return rpc.decode_result(method, msg)
+        except (NotLeaderError, UnavailableError):
+            if self._master.resolver is None:
+                raise
+            self.close()
+        resumed: Any = self._loop.call(self._master.call, method, params, rid, stamp)
+        return resumed
 
 
 @instrument_fast
@@ -129,7 +145,7 @@ class FastPath:
     def _master(self) -> SyncMaster:
         m: SyncMaster | None = getattr(self._local, "master", None)
         if m is None:
-            m = SyncMaster(self.store.master.host, self.store.master.port)
+            m = SyncMaster(self.store.master, self.loop)
             self._local.master = m
             with self._lock:
                 self._conns.append(m)
@@ -222,15 +238,17 @@ class FastPath:
     # -- get ------------------------------------------------------------------------------
 
     def _query(self, key: str) -> tuple[st.GetReplicaListResponse, float]:
-        t0 = time.monotonic()
+        stamp = [time.monotonic()]
         try:
             resp: st.GetReplicaListResponse = self._master().call(
-                "GetReplicaList", rpc.KeyParams(key=key)
+                "GetReplicaList", rpc.KeyParams(key=key), stamp
             )
         except ObjectNotFoundError as e:
             e.miss = parse_miss(key, str(e))
             raise
-        return check_replica_list(key, resp), t0 + (resp.read_ttl_ms or resp.lease_ttl_ms) / 1000.0
+        return check_replica_list(key, resp), stamp[0] + (
+            resp.read_ttl_ms or resp.lease_ttl_ms
+        ) / 1000.0
 
     def _copy_out(self, resp: st.GetReplicaListResponse, n: int, into: int | None) -> bytes | None:
         """Copy the object from the cheapest memcpy-able replica; None if there is none."""
@@ -501,10 +519,11 @@ class FastPath:
         from mooncake.errors import InvalidArgumentError, error_from_code
 
         s = self.store
-        t0 = time.monotonic()
+        stamp = [time.monotonic()]
         items: list[rpc.Item[st.GetReplicaListResponse]] = self._master().call(
-            "BatchGetReplicaList", rpc.KeysParams(keys=keys, for_read=True)
+            "BatchGetReplicaList", rpc.KeysParams(keys=keys, for_read=True), stamp
         )
+        t0 = stamp[0]
         if len(items) != len(keys):
             raise ProtocolError(
                 f"BatchGetReplicaList answered {len(items)} results for {len(keys)} keys"

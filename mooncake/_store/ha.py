@@ -94,6 +94,7 @@ class HaConfig:
     """Seconds entries nobody waits for (sweeps, lease-only calls) may wait for a txn."""
     snapshot_interval: float = 600.0
     snapshot_log_entries: int = 10_000
+    snapshot_child_timeout: float = 300.0
     snapshot_retention: int = 2
     snapshot_dir: str | None = None
     """Also keep snapshot copies in this local directory."""
@@ -217,6 +218,10 @@ class HaNode:
     @property
     def barrier(self) -> int:
         return self._barrier
+
+    def mark_mutated(self) -> None:
+        self._barrier = self._ticket
+        self._flush_now.set()
 
     async def wait_durable(self, ticket: int) -> bool:
         epoch = self._epoch
@@ -522,7 +527,10 @@ class HaNode:
                 self._snap_last = now
                 if seq > self.snapshot_seq:
                     try:  # forked here: the child sees the state exactly "after seq"
-                        snap = (seq, ForkedSnapshot(self.server.state.snapshot), self.server.now())
+                        child = ForkedSnapshot(
+                            self.server.state.snapshot, cfg.snapshot_child_timeout
+                        )
+                        snap = (seq, child, self.server.now())
                         self._snap_busy = True
                     except Exception:
                         log.exception("master HA: serializing the state failed")

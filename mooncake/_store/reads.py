@@ -52,10 +52,11 @@ class _Reads(_Writes):
     async def _query(
         self, key: str, *, for_read: bool = True
     ) -> tuple[st.GetReplicaListResponse, float]:
-        """GetReplicaList and the read's fence deadline (measured from before the request)."""
-        t0 = anyio.current_time()
+        """GetReplicaList and the read's fence deadline (measured from before the request; for a
+        retried request, from before the attempt that was answered)."""
         try:
-            resp: st.GetReplicaListResponse = await self.master.call(
+            resp: st.GetReplicaListResponse
+            resp, t0 = await self.master.call_stamped(
                 "GetReplicaList", rpc.KeyParams(key=_check_key(key), for_read=for_read)
             )
         except ObjectNotFoundError as e:
@@ -68,8 +69,8 @@ class _Reads(_Writes):
     ) -> tuple[list[st.GetReplicaListResponse | MooncakeError], float]:
         from mooncake.errors import error_from_code
 
-        t0 = anyio.current_time()
-        items: list[rpc.Item[st.GetReplicaListResponse]] = await self.master.call(
+        items: list[rpc.Item[st.GetReplicaListResponse]]
+        items, t0 = await self.master.call_stamped(
             "BatchGetReplicaList", rpc.KeysParams(keys=list(keys), for_read=for_read)
         )
         out: list[st.GetReplicaListResponse | MooncakeError] = []

@@ -286,6 +286,7 @@ class SnapshotConfig:
     interval: float = 600.0
     retention: int = 2
     restore: bool = False
+    child_timeout: float = 300.0
 
 
 async def restore_local(store: DirSnapshots, config: Any) -> tuple[Any, float] | None:
@@ -300,7 +301,9 @@ async def restore_local(store: DirSnapshots, config: Any) -> tuple[Any, float] |
     return MasterState.restore(snap.data, config), snap.last_now
 
 
-async def snapshot_loop(server: Any, store: DirSnapshots, interval: float) -> None:
+async def snapshot_loop(
+    server: Any, store: DirSnapshots, interval: float, child_timeout: float = 300.0
+) -> None:
     """Every ``interval`` seconds: the server's state to ``store`` (seq counts up)."""
     seq = max(store.seqs(), default=0)
     while True:
@@ -308,7 +311,7 @@ async def snapshot_loop(server: Any, store: DirSnapshots, interval: float) -> No
         seq += 1
         try:
             now = server.now()  # the child sees the state as of this instant
-            child = ForkedSnapshot(server.state.snapshot)
+            child = ForkedSnapshot(server.state.snapshot, child_timeout)
             snap = Snapshot(seq, await child.result(), now)
             await store.write(snap)
             server.last_snapshot_seq = seq

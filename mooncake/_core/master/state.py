@@ -8,6 +8,7 @@ import pickle
 import random
 from collections import deque
 
+from mooncake._core.dedup import DedupLedger
 from mooncake._core.master.config import MasterConfig, MasterStats
 from mooncake._core.master.leases import _Leases
 from mooncake._core.master.objects import _Objects
@@ -68,6 +69,9 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         self._demoting_bytes = 0
         self.misses = MissLedger()
         """How lost keys were lost; classifies every GetReplicaList miss."""
+        self.dedup = DedupLedger()
+        """Replies of mutating calls by request id (:mod:`mooncake._core.dedup`): replicated
+        state, so a retry across a failover is answered, not applied twice."""
         self.tiers = {"dram": TierCounters(), "ssd": TierCounters()}
         """Per-tier counters as the master sees them (SSD reads themselves are counted by the
         owning client)."""
