@@ -10,16 +10,18 @@ heard from again.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 from mooncake._core import rpc
-from mooncake._store.fastpath import SyncMaster
 from mooncake.errors import ClientNotFoundError, ErrorCode
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 from tests.helpers.store_client_driver import value
@@ -60,6 +62,31 @@ def wait_until(pred, what: str, limit: float = 30.0) -> None:  # type: ignore[no
         if time.monotonic() > end:
             pytest.fail(f"gave up waiting for {what}")
         time.sleep(0.05)
+
+
+class RawClient:
+    """A bare blocking RPC connection to the master (no store client behind it)."""
+
+    def __init__(self, address: str) -> None:
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=30)
+        self.dec = rpc.MessageDecoder()
+        self.ids = itertools.count(1)
+
+    def call(self, method: str, params: Any) -> Any:
+        rid = next(self.ids)
+        self.sock.sendall(rpc.encode_request(rid, method, params))
+        while True:
+            msg = self.dec.next_message()
+            if msg is None:
+                data = self.sock.recv(1 << 16)
+                assert data, "the master closed the connection"
+                self.dec.feed(data)
+            elif isinstance(msg, rpc.Response) and msg.id == rid:
+                return rpc.decode_result(method, msg)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def fill(holder: Client, n: int) -> list[str]:
@@ -151,8 +178,7 @@ def test_a_hostile_report_costs_a_live_holder_one_heartbeat_and_is_not_heard_aga
     holder = Client(master.address, 16)
     me = reader(master.address)
     buf = Buf(me)
-    host, port = master.address.rsplit(":", 1)
-    liar = SyncMaster(host, int(port))
+    liar = RawClient(master.address)
     try:
         keys = fill(holder, 4)
         report = rpc.SegmentFailureParams(
