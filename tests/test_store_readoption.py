@@ -95,10 +95,12 @@ def test_ssd_objects_survive_a_master_restart_then_a_holder_restart(
         port = probe.getsockname()[1]
     ssd = str(tmp_path / "ssd")
     masters = [Master("--rpc-port", str(port), "--client-ttl", "3")]
-    holder = Client(masters[0].address, 4, 16, ssd=ssd)
-    me = store(masters[0].address, 0)  # a pure client: everything lands on the holder
+    holder: Client | None = None
+    me: MooncakeDistributedStore | None = None
     load: Load | None = None
     try:
+        holder = Client(masters[0].address, 4, 16, ssd=ssd)
+        me = store(masters[0].address, 0)  # a pure client: everything lands on the holder
         keys = [f"k{i}" for i in range(40)]
         for i, k in enumerate(keys):
             # a full segment frees space as its demotions to the SSD are confirmed
@@ -138,7 +140,9 @@ def test_ssd_objects_survive_a_master_restart_then_a_holder_restart(
     finally:
         if load is not None:
             load.close()
-        me.close()
-        holder.stop()
+        if me is not None:
+            me.close()
+        if holder is not None:
+            holder.stop()
         for m in masters:
             m.stop()
