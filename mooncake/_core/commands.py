@@ -126,6 +126,7 @@ LEASE_ONLY = frozenset(
         "GetReplicaListByRegex",
         "ExistKey",
         "BatchExistKey",
+        "ReportSegmentFailure",  # a hint: lost with a failover, the next failure reports again
     }
 )
 #: change nothing: never logged (a standby could answer them, but refuses to: it may lag)
@@ -168,7 +169,9 @@ Handler = Callable[[MasterState, Any, float], Any]
 HANDLERS: dict[str, Handler] = {
     "ServiceReady": lambda s, p, now: rpc.VERSION,
     "Ping": lambda s, p, now: s.ping(p.client_id, now),
-    "MountLocalDisk": lambda s, p, now: s.mount_local_disk(p.client_id, p.capacity, now),
+    "MountLocalDisk": lambda s, p, now: s.mount_local_disk(
+        p.client_id, p.capacity, now, tier_id=p.tier_id
+    ),
     "FetchTierTasks": lambda s, p, now: s.fetch_tier_tasks(p.client_id, now),
     "DemoteEnd": lambda s, p, now: s.demote_end(p.client_id, p.key, p.vid, now),
     "DemoteRevoke": lambda s, p, now: s.demote_revoke(p.client_id, p.key, p.vid, now),
@@ -182,6 +185,9 @@ HANDLERS: dict[str, Handler] = {
     "ExplainMiss": lambda s, p, now: _miss_info(s.explain_miss(p.key)),
     "GetTierStats": lambda s, p, now: {t: c.as_dict() for t, c in s.tiers.items()},
     "GetSegmentTiers": lambda s, p, now: s.segment_tiers(),
+    "ReportSegmentFailure": lambda s, p, now: s.report_segment_failure(
+        p.client_id, p.segment_name, p.reason, now
+    ),
     "MountSegment": lambda s, p, now: s.mount_segment(p.client_id, p.segment, now),
     "ReMountSegment": lambda s, p, now: s.remount_segments(p.client_id, p.segments, now),
     "UnmountSegment": lambda s, p, now: s.unmount_segment(p.client_id, p.segment_id, now),

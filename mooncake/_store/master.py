@@ -733,6 +733,20 @@ class _MasterCollector(Collector):
             "Time the master could not serve, credited to every client's TTL",
             st.stall_seconds,
         )
+        q = s.quarantine.stats
+        for name, doc, value in (
+            ("reports", "Transfer failures to a segment reported by clients", q.reports),
+            ("started", "Segments quarantined on a client's report", q.started),
+            ("ignored", "Reports ignored (reporter refuted on that segment)", q.ignored),
+            ("lifted", "Quarantines lifted by the holder's heartbeat", q.lifted),
+            ("ended", "Quarantines ended with the segment (owner expired)", q.ended),
+        ):
+            yield counter(f"master_quarantine_{name}", doc, value)
+        yield GaugeMetricFamily(
+            "master_quarantined_segments",
+            "Segment names quarantined now",
+            value=len(s.quarantine.names),
+        )
         yield counter(
             "master_rpc_deduplicated",
             "Retried mutating calls answered from the dedup ledger, not applied again",
