@@ -66,7 +66,7 @@ class _Tiers(_StateBase):
             ver = obj.readable if obj is not None else None
             if ver is None or old_id not in ver.disk:
                 continue
-            ver.disk = [c for c in ver.disk if c not in (old_id, new_id)] + [new_id]
+            ver.disk = (*(c for c in ver.disk if c not in (old_id, new_id)), new_id)
             new.ssd_keys.add(key)
         new.stale_ssd.update(d.key for d in old.disk_drops)
         new.disk_drops += old.disk_drops
@@ -257,7 +257,7 @@ class _Tiers(_StateBase):
             if ver is not None and client_id in ver.disk:  # adopted from a previous instance
                 if ver.size == size:
                     return ver.vid
-                ver.disk.remove(client_id)
+                ver.disk = tuple(c for c in ver.disk if c != client_id)
                 client.ssd_keys.discard(key)
                 if not ver.replicas and not ver.disk:
                     self._drop_object(obj, now)
