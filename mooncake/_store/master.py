@@ -773,7 +773,7 @@ class _MasterCollector(Collector):
         ):
             if name in ha:
                 yield gauge(f"master_ha_{name}", doc, float(ha[name]))
-        for name in ("stepdowns", "elections_won", "batches", "apply_errors"):
+        for name in ("stepdowns", "elections_won", "batches", "apply_errors", "early_revokes"):
             if name in ha:
                 yield counter(f"master_ha_{name}", f"HA {name.replace('_', ' ')}", ha[name])
         misses = CounterMetricFamily(
