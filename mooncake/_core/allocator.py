@@ -24,6 +24,7 @@ the two sorted free-block indexes, F the number of free blocks.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 
 from mooncake.errors import InvalidArgumentError
 
@@ -74,6 +75,11 @@ class OffsetAllocator:
         return self._used
 
     @property
+    def alignment(self) -> int:
+        """Extents start at multiples of this from ``base`` and are rounded up to it."""
+        return self._alignment
+
+    @property
     def capacity(self) -> int:
         """Bytes the segment has (``size``)."""
         return self.size
@@ -108,7 +114,8 @@ class OffsetAllocator:
         if length <= 0:
             raise InvalidArgumentError(f"allocation length must be positive, got {length}")
         a = self._alignment
-        need = (length + a - 1) & ~(a - 1)
+        # an aligned length is its own extent: keep that int (one object fewer per extent)
+        need = length if not length & (a - 1) else (length + a - 1) & ~(a - 1)
         i = bisect.bisect_left(self._by_size, (need, -1))
         if i == len(self._by_size):
             return None
@@ -183,6 +190,32 @@ class OffsetAllocator:
             prev_free = is_free
             pos = s + n
         assert pos <= self.base + self.size
+
+    @classmethod
+    def restore(
+        cls,
+        base: int,
+        size: int,
+        alignment: int,
+        *,
+        allocated: Iterable[tuple[int, int]],
+        free: Iterable[tuple[int, int]],
+        used: int,
+    ) -> OffsetAllocator:
+        """An allocator in exactly the state described: ``allocated`` extents and ``free``
+        blocks as ``(start, length)`` (free blocks in address order), ``used`` bytes (a
+        snapshot's; :meth:`self_check` verifies the result)."""
+        a = cls(base, size, alignment=alignment)
+        a._allocated = dict(allocated)
+        a._free = dict(free)
+        a._starts = list(a._free)
+        a._by_size = sorted((n, s) for s, n in a._free.items())
+        a._used = used
+        return a
+
+    def state(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], int]:
+        """``(allocated, free, used)`` as :meth:`restore` takes them."""
+        return list(self._allocated.items()), self.free_blocks(), self._used
 
     # -- internals -------------------------------------------------------------------------
 

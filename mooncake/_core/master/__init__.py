@@ -5,6 +5,10 @@ RPC (:mod:`mooncake._core.rpc`). Methods are synchronous, never block and take `
 on the caller's clock; the server passes the event loop's clock, tests a ``MockClock``). They
 return the RPC result or raise a :class:`~mooncake.errors.StoreError` subclass carrying the
 Mooncake error code. The master never touches object bytes; it hands out address ranges.
+``now`` never decreases from one call to the next (the loop clock, or the replicated log's
+clock, which never goes below the last applied ``now``): time-driven work
+(:meth:`MasterState.sweep`) looks only at the expired heads of deadline-ordered queues, never at
+every object.
 
 Model
 -----
@@ -31,7 +35,9 @@ Model
   and in :meth:`MasterState.sweep`) or when an allocation fails. It frees
   ``max(eviction_ratio, used_ratio - watermark + eviction_ratio)`` of the capacity, asking the
   policy (:mod:`mooncake._core.policies`, LRU by default) for victims among objects that are
-  readable, have no pending write, no lease and no hard pin.
+  readable, have no pending write, no lease and no hard pin. A run proceeds in rounds of at
+  most ``eviction_round_objects`` victims (each sweep makes one until the run's goal is met;
+  a PutStart over the watermark makes a smaller one), so no call does unbounded work.
 * **Zombie writes**: a pending write older than ``put_start_discard_timeout`` may be pre-empted
   by a new PutStart of the same key; its space is released ``put_start_release_timeout`` after
   its PutStart (the writer might still be writing into it until then). :meth:`sweep` also

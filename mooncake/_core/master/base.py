@@ -8,7 +8,7 @@ constructor), and so are, for the type checker, the methods one part calls in an
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 from mooncake._core.master.config import MasterConfig, MasterStats
@@ -16,8 +16,11 @@ from mooncake._core.master.records import (
     KeySet,
     _Client,
     _Deferred,
+    _Demote,
     _InUse,
     _Object,
+    _Pending,
+    _Promote,
     _Replica,
     _Seg,
     _Task,
@@ -46,10 +49,13 @@ class _StateBase:
     _seg_list: list[_Seg]
     _clients: dict[str, _Client]
     _deferred: list[_Deferred]
+    _defer_seq: int
     _in_use: dict[str, tuple[Segment, _InUse]]
     _soft_pinned: KeySet
-    _writing: KeySet
-    _moving: KeySet
+    _writing: OrderedDict[str, _Pending]
+    _demotions: OrderedDict[str, _Demote]
+    _promotions: OrderedDict[str, _Promote]
+    _pin_heap: list[tuple[float, str]]
     _tasks: dict[str, _Task]
     _groups: dict[str, KeySet]
     _active_tasks: dict[str, _Task]
@@ -59,12 +65,16 @@ class _StateBase:
     _next_vid: int
     _next_task: int
     _demoting_bytes: int
+    _evict_goal: int
+    _put_round: int
 
     if TYPE_CHECKING:
         # Implemented by the parts; declared here so that each part type-checks on its own.
         def _allocate(self, size: int, config: ReplicateConfig) -> list[_Replica]: ...
         def _clear_demoting(self, obj: _Object) -> None: ...
         def _demotion_owner(self, ver: _Version) -> _Replica | None: ...
+        def _defer(self, until: float, reps: list[_Replica]) -> None: ...
+        def _pin_soft(self, key: str, deadline: float) -> None: ...
         def _drop_object(self, obj: _Object, now: float) -> None: ...
         def _end_tier_moves(self, obj: _Object) -> None: ...
         def _fail_task(self, task: _Task, message: str) -> None: ...
@@ -80,5 +90,5 @@ class _StateBase:
         def _touch_client(self, client_id: str, now: float) -> _Client: ...
         def _unlink(self, key: str, ver: _Version) -> None: ...
         def _untrack(self, obj: _Object) -> None: ...
-        def evict(self, now: float, need: int = 0) -> int: ...
+        def evict(self, now: float, need: int = 0, *, limit: int | None = None) -> int: ...
         def readable_keys(self) -> list[str]: ...

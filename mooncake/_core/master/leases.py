@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 
 from mooncake._core.master.base import _StateBase
@@ -156,8 +157,31 @@ class _Leases(_StateBase):
             add(1)
         return out
 
+    def _pin_soft(self, key: str, deadline: float) -> None:
+        """``key`` is soft-pinned until ``deadline`` (expired by :meth:`_expire_soft_pins`).
+
+        The heap keeps entries of keys unpinned since (checked when they come up); when they
+        outnumber the live pins it is rebuilt from those, so it stays O(live pins).
+        """
+        self._soft_pinned.add(key)
+        heap = self._pin_heap
+        heapq.heappush(heap, (deadline, key))
+        if len(heap) > 2 * len(self._soft_pinned) + 1024:
+            live = []
+            for k in self._soft_pinned:
+                o = self._objects.get(k)
+                if o is not None and o.soft_pin_deadline is not None:
+                    live.append((o.soft_pin_deadline, k))
+            heapq.heapify(live)
+            self._pin_heap = live
+
     def _expire_soft_pins(self, now: float) -> None:
-        for key in list(self._soft_pinned):
+        """Unpin soft pins past their deadline: the deadline heap's expired head only."""
+        heap = self._pin_heap
+        while heap and heap[0][0] <= now:
+            _, key = heapq.heappop(heap)
+            if key not in self._soft_pinned:
+                continue  # unpinned, removed or replaced since
             obj = self._objects.get(key)
             if obj is None or obj.soft_pin_deadline is None:
                 self._soft_pinned.discard(key)
@@ -167,9 +191,16 @@ class _Leases(_StateBase):
                 if key in self.policy:
                     self.policy.set_pin(key, Pin.NONE)
 
-    def evict(self, now: float, need: int = 0) -> int:
+    def evict(self, now: float, need: int = 0, *, limit: int | None = None) -> int:
         """Evict objects (policy order) to bring usage under the watermark, or to free ``need``
-        bytes; returns the bytes freed. Never evicts leased, pinned-hard, or written objects."""
+        bytes; returns the bytes freed. Never evicts leased, pinned-hard, or written objects.
+
+        An eviction *run* frees ``max(eviction_ratio, used_ratio - watermark +
+        eviction_ratio)`` of the capacity, in rounds: one call evicts at most ``limit`` objects
+        (default ``eviction_round_objects``), and the rest of the run's goal is left to the
+        next calls (every :meth:`sweep` makes one; a PutStart over the watermark a smaller
+        one), so no call does unbounded work however many objects a run has to go.
+        """
         cap = self._capacity
         if cap == 0:
             return 0
@@ -179,9 +210,18 @@ class _Leases(_StateBase):
         # every put would push another victim into demotion.
         pending = self._demoting_bytes
         used = self._used - pending
-        target = max(int(ratio * cap), int(used - wm * cap + ratio * cap), need) - pending
+        if self._evict_goal <= 0:  # a new run
+            self._evict_goal = max(int(ratio * cap), int(used - wm * cap + ratio * cap)) - pending
+        target = max(self._evict_goal, need - pending)
         if target <= 0:
+            self._evict_goal = 0
             return 0
+        if limit is None:
+            limit = self.config.eviction_round_objects
+        # Ask the policy for about ``limit`` objects' worth (by the mean tracked size), so it
+        # neither walks nor returns more than one round needs.
+        n = len(self.policy)
+        ask = min(target, max(need - pending, limit * (self.policy.total_bytes // n))) if n else 0
         allow_soft = self.config.allow_evict_soft_pinned_objects
         objects = self._objects
 
@@ -202,7 +242,10 @@ class _Leases(_StateBase):
         self.stats.eviction_runs += 1
         freed = 0
         policy = self.policy.name
-        for key in self.policy.victims(target, can_evict):
+        victims = self.policy.victims(ask, can_evict)
+        truncated = len(victims) > limit
+        del victims[limit:]  # the policy keeps tracking those left for the next round
+        for key in victims:
             obj = objects[key]  # type: ignore[index]
             ver = obj.readable
             assert ver is not None
@@ -220,4 +263,13 @@ class _Leases(_StateBase):
                 continue
             self._drop_object(obj, now)
             self.misses.record_eviction(key, policy=policy, tier="dram", now=now)
+        # The run goes on next round while there is more to free and the policy had enough
+        # candidates (it proposes every evictable object when they cover less than asked).
+        more = truncated or (ask < target and freed >= ask)
+        self._evict_goal = max(0, self._evict_goal - freed) if more else 0
         return freed
+
+    @property
+    def evicting(self) -> bool:
+        """An eviction run is in progress (the next :meth:`sweep` continues it)."""
+        return self._evict_goal > 0

@@ -111,9 +111,10 @@ class _Objects(_StateBase):
             raise ObjectAlreadyExistsError(f"object {obj.key!r} is being written")
         # zombie: the writer may still be writing, so its space waits for the release timeout
         obj.pending = None
+        self._writing.pop(obj.key, None)
         self._unlink(obj.key, pending.version)
-        self._deferred.append(
-            (pending.started + self.config.put_start_release_timeout, pending.version.replicas)
+        self._defer(
+            pending.started + self.config.put_start_release_timeout, pending.version.replicas
         )
         self.stats.zombies_discarded += 1
 
@@ -130,6 +131,7 @@ class _Objects(_StateBase):
         # for it would only empty the cache.
         if not any(seg.alloc.size >= size for seg in self._seg_list):
             self.stats.put_failures_no_space += 1
+            self._forget_if_empty(key, obj)
             raise NoAvailableHandleError(
                 f"object {key!r} of {size} bytes is larger than every mounted segment "
                 f"({len(self._seg_list)} segments)"
@@ -138,18 +140,20 @@ class _Objects(_StateBase):
             self._used - self._demoting_bytes + size
             > self.config.eviction_high_watermark_ratio * self._capacity
         ):
-            self.evict(now, need=size)
+            self.evict(now, need=size, limit=self._put_round)
         replicas = self._allocate(size, config)
         # Eviction frees bytes anywhere, but the object needs one contiguous extent: retry with
-        # growing targets while eviction makes progress.
+        # growing targets while eviction makes progress (the retries together: one round).
         need = max(size, int(self.config.eviction_ratio * self._capacity))
+        retry_round = max(1, self.config.eviction_round_objects // _EVICT_RETRIES)
         for _ in range(_EVICT_RETRIES):
-            if replicas or not self.evict(now, need=need):
+            if replicas or not self.evict(now, need=need, limit=retry_round):
                 break
             replicas = self._allocate(size, config)
             need *= 2
         if not replicas:
             self.stats.put_failures_no_space += 1
+            self._forget_if_empty(key, obj)
             raise NoAvailableHandleError(
                 f"no mounted segment has {size} free bytes for {key!r} "
                 f"({len(self._seg_list)} segments, {self._used}/{self._capacity} bytes used, "
@@ -162,11 +166,22 @@ class _Objects(_StateBase):
         self._next_vid += 1
         version = _Version(size, replicas, self._next_vid)
         obj.pending = _Pending(client_id, version, now, config)
-        self._writing.add(key)
+        self._writing.pop(key, None)  # (re)queued last: the queue stays in PutStart order
+        self._writing[key] = obj.pending
         for r in replicas:
             r.seg.keys.add(key)
         self.stats.puts_started += 1
         return [r.descriptor(ReplicaStatus.PROCESSING) for r in replicas]
+
+    def _forget_if_empty(self, key: str, obj: _Object | None) -> None:
+        """A failed PutStart that pre-empted a zombie write leaves no empty record behind."""
+        if (
+            obj is not None
+            and obj.readable is None
+            and obj.pending is None
+            and self._objects.get(key) is obj
+        ):
+            del self._objects[key]
 
     def put_end(self, client_id: str, key: str, now: float) -> None:
         """Make the pending write of ``key`` readable (replaces an older version, if any)."""
@@ -180,6 +195,7 @@ class _Objects(_StateBase):
             self._forget_disk(key, old)
         obj.readable = pending.version
         obj.pending = None
+        self._writing.pop(key, None)
         obj.writer = client_id
         cfg = pending.config
         self._set_group(obj, cfg.group_ids[0] if cfg.group_ids else "")
@@ -204,7 +220,7 @@ class _Objects(_StateBase):
             self.policy.set_pin(key, Pin.HARD)
         elif obj.soft_pin_deadline is not None:
             self.policy.set_pin(key, Pin.SOFT)
-            self._soft_pinned.add(key)
+            self._pin_soft(key, obj.soft_pin_deadline)
         self.misses.record_stored(key)
         self.stats.puts_ended += 1
 
@@ -215,6 +231,7 @@ class _Objects(_StateBase):
         (an older version stays)."""
         obj, pending = self._pending_of(client_id, key)
         obj.pending = None
+        self._writing.pop(key, None)
         self._unlink(key, pending.version)
         self._hold_written(pending.version.replicas, now)
         if obj.readable is None:
@@ -393,7 +410,7 @@ class _Objects(_StateBase):
                         if not any(o.seg is r.seg for o in ver.replicas):
                             r.seg.keys.discard(key)
                     if obj.read_deadline > now:
-                        self._deferred.append((obj.read_deadline, gone))
+                        self._defer(obj.read_deadline, gone)
                     else:
                         self._free_replicas(gone)
                     out.append(key)
@@ -432,20 +449,24 @@ class _Objects(_StateBase):
         return [k for k, o in self._objects.items() if o.readable is not None]
 
     def _release_zombies(self, now: float) -> None:
+        """Release writes older than ``put_start_release_timeout``: only the oldest entries of
+        the PutStart-ordered queue are looked at (``now`` never decreases), never every write."""
         limit = self.config.put_start_release_timeout
-        for key in list(self._writing):
+        writing = self._writing
+        while writing:
+            key, p = next(iter(writing.items()))
+            if now - p.started < limit:
+                break
+            del writing[key]
             obj = self._objects.get(key)
-            p = obj.pending if obj is not None else None
-            if obj is None or p is None:
-                self._writing.discard(key)  # ended, revoked or dropped since
-            elif now - p.started >= limit:
-                self._writing.discard(key)
-                obj.pending = None
-                self._unlink(key, p.version)
-                self._free_version(p.version)
-                if obj.readable is None:
-                    del self._objects[key]
-                self.stats.zombies_released += 1
+            if obj is None or obj.pending is not p:
+                continue  # ended, revoked or dropped since
+            obj.pending = None
+            self._unlink(key, p.version)
+            self._free_version(p.version)
+            if obj.readable is None:
+                del self._objects[key]
+            self.stats.zombies_released += 1
 
     def _unlink(self, key: str, ver: _Version) -> None:
         obj = self._objects.get(key)

@@ -39,7 +39,7 @@ class _Version:
     size: int
     replicas: list[_Replica]
     vid: int = 0
-    disk: list[str] = field(default_factory=list)
+    disk: tuple[str, ...] = ()
     """Client ids holding an SSD copy of this version."""
 
 
@@ -146,6 +146,7 @@ class _Client:
     """Keys whose copies on that directory a previous instance was told to delete."""
 
 
-_Deferred = tuple[float, list[_Replica]]
+# A deferred free: (until, sequence number, extents); ``MasterState._deferred`` is a heap of them.
+_Deferred = tuple[float, int, list[_Replica]]
 # Extents of an expired client's segment that others may still touch: (until, addr, length).
 _InUse = list[tuple[float, int, int]]

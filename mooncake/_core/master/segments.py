@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 
 from mooncake._core.allocator import OffsetAllocator
@@ -9,7 +10,6 @@ from mooncake._core.master.base import _StateBase
 from mooncake._core.master.config import _check_client_id
 from mooncake._core.master.records import (
     _Client,
-    _Deferred,
     _InUse,
     _Object,
     _Replica,
@@ -163,7 +163,7 @@ class _Segments(_StateBase):
                 note(obj.promoting.started + cfg.put_start_release_timeout, obj.promoting.replicas)
         for task in self._active_tasks.values():
             note(task.started + cfg.processing_task_timeout, task.allocated)
-        for until, reps in self._deferred:
+        for until, _, reps in self._deferred:
             note(until, reps)
         if held:
             self._in_use[seg.segment.id] = (seg.segment, held)
@@ -177,7 +177,7 @@ class _Segments(_StateBase):
         for until, addr, length in entry[1]:
             if until > now and seg.alloc.reserve(addr, length):
                 self._used += seg.alloc.extent(addr)
-                self._deferred.append((until, [_Replica(seg, addr, length)]))
+                self._defer(until, [_Replica(seg, addr, length)])
 
     def remount_segments(self, client_id: str, segments: Iterable[Segment], now: float) -> None:
         """Mount each of ``segments`` not mounted yet (after ``NEED_REMOUNT``)."""
@@ -240,15 +240,17 @@ class _Segments(_StateBase):
                         )
             if obj.pending is not None and not obj.pending.version.replicas:
                 obj.pending = None
+                self._writing.pop(key, None)
             if obj.readable is None and obj.pending is None:
                 del self._objects[key]
         seg.keys.clear()
         # deferred extents on this segment went with it (their bytes were counted in alloc.used)
         self._deferred = [
-            (t, kept)
-            for t, reps in self._deferred
+            (t, n, kept)
+            for t, n, reps in self._deferred
             if (kept := [r for r in reps if r.seg is not seg])
         ]
+        heapq.heapify(self._deferred)
 
     def credit_stall(self, seconds: float) -> None:
         """The master itself could not serve requests for ``seconds`` (its loop was busy or
@@ -275,7 +277,7 @@ class _Segments(_StateBase):
                 obj = self._objects.get(key)
                 if obj is None or obj.readable is None or cid not in obj.readable.disk:
                     continue
-                obj.readable.disk.remove(cid)
+                obj.readable.disk = tuple(c for c in obj.readable.disk if c != cid)
                 if not obj.readable.replicas and not obj.readable.disk:
                     self._drop_object(obj, now)
                     lost.append(key)
@@ -330,21 +332,21 @@ class _Segments(_StateBase):
             for s in self._seg_list
         ]
 
+    def _defer(self, until: float, reps: list[_Replica]) -> None:
+        """Free ``reps`` once ``until`` has passed (:meth:`_release_deferred`)."""
+        self._defer_seq += 1
+        heapq.heappush(self._deferred, (until, self._defer_seq, reps))
+
     def _release_deferred(self, now: float) -> None:
-        if not self._deferred:
-            return
-        keep: list[_Deferred] = []
-        for t, reps in self._deferred:
-            if t <= now:
-                self._free_replicas(reps)
-            else:
-                keep.append((t, reps))
-        self._deferred = keep
+        """Free the deferred extents whose time has come (earliest first; O(log n) each)."""
+        heap = self._deferred
+        while heap and heap[0][0] <= now:
+            self._free_replicas(heapq.heappop(heap)[2])
 
     def _release_after_lease(self, obj: _Object, ver: _Version, now: float) -> None:
         # Only a read window (not the policy lease) can have a reader copying these bytes.
         if obj.read_deadline > now:
-            self._deferred.append((obj.read_deadline, ver.replicas))
+            self._defer(obj.read_deadline, ver.replicas)
         else:
             self._free_version(ver)
 
@@ -354,7 +356,7 @@ class _Segments(_StateBase):
         if not reps:
             return
         if self.config.put_revoke_hold > 0:
-            self._deferred.append((now + self.config.put_revoke_hold, reps))
+            self._defer(now + self.config.put_revoke_hold, reps)
         else:
             self._free_replicas(reps)
 

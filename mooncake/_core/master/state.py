@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import itertools
-import pickle
 import random
-from collections import deque
+from collections import OrderedDict, deque
 
 from mooncake._core.dedup import DedupLedger
+from mooncake._core.master import snapshot
 from mooncake._core.master.config import MasterConfig, MasterStats
 from mooncake._core.master.leases import _Leases
 from mooncake._core.master.objects import _Objects
@@ -16,8 +16,11 @@ from mooncake._core.master.records import (
     KeySet,
     _Client,
     _Deferred,
+    _Demote,
     _InUse,
     _Object,
+    _Pending,
+    _Promote,
     _Seg,
     _Task,
 )
@@ -53,12 +56,18 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         self._segments: dict[str, _Seg] = {}
         self._seg_list: list[_Seg] = []
         self._clients: dict[str, _Client] = {}
-        self._deferred: list[_Deferred] = []
+        self._deferred: list[_Deferred] = []  # a heap (see _defer)
+        self._defer_seq = 0
         # segment id -> (segment as mounted, extents still in use when its owner expired)
         self._in_use: dict[str, tuple[Segment, _InUse]] = {}
         self._soft_pinned = KeySet()
-        self._writing = KeySet()  # keys that had a pending write (pruned by sweep)
-        self._moving = KeySet()  # keys that had a demotion or promotion (pruned by sweep)
+        # Time-ordered queues (``now`` never decreases, so each is in deadline order): pending
+        # writes by PutStart, demotions and promotions by start; soft pins in a deadline heap.
+        # The sweep looks only at their expired heads, never at every object.
+        self._writing: OrderedDict[str, _Pending] = OrderedDict()
+        self._demotions: OrderedDict[str, _Demote] = OrderedDict()
+        self._promotions: OrderedDict[str, _Promote] = OrderedDict()
+        self._pin_heap: list[tuple[float, str]] = []
         self._tasks: dict[str, _Task] = {}
         self._groups: dict[str, KeySet] = {}  # group id -> keys of its readable members
         self._active_tasks: dict[str, _Task] = {}
@@ -67,6 +76,9 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         self._capacity = 0
         self._next_vid = 0
         self._demoting_bytes = 0
+        self._evict_goal = 0  # bytes the eviction run in progress still has to free
+        # PutStart and PromoteStart over the watermark evict a small round of their own
+        self._put_round = max(1, self.config.eviction_round_objects // 16)
         self.misses = MissLedger()
         """How lost keys were lost; classifies every GetReplicaList miss."""
         self.dedup = DedupLedger()
@@ -136,11 +148,26 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
             }
         self._expire_soft_pins(now)
         self._expire_tier_moves(now)
-        if self._capacity and (
-            self._used - self._demoting_bytes
+        if self._evict_goal > 0 or (
+            self._capacity
+            and self._used - self._demoting_bytes
             > self.config.eviction_high_watermark_ratio * self._capacity
         ):
-            self.evict(now)
+            self.evict(now)  # one round of the run (at most eviction_round_objects objects)
+
+    # -- snapshots -------------------------------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        """The whole state as bytes, compact (objects as columns; see
+        :mod:`mooncake._core.master.snapshot`); :meth:`restore` reads it back."""
+        return snapshot.snapshot(self)
+
+    @classmethod
+    def restore(cls, data: bytes, config: MasterConfig | None = None) -> MasterState:
+        """A state indistinguishable from the one :meth:`snapshot` serialized (allocators,
+        policy order, queues, rng included); ``config`` replaces the saved one when given. The
+        data must come from a trusted store (it is unpickled)."""
+        return snapshot.restore(cls, data, config)
 
     # -- replication ------------------------------------------------------------------------
 
@@ -157,21 +184,6 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         for client in self._clients.values():
             client.deadline = max(client.deadline, now + self.config.client_ttl)
 
-    def snapshot(self) -> bytes:
-        """The whole state as bytes (restore with :meth:`restore`)."""
-        return pickle.dumps(self.__dict__, protocol=pickle.HIGHEST_PROTOCOL)
-
-    @classmethod
-    def restore(cls, data: bytes, config: MasterConfig | None = None) -> MasterState:
-        """A state equal to the one :meth:`snapshot` serialized (``config`` replaces the
-        saved one when given; the data must come from a trusted store)."""
-        state = cls.__new__(cls)
-        state.__dict__.update(pickle.loads(data))
-        if config is not None:
-            config.validate()
-            state.config = config
-        return state
-
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if bookkeeping is inconsistent (tests)."""
         assert self._demoting_bytes == sum(
@@ -180,8 +192,17 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         assert self._capacity == sum(s.segment.size for s in self._seg_list)
         assert self._used == sum(s.alloc.used for s in self._seg_list)
         extents: dict[int, list[tuple[int, int]]] = {}
+        pins = set(self._pin_heap)
+        holders: dict[int, set[str]] = {}  # segment -> keys with a replica on it
         for obj in self._objects.values():
             assert obj.readable is not None or obj.pending is not None
+            assert obj.pending is None or self._writing.get(obj.key) is obj.pending, (
+                "unqueued write"
+            )
+            assert obj.demoting is None or self._demotions.get(obj.key) is obj.demoting
+            assert obj.promoting is None or self._promotions.get(obj.key) is obj.promoting
+            if obj.key in self._soft_pinned and obj.soft_pin_deadline is not None:
+                assert (obj.soft_pin_deadline, obj.key) in pins, f"soft pin of {obj.key!r} unqueued"
             for ver in (obj.readable, obj.pending.version if obj.pending else None):
                 if ver is None:
                     continue
@@ -189,6 +210,7 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
                 assert len(segs) == len(set(segs)), "two replicas on one segment"
                 for r in ver.replicas:
                     assert r.seg.mounted and obj.key in r.seg.keys
+                    holders.setdefault(id(r.seg), set()).add(obj.key)
                     extents.setdefault(id(r.seg), []).append((r.addr, r.seg.alloc.extent(r.addr)))
             in_dram = (
                 obj.readable is not None and bool(obj.readable.replicas) and obj.demoting is None
@@ -209,11 +231,12 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
             assert self._objects[task.key].task is task
             for r in task.allocated:
                 extents.setdefault(id(r.seg), []).append((r.addr, r.seg.alloc.extent(r.addr)))
-        for _, reps in self._deferred:
+        for _, _, reps in self._deferred:
             for r in reps:
                 if r.seg.mounted:
                     extents.setdefault(id(r.seg), []).append((r.addr, r.seg.alloc.extent(r.addr)))
         for seg in self._seg_list:
+            assert set(seg.keys) == holders.get(id(seg), set()), "stale key in a segment's key set"
             seg.alloc.self_check()
             spans = sorted(extents.get(id(seg), []))
             assert len(spans) == seg.alloc.allocations, "leaked or unaccounted extent"

@@ -56,6 +56,10 @@ class _Tasks(_StateBase):
             raise ReplicaNotReadyError(f"object {key!r} has a write in progress")
         if obj.task is not None:
             raise ObjectHasReplicationTaskError(f"object {key!r} has task {obj.task.id} in flight")
+        if obj.demoting is not None or obj.promoting is not None:
+            raise ReplicaNotReadyError(f"object {key!r} is moving between memory and SSD")
+        if not obj.readable.replicas:
+            raise ReplicaNotFoundError(f"object {key!r} has no memory replica (it is on SSD only)")
         return obj
 
     def _new_task(
@@ -147,7 +151,7 @@ class _Tasks(_StateBase):
             if not any(r.seg is src.seg for r in obj.readable.replicas):
                 src.seg.keys.discard(task.key)
             if obj.read_deadline > now:  # a reader may be copying from it
-                self._deferred.append((obj.read_deadline, [src]))
+                self._defer(obj.read_deadline, [src])
             else:
                 self._free_replicas([src])
         self._finish_task(task, TaskStatus.SUCCESS, "")

@@ -66,7 +66,7 @@ class _Tiers(_StateBase):
             ver = obj.readable if obj is not None else None
             if ver is None or old_id not in ver.disk:
                 continue
-            ver.disk = [c for c in ver.disk if c not in (old_id, new_id)] + [new_id]
+            ver.disk = (*(c for c in ver.disk if c not in (old_id, new_id)), new_id)
             new.ssd_keys.add(key)
         new.stale_ssd.update(d.key for d in old.disk_drops)
         new.disk_drops += old.disk_drops
@@ -98,8 +98,9 @@ class _Tiers(_StateBase):
         assert ver is not None
         cid = source.seg.client_id
         obj.demoting = _Demote(cid, now + self.config.demote_timeout, ver.size)
+        self._demotions.pop(obj.key, None)
+        self._demotions[obj.key] = obj.demoting
         self._demoting_bytes += ver.size
-        self._moving.add(obj.key)
         self._untrack(obj)
         self._clients[cid].demote_tasks.append(
             DemoteTask(
@@ -141,7 +142,7 @@ class _Tiers(_StateBase):
             raise IllegalClientError(f"no demotion of {key!r} to client {client_id} is in progress")
         self._clear_demoting(obj)
         client = self._touch_client(client_id, now)
-        ver.disk.append(client_id)
+        ver.disk = (*ver.disk, client_id)
         client.ssd_keys.add(key)
         self._to_disk_only(obj, now)
         self.tiers["ssd"].demotions += 1
@@ -174,12 +175,13 @@ class _Tiers(_StateBase):
         if self._capacity and (
             self._used + ver.size > self.config.eviction_high_watermark_ratio * self._capacity
         ):
-            self.evict(now, need=ver.size)
+            self.evict(now, need=ver.size, limit=self._put_round)
         replicas = self._allocate(ver.size, config)
         if not replicas:
             raise NoAvailableHandleError(f"no segment has {ver.size} free bytes to promote {key!r}")
         obj.promoting = _Promote(client_id, replicas, now)
-        self._moving.add(key)
+        self._promotions.pop(key, None)
+        self._promotions[key] = obj.promoting
         return [r.descriptor(ReplicaStatus.PROCESSING) for r in replicas]
 
     def promote_end(self, client_id: str, key: str, vid: int, now: float) -> None:
@@ -189,6 +191,7 @@ class _Tiers(_StateBase):
         if p is None or p.client_id != client_id:
             raise IllegalClientError(f"no promotion of {key!r} by client {client_id}")
         obj.promoting = None
+        self._promotions.pop(key, None)
         live = [r for r in p.replicas if r.seg.mounted]
         if not live:
             raise ObjectNotFoundError(f"the segment receiving {key!r} was unmounted")
@@ -208,6 +211,7 @@ class _Tiers(_StateBase):
         if p is None or p.client_id != client_id:
             raise IllegalClientError(f"no promotion of {key!r} by client {client_id}")
         obj.promoting = None
+        self._promotions.pop(key, None)
         self._hold_written(p.replicas, now)
 
     def evict_disk_replica(
@@ -225,7 +229,7 @@ class _Tiers(_StateBase):
         ver = obj.readable
         if client_id not in ver.disk:
             return
-        ver.disk.remove(client_id)
+        ver.disk = tuple(c for c in ver.disk if c != client_id)
         client.ssd_keys.discard(key)
         self.tiers["ssd"].evictions += 1
         if not ver.replicas and not ver.disk:
@@ -253,14 +257,14 @@ class _Tiers(_StateBase):
             if ver is not None and client_id in ver.disk:  # adopted from a previous instance
                 if ver.size == size:
                     return ver.vid
-                ver.disk.remove(client_id)
+                ver.disk = tuple(c for c in ver.disk if c != client_id)
                 client.ssd_keys.discard(key)
                 if not ver.replicas and not ver.disk:
                     self._drop_object(obj, now)
             raise ObjectAlreadyExistsError(f"object {key!r} already exists")
         self._next_vid += 1
         obj = self._objects[key] = _Object(key, writer=client_id)
-        obj.readable = _Version(size, [], self._next_vid, [client_id])
+        obj.readable = _Version(size, [], self._next_vid, (client_id,))
         client.ssd_keys.add(key)
         self.misses.record_stored(key)
         return self._next_vid
@@ -275,13 +279,15 @@ class _Tiers(_StateBase):
         p = obj.promoting
         if p is not None:
             obj.promoting = None
+            self._promotions.pop(obj.key, None)
             # the promoter may still be writing: reuse only after the zombie release timeout
-            self._deferred.append((p.started + self.config.put_start_release_timeout, p.replicas))
+            self._defer(p.started + self.config.put_start_release_timeout, p.replicas)
 
     def _clear_demoting(self, obj: _Object) -> None:
         if obj.demoting is not None:
             self._demoting_bytes -= obj.demoting.size
             obj.demoting = None
+            self._demotions.pop(obj.key, None)
 
     def _forget_disk(self, key: str, ver: _Version) -> None:
         for cid in ver.disk:
@@ -292,23 +298,31 @@ class _Tiers(_StateBase):
             c.disk_drops.append(DiskDrop(key=key, vid=ver.vid))
             if len(c.disk_drops) > self.config.max_disk_drops:
                 del c.disk_drops[0]
-        ver.disk = []
+        ver.disk = ()
 
     def _expire_tier_moves(self, now: float) -> None:
-        # only the keys that started a move (not a scan of every object on each sweep)
-        stale = self.config.put_start_discard_timeout
-        for key in list(self._moving):
+        """Drop objects whose demotion outlived ``demote_timeout``; park promotions older than
+        ``put_start_discard_timeout``. Both queues are in start order (``now`` never
+        decreases), so only their expired heads are looked at."""
+        demotions = self._demotions
+        while demotions:
+            key, d = next(iter(demotions.items()))
+            if d.deadline > now:
+                break
+            del demotions[key]
             obj = self._objects.get(key)
-            if obj is None or (obj.demoting is None and obj.promoting is None):
-                self._moving.discard(key)  # finished, revoked or dropped since
-                continue
-            d = obj.demoting
-            if d is not None and d.deadline <= now:
+            if obj is not None and obj.demoting is d:
                 self._drop_object(obj, now)
                 self.misses.record_eviction(key, policy=self.policy.name, tier="dram", now=now)
-                continue
-            p = obj.promoting
-            if p is not None and now - p.started >= stale:
+        stale = self.config.put_start_discard_timeout
+        promotions = self._promotions
+        while promotions:
+            key, p = next(iter(promotions.items()))
+            if now - p.started < stale:
+                break
+            del promotions[key]
+            obj = self._objects.get(key)
+            if obj is not None and obj.promoting is p:
                 self._end_tier_moves(obj)
 
     # -- helpers ---------------------------------------------------------------------------
