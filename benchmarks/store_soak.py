@@ -43,7 +43,6 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import queue
 import random
 import signal
 import socket
@@ -119,9 +118,10 @@ def wrong_bytes(key: str, data: bytes | memoryview) -> int:
 
 # -- the processes ---------------------------------------------------------------------------
 
-CLEAR = (0, -704, -703, -710)
+CLEAR = (0, -704, -703, -707, -710)
 """Read outcomes that are not a failed transfer: success, not found, not ready (counted on its
-own), no reachable replica (answered at once). Any other code counts as a *failing* read."""
+own), lease expired (the read itself was slow: this machine's load, not a holder), no
+reachable replica (answered at once). Any other code counts as a *failing* read."""
 
 
 @dataclass
@@ -134,17 +134,34 @@ class SoakConfig:
     segment_mib: int = 16
     buffer_mib: int = 8
     mix: dict[str, int] = field(
-        default_factory=lambda: {"get": 50, "put": 15, "upsert": 15, "exist": 10, "remove": 10}
+        default_factory=lambda: {
+            "get": 50,
+            "put": 15,
+            "upsert": 15,
+            "exist": 10,
+            "remove": 10,
+        }
     )
     seed: int = 1
     ssd_root: str = ""
-    memcpy: bool = False
-    """Same-host replicas by memcpy (``MC_STORE_MEMCPY``); off: every peer through the engine,
-    as between hosts."""
+    transport: str = "engine"
+    """``shm``: same-host replicas by memcpy (``MC_STORE_MEMCPY=1``, what one host gives);
+    ``engine``: every peer through the engine with its default transports (its same-host shm
+    one included); ``tcp``: the engine on TCP only (``MC_FORCE_TCP=1``), as between hosts."""
+
+
+def transport_env(transport: str) -> dict[str, str]:
+    """The environment a client process of ``transport`` (see :class:`SoakConfig`) needs."""
+    if transport not in ("shm", "engine", "tcp"):
+        raise ValueError(f"transport must be shm, engine or tcp, got {transport!r}")
+    return {
+        "MC_STORE_MEMCPY": "1" if transport == "shm" else "0",
+        "MC_FORCE_TCP": "1" if transport == "tcp" else "0",
+    }
 
 
 def _open(cfg: SoakConfig, segment_mib: int, ssd: str) -> Any:
-    os.environ["MC_STORE_MEMCPY"] = "1" if cfg.memcpy else "0"
+    os.environ.update(transport_env(cfg.transport))
     from mooncake.store import MooncakeDistributedStore
 
     s = MooncakeDistributedStore()
@@ -167,26 +184,38 @@ def _open(cfg: SoakConfig, segment_mib: int, ssd: str) -> Any:
     return s
 
 
+class Events:
+    """The sending end of one process's event pipe (a pipe per process: a process killed in
+    the middle of a send cannot leave a lock held that others need, as a shared queue could)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def put(self, item: Any) -> None:
+        self.conn.send(item)
+
+
 def run_holder(index: int, cfg: SoakConfig, events: Any, stop: Any) -> None:
     """A client that only contributes a segment (and an SSD tier with ``cfg.ssd_root``) until
-    ``stop`` is set; puts ``("ready", "h<index>", hostname, pid)`` on ``events``."""
+    ``stop.value`` is true (a lock-free shared value); puts ``("ready", "h<index>", hostname, pid)`` on ``events``."""
     ssd = os.path.join(cfg.ssd_root, f"h{index}") if cfg.ssd_root else ""
     s = _open(cfg, cfg.segment_mib, ssd)
-    events.put(("ready", f"h{index}", s.get_hostname(), os.getpid()))
-    stop.wait()
+    events.put(("ready", f"h{index}", s.get_hostname(), os.getpid(), s._store.client_id))
+    while not stop.value:
+        time.sleep(0.05)
     s.close()
 
 
 def run_worker(
     index: int, cfg: SoakConfig, events: Any, stop: Any, pause: Any | None = None
 ) -> None:
-    """One worker: random ops on the shared key space until ``stop`` is set, verifying every
+    """One worker: random ops on the shared key space until ``stop.value``, verifying every
     value read. Puts ``("ready", "w<index>", hostname, pid)`` on ``events``, then once a second
     ``("stats", "w<index>", second, counts, latencies, fail_times)``: ``counts`` maps
     ``"op:code"`` to a count (code ``0`` success; ``"get:wrong"`` counts wrong bytes read),
     ``latencies`` ``"op:code"`` to the summed seconds, ``fail_times`` the wall times
-    (``time.time()``) of failing reads (a code not in :data:`CLEAR`). ``pause`` (an Event),
-    while set, holds the worker between ops."""
+    (``time.time()``) of failing reads (a code not in :data:`CLEAR`). ``pause`` (a shared value),
+    while true, holds the worker between ops."""
     import numpy as np
 
     ssd = os.path.join(cfg.ssd_root, f"w{index}") if cfg.ssd_root else ""
@@ -205,14 +234,18 @@ def run_worker(
     lat: collections.defaultdict[str, float] = collections.defaultdict(float)
     second = int(time.time())
     try:
-        while not stop.is_set():
-            if pause is not None and pause.is_set():
+        while not stop.value:
+            if pause is not None and pause.value:
                 time.sleep(0.01)
                 continue
             now = time.time()
             if int(now) != second:
                 events.put(("stats", f"w{index}", second, dict(counts), dict(lat), fail_t))
-                counts, lat, fail_t = collections.Counter(), collections.defaultdict(float), []
+                counts, lat, fail_t = (
+                    collections.Counter(),
+                    collections.defaultdict(float),
+                    [],
+                )
                 second = int(now)
             op = rng.choices(ops, weights)[0]
             key = f"k{rng.randrange(cfg.keys)}"
@@ -262,13 +295,17 @@ class MasterProc:
 
     def start(self) -> str:
         env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env.setdefault("PYTHONPATH", str(ROOT))  # as given: the soak may run another tree
         cmd = [sys.executable, "-m", "mooncake", "master", "--rpc-port", str(self.port)]
         cmd += ["--no-metrics", *self.flags]
         deadline = time.monotonic() + 30
         while True:
             self.proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                env=env,
             )
             assert self.proc.stdout is not None
             line = self.proc.stdout.readline()
@@ -309,13 +346,15 @@ class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.ctx = mp.get_context("spawn")
-        self.events: Any = self.ctx.Queue()
-        self.stop_ev = self.ctx.Event()
-        self.pause_ev = self.ctx.Event()
+        self.readers: dict[Any, str] = {}
+        # lock-free shared flags: a SIGKILLed process must not take a lock with it
+        self.stop_ev = self.ctx.RawValue("i", 0)
+        self.pause_ev = self.ctx.RawValue("i", 0)
         flags = ["--client-ttl", str(args.client_ttl), "--seed", str(args.seed)]
         self.master = MasterProc(args.port or free_port(), flags)
         self.procs: dict[str, Any] = {}
         self.hosts: dict[str, str] = {}
+        self.client_ids: dict[str, str] = {}
         self.seconds: dict[int, Second] = {}
         self.fail_times: list[float] = []
         self.lat: collections.defaultdict[str, float] = collections.defaultdict(float)
@@ -329,21 +368,46 @@ class Soak:
         kind, i = name[0], int(name[1:])
         target = run_holder if kind == "h" else run_worker
         extra = (self.pause_ev,) if kind == "w" else ()
+        r, w = self.ctx.Pipe(duplex=False)
         p = self.ctx.Process(
-            target=target, args=(i, self.cfg, self.events, self.stop_ev, *extra), daemon=True
+            target=target,
+            args=(i, self.cfg, Events(w), self.stop_ev, *extra),
+            daemon=True,
         )
         p.start()
+        w.close()
+        self.readers[r] = name
         self.procs[name] = p
+
+    def _next(self, timeout: float) -> tuple[Any, ...] | None:
+        """The next event of any process within ``timeout`` s (None: none came)."""
+        from multiprocessing.connection import wait
+
+        end = time.monotonic() + timeout
+        while self.readers:
+            ready = wait(list(self.readers), max(0.0, end - time.monotonic()))
+            if not ready:
+                return None
+            for conn in ready:
+                r: Any = conn
+                try:
+                    ev: tuple[Any, ...] = r.recv()
+                    return ev
+                except (EOFError, OSError):
+                    del self.readers[r]  # the process is gone
+                    r.close()
+        return None
 
     def _wait_ready(self, names: set[str], limit: float = 60) -> None:
         end = time.monotonic() + limit
         while names:
-            try:
-                ev = self.events.get(timeout=max(0.1, end - time.monotonic()))
-            except queue.Empty:
-                raise RuntimeError(f"not ready within {limit} s: {sorted(names)}") from None
+            ev = self._next(max(0.1, end - time.monotonic()))
+            if ev is None:
+                raise RuntimeError(f"not ready within {limit} s: {sorted(names)}")
             if ev[0] == "ready":
                 self.hosts[ev[1]] = ev[2]
+                if len(ev) > 4:
+                    self.client_ids[ev[1]] = ev[4]
                 names.discard(ev[1])
             else:
                 self._take(ev)
@@ -364,14 +428,8 @@ class Soak:
 
     def _drain(self, until: float) -> None:
         while True:
-            left = until - time.time()
-            try:
-                ev = (
-                    self.events.get(timeout=max(0.0, left))
-                    if left > 0
-                    else self.events.get_nowait()
-                )
-            except queue.Empty:
+            ev = self._next(max(0.0, until - time.time()))
+            if ev is None:
                 return
             self._take(ev)
 
@@ -383,19 +441,36 @@ class Soak:
         if pid is not None:
             os.kill(pid, sig)
 
-    def _count_readable(self) -> int:
-        s = self._probe
+    def _count_readable(self) -> tuple[int, int, int]:
+        """Keys readable; of those the ones held only on an SSD tier; and of those the ones on
+        the victim's SSD (the master's answer names the disk holders: an internal call)."""
+        import functools
+
+        loop, store = self._probe._loop, self._probe._store
+        assert loop is not None and store is not None
+        victim = self.client_ids.get(self._victim(), "")
         keys = [f"k{i}" for i in range(self.args.keys)]
-        n = 0
+        n = ssd = mine = 0
         for j in range(0, len(keys), 256):
-            n += sum(1 for r in s.batch_is_exist(keys[j : j + 256]) if r == 1)
-        return n
+            part = keys[j : j + 256]
+            resps, _ = loop.call(functools.partial(store._batch_query, for_read=False), part)
+            for r in resps:
+                if isinstance(r, Exception):
+                    continue
+                n += 1
+                if not r.replicas and r.disk_clients:
+                    ssd += 1
+                    mine += victim in r.disk_clients
+        return n, ssd, mine
 
     def _restart(self, what: str) -> None:
         """Pause, count, restart ``what`` (``master`` or a holder), settle, count, resume."""
-        self.pause_ev.set()
+        self.pause_ev.value = 1
         time.sleep(0.3)
-        self.counts[f"{what}_before"] = self._count_readable()
+        c = self.counts
+        c[f"{what}_before"], c[f"{what}_ssd_before"], c[f"{what}_victim_ssd_before"] = (
+            self._count_readable()
+        )
         self.marks[f"{what}_restart"] = time.time()
         if what == "master":
             self.master.kill()
@@ -404,13 +479,16 @@ class Soak:
             victim = self._victim()
             self._signal(victim, signal.SIGKILL)
             self.procs[victim].join()
-            # its segment must go before the new one mounts (same SSD directory)
-            time.sleep(self.args.client_ttl + 1)
+            # at once, on the same SSD directory: the master still lists the dead instance
             self._spawn(victim)
             self._wait_ready({victim})
-        time.sleep(self.args.settle)
-        self.counts[f"{what}_after"] = self._count_readable()
-        self.pause_ev.clear()
+        # after a client restart, past its old instance's TTL: what the master still listed
+        # only there is gone by then, what the new instance re-adopted stays
+        time.sleep(self.args.settle if what == "master" else self.args.client_ttl + 1)
+        c[f"{what}_after"], c[f"{what}_ssd_after"], c[f"{what}_victim_ssd_after"] = (
+            self._count_readable()
+        )
+        self.pause_ev.value = 0
 
     def run(self) -> dict[str, Any]:
         a = self.args
@@ -423,12 +501,12 @@ class Soak:
             buffer_mib=a.buffer_mib,
             seed=a.seed,
             ssd_root=a.ssd or "",
-            memcpy=a.memcpy,
+            transport=a.transport,
         )
         names = [f"h{i}" for i in range(a.holders)] + [f"w{i}" for i in range(a.workers)]
         for n in names:
             self._spawn(n)
-        os.environ["MC_STORE_MEMCPY"] = "1" if a.memcpy else "0"
+        os.environ.update(transport_env(a.transport))
         from mooncake.store import MooncakeDistributedStore
 
         self._probe = MooncakeDistributedStore()
@@ -463,7 +541,7 @@ class Soak:
             while printed + 1.5 < time.time() - 0.0 and printed < int(end):
                 self._progress(printed, start)
                 printed += 1
-        self.stop_ev.set()
+        self.stop_ev.value = 1
         self._drain(time.time() + 2)
         if a.stop_holder and "stop" in self.marks:
             self._signal(self._victim(), signal.SIGCONT)
@@ -505,17 +583,20 @@ class Soak:
         elif what == "master":
             print("# restarting the master", flush=True)
             self._restart("master")
+            c = self.counts
             print(
-                f"# master restarted: readable {self.counts['master_before']} -> "
-                f"{self.counts['master_after']}",
+                f"# master restarted: readable {c['master_before']} -> {c['master_after']}, "
+                f"on SSD only {c['master_ssd_before']} -> {c['master_ssd_after']}",
                 flush=True,
             )
         else:
             print(f"# restarting client {self._victim()}", flush=True)
             self._restart("client")
+            c = self.counts
             print(
-                f"# client restarted: readable {self.counts['client_before']} -> "
-                f"{self.counts['client_after']}",
+                f"# client restarted: readable {c['client_before']} -> {c['client_after']}, "
+                f"on SSD only {c['client_ssd_before']} -> {c['client_ssd_after']}, on the "
+                f"victim's SSD {c['client_victim_ssd_before']} -> {c['client_victim_ssd_after']}",
                 flush=True,
             )
 
@@ -588,7 +669,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--client-ttl", type=float, default=10.0, help="the master's client TTL (s)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--port", type=int, default=0, help="master port (0: a free one)")
-    p.add_argument("--memcpy", action="store_true", help="same-host replicas by memcpy")
+    p.add_argument(
+        "--transport",
+        choices=["shm", "engine", "tcp"],
+        default="engine",
+        help="shm: same-host memcpy; engine: the engine's default transports; tcp: TCP only",
+    )
     p.add_argument("--ssd", default="", help="root directory of per-process SSD tiers")
     p.add_argument("--kill-holder-at", type=float, default=None)
     p.add_argument("--stop-holder", action="store_true", help="SIGSTOP instead of SIGKILL")
@@ -611,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = soak.run()
     finally:
-        soak.stop_ev.set()
+        soak.stop_ev.value = 1
         for p in soak.procs.values():
             if p.is_alive():
                 p.kill()

@@ -207,3 +207,37 @@ def test_standby_loads_snapshot_plus_log_and_detects_a_gap(etcd_endpoint: str) -
                 await n.etcd.aclose()
 
     trio.run(main)
+
+
+@pytest.mark.etcd
+def test_standby_flags_a_leader_with_other_settings(etcd_endpoint: str) -> None:
+    from mooncake._core import commands
+    from mooncake._core.master import MasterConfig
+    from mooncake._store.ha import HaConfig, HaNode
+    from mooncake._store.master import MasterServer, MasterServerConfig
+
+    def node(cluster: str, **state: float) -> HaNode:
+        cfg = MasterServerConfig(rpc_port=0, state=MasterConfig(**state))  # type: ignore[arg-type]
+        return HaNode(
+            MasterServer(cfg),
+            HaConfig(endpoints=parse_endpoints(etcd_endpoint), cluster_id=cluster),
+        )
+
+    same = commands.config_fingerprint(MasterConfig(seed=7))
+    assert same == commands.config_fingerprint(MasterConfig())  # the seed is not a setting
+    assert same != commands.config_fingerprint(MasterConfig(client_ttl=3.0))
+
+    async def main() -> None:
+        ok, bad = node("cfg-ok"), node("cfg-bad", client_ttl=3.0)
+        try:
+            for n in (ok, bad):
+                promote = commands.Promote(1.0, 1, genesis=True, config=same)
+                await n.etcd.put(f"{n.log_prefix}{1:020d}", commands.encode_commands([promote]))
+                await n._load()
+            assert not ok.config_mismatch and ok.status()["config_mismatch"] is False
+            assert bad.config_mismatch and bad.status()["config_mismatch"] is True
+        finally:
+            for n in (ok, bad):
+                await n.etcd.aclose()
+
+    trio.run(main)

@@ -267,8 +267,11 @@ def test_put_local_reannounces_after_restart() -> None:
     v = m.put_local("c", "x", 10, 0)
     r = m.get_replica_list("x", 1)
     assert r.vid == v and r.disk_clients == ["c"] and r.size == 10
-    with pytest.raises(ObjectAlreadyExistsError):
-        m.put_local("c", "x", 10, 1)
+    assert m.put_local("c", "x", 10, 1) == v  # the copy it already holds: the same version
+    with pytest.raises(ObjectAlreadyExistsError):  # another copy of that key is not that one
+        m.put_local("c", "x", 11, 1)
+    with pytest.raises(ObjectNotFoundError):  # ... and it is dropped, being the last copy
+        m.get_replica_list("x", 1)
     m.check_invariants()
 
 

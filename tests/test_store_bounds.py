@@ -52,8 +52,8 @@ def test_async_client_refuses_bad_replicas_of_its_own_segment(
             assert await s.get("k") == b"x" * 4096
             real = s.master.call
 
-            async def call(method: str, params: Any) -> Any:
-                res = await real(method, params)
+            async def call(method: str, params: Any, *args: Any) -> Any:
+                res = await real(method, params, *args)
                 if method == "GetReplicaList":
                     return _doctor(res, change)
                 if method == "BatchGetReplicaList":
@@ -91,8 +91,8 @@ class _Doctored:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
 
-    def call(self, method: str, params: Any) -> Any:
-        res = self.inner.call(method, params)
+    def call(self, method: str, params: Any, *args: Any) -> Any:
+        res = self.inner.call(method, params, *args)
         if method == "GetReplicaList":
             return _doctor(res, _bad_addr)
         if method in ("PutStart", "UpsertStart"):

@@ -11,6 +11,7 @@ import ctypes
 import hashlib
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ MIB = 1 << 20
 NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
 TRANSFER_FAIL = int(ErrorCode.TRANSFER_FAIL)
 NO_HANDLE = int(ErrorCode.NO_AVAILABLE_HANDLE)
+UNREACHABLE = int(ErrorCode.REPLICA_NOT_FOUND)
 
 
 @pytest.fixture
@@ -174,9 +176,10 @@ def test_reads_of_a_dead_clients_keys_fail_then_the_keys_are_gone(
             assert a.cmd("put", key=k, seed=i, size=65536, preferred=[a.hostname])["rc"] == 0
         assert me.get_into(keys[0], buf.ctypes.data, buf.nbytes) == 65536
         a.kill()
-        # the master still lists them (client TTL not over): the read itself must fail
+        # the master still lists them (client TTL not over): the read itself must fail, and
+        # once reported, the master answers the holder's keys "no reachable replica" at once
         rcs = [me.get_into(k, buf.ctypes.data, buf.nbytes) for k in keys]
-        assert set(rcs) <= {TRANSFER_FAIL, NOT_FOUND} and TRANSFER_FAIL in rcs, rcs
+        assert set(rcs) <= {TRANSFER_FAIL, NOT_FOUND, UNREACHABLE} and TRANSFER_FAIL in rcs, rcs
         wait_until(
             lambda: me.batch_is_exist(keys) == [0] * len(keys), "the dead client's keys to go"
         )
@@ -329,18 +332,29 @@ def test_sync_fast_path_read_outliving_its_window_fails_closed(
         assert me.put("k", b"v" * 4096) == 0
         assert me.get("k") == b"v" * 4096
         real = time.monotonic
-        calls = {"n": 0}
+        late = {"on": False}
 
         class SlowClock:
             @staticmethod
             def monotonic() -> float:
-                # every second reading (the one after the copy) is 60 s later: a stalled read
-                calls["n"] += 1
-                return real() + (60.0 if calls["n"] % 2 == 0 else 0.0)
+                # every reading after the copy is 60 s later: a read that stalled in the copy
+                return real() + (60.0 if late["on"] else 0.0)
+
+        copy_out = fastpath.FastPath._copy_out
+
+        def stalled_copy(self: fastpath.FastPath, *args: Any) -> bytes | None:
+            try:
+                return copy_out(self, *args)
+            finally:
+                late["on"] = True
 
         monkeypatch.setattr(fastpath, "time", SlowClock)
+        monkeypatch.setattr(fastpath.FastPath, "_copy_out", stalled_copy)
         assert me.get("k") == b""
+        late["on"] = False
         assert me.get_into("k", buf.ctypes.data, 4096) == int(ErrorCode.LEASE_EXPIRED)
+        late["on"] = False
+        monkeypatch.setattr(fastpath.FastPath, "_copy_out", copy_out)
         assert me._store is not None and me._store.lease_fences == 2
         monkeypatch.setattr(fastpath, "time", time)
         assert me.get("k") == b"v" * 4096

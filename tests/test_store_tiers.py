@@ -333,8 +333,8 @@ async def test_a_lost_demote_end_answer_keeps_the_ssd_copy(tmp_path: Path) -> No
         real = s.master.call
         lost: list[str] = []
 
-        async def call(method: str, params: Any) -> Any:
-            res = await real(method, params)
+        async def call(method: str, params: Any, *args: Any) -> Any:
+            res = await real(method, params, *args)
             if method == "DemoteEnd" and not lost:
                 lost.append(params.key)
                 raise RpcError("master RPC DemoteEnd failed: connection reset (after it applied)")

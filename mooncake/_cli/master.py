@@ -124,6 +124,7 @@ _GFLAGS: dict[str, _Flag] = {
     "cluster_id": _Flag("ha.cluster_id", str),
     "ha_advertise_address": _Flag("ha.ha_advertise_address", str),
     "ha_lease_ttl": _Flag("ha.ha_lease_ttl", int),
+    "ha_fast_failover": _Flag("ha.ha_fast_failover", _bool, True),
     "enable_snapshot": _Flag("ha.enable_snapshot", _bool, True),
     "enable_snapshot_restore": _Flag("ha.enable_snapshot_restore", _bool, True),
     "snapshot_interval_seconds": _Flag(
@@ -153,6 +154,7 @@ class HaFlags:
     cluster_id: str = "mooncake_cluster"
     ha_advertise_address: str = ""
     ha_lease_ttl: int = 5
+    ha_fast_failover: bool = True
     enable_snapshot: bool = False
     enable_snapshot_restore: bool = False
     snapshot_interval_seconds: float = 600.0
@@ -193,6 +195,7 @@ def ha_settings(flags: HaFlags, server: MasterServerConfig) -> None:
             cluster_id=flags.cluster_id,
             advertise=flags.ha_advertise_address,
             lease_ttl=flags.ha_lease_ttl,
+            fast_failover=flags.ha_fast_failover,
             snapshot_interval=flags.snapshot_interval_seconds,
             snapshot_log_entries=flags.snapshot_log_entries,
             snapshot_child_timeout=flags.snapshot_child_timeout_seconds,
@@ -486,6 +489,13 @@ def register(sub: Any) -> None:
         help="seconds of the leader's etcd lease (published: 5); a standby takes over this "
         "long after the leader dies",
     )
+    h.add_argument(
+        "--ha-fast-failover",
+        default="true",
+        help="true/false (default true): a standby revokes the leader's lease once the "
+        "leader's RPC port, which accepted before, refuses connections (the process is "
+        "gone); timeouts and unreachable hosts still wait for the lease",
+    )
     h.add_argument("--enable-snapshot", action="store_true", help="take periodic snapshots")
     h.add_argument(
         "--enable-snapshot-restore", action="store_true", help="start from the newest snapshot"
@@ -540,6 +550,7 @@ def _run_args(args: argparse.Namespace) -> int:
             cluster_id=args.cluster_id,
             ha_advertise_address=args.ha_advertise_address,
             ha_lease_ttl=args.ha_lease_ttl,
+            ha_fast_failover=_bool(args.ha_fast_failover),
             enable_snapshot=args.enable_snapshot,
             enable_snapshot_restore=args.enable_snapshot_restore,
             snapshot_interval_seconds=parse_duration(args.snapshot_interval_seconds, "s"),

@@ -50,6 +50,7 @@ __all__ = [
     "ScanApply",
     "Sweep",
     "apply",
+    "config_fingerprint",
     "decode_commands",
     "durability",
     "encode_commands",
@@ -72,6 +73,9 @@ class Command(msgspec.Struct, array_like=True, frozen=True):
     seed: int = 0
     genesis: bool = False
     """Promote only: the first leader of a cluster (the view id is drawn from ``seed`` too)."""
+    config: str = ""
+    """Promote only: :func:`config_fingerprint` of the leader's settings (replicas with other
+    settings would diverge; a standby compares it with its own)."""
 
 
 def rpc_command(method: str, params: bytes, now: float, rid: bytes | None = None) -> Command:
@@ -92,8 +96,19 @@ def ScanApply(
     return Command("scan", now, method, bytes(params), rid, keys=list(keys))
 
 
-def Promote(now: float, seed: int, *, genesis: bool = False) -> Command:
-    return Command("promote", now, seed=seed, genesis=genesis)
+def Promote(now: float, seed: int, *, genesis: bool = False, config: str = "") -> Command:
+    return Command("promote", now, seed=seed, genesis=genesis, config=config)
+
+
+def config_fingerprint(config: Any) -> str:
+    """A digest of a master's state settings (a dataclass), ``seed`` left out (the log fixes
+    the randomness): masters of one cluster must agree on it."""
+    import dataclasses
+    import hashlib
+
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    fields.pop("seed", None)
+    return hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
 
 
 class Durability(enum.Enum):
@@ -111,6 +126,7 @@ LEASE_ONLY = frozenset(
         "GetReplicaListByRegex",
         "ExistKey",
         "BatchExistKey",
+        "ReportSegmentFailure",  # a hint: lost with a failover, the next failure reports again
     }
 )
 #: change nothing: never logged (a standby could answer them, but refuses to: it may lag)
@@ -153,7 +169,9 @@ Handler = Callable[[MasterState, Any, float], Any]
 HANDLERS: dict[str, Handler] = {
     "ServiceReady": lambda s, p, now: rpc.VERSION,
     "Ping": lambda s, p, now: s.ping(p.client_id, now),
-    "MountLocalDisk": lambda s, p, now: s.mount_local_disk(p.client_id, p.capacity, now),
+    "MountLocalDisk": lambda s, p, now: s.mount_local_disk(
+        p.client_id, p.capacity, now, tier_id=p.tier_id
+    ),
     "FetchTierTasks": lambda s, p, now: s.fetch_tier_tasks(p.client_id, now),
     "DemoteEnd": lambda s, p, now: s.demote_end(p.client_id, p.key, p.vid, now),
     "DemoteRevoke": lambda s, p, now: s.demote_revoke(p.client_id, p.key, p.vid, now),
@@ -167,6 +185,9 @@ HANDLERS: dict[str, Handler] = {
     "ExplainMiss": lambda s, p, now: _miss_info(s.explain_miss(p.key)),
     "GetTierStats": lambda s, p, now: {t: c.as_dict() for t, c in s.tiers.items()},
     "GetSegmentTiers": lambda s, p, now: s.segment_tiers(),
+    "ReportSegmentFailure": lambda s, p, now: s.report_segment_failure(
+        p.client_id, p.segment_name, p.reason, now
+    ),
     "MountSegment": lambda s, p, now: s.mount_segment(p.client_id, p.segment, now),
     "ReMountSegment": lambda s, p, now: s.remount_segments(p.client_id, p.segments, now),
     "UnmountSegment": lambda s, p, now: s.unmount_segment(p.client_id, p.segment_id, now),
@@ -241,15 +262,18 @@ def _apply_call(state: MasterState, command: Command, params: Any) -> Any:
     return scan(state, p, list(command.keys or ()), command.now)
 
 
-def _apply_once(state: MasterState, command: Command, params: Any, rid: bytes) -> Any:
+def _apply_once(
+    state: MasterState, command: Command, params: Any, rid: bytes, unrecorded: bool
+) -> Any:
     """A mutating call with a request id: applied unless ``state.dedup`` has it (then nothing
     happens: the leader answered the retry from the ledger), its reply recorded -- the framed
     answer with id 0, so every replica's ledger holds the same bytes."""
-    try:
-        if state.dedup.lookup(rid) is not None:
+    if not unrecorded:
+        try:
+            if state.dedup.lookup(rid) is not None:
+                return None
+        except StaleRequestError:
             return None
-    except StaleRequestError:
-        return None
     try:
         result = _apply_call(state, command, params)
     except MooncakeError as e:
@@ -267,7 +291,9 @@ def _apply_once(state: MasterState, command: Command, params: Any, rid: bytes) -
     return result
 
 
-def apply(state: MasterState, command: Command, params: Any = None) -> Any:
+def apply(
+    state: MasterState, command: Command, params: Any = None, *, unrecorded: bool = False
+) -> Any:
     """Apply one command; returns the RPC result or raises the RPC's
     :class:`~mooncake.errors.MooncakeError` (internal commands return ``None``).
 
@@ -275,13 +301,15 @@ def apply(state: MasterState, command: Command, params: Any = None) -> Any:
     answer); ``None`` decodes ``command.params``. A mutating RPC/scan command with a request id
     is applied at most once per id and its reply recorded in ``state.dedup``
     (:mod:`mooncake._core.dedup`); a repeated one returns ``None`` and changes nothing.
+    ``unrecorded``: the caller has just looked the id up and found it new (the leader does
+    before logging), so the ledger is not asked twice.
     """
     kind = command.kind
     if kind == "rpc" or kind == "scan":
         rid = command.rid if command.method in rpc.MUTATING else None
         if rid is None:
             return _apply_call(state, command, params)
-        return _apply_once(state, command, params, rid)
+        return _apply_once(state, command, params, rid, unrecorded)
     if kind == "sweep":
         state.sweep(command.now)
         return None

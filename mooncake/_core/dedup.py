@@ -74,8 +74,10 @@ class _Snapshot(msgspec.Struct, array_like=True):
 
 
 def _split(rid: bytes) -> tuple[bytes, int]:
-    check_rid(rid)
-    return rid[:8], int.from_bytes(rid[8:RID_BYTES], "big")
+    seq = int.from_bytes(rid[8:], "big")
+    if len(rid) != RID_BYTES or not seq:
+        check_rid(rid)  # raises, naming what is wrong
+    return rid[:8], seq
 
 
 class DedupLedger:

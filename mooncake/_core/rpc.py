@@ -82,6 +82,7 @@ PutLocal               PutLocalParams                   int (version id of the r
 ExplainMiss            KeyParams                        MissInfo (no miss counted)
 GetTierStats           Empty                            dict[str, dict[str, int]] (per tier)
 GetSegmentTiers        Empty                            dict[str, dict[str, int]] (dram/gpu)
+ReportSegmentFailure   SegmentFailureParams             bool (the segment is quarantined now)
 AuthHello              AuthHelloParams                  AuthChallenge (cluster secret only)
 AuthProve              AuthProveParams                  None (cluster secret only)
 ====================== ================================ ==========================================
@@ -177,6 +178,15 @@ class KeyClientParams(_Params):
     key: str
 
 
+class SegmentFailureParams(_Params):
+    """``client_id`` failed a transfer to the segment named ``segment_name`` (its transfer
+    engine segment name, as in ``ReplicaDescriptor.segment_name``); ``reason`` for the log."""
+
+    client_id: str
+    segment_name: str
+    reason: str = ""
+
+
 class BatchPutStartParams(_Params):
     client_id: str
     keys: list[str]
@@ -202,6 +212,9 @@ class KeysParams(_Params):
 class LocalDiskParams(_Params):
     client_id: str
     capacity: int
+    tier_id: str = ""
+    """The SSD directory's identity: the same directory seen again (the client restarted on
+    it) takes over what the master lists on its previous instance's tier."""
 
 
 class TierKeyParams(_Params):
@@ -374,6 +387,7 @@ METHODS: dict[str, MethodSpec] = {
         _spec("ExplainMiss", KeyParams, MissInfo),
         _spec("GetTierStats", Empty, dict[str, dict[str, int]]),
         _spec("GetSegmentTiers", Empty, dict[str, dict[str, int]]),
+        _spec("ReportSegmentFailure", SegmentFailureParams, bool),
         _spec("AuthHello", AuthHelloParams, AuthChallenge),
         _spec("AuthProve", AuthProveParams, None),
     )
@@ -721,6 +735,7 @@ __all__ = [
     "RemoveParams",
     "Request",
     "Response",
+    "SegmentFailureParams",
     "TaskIdParams",
     "TaskParams",
     "TaskRevokeParams",

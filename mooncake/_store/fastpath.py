@@ -42,6 +42,7 @@ from mooncake._core.master import parse_miss
 from mooncake._store.bounds import check_replica_list, own_extent
 from mooncake._store.metrics import instrument_fast
 from mooncake._store.shm import MappedPeer
+from mooncake._store.writes import UPSERT_WAIT_S
 from mooncake.errors import (
     LeaseExpiredError,
     MooncakeError,
@@ -50,6 +51,7 @@ from mooncake.errors import (
     ObjectNotFoundError,
     PeerDiedError,
     ProtocolError,
+    ReplicaNotReadyError,
     TransferError,
     UnavailableError,
 )
@@ -181,15 +183,22 @@ class FastPath:
         s = self.store
         m = self._master()
         prefix = "Upsert" if upsert else "Put"
-        try:
-            reps: list[st.ReplicaDescriptor] = m.call(
-                f"{prefix}Start",
-                rpc.PutStartParams(
-                    client_id=s.client_id, key=key, size=size, config=to_wire(config)
-                ),
-            )
-        except ObjectAlreadyExistsError:
-            return
+        params = rpc.PutStartParams(
+            client_id=s.client_id, key=key, size=size, config=to_wire(config)
+        )
+        end, pause = time.monotonic() + UPSERT_WAIT_S, 0.001
+        while True:
+            try:
+                reps: list[st.ReplicaDescriptor] = m.call(f"{prefix}Start", params)
+                break
+            except ObjectAlreadyExistsError:
+                return
+            except ReplicaNotReadyError:
+                # another write of the key is in flight: wait for it (as the async client)
+                if not upsert or time.monotonic() + pause > end:
+                    raise
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
         try:
             targets = [self._target(r, size) for r in reps]
             if not reps or any(

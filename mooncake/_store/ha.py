@@ -39,10 +39,30 @@ the state is serialized at a batch boundary (by a forked child: the loop pauses 
 fork), written (fenced) to etcd (and ``snapshot_dir`` if
 set), older snapshots beyond ``snapshot_retention`` are deleted, and so are the log entries at
 or below the new snapshot's seq.
+
+Fast failover (``fast_failover``, ``--ha_fast_failover``, on by default): a standby, while a
+leader holds ``master_view``, connects to the leader's RPC address every 0.2 s (a plain TCP
+connect, closed at once; one in flight). When the connects of that term were accepted before
+and then ``PROBE_REFUSALS`` in a row are actively refused (ECONNREFUSED: the host answered and
+nothing listens there), the standby re-reads the key, checks its create revision is still the
+term it probed, and revokes the lease named in the key (``/v3/lease/revoke``): that deletes
+the key and the standbys campaign at once instead of waiting for the TTL. Why a live leader is
+never revoked: a master opens its RPC listener before it joins the election and closes it only
+when the process leaves ``serve_master``, so it listens for its whole leadership; a live
+leader's kernel accepts connects (even a stopped or overloaded one's: the backlog), and a
+timeout, unreachable host or reset is never acted on, so a partitioned or stopped leader is
+deposed only by its lease expiring, as without fast failover. A port reused by another process
+accepts, so no revoke. A leader address this standby never reached (a wrong advertise address,
+loopback seen from another host) is never revoked (:mod:`mooncake._core.leader_probe`). Lease
+ids are unique, so the revoke can only delete the probed term's key, never a newer leader's.
+If a leader's lease is revoked anyway (a firewall starting to reject with resets), it is the
+same as its lease expiring: its next fenced txn fails and its keep-alive (run at once when its
+watch sees the key deleted) reports the lease gone, and it steps down.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import secrets
 import socket
@@ -54,6 +74,7 @@ import anyio.abc
 
 from mooncake._core import commands
 from mooncake._core.commands import Command, Durability
+from mooncake._core.leader_probe import PROBE_INTERVAL, DeathDetector, ProbeOutcome
 from mooncake._core.master import MasterState
 from mooncake._engine.metadata.etcd import EtcdKV, _b64, _unb64, prefix_end
 from mooncake._store.snapshots import DirSnapshots, EtcdSnapshots, ForkedSnapshot, Snapshot
@@ -98,6 +119,8 @@ class HaConfig:
     snapshot_retention: int = 2
     snapshot_dir: str | None = None
     """Also keep snapshot copies in this local directory."""
+    fast_failover: bool = True
+    """Standbys revoke a dead leader's lease once its RPC port is refused (module docstring)."""
 
     def validate(self) -> None:
         if not self.endpoints:
@@ -149,6 +172,10 @@ class HaNode:
         self.term = 0
         self.lease_id: str | None = None
         self.lease_deadline = 0.0
+        # the view key as last read by a standby: its create revision (the leader's term)
+        self._view_rev = 0
+        self._detector = DeathDetector()
+        self._lease_check = anyio.Event()
         self.applied_seq = 0
         self.latest_seq = 0
         self.snapshot_seq = 0
@@ -175,6 +202,8 @@ class HaNode:
         self.stepdowns = 0
         self.elections_won = 0
         self.apply_errors = 0
+        self.config_mismatch = False
+        self.early_revokes = 0
 
     # -- what the server asks ------------------------------------------------------------
 
@@ -249,6 +278,8 @@ class HaNode:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch, self.log_prefix, True)
                 tg.start_soon(self._watch, self.view_key, False)
+                if self.config.fast_failover:
+                    tg.start_soon(self._probe_leader)
                 while True:
                     try:
                         await self._load()
@@ -287,6 +318,8 @@ class HaNode:
                 self.latest_seq = max(self.latest_seq, seq)
                 if seq == self.applied_seq + 1:
                     self._apply_entry(seq, value)
+            if not is_log and value is None and self.role == "leader":
+                self._lease_check.set()  # our key gone? the keep-alive asks etcd now
             self._wake.set()
 
         while True:
@@ -365,6 +398,18 @@ class HaNode:
             return
         state = self.server.state
         for cmd in batch:
+            if cmd.kind == "promote" and cmd.config:
+                mine = commands.config_fingerprint(self.server.config.state)
+                if cmd.config != mine and not self.config_mismatch:
+                    log.error(
+                        "master HA: the leader runs with other state settings (%s, here %s): "
+                        "this master's state will diverge; start every master of cluster %r "
+                        "with the same flags",
+                        cmd.config,
+                        mine,
+                        self.config.cluster_id,
+                    )
+                self.config_mismatch = cmd.config != mine
             try:
                 commands.apply(state, cmd)
             except MooncakeError:
@@ -385,8 +430,10 @@ class HaNode:
             kvs = obj.get("kvs") or []
             if not kvs:
                 self.leader_addr = None
+                self._view_rev = 0
                 return
             addr = _unb64(kvs[0].get("value", "")).decode("utf-8", "replace")
+            self._view_rev = int(kvs[0].get("create_revision", 0) or 0)
             if addr != self.leader_addr:
                 log.info("master HA: following leader %s", addr)
             self.leader_addr = addr
@@ -446,7 +493,12 @@ class HaNode:
                 self.server.clock_offset = target - loop_now
                 genesis = self._from_scratch and self.applied_seq == 0
                 self.server.run_command(
-                    commands.Promote(self.server.now(), secrets.randbits(63), genesis=genesis)
+                    commands.Promote(
+                        self.server.now(),
+                        secrets.randbits(63),
+                        genesis=genesis,
+                        config=commands.config_fingerprint(self.server.config.state),
+                    )
                 )
                 self._snap_last = loop_now
                 tg.start_soon(self._flusher, tg)
@@ -479,7 +531,9 @@ class HaNode:
     async def _keepalive(self) -> None:
         ttl = self.config.lease_ttl
         while self.role == "leader":
-            await anyio.sleep(ttl / 5)
+            with anyio.move_on_after(ttl / 5):
+                await self._lease_check.wait()
+            self._lease_check = anyio.Event()
             lid = self.lease_id
             if lid is None:
                 return
@@ -631,6 +685,52 @@ class HaNode:
         if lid is not None:
             await self._revoke(lid)
 
+    # -- fast failover (standby) -----------------------------------------------------------
+
+    async def _probe_leader(self) -> None:
+        """Connect-probe the leader every ``PROBE_INTERVAL`` s while this master is a standby
+        following a leader; revoke the lease of a leader whose port stopped listening."""
+        while True:
+            await anyio.sleep(PROBE_INTERVAL)
+            addr, term = self.leader_addr, self._view_rev
+            if self.role != "standby" or not addr or not term or addr == self.address:
+                self._detector.reset()
+                continue
+            outcome = await probe_connect(addr, PROBE_INTERVAL)
+            if addr != self.leader_addr or term != self._view_rev or self.role != "standby":
+                continue  # the view changed while the probe ran: the outcome is stale
+            if self._detector.observe(term, addr, outcome):
+                try:
+                    await self._revoke_dead_leader(term, addr)
+                except MetadataError as e:
+                    log.warning("master HA: revoking the dead leader's lease: %s", e)
+
+    async def _revoke_dead_leader(self, term: int, addr: str) -> bool:
+        """Revoke the lease of term ``term`` if the view key still belongs to it."""
+        obj = await self.etcd.call("/v3/kv/range", {"key": _b64(self.view_key)})
+        kvs = obj.get("kvs") or []
+        if not kvs or int(kvs[0].get("create_revision", 0) or 0) != term:
+            return False  # gone already, or a newer leader: nothing of ours to revoke
+        lid = str(kvs[0].get("lease", "0") or "0")
+        if lid == "0":
+            return False  # not bound to a lease (not written by a master): leave it
+        log.warning(
+            "master HA: leader %s (term %d) refuses connections: revoking its lease %s",
+            addr,
+            term,
+            lid,
+        )
+        # lease ids are unique: this deletes the key of that term only
+        try:
+            await self.etcd.call("/v3/lease/revoke", {"ID": lid})
+        except MetadataError as e:
+            if "not found" not in str(e):
+                raise
+            return False  # another standby (or the expiry) was first
+        self.early_revokes += 1
+        self._wake.set()
+        return True
+
     # -- introspection ---------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
@@ -654,4 +754,47 @@ class HaNode:
             "elections_won": self.elections_won,
             "stepdowns": self.stepdowns,
             "apply_errors": self.apply_errors,
+            "config_mismatch": self.config_mismatch,
+            "fast_failover": self.config.fast_failover,
+            "early_revokes": self.early_revokes,
         }
+
+
+def _split_address(addr: str) -> tuple[str, int] | None:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return (host, int(port)) if host else None
+
+
+async def probe_connect(addr: str, within: float) -> ProbeOutcome:
+    """One TCP connect to ``host:port`` (closed at once, nothing sent): ``REFUSED`` only for
+    ECONNREFUSED from the first resolved address, ``ACCEPTED`` when it connects, ``OTHER`` for
+    everything else (no answer ``within`` seconds, unreachable, bad address, resolution
+    failure)."""
+    hp = _split_address(addr)
+    if hp is None:
+        return ProbeOutcome.OTHER
+    with anyio.move_on_after(within):
+        try:
+            infos = await anyio.getaddrinfo(hp[0], hp[1], type=socket.SOCK_STREAM)
+        except OSError:
+            return ProbeOutcome.OTHER
+        if not infos:
+            return ProbeOutcome.OTHER
+        family, kind, proto, _, sockaddr = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            err = sock.connect_ex(sockaddr)
+            if err in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY):
+                await anyio.wait_writable(sock)
+                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        finally:
+            sock.close()
+        if err == 0:
+            return ProbeOutcome.ACCEPTED
+        return ProbeOutcome.REFUSED if err == errno.ECONNREFUSED else ProbeOutcome.OTHER
+    return ProbeOutcome.OTHER

@@ -255,7 +255,7 @@ class MasterServer:
                     else commands.rpc_command(name, bytes(req.params), now, rid)
                 )
             if cmd is not None:  # the same function the standbys apply with
-                result = commands.apply(self.state, cmd, params)
+                result = commands.apply(self.state, cmd, params, unrecorded=rid is not None)
             elif matched is not None:
                 result = commands.SCAN_APPLY[name](self.state, params, matched, now)
             else:
@@ -733,6 +733,20 @@ class _MasterCollector(Collector):
             "Time the master could not serve, credited to every client's TTL",
             st.stall_seconds,
         )
+        q = s.quarantine.stats
+        for name, doc, value in (
+            ("reports", "Transfer failures to a segment reported by clients", q.reports),
+            ("started", "Segments quarantined on a client's report", q.started),
+            ("ignored", "Reports ignored (reporter refuted on that segment)", q.ignored),
+            ("lifted", "Quarantines lifted by the holder's heartbeat", q.lifted),
+            ("ended", "Quarantines ended with the segment (owner expired)", q.ended),
+        ):
+            yield counter(f"master_quarantine_{name}", doc, value)
+        yield GaugeMetricFamily(
+            "master_quarantined_segments",
+            "Segment names quarantined now",
+            value=len(s.quarantine.names),
+        )
         yield counter(
             "master_rpc_deduplicated",
             "Retried mutating calls answered from the dedup ledger, not applied again",
@@ -759,7 +773,7 @@ class _MasterCollector(Collector):
         ):
             if name in ha:
                 yield gauge(f"master_ha_{name}", doc, float(ha[name]))
-        for name in ("stepdowns", "elections_won", "batches", "apply_errors"):
+        for name in ("stepdowns", "elections_won", "batches", "apply_errors", "early_revokes"):
             if name in ha:
                 yield counter(f"master_ha_{name}", f"HA {name.replace('_', ' ')}", ha[name])
         misses = CounterMetricFamily(

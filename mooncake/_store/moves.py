@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 
 from mooncake import _fast
+from mooncake._core import rpc
 from mooncake._core import store_types as st
 from mooncake._core.gpu import device_of, parse_location
 from mooncake._core.memory import Region
@@ -40,6 +41,7 @@ from mooncake.errors import (
     NotRegisteredError,
     PeerDiedError,
     TransferError,
+    TransferTimeoutError,
 )
 
 log = logging.getLogger("mooncake.store")
@@ -54,6 +56,13 @@ INLINE_COPY = 1 << 20
 #: copies at least this large are split over two worker threads
 SPLIT_COPY = 8 << 20
 MAX_KEY_BYTES = 1 << 20
+#: a network transfer of replicas (one segment's ops) that has not finished after this floor
+#: plus :data:`TRANSFER_S_PER_MIB` per MiB fails (TransferTimeoutError) and its segment is
+#: reported: a stopped or cut-off holder must not hold a writer (or reader) forever
+TRANSFER_FLOOR_S = 2.0
+TRANSFER_S_PER_MIB = 0.01
+#: a segment that failed a transfer is reported to the master at most this often per client
+REPORT_EVERY_S = 0.5
 
 Config = ReplicateConfig | st.ReplicateConfig | None
 Source = int | Sequence[tuple[int, int]]
@@ -173,6 +182,10 @@ class _Mover:
         self.offload_reads = 0
         self._ssd_draining = False
         """Reads served from the SSD (offload) tier (``get_offload_rpc_read_count``)."""
+        self._reported: dict[str, float] = {}
+        """Segment name -> when this client last reported a transfer failure to it."""
+        self.segment_reports = 0
+        """Transfer failures reported to the master (``ReportSegmentFailure``)."""
 
     @property
     def segment_name(self) -> str:
@@ -235,8 +248,42 @@ class _Mover:
     def _route_cached(self, segment: str) -> MappedPeer | None:
         return self._shm.cached(segment)
 
-    async def _move(self, ops: Sequence[_Op]) -> None:
-        """Run ``ops`` (reads or writes of replicas); failures land in each op's ``error``."""
+    async def _move(self, ops: Sequence[_Op], deadline: float | None = None) -> None:
+        """Run ``ops`` (reads or writes of replicas); failures land in each op's ``error``.
+
+        Network transfers stop at ``deadline`` (the loop clock; a read passes its read window's
+        end, after which its bytes could not be used anyway), by default after
+        :data:`TRANSFER_FLOOR_S` plus :data:`TRANSFER_S_PER_MIB` per MiB; the ops left fail
+        with :class:`TransferTimeoutError`. Every segment another client holds that failed an
+        op (unreachable, died, timed out) is reported to the master (:meth:`_suspect`)."""
+        await self._move_ops(ops, deadline)
+
+    def _suspect(self, segment: str, err: BaseException) -> None:
+        """Report (in the background, at most every :data:`REPORT_EVERY_S` per segment) that a
+        transfer to ``segment`` failed, so the master quarantines it for everyone."""
+        now = anyio.current_time()
+        last = self._reported.get(segment)
+        if (last is not None and now - last < REPORT_EVERY_S) or self._tg is None or self._closed:
+            return
+        if len(self._reported) > 1024:
+            self._reported = {k: t for k, t in self._reported.items() if now - t < REPORT_EVERY_S}
+        self._reported[segment] = now
+        self.segment_reports += 1
+        self._tg.start_soon(self._report, segment, f"{type(err).__name__}: {err}"[:200])
+
+    async def _report(self, segment: str, reason: str) -> None:
+        try:
+            with anyio.fail_after(5):
+                await self.master.call(
+                    "ReportSegmentFailure",
+                    rpc.SegmentFailureParams(
+                        client_id=self.client_id, segment_name=segment, reason=reason
+                    ),
+                )
+        except (MooncakeError, TimeoutError) as e:
+            log.debug("reporting segment %s failed: %s", segment, e)
+
+    async def _move_ops(self, ops: Sequence[_Op], deadline: float | None) -> None:
         own = self.segment_name
         copies: list[tuple[int, int, int]] = []
         copy_ops: list[tuple[_Op, MappedPeer | None]] = []
@@ -266,6 +313,7 @@ class _Mover:
                     continue
                 if not peer.alive():
                     op.error = PeerDiedError(f"{seg}: its owner is gone")
+                    self._suspect(seg, op.error)
                     continue
             dst, src = (remote_local, op.local) if op.write else (op.local, remote_local)
             copies.append((dst, src, op.length))
@@ -273,7 +321,7 @@ class _Mover:
         if net:
             async with anyio.create_task_group() as tg:
                 for seg, seg_ops in net.items():
-                    tg.start_soon(self._move_net, seg, seg_ops)
+                    tg.start_soon(self._move_net, seg, seg_ops, deadline)
         if copies:
             peers = {id(p): p for _, p in copy_ops if p is not None}
             pinned = [p for p in peers.values() if p.acquire()]
@@ -282,6 +330,7 @@ class _Mover:
                     for op, mp in copy_ops:
                         if mp is not None and mp not in pinned:
                             op.error = PeerDiedError(f"{mp.segment}: its owner is gone")
+                            self._suspect(mp.segment, op.error)
                     keep = [
                         (c, o) for c, o in zip(copies, copy_ops, strict=True) if o[0].error is None
                     ]
@@ -298,6 +347,7 @@ class _Mover:
                         f"{mp.segment}: its owner died while the {'write' if op.write else 'read'} "
                         "was in flight"
                     )
+                    self._suspect(mp.segment, op.error)
             for p in peers.values():
                 if p.dead:
                     self._shm.forget(p.segment)
@@ -326,18 +376,32 @@ class _Mover:
                 for _, op in items:
                     op.error = e
 
-    async def _move_net(self, segment: str, ops: list[_Op]) -> None:
+    async def _move_net(self, segment: str, ops: list[_Op], deadline: float | None) -> None:
         reqs = [
             TransferRequest.write(op.local, op.remote, op.length)
             if op.write
             else TransferRequest.read(op.local, op.remote, op.length)
             for op in ops
         ]
+        if deadline is None:
+            mib = sum(op.length for op in ops) / (1 << 20)
+            deadline = anyio.current_time() + TRANSFER_FLOOR_S + TRANSFER_S_PER_MIB * mib
+        results = None
         try:
-            results = await self.engine.transfer(segment, reqs)
+            # cancelling a transfer returns once nothing can touch the local memory any more
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                results = await self.engine.transfer(segment, reqs)
         except MooncakeError as e:
             for op in ops:
                 op.error = e if isinstance(e, TransferError) else TransferError(str(e))
+            if isinstance(e, TransferError):
+                self._suspect(segment, e)
+            return
+        if results is None:
+            err = TransferTimeoutError(f"{segment}: no answer before the transfer's deadline")
+            for op in ops:
+                op.error = err
+            self._suspect(segment, err)
             return
         for op, res in zip(ops, results, strict=True):
             if not res.ok:
@@ -346,6 +410,8 @@ class _Mover:
                     if isinstance(res.error, TransferError)
                     else TransferError(str(res.error))
                 )
+                if isinstance(res.error, TransferError):
+                    self._suspect(segment, res.error)
 
     async def _resolve(self, segments: Any) -> None:
         """Map the same-host segments among ``segments`` (cheap once known)."""

@@ -100,7 +100,7 @@ class _Reads(_Writes):
         err: MooncakeError | None = None
         for r in order:
             op = _Op(False, local, r, n)
-            await self._move([op])
+            await self._move([op], deadline)  # past the window the bytes are of no use
             if op.error is None:
                 if anyio.current_time() > deadline:
                     self.lease_fences += 1
@@ -370,7 +370,12 @@ class _Reads(_Writes):
                     ops.append((i, _Op(False, addrs[i], rep, sizes[i])))
                 else:
                     ops += [(i, _Op(False, a, rep, n, offset=o)) for a, n, o in parts[i] if n]
-            await self._move([op for _, op in ops])
+            # a round stops when the last window of its keys closes (each key is fenced below)
+            round_end = max(
+                (t0 + _read_ttl(r) for i in todo if not isinstance(r := resps[i], MooncakeError)),
+                default=None,
+            )
+            await self._move([op for _, op in ops], round_end)
             failed: dict[int, MooncakeError] = {}
             for i, op in ops:
                 if op.error is not None and i not in failed:

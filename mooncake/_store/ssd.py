@@ -7,6 +7,8 @@ worker threads (``anyio.to_thread``, at most ``io_threads`` at a time).
 Layout of the directory::
 
     LOCK              flock'ed while a tier has the directory open (one owner at a time)
+    TIER_ID           the directory's identity (random, made once): a client restarted on it
+                      tells the master so, which hands it what its previous instance held
     tmp/              writes in progress (emptied at open)
     objects/ab/<blake2b-128 of key>.obj   committed objects (format in mooncake._core.tiers)
 
@@ -43,6 +45,7 @@ import fcntl
 import mmap
 import os
 import queue
+import uuid
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -386,6 +389,27 @@ def _probe_direct(root: str) -> bool:
         buf.close()
 
 
+def _tier_id(root: str) -> str:
+    """The directory's TIER_ID (created, durably, the first time)."""
+    path = os.path.join(root, "TIER_ID")
+    try:
+        with open(path) as f:
+            got = f.read().strip()
+        if got:
+            return got
+    except FileNotFoundError:
+        pass
+    new = uuid.uuid4().hex
+    tmp = os.path.join(root, "tmp", "TIER_ID")
+    with open(tmp, "w") as f:
+        f.write(new + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(root)
+    return new
+
+
 def _setup(root: str) -> tuple[str, int]:
     """Create the layout, take the directory lock; return the absolute root and the lock fd."""
     root = os.path.abspath(root)
@@ -427,6 +451,8 @@ class SsdTier:
         """Objects found valid at open (oldest generation first)."""
         self.dropped: list[tuple[str, str]] = []
         """(path, why) of files deleted at open: unfinished, bad header/length/checksum, no room."""
+        self.tier_id = ""
+        """The directory's identity (its ``TIER_ID`` file), the same across restarts."""
         self._limiter = anyio.CapacityLimiter(io_threads)
         self._locks: dict[str, anyio.Lock] = {}
         self._unlinking: dict[str, anyio.Event] = {}
@@ -697,6 +723,7 @@ async def open_ssd_tier(
         bad += extra
         tier.recovered = sorted(index.entries.values(), key=lambda e: e.generation)
         tier.dropped = bad
+        tier.tier_id = await anyio.to_thread.run_sync(_tier_id, root)
         try:
             yield tier
         finally:

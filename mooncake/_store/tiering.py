@@ -54,7 +54,9 @@ class _Tiered(_Mover):
         assert tier is not None
         await self.master.call(
             "MountLocalDisk",
-            rpc.LocalDiskParams(client_id=self.client_id, capacity=tier.capacity),
+            rpc.LocalDiskParams(
+                client_id=self.client_id, capacity=tier.capacity, tier_id=tier.tier_id
+            ),
         )
         for key in keys:
             if key not in tier:

@@ -35,10 +35,16 @@ from mooncake.errors import (
     MooncakeError,
     NoAvailableHandleError,
     ObjectAlreadyExistsError,
+    ReplicaNotReadyError,
     TransferError,
 )
 
 log = logging.getLogger("mooncake.store")
+
+#: an upsert of a key another write is in flight for waits (retrying, with backoff from 1 ms
+#: to 50 ms) up to this long for that write to end, so the two are ordered instead of the
+#: later one failing with REPLICA_IS_NOT_READY; past it, -703 is the answer
+UPSERT_WAIT_S = 5.0
 
 
 class _Writes(_Tiered):
@@ -180,6 +186,8 @@ class _Writes(_Tiered):
         errs = await self._put_addrs_once(
             keys, addrs, sizes, config, upsert=upsert, batch=batch, copy=copy
         )
+        if upsert:
+            await self._wait_writes(errs, keys, addrs, sizes, config, batch=batch, copy=copy)
         if self.ssd is None:
             return errs
         while True:  # while rounds make progress (each places at least one key)
@@ -205,6 +213,39 @@ class _Writes(_Tiered):
             if all(isinstance(r, NoAvailableHandleError) for r in retried):
                 break
         return errs
+
+    async def _wait_writes(
+        self,
+        errs: list[MooncakeError | None],
+        keys: Sequence[str],
+        addrs: Sequence[Source],
+        sizes: Sequence[int],
+        config: Config,
+        *,
+        batch: bool,
+        copy: bool,
+    ) -> None:
+        """Retry (in place in ``errs``) the upserts refused because another write of their key
+        was in flight, until it ended or :data:`UPSERT_WAIT_S` passed."""
+        end = anyio.current_time() + UPSERT_WAIT_S
+        pause = 0.001
+        while True:
+            again = [i for i, e in enumerate(errs) if isinstance(e, ReplicaNotReadyError)]
+            if not again or anyio.current_time() + pause > end:
+                return
+            await anyio.sleep(pause)
+            pause = min(pause * 2, 0.05)
+            retried = await self._put_addrs_once(
+                [keys[i] for i in again],
+                [addrs[i] for i in again],
+                [sizes[i] for i in again],
+                _subset(config, again, len(keys)),
+                upsert=True,
+                batch=batch,
+                copy=copy,
+            )
+            for i, result in zip(again, retried, strict=True):
+                errs[i] = result
 
     async def _put_addrs_once(
         self,

@@ -1,6 +1,7 @@
 """A store client in its own process, driven over stdin/stdout (one JSON object per line).
 
-Usage: store_client_driver.py MASTER SEGMENT_MIB LOCAL_BUFFER_MIB. Prints
+Usage: store_client_driver.py MASTER SEGMENT_MIB LOCAL_BUFFER_MIB [SSD_DIR] (SSD_DIR: the
+client's SSD tier). Prints
 ``{"hostname": ...}`` once set up, then answers commands:
 
   {"op": "put", "key": k, "seed": s, "size": n[, "replicas": r, "preferred": [seg...]]} -> {"rc"}
@@ -29,8 +30,9 @@ def main() -> None:
     from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
     master, seg_mib, lb_mib = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    ssd = {"enable_ssd_offload": True, "ssd_offload_path": sys.argv[4]} if sys.argv[4:] else {}
     s = MooncakeDistributedStore()
-    rc = s.setup("127.0.0.1", "P2PHANDSHAKE", seg_mib << 20, lb_mib << 20, "tcp", "", master)
+    rc = s.setup("127.0.0.1", "P2PHANDSHAKE", seg_mib << 20, lb_mib << 20, "tcp", "", master, **ssd)
     if rc != 0:
         print(json.dumps({"error": f"setup rc={rc}"}), flush=True)
         sys.exit(1)

@@ -71,8 +71,11 @@ class Master:
 class Client:
     """A store client in its own process (sync facade)."""
 
-    def __init__(self, master: str, segment_mib: int, local_buffer_mib: int = 16) -> None:
+    def __init__(
+        self, master: str, segment_mib: int, local_buffer_mib: int = 16, ssd: str = ""
+    ) -> None:
         cmd = [sys.executable, str(DRIVER), master, str(segment_mib), str(local_buffer_mib)]
+        cmd += [ssd] if ssd else []
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,

@@ -49,8 +49,17 @@ Model
   unresponsive is credited to every client (:meth:`credit_stall`), so a stall of the master
   never reads as silence of its clients.
 
+* **Quarantine**: ``ReportSegmentFailure`` from a known client takes a segment name out of
+  allocation and out of replica lists (objects with no other replica answer
+  ``REPLICA_NOT_FOUND``) until its holder's next heartbeat after ``quarantine_grace`` or its
+  expiry (:mod:`mooncake._core.quarantine`).
+* **SSD tier identity**: ``MountLocalDisk`` with the ``tier_id`` of a previous (dead) client
+  hands that client's SSD copies to the new one; its ``PutLocal`` of them re-adopts them.
+
 Upsert: ``UpsertStart`` on a readable key allocates a new version (fresh extents) beside the old
-one; readers keep getting the old version until ``UpsertEnd`` swaps them.
+one; readers keep getting the old version until ``UpsertEnd`` swaps them. A write takes effect
+at its End: reads meanwhile get the last complete version (a key with none is not found), a
+remove removes the readable version and leaves the write in flight, which lands at its End.
 """
 
 from __future__ import annotations

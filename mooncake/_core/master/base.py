@@ -28,6 +28,7 @@ from mooncake._core.master.records import (
 )
 from mooncake._core.misses import MissLedger
 from mooncake._core.policies import EvictionPolicy
+from mooncake._core.quarantine import Quarantine
 from mooncake._core.store_types import ReplicateConfig, Segment
 from mooncake._core.tiers import TierCounters
 
@@ -42,6 +43,7 @@ class _StateBase:
     view_version_id: int
     misses: MissLedger
     tiers: dict[str, TierCounters]
+    quarantine: Quarantine
     _objects: dict[str, _Object]
     _segments: dict[str, _Seg]
     _seg_list: list[_Seg]

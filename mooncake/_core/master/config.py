@@ -56,6 +56,11 @@ class MasterConfig:
     """Space of a revoked write (PutRevoke/UpsertRevoke, PromoteRevoke, TaskRevoke) is reused
     only this many seconds later: the writer's transfer may have been cancelled mid-way, and
     the segment owner's server may still be copying bytes it had already received."""
+    quarantine_grace: float = 0.1
+    """A quarantined segment's holder lifts it with a heartbeat arriving at least this long
+    after the report (an earlier one may have been sent before it died)."""
+    quarantine_refute_hold: float = 10.0
+    """A reporter whose report a heartbeat refuted is not heard on that segment for this long."""
 
     def validate(self) -> None:
         """Raise :class:`InvalidArgumentError` naming the first bad setting."""
@@ -72,6 +77,8 @@ class MasterConfig:
             "pending_task_timeout",
             "processing_task_timeout",
             "put_revoke_hold",
+            "quarantine_grace",
+            "quarantine_refute_hold",
         ):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -11,7 +11,7 @@ from mooncake._core.master.records import KeySet, _Object
 from mooncake._core.policies import Pin
 from mooncake._core.rpc import Item
 from mooncake._core.store_types import GetReplicaListResponse, ReplicaDescriptor, ReplicaStatus
-from mooncake.errors import MooncakeError, ObjectNotFoundError, ReplicaNotReadyError
+from mooncake.errors import MooncakeError, ObjectNotFoundError, ReplicaNotFoundError
 
 
 class _Leases(_StateBase):
@@ -32,16 +32,28 @@ class _Leases(_StateBase):
         """
         obj = self._objects.get(key)
         if obj is None or obj.readable is None:
+            # A key whose only version is still being written has no complete version to
+            # read: not found (as ExistKey says), not "not ready" -- the write is ordered after
+            # this read.
             self.stats.get_misses += 1
             self.tiers["dram"].misses += 1
-            if obj is not None:
-                raise ReplicaNotReadyError(f"object {key!r} is still being written")
             raise ObjectNotFoundError(
                 f"object {key!r} not found {format_miss(self.misses.classify(key))}"
             )
+        ver = obj.readable
+        replicas = ver.replicas
+        if self.quarantine and replicas:
+            replicas = [r for r in replicas if r.seg.segment.name not in self.quarantine]
+            if not replicas and not ver.disk:
+                self.stats.get_misses += 1
+                self.tiers["dram"].misses += 1
+                names = sorted({r.seg.segment.name for r in ver.replicas})
+                raise ReplicaNotFoundError(
+                    f"object {key!r} has no reachable replica: its holder(s) {', '.join(names)} "
+                    "failed a transfer and have not been heard from since"
+                )
         ttl = self.config.default_kv_lease_ttl
         self._extend_lease(obj, now + ttl)
-        ver = obj.readable
         read_ttl = min(
             ttl,
             self.config.read_fence_ttl + self.config.read_fence_s_per_mib * ver.size / (1 << 20),
@@ -51,13 +63,13 @@ class _Leases(_StateBase):
         if key in self.policy:
             self.policy.on_access(key, now)
         self.stats.gets += 1
-        if ver.replicas:
+        if replicas:
             self.tiers["dram"].hits += 1
         else:
             self.tiers["dram"].misses += 1
             self.tiers["ssd"].hits += 1
         return GetReplicaListResponse(
-            replicas=[r.descriptor(ReplicaStatus.COMPLETE) for r in ver.replicas],
+            replicas=[r.descriptor(ReplicaStatus.COMPLETE) for r in replicas],
             lease_ttl_ms=int(ttl * 1000),
             size=ver.size,
             read_ttl_ms=int(read_ttl * 1000),

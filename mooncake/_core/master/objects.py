@@ -294,16 +294,16 @@ class _Objects(_StateBase):
     # -- removal ---------------------------------------------------------------------------
 
     def remove(self, key: str, force: bool, now: float) -> None:
-        """Remove the readable object ``key``.
+        """Remove the readable version of ``key``.
 
         ``OBJECT_HAS_LEASE`` while leased unless ``force`` (then its space waits for the lease
-        to end); ``REPLICA_IS_NOT_READY`` while a write of it is in progress.
+        to end). A write of ``key`` still in progress is ordered after the removal: it is not
+        touched and becomes readable at its End; a key with nothing readable (only such a
+        write) is ``OBJECT_NOT_FOUND``.
         """
         obj = self._objects.get(key)
-        if obj is None:
+        if obj is None or obj.readable is None:
             raise ObjectNotFoundError(f"object {key!r} not found")
-        if obj.pending is not None:
-            raise ReplicaNotReadyError(f"object {key!r} has a write in progress")
         if obj.task is not None:
             raise ObjectHasReplicationTaskError(f"object {key!r} has task {obj.task.id} in flight")
         if obj.lease_deadline > now and not force:
@@ -341,7 +341,7 @@ class _Objects(_StateBase):
         n = 0
         for obj in objs:
             key = obj.key
-            if obj.readable is None or obj.pending is not None or obj.task:
+            if obj.readable is None or obj.task:
                 continue
             if obj.lease_deadline > now and not force:
                 self.stats.lease_refusals += 1
@@ -353,8 +353,11 @@ class _Objects(_StateBase):
         return n
 
     def _drop_object(self, obj: _Object, now: float) -> None:
+        """Drop the readable version of ``obj``; the object goes with it unless a write of it
+        is in progress (that write stays, and becomes the readable version at its End)."""
         ver = obj.readable
-        del self._objects[obj.key]
+        if obj.pending is None:
+            del self._objects[obj.key]
         if obj.group:
             members = self._groups.get(obj.group)
             if members is not None:
@@ -368,6 +371,11 @@ class _Objects(_StateBase):
             self._end_tier_moves(obj)
             self._forget_disk(obj.key, ver)
             obj.readable = None
+        if obj.pending is not None:  # the record stays for the write: nothing of the old one
+            obj.group = ""
+            obj.lease_deadline = 0.0
+            obj.hard_pinned = False
+            obj.soft_pin_deadline = None
 
     def batch_replica_clear(
         self, client_id: str, keys: list[str], segment_name: str, now: float

@@ -140,6 +140,10 @@ class _Client:
     ssd_keys: KeySet = field(default_factory=KeySet)
     demote_tasks: list[DemoteTask] = field(default_factory=list)
     disk_drops: list[DiskDrop] = field(default_factory=list)
+    ssd_tier_id: str = ""
+    """The identity of its SSD tier's directory (kept across the client's restarts)."""
+    stale_ssd: set[str] = field(default_factory=set)
+    """Keys whose copies on that directory a previous instance was told to delete."""
 
 
 # A deferred free: (until, sequence number, extents); ``MasterState._deferred`` is a heap of them.

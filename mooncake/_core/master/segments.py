@@ -24,6 +24,7 @@ from mooncake._core.store_types import (
     SegmentInfo,
 )
 from mooncake.errors import (
+    ClientNotFoundError,
     IllegalClientError,
     InvalidArgumentError,
     SegmentAlreadyExistsError,
@@ -46,7 +47,37 @@ class _Segments(_StateBase):
                 view_version_id=self.view_version_id, client_status=ClientStatus.NEED_REMOUNT
             )
         client.deadline = now + self.config.client_ttl
+        if self.quarantine:
+            self._holder_alive(client, now)
         return PingResponse(view_version_id=self.view_version_id, client_status=ClientStatus.OK)
+
+    def _holder_alive(self, client: _Client, now: float) -> None:
+        """``client`` was heard from: lift the quarantine of its segments (see
+        :class:`~mooncake._core.quarantine.Quarantine` for the grace)."""
+        names = dict.fromkeys(
+            seg.segment.name for sid in client.segments if (seg := self._segments.get(sid))
+        )
+        self.quarantine.alive(names, now)
+
+    def report_segment_failure(
+        self, client_id: str, segment_name: str, reason: str, now: float
+    ) -> bool:
+        """``client_id`` failed a transfer to ``segment_name``: quarantine it (no new
+        allocations there; reads are not given its replicas) until its holder's next heartbeat
+        or the holder's expiry. Whether it is quarantined now (False: this reporter was refuted
+        on that segment within ``quarantine_refute_hold``).
+
+        ``CLIENT_NOT_FOUND`` from a client the master does not know, ``SEGMENT_NOT_FOUND`` for
+        a name no mounted segment has, ``INVALID_PARAMS`` for a client's own segment."""
+        _check_client_id(client_id)
+        if client_id not in self._clients:
+            raise ClientNotFoundError(f"client {client_id} is not known to this master")
+        owners = {s.client_id for s in self._seg_list if s.segment.name == segment_name}
+        if not owners:
+            raise SegmentNotFoundError(f"no mounted segment is named {segment_name!r}")
+        if client_id in owners:
+            raise InvalidArgumentError(f"client {client_id} cannot report its own segment")
+        return self.quarantine.report(client_id, segment_name, now, reason)
 
     def _touch_client(self, client_id: str, now: float) -> _Client:
         client = self._clients.get(client_id)
@@ -151,9 +182,11 @@ class _Segments(_StateBase):
     def remount_segments(self, client_id: str, segments: Iterable[Segment], now: float) -> None:
         """Mount each of ``segments`` not mounted yet (after ``NEED_REMOUNT``)."""
         _check_client_id(client_id)
-        self._touch_client(client_id, now)
+        client = self._touch_client(client_id, now)
         for seg in segments:
             self.mount_segment(client_id, seg, now)
+        if self.quarantine:
+            self._holder_alive(client, now)
 
     def unmount_segment(self, client_id: str, segment_id: str, now: float) -> None:
         """Unmount a segment of ``client_id``: its replicas vanish at once."""
@@ -179,6 +212,9 @@ class _Segments(_StateBase):
             client.segments.discard(seg.segment.id)
         self._capacity -= seg.segment.size
         self._used -= seg.alloc.used
+        name = seg.segment.name
+        if name in self.quarantine and not any(s.segment.name == name for s in self._seg_list):
+            self.quarantine.end(name)
         for key in list(seg.keys):
             obj = self._objects.get(key)
             if obj is None:
@@ -253,8 +289,9 @@ class _Segments(_StateBase):
         want = config.replica_num
         out: list[_Replica] = []
         used_segs: set[int] = set()
+        quarantined = self.quarantine
         for seg in self._candidates(config):
-            if id(seg) in used_segs:
+            if id(seg) in used_segs or (quarantined and seg.segment.name in quarantined):
                 continue
             addr = seg.alloc.allocate(size)
             if addr is None:

@@ -29,6 +29,7 @@ from mooncake._core.master.tasks import _Tasks
 from mooncake._core.master.tiers import _Tiers
 from mooncake._core.misses import MissLedger
 from mooncake._core.policies import EvictionPolicy, make_policy
+from mooncake._core.quarantine import Quarantine
 from mooncake._core.store_types import Segment
 from mooncake._core.tiers import TierCounters
 
@@ -86,6 +87,10 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         self.tiers = {"dram": TierCounters(), "ssd": TierCounters()}
         """Per-tier counters as the master sees them (SSD reads themselves are counted by the
         owning client)."""
+        self.quarantine = Quarantine(
+            self.config.quarantine_grace, self.config.quarantine_refute_hold
+        )
+        """Segments reported unreachable (:mod:`mooncake._core.quarantine`)."""
 
     # -- introspection ---------------------------------------------------------------------
 

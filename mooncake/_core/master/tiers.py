@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from mooncake._core.master.base import _StateBase
 from mooncake._core.master.config import _check_client_id, _check_key
-from mooncake._core.master.records import _Demote, _Object, _Promote, _Replica, _Version
+from mooncake._core.master.records import (
+    KeySet,
+    _Client,
+    _Demote,
+    _Object,
+    _Promote,
+    _Replica,
+    _Version,
+)
 from mooncake._core.misses import Miss
 from mooncake._core.policies import Pin
 from mooncake._core.store_types import (
@@ -30,13 +38,40 @@ class _Tiers(_StateBase):
 
     # -- tiers: SSD copies, demotion, promotion ---------------------------------------------
 
-    def mount_local_disk(self, client_id: str, capacity: int, now: float) -> None:
+    def mount_local_disk(
+        self, client_id: str, capacity: int, now: float, *, tier_id: str = ""
+    ) -> None:
         """``client_id`` has an SSD tier of ``capacity`` bytes: evictions from its segments may
-        be demoted to it (``offload_on_evict``). Capacity 0 unmounts it for new demotions."""
+        be demoted to it (``offload_on_evict``). Capacity 0 unmounts it for new demotions.
+
+        ``tier_id`` names the tier's directory. A directory is open in one process at a time
+        (it is locked), so another known client with the same ``tier_id`` is a previous
+        instance that died: its SSD copies (and the deletions it was told to do) pass to
+        ``client_id``, whose ``PutLocal`` of them then re-adopts them instead of dropping them."""
         _check_client_id(client_id)
         if capacity < 0:
             raise InvalidArgumentError(f"SSD capacity must be >= 0, got {capacity}")
-        self._touch_client(client_id, now).ssd_capacity = capacity
+        client = self._touch_client(client_id, now)
+        client.ssd_capacity = capacity
+        if not tier_id:
+            return
+        for cid, old in self._clients.items():
+            if cid != client_id and old.ssd_tier_id == tier_id:
+                self._adopt_disk(cid, old, client_id, client)
+        client.ssd_tier_id = tier_id[:128]
+
+    def _adopt_disk(self, old_id: str, old: _Client, new_id: str, new: _Client) -> None:
+        for key in old.ssd_keys:
+            obj = self._objects.get(key)
+            ver = obj.readable if obj is not None else None
+            if ver is None or old_id not in ver.disk:
+                continue
+            ver.disk = (*(c for c in ver.disk if c not in (old_id, new_id)), new_id)
+            new.ssd_keys.add(key)
+        new.stale_ssd.update(d.key for d in old.disk_drops)
+        new.disk_drops += old.disk_drops
+        old.ssd_keys, old.disk_drops, old.demote_tasks = KeySet(), [], []
+        old.ssd_capacity, old.ssd_tier_id = 0, ""
 
     def fetch_tier_tasks(self, client_id: str, now: float) -> TierTasks:
         """Take ``client_id``'s queued demotions and SSD copies to delete (none for a client
@@ -213,7 +248,19 @@ class _Tiers(_StateBase):
         client = self._touch_client(client_id, now)
         if client.ssd_capacity <= 0:
             raise InvalidArgumentError(f"client {client_id} has no SSD tier mounted")
-        if key in self._objects:
+        if key in client.stale_ssd:
+            client.stale_ssd.discard(key)
+            raise ObjectAlreadyExistsError(f"the SSD copy of {key!r} was to be deleted")
+        obj = self._objects.get(key)
+        if obj is not None:
+            ver = obj.readable
+            if ver is not None and client_id in ver.disk:  # adopted from a previous instance
+                if ver.size == size:
+                    return ver.vid
+                ver.disk = tuple(c for c in ver.disk if c != client_id)
+                client.ssd_keys.discard(key)
+                if not ver.replicas and not ver.disk:
+                    self._drop_object(obj, now)
             raise ObjectAlreadyExistsError(f"object {key!r} already exists")
         self._next_vid += 1
         obj = self._objects[key] = _Object(key, writer=client_id)
