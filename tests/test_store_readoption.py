@@ -86,6 +86,7 @@ def readable_with_bytes(holder: Client, keys: list[str]) -> list[str]:
     return [k for k in keys if holder.cmd("digest", key=k) == {"len": SIZE, "sha": want[k]}]
 
 
+@pytest.mark.slow
 def test_ssd_objects_survive_a_master_restart_then_a_holder_restart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
