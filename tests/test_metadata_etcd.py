@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 from collections.abc import Iterator
 
@@ -32,6 +33,9 @@ def test_parse_endpoints() -> None:
         parse_endpoints("nohostport")
     with pytest.raises(InvalidArgumentError, match="names no endpoint"):
         parse_endpoints(" ; ")
+    for bad in ("h:0", "h:70000", "h:12/x", "h:12?q=1", "ftp://h:1"):
+        with pytest.raises(InvalidArgumentError, match=re.escape(f"{bad!r} is not host:port")):
+            parse_endpoints(bad)
     assert prefix_end(b"mooncake/ram/") == b"mooncake/ram0"
     assert prefix_end(b"a\xff") == b"b"
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import anyio
 
-from mooncake._engine.metadata.etcd import EtcdKV
+from mooncake._engine.metadata.etcd import EtcdKV, parse_endpoints
 from mooncake.errors import InvalidArgumentError, MetadataError, NotSupportedError
 
 log = logging.getLogger("mooncake.store")
@@ -35,7 +35,6 @@ DEFAULT_CLUSTER_ID = "mooncake_cluster"
 DEFAULT_FAILOVER_TIMEOUT_S = 30.0
 _POLL_S = 0.1
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-_ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 
 def is_ha_address(address: str) -> bool:
@@ -58,22 +57,14 @@ def parse_ha_address(address: str) -> list[str]:
     if not is_ha_address(a):
         raise InvalidArgumentError(f"master address {address!r} is not etcd://host:port[;...]")
     rest = a.split("://", 1)[1]
-    parts = [p.strip() for p in rest.replace(",", ";").split(";")]
-    if not any(parts):
+    if not any(p.strip() for p in rest.replace(",", ";").split(";")):
         raise InvalidArgumentError(
             f"master address {address!r} names no etcd endpoint (etcd://host:port[;host:port])"
         )
-    out = []
-    for part in parts:
-        if not part:
-            continue
-        m = _ENDPOINT.match(part)
-        if m is None or not 0 < int(m.group(2)) < 65536:
-            raise InvalidArgumentError(
-                f"master address {address!r}: etcd endpoint {part!r} is not host:port"
-            )
-        out.append(f"http://{m.group(1)}:{int(m.group(2))}")
-    return out
+    try:
+        return parse_endpoints(rest)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"master address {address!r}: {e}") from None
 
 
 def cluster_id_from_env() -> str:

@@ -61,18 +61,33 @@ def prefix_end(prefix: bytes) -> bytes:
 
 
 def parse_endpoints(rest: str) -> list[str]:
-    """``"h1:p1;h2:p2"`` (``,`` also accepted, ``http://`` optional) -> base URLs."""
+    """``"h1:p1;h2:p2"`` (``,`` also accepted, ``http://`` optional) -> base URLs.
+
+    Each endpoint is ``[http[s]://]host:port`` with a port in 1..65535 and no path, query or
+    fragment; anything else raises :class:`InvalidArgumentError` naming that endpoint.
+    """
     out = []
-    for part in rest.replace(",", ";").split(";"):
-        part = part.strip()
+    for raw in rest.replace(",", ";").split(";"):
+        part = raw.strip()
         if not part:
             continue
-        if "://" not in part:
-            part = "http://" + part
-        u = httpx.URL(part)
-        if u.scheme not in ("http", "https") or not u.host or u.port is None:
+        try:
+            u = httpx.URL(part if "://" in part else "http://" + part)
+            port = u.port
+        except (httpx.InvalidURL, ValueError):
+            u, port = None, None
+        if (
+            u is None
+            or u.scheme not in ("http", "https")
+            or not u.host
+            or port is None
+            or not 0 < port < 65536
+            or u.path not in ("", "/")
+            or u.query
+            or u.fragment
+        ):
             raise InvalidArgumentError(f"etcd endpoint {part!r} is not host:port")
-        out.append(f"{u.scheme}://{u.host if ':' not in u.host else '[' + u.host + ']'}:{u.port}")
+        out.append(f"{u.scheme}://{u.host if ':' not in u.host else '[' + u.host + ']'}:{port}")
     if not out:
         raise InvalidArgumentError(f"etcd connection string {rest!r} names no endpoint")
     return out
