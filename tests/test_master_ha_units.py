@@ -144,6 +144,26 @@ def test_forked_snapshot_sees_the_state_at_fork_time() -> None:
     trio.run(main)
 
 
+def test_a_hung_snapshot_child_is_killed_and_reaped_at_its_timeout() -> None:
+    import os
+    import time
+
+    from mooncake._store.snapshots import ForkedSnapshot
+
+    def hang() -> bytes:
+        time.sleep(120)
+        return b"never"
+
+    async def main() -> None:
+        child = ForkedSnapshot(hang, timeout=0.5)
+        with pytest.raises(OSError, match=r"timed out after 0\.5 s"):
+            await child.result()
+        with pytest.raises(ChildProcessError):  # reaped: no zombie left behind
+            os.waitpid(child._pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG
+
+    trio.run(main)
+
+
 @pytest.mark.etcd
 def test_standby_loads_snapshot_plus_log_and_detects_a_gap(etcd_endpoint: str) -> None:
     import msgspec
