@@ -78,6 +78,14 @@ def _wait_following(standbys: list[HaMaster], leader: HaMaster) -> None:
     raise AssertionError(f"standbys do not follow {leader.address}: {[m.ha() for m in standbys]}")
 
 
+def _settled(ms: list[HaMaster]) -> tuple[HaMaster, list[HaMaster]]:
+    """The leader of ``ms`` and the others, once every one of those follows it."""
+    leader = wait_leader(ms)
+    rest = [m for m in ms if m is not leader]
+    _wait_following(rest, leader)
+    return leader, rest
+
+
 def _wait_new_term(cluster: services.EtcdCluster, old: int, budget: float) -> tuple[int, str, str]:
     deadline = time.monotonic() + budget
     while time.monotonic() < deadline:
@@ -93,9 +101,7 @@ def test_killed_leader_is_replaced_before_its_long_lease_expires(
 ) -> None:
     ms = _masters(etcd1.conn, tmp_path, "--ha-lease-ttl", "30")
     try:
-        leader = wait_leader(ms)
-        rest = [m for m in ms if m is not leader]
-        _wait_following(rest, leader)
+        leader, rest = _settled(ms)
         mount(leader.address)
         assert put(leader.address, "before")
         view = _view(etcd1)
@@ -128,9 +134,7 @@ def test_killed_leader_is_replaced_before_its_long_lease_expires(
 def test_stopped_leader_is_not_revoked_early(etcd1: services.EtcdCluster, tmp_path: Path) -> None:
     ms = _masters(etcd1.conn, tmp_path, "--ha-lease-ttl", "5")
     try:
-        old = wait_leader(ms)
-        rest = [m for m in ms if m is not old]
-        _wait_following(rest, old)
+        old, rest = _settled(ms)
         view = _view(etcd1)
         assert view is not None
         term, lease, _ = view
@@ -160,9 +164,7 @@ def test_port_taken_over_by_another_process_is_not_revoked(
     ms = _masters(etcd1.conn, tmp_path, "--ha-lease-ttl", "5")
     squatter: socket.socket | None = None
     try:
-        old = wait_leader(ms)
-        rest = [m for m in ms if m is not old]
-        _wait_following(rest, old)
+        old, rest = _settled(ms)
         view = _view(etcd1)
         assert view is not None
         term, _lease, _ = view
@@ -188,9 +190,7 @@ def test_fast_failover_off_leaves_a_dead_leader_to_its_lease(
 ) -> None:
     ms = _masters(etcd1.conn, tmp_path, "--ha-lease-ttl", "30", "--ha-fast-failover", "false")
     try:
-        leader = wait_leader(ms)
-        rest = [m for m in ms if m is not leader]
-        _wait_following(rest, leader)
+        leader, rest = _settled(ms)
         view = _view(etcd1)
         assert view is not None
         _term, lease, _ = view
@@ -214,9 +214,7 @@ def test_live_leader_whose_lease_is_revoked_steps_down_through_the_fence(
     # the same as an expired one, never two leaders acknowledging writes
     ms = _masters(etcd1.conn, tmp_path, "--ha-lease-ttl", "30")
     try:
-        old = wait_leader(ms)
-        rest = [m for m in ms if m is not old]
-        _wait_following(rest, old)
+        old, _ = _settled(ms)
         mount(old.address)
         assert put(old.address, "before")
         view = _view(etcd1)
