@@ -53,6 +53,7 @@ extensions = [
         extra_compile_args=CFLAGS,
         extra_link_args=["-pthread"],
     ),
+    Extension("mooncake._fast._intmap", ["mooncake/_fast/_intmap.pyx"], extra_compile_args=CFLAGS),
 ]
 
 soft_provider = Extension(

@@ -345,8 +345,9 @@ def digest(state: MasterState) -> str:
     """A canonical fingerprint of everything in ``state`` (tests: replicas must agree).
 
     Walks the whole object graph: dicts and sequences in their order (order is state: it
-    decides later iteration), sets sorted, objects by their fields, shared objects by first
-    visit. Slow; for tests and checks, not the hot path.
+    decides later iteration), sets sorted, objects with a ``__canon__()`` method by what it
+    returns (a container of plain values, e.g. ``IntMap`` by its sorted items), other objects
+    by their fields, shared objects by first visit. Slow; for tests and checks, not the hot path.
     """
     import hashlib
     import random as _random
@@ -364,6 +365,9 @@ def digest(state: MasterState) -> str:
         memo[oid] = len(memo)
         if isinstance(o, _random.Random):
             return ("rng", o.getstate())
+        hook = getattr(type(o), "__canon__", None)
+        if hook is not None:  # a container with its own canonical form (e.g. IntMap)
+            return (type(o).__name__, canon(hook(o)))
         if isinstance(o, dict):
             return ("dict", [(canon(k), canon(v)) for k, v in o.items()])
         if isinstance(o, set | frozenset):

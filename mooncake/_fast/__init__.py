@@ -75,6 +75,17 @@ else:
     except ImportError:
         from ._copyq_pure import CopyQueue
 
+if os.environ.get("MOONCAKE_NO_EXTENSIONS", "") not in ("", "0") or not COMPILED:
+    from ._intmap_pure import COMPILED as INTMAP_COMPILED
+    from ._intmap_pure import IntMap
+else:
+    try:
+        from ._intmap import COMPILED as INTMAP_COMPILED  # type: ignore[no-redef]
+        from ._intmap import IntMap  # type: ignore[assignment]
+    except ImportError:
+        from ._intmap_pure import COMPILED as INTMAP_COMPILED
+        from ._intmap_pure import IntMap
+
 STAGE_SIZE = 65536  # the staging buffer a ClientPipe wants (both twins)
 # results of ServeConn.step / ClientPipe.step (identical in both twins)
 DONE, WANT_READ, WANT_WRITE, YIELD, CLOSE, PEER_CLOSED = 0, 1, 2, 3, 4, 5
@@ -86,6 +97,7 @@ __all__ = [
     "COMPILED",
     "DONE",
     "E_PROTO",
+    "INTMAP_COMPILED",
     "PEER_CLOSED",
     "STAGE",
     "STAGE_SIZE",
@@ -95,6 +107,7 @@ __all__ = [
     "YIELD",
     "ClientPipe",
     "CopyQueue",
+    "IntMap",
     "RegionTable",
     "ServeConn",
     "memcpy_at",
