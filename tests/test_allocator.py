@@ -134,3 +134,33 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
+
+
+@given(st.lists(st.integers(1, 3000), max_size=40), st.randoms(use_true_random=False))
+@settings(max_examples=60)
+def test_extents_state_restore_round_trip(sizes: list[int], rnd: object) -> None:
+    a = OffsetAllocator(1 << 30, 64 * 1024, alignment=64)
+    got = [x for x in (a.allocate(n) for n in sizes) if x is not None]
+    rnd.shuffle(got)  # type: ignore[attr-defined]
+    for x in got[: len(got) // 2]:
+        a.free(x)
+    addrs, lengths = a.extents()
+    assert list(addrs) == sorted(got[len(got) // 2 :])
+    assert list(lengths) == [a.extent(x) for x in addrs]
+    allocated, free, used = a.state()
+    assert allocated == list(zip(addrs, lengths, strict=True))
+    # restore takes extents in any order
+    b = OffsetAllocator.restore(
+        a.base, a.size, a.alignment, allocated=reversed(allocated), free=free, used=used
+    )
+    b.self_check()
+    assert b.state() == a.state() and b.allocations == a.allocations
+    assert b.memory_bytes() > 0
+
+
+def test_addresses_outside_int64_are_just_not_extents() -> None:
+    a = OffsetAllocator(0, 4096)
+    with pytest.raises(KeyError):
+        a.extent(1 << 70)
+    with pytest.raises(InvalidArgumentError, match="not an allocated extent"):
+        a.free(1 << 70)

@@ -119,10 +119,11 @@ def snapshot(state: MasterState) -> bytes:
     allocs = []
     for seg in state._seg_list:
         a = seg.alloc
+        addrs, lengths = a.extents()
         allocs.append(
             (
-                array("q", a._allocated.keys()).tobytes(),
-                array("q", a._allocated.values()).tobytes(),
+                addrs.tobytes(),
+                lengths.tobytes(),
                 array("q", a._starts).tobytes(),
                 array("q", (a._free[s] for s in a._starts)).tobytes(),
                 a._used,
