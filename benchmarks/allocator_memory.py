@@ -6,7 +6,8 @@ N extents of ``--size`` bytes, then frees them all (in address order), and repor
 * RSS growth per allocation (``/proc/self/statm`` before and after filling, the returned
   addresses not kept), and what the allocated-extent map says it holds (``memory_bytes()``
   when it is an ``IntMap``; for a dict, ``sys.getsizeof`` of the dict plus its key ints);
-* ns per ``allocate`` and per ``free`` (wall clock over the whole loop, one thread).
+* ns per ``allocate`` and per ``free`` (wall clock over the whole loop, one thread), and per
+  set / pop of the extent map alone (a fresh one, the same keys; loop overhead included).
 
 Runs against whatever ``mooncake`` is importable (set ``PYTHONPATH`` to compare checkouts;
 ``MOONCAKE_NO_EXTENSIONS=1`` for the pure twin). Progress goes to stderr, one result line per
@@ -59,6 +60,16 @@ def _one(n: int, size: int) -> dict[str, float | int | str]:
         free(addr)
     t3 = time.perf_counter_ns()
     assert a.allocations == 0 and a.free_blocks() == [(0, n * size)]
+    # the map alone, same keys: what the extent map adds to each allocate / free
+    mm = type(m)()
+    t4 = time.perf_counter_ns()
+    for addr in range(0, n * size, size):
+        mm[addr] = length
+    t5 = time.perf_counter_ns()
+    pop = mm.pop
+    for addr in range(0, n * size, size):
+        pop(addr, None)
+    t6 = time.perf_counter_ns()
     return {
         "n": n,
         "map": kind,
@@ -66,6 +77,8 @@ def _one(n: int, size: int) -> dict[str, float | int | str]:
         "held_bytes_per_alloc": round(held / n, 2),
         "allocate_ns": round((t1 - t0) / n, 1),
         "free_ns": round((t3 - t2) / n, 1),
+        "map_set_ns": round((t5 - t4) / n, 1),
+        "map_pop_ns": round((t6 - t5) / n, 1),
     }
 
 

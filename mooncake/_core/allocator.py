@@ -19,7 +19,7 @@ Contract:
 
 Costs: ``allocate`` and ``free`` are O(log F) comparisons plus a list insert/delete (memmove) in
 the two sorted free-block indexes, F the number of free blocks. Live extents are kept in an
-:class:`~mooncake._fast.IntMap` (address -> length in one C table: 21-43 bytes an extent, no
+:class:`~mooncake._fast.IntMap` (address -> length in C arrays: 16-32 bytes an extent, no
 Python objects), since a master holds one per stored object.
 """
 

@@ -1,10 +1,13 @@
 # cython: language_level=3
-"""IntMap: an int64 -> int64 hash map in one C array (16 bytes a slot, no Python objects).
+"""IntMap: an int64 -> int64 hash map in C arrays (12 bytes a slot, no Python objects).
 
 Open addressing with linear probing over a power-of-two table kept at load <= 0.75, keys mixed
 by the splitmix64 finalizer, backward-shift deletion (no tombstones: a probe chain never holds
 a dead slot, so lookups stay short after any mix of inserts and deletes). A slot whose key is 0
-is empty; the key 0 itself lives outside the table (``_has_zero`` / ``_zero_val``).
+is empty; the key 0 itself lives outside the table (``_has_zero`` / ``_zero_val``). Keys are an
+int64 array, values an int32 array beside it: a value outside (-2**31, 2**31) is kept in a side
+dict and its slot marked (rare for what this holds: extent lengths, counts, ids), so a slot is
+12 bytes and an entry 16-32 bytes at load 3/8..3/4.
 
 Contracts (identical in the pure twin ``_intmap_pure``):
 
@@ -22,7 +25,7 @@ Contracts (identical in the pure twin ``_intmap_pure``):
 from cpython.array cimport array, clone
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.number cimport PyNumber_Index
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport INT32_MAX, INT32_MIN, int32_t, int64_t, uint64_t
 from libc.stdlib cimport calloc, free
 
 cdef extern from *:
@@ -42,6 +45,7 @@ ctypedef struct Slot:
     int64_t val
 
 cdef size_t MIN_CAP = 8
+cdef int32_t BIG = INT32_MIN  # value slot marker: the value is in the ``_big`` dict
 cdef object _template = array("q")
 cdef object _MISSING = object()
 
@@ -66,7 +70,9 @@ cdef inline uint64_t _mix(int64_t k) noexcept nogil:
 cdef class IntMap:
     """A dict of int64 keys to int64 values in C memory (see the module docstring)."""
 
-    cdef Slot *_slots
+    cdef int64_t *_keys  # 0: empty slot
+    cdef int32_t *_vals  # BIG: the value is _big[key]
+    cdef dict _big  # values outside int32 (rare: None until one comes)
     cdef size_t _cap  # power of two
     cdef size_t _used  # occupied table slots (key 0 not counted)
     cdef bint _has_zero
@@ -74,19 +80,35 @@ cdef class IntMap:
     cdef mc_i128 _total
 
     def __cinit__(self) -> None:
-        self._slots = <Slot *>calloc(MIN_CAP, sizeof(Slot))
-        if self._slots == NULL:
-            raise MemoryError()
-        self._cap = MIN_CAP
+        self._keys = NULL
+        self._vals = NULL
+        self._alloc_table(MIN_CAP)
+        self._big = None
         self._used = 0
         self._has_zero = False
         self._zero_val = 0
         self._total = 0
 
     def __dealloc__(self) -> None:
-        free(self._slots)
+        free(self._keys)
+        free(self._vals)
 
     # -- C internals -------------------------------------------------------------------------
+
+    cdef int _alloc_table(self, size_t cap) except -1:
+        """Replace the table by an empty one of ``cap`` slots (the old one is freed)."""
+        cdef int64_t *k = <int64_t *>calloc(cap, sizeof(int64_t))
+        cdef int32_t *v = <int32_t *>calloc(cap, sizeof(int32_t))
+        if k == NULL or v == NULL:
+            free(k)
+            free(v)
+            raise MemoryError()
+        free(self._keys)
+        free(self._vals)
+        self._keys = k
+        self._vals = v
+        self._cap = cap
+        return 0
 
     cdef inline Py_ssize_t _find(self, int64_t k) noexcept nogil:
         """Slot index holding ``k`` (k != 0), or -1."""
@@ -94,30 +116,54 @@ cdef class IntMap:
         cdef size_t i = <size_t>_mix(k) & mask
         cdef int64_t s
         while True:
-            s = self._slots[i].key
+            s = self._keys[i]
             if s == k:
                 return <Py_ssize_t>i
             if s == 0:
                 return -1
             i = (i + 1) & mask
 
+    cdef inline int64_t _val_at(self, size_t i) except? -1:
+        cdef int32_t v = self._vals[i]
+        if v != BIG:
+            return v
+        return <int64_t>self._big[self._keys[i]]
+
+    cdef inline int _put_val(self, size_t i, int64_t v) except -1:
+        """Store ``v`` for the key in slot ``i`` (whose old value, if any, is already gone)."""
+        if INT32_MIN < v <= INT32_MAX:
+            self._vals[i] = <int32_t>v
+        else:
+            if self._big is None:
+                self._big = {}
+            self._big[self._keys[i]] = v
+            self._vals[i] = BIG
+        return 0
+
     cdef int _grow(self) except -1:
         cdef size_t new_cap = self._cap * 2
-        cdef Slot *new = <Slot *>calloc(new_cap, sizeof(Slot))
-        if new == NULL:
+        cdef int64_t *nk = <int64_t *>calloc(new_cap, sizeof(int64_t))
+        cdef int32_t *nv = <int32_t *>calloc(new_cap, sizeof(int32_t))
+        if nk == NULL or nv == NULL:
+            free(nk)
+            free(nv)
             raise MemoryError()
         cdef size_t mask = new_cap - 1
         cdef size_t j, i
-        cdef Slot *old = self._slots
+        cdef int64_t *ok = self._keys
+        cdef int32_t *ov = self._vals
         with nogil:
             for j in range(self._cap):
-                if old[j].key != 0:
-                    i = <size_t>_mix(old[j].key) & mask
-                    while new[i].key != 0:
+                if ok[j] != 0:
+                    i = <size_t>_mix(ok[j]) & mask
+                    while nk[i] != 0:
                         i = (i + 1) & mask
-                    new[i] = old[j]
-        free(old)
-        self._slots = new
+                    nk[i] = ok[j]
+                    nv[i] = ov[j]
+        free(ok)
+        free(ov)
+        self._keys = nk
+        self._vals = nv
         self._cap = new_cap
         return 0
 
@@ -134,10 +180,13 @@ cdef class IntMap:
         mask = self._cap - 1
         i = <size_t>_mix(k) & mask
         while True:
-            s = self._slots[i].key
+            s = self._keys[i]
             if s == k:
-                self._total += <mc_i128>v - <mc_i128>self._slots[i].val
-                self._slots[i].val = v
+                self._total -= self._val_at(i)
+                if self._vals[i] == BIG:
+                    del self._big[k]
+                self._put_val(i, v)
+                self._total += v
                 return 0
             if s == 0:
                 break
@@ -146,34 +195,41 @@ cdef class IntMap:
             self._grow()
             mask = self._cap - 1
             i = <size_t>_mix(k) & mask
-            while self._slots[i].key != 0:
+            while self._keys[i] != 0:
                 i = (i + 1) & mask
-        self._slots[i].key = k
-        self._slots[i].val = v
+        self._keys[i] = k
+        self._put_val(i, v)
         self._used += 1
         self._total += v
         return 0
 
-    cdef void _delete_at(self, size_t i) noexcept nogil:
-        """Empty slot ``i`` and shift later entries of its probe chain back (no tombstone)."""
+    cdef int64_t _delete_at(self, size_t i) except? -1:
+        """Empty slot ``i``, shift later entries of its probe chain back (no tombstone) and
+        return the value it held."""
         cdef size_t mask = self._cap - 1
         cdef size_t j = i
         cdef size_t home
         cdef int64_t s
-        self._total -= self._slots[i].val
-        while True:
-            j = (j + 1) & mask
-            s = self._slots[j].key
-            if s == 0:
-                break
-            home = <size_t>_mix(s) & mask
-            # the entry at j may fill the hole at i when i lies on its probe path home..j
-            if ((j - home) & mask) >= ((j - i) & mask):
-                self._slots[i] = self._slots[j]
-                i = j
-        self._slots[i].key = 0
-        self._slots[i].val = 0
+        cdef int64_t v = self._val_at(i)
+        if self._vals[i] == BIG:
+            del self._big[self._keys[i]]
+        self._total -= v
+        with nogil:
+            while True:
+                j = (j + 1) & mask
+                s = self._keys[j]
+                if s == 0:
+                    break
+                home = <size_t>_mix(s) & mask
+                # the entry at j may fill the hole at i when i lies on its probe path home..j
+                if ((j - home) & mask) >= ((j - i) & mask):
+                    self._keys[i] = s
+                    self._vals[i] = self._vals[j]
+                    i = j
+            self._keys[i] = 0
+            self._vals[i] = 0
         self._used -= 1
+        return v
 
     # -- the dict-like API -------------------------------------------------------------------
 
@@ -196,7 +252,7 @@ cdef class IntMap:
         i = self._find(key)
         if i < 0:
             raise KeyError(key)
-        return self._slots[i].val
+        return self._val_at(<size_t>i)
 
     def __setitem__(self, key: object, value: object) -> None:
         self._set(_i64(key), _i64(value))
@@ -228,7 +284,7 @@ cdef class IntMap:
         i = self._find(key)
         if i < 0:
             return default
-        return self._slots[i].val
+        return self._val_at(<size_t>i)
 
     def pop(self, key_obj: object, default: object = _MISSING) -> object:
         """Remove ``key`` and return its value; ``default`` if absent (``KeyError`` if none)."""
@@ -250,9 +306,7 @@ cdef class IntMap:
             if default is _MISSING:
                 raise KeyError(key)
             return default
-        v = self._slots[i].val
-        self._delete_at(<size_t>i)
-        return v
+        return self._delete_at(<size_t>i)
 
     def update(self, pairs: object) -> None:
         """Set every ``(key, value)`` of the iterable ``pairs``, in order."""
@@ -261,12 +315,8 @@ cdef class IntMap:
 
     def clear(self) -> None:
         """Remove everything and give the table's memory back (down to the minimum)."""
-        cdef Slot *new = <Slot *>calloc(MIN_CAP, sizeof(Slot))
-        if new == NULL:
-            raise MemoryError()
-        free(self._slots)
-        self._slots = new
-        self._cap = MIN_CAP
+        self._alloc_table(MIN_CAP)
+        self._big = None
         self._used = 0
         self._has_zero = False
         self._zero_val = 0
@@ -278,7 +328,10 @@ cdef class IntMap:
 
     def memory_bytes(self) -> int:
         """Bytes held: the C table plus the object itself."""
-        return self._cap * sizeof(Slot) + self.__sizeof__()
+        cdef size_t n = self._cap * (sizeof(int64_t) + sizeof(int32_t)) + self.__sizeof__()
+        if self._big:  # the dict and, per entry, a key and a value int
+            n += self._big.__sizeof__() + 64 * len(self._big)
+        return n
 
     def items_sorted(self) -> tuple[array, array]:
         """``(keys, values)`` as ``array('q')``, ascending by key."""
@@ -297,15 +350,16 @@ cdef class IntMap:
             PyMem_Free(a)
             PyMem_Free(b)
             raise MemoryError()
+        if self._has_zero:
+            a[0].key = 0
+            a[0].val = self._zero_val
+            m = 1
+        for j in range(self._cap):
+            if self._keys[j] != 0:
+                a[m].key = self._keys[j]
+                a[m].val = self._val_at(j)
+                m += 1
         with nogil:
-            if self._has_zero:
-                a[0].key = 0
-                a[0].val = self._zero_val
-                m = 1
-            for j in range(self._cap):
-                if self._slots[j].key != 0:
-                    a[m] = self._slots[j]
-                    m += 1
             res = _radix_sort(a, b, n)
             for j in range(n):
                 ko[j] = res[j].key

@@ -1,6 +1,6 @@
 """Pure-Python twin of ``_intmap.pyx``: the same IntMap contracts over a dict.
 
-Slower and about four times larger per entry than the compiled map; correct everywhere.
+Slower and three to four times larger per entry than the compiled map; correct everywhere.
 """
 
 from __future__ import annotations
