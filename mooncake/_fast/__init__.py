@@ -109,5 +109,5 @@ __all__ = [
 ]
 
 # The master's object table: the pure twin until the compiled one is built.
-from ._objtable_pure import COMPILED as OBJTABLE_COMPILED
-from ._objtable_pure import ObjectTable
+from ._objtable_pure import COMPILED as OBJTABLE_COMPILED  # noqa: E402,F401
+from ._objtable_pure import ObjectTable as ObjectTable  # noqa: E402

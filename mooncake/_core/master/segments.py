@@ -129,7 +129,10 @@ class _Segments(_StateBase):
             segment,
             client_id,
             OffsetAllocator(segment.base, segment.size, alignment=self.config.alignment),
+            self._next_seg_num,
         )
+        self._next_seg_num += 1
+        self._objects.segs[seg.num] = seg
         self._segments[segment.id] = seg
         self._seg_list.append(seg)
         client.segments.add(segment.id)
@@ -148,7 +151,7 @@ class _Segments(_StateBase):
             if until > now:
                 held.extend((until, r.addr, r.length) for r in reps if r.seg is seg)
 
-        for key in seg.keys:
+        for key in self._objects.keys_on(seg):
             obj = self._objects.get(key)
             if obj is None:
                 continue
@@ -215,7 +218,7 @@ class _Segments(_StateBase):
         name = seg.segment.name
         if name in self.quarantine and not any(s.segment.name == name for s in self._seg_list):
             self.quarantine.end(name)
-        for key in list(seg.keys):
+        for key in self._objects.keys_on(seg):
             obj = self._objects.get(key)
             if obj is None:
                 continue
@@ -226,7 +229,7 @@ class _Segments(_StateBase):
             if obj.demoting is not None and obj.demoting.client_id == seg.client_id:
                 self._clear_demoting(obj)  # its source extent went with the segment
                 if ver is not None and ver.replicas and obj.promoting is None:
-                    self.policy.on_insert(key, ver.size)  # back under the DRAM policy
+                    self.policy.on_insert(obj.h, ver.size)  # back under the DRAM policy
             if ver is not None and not ver.replicas:
                 self._untrack(obj)
                 if not ver.disk:  # else it is still on an SSD
@@ -243,7 +246,7 @@ class _Segments(_StateBase):
                 self._writing.pop(key, None)
             if obj.readable is None and obj.pending is None:
                 del self._objects[key]
-        seg.keys.clear()
+        self._objects.segs.pop(seg.num, None)
         # deferred extents on this segment went with it (their bytes were counted in alloc.used)
         self._deferred = [
             (t, n, kept)
