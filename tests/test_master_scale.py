@@ -38,7 +38,7 @@ class _NoScan(ObjectMap):
     items = _walk("items")  # type: ignore[assignment]
     values = _walk("values")  # type: ignore[assignment]
     readable_keys = _walk("readable_keys")  # type: ignore[assignment]
-    keys_on = _walk("keys_on")  # type: ignore[assignment]
+    handles_on = _walk("handles_on")  # type: ignore[assignment]
     extend_deadlines = _walk("extend_deadlines")  # type: ignore[assignment]
     settle_all = _walk("settle_all")  # type: ignore[assignment]
 

@@ -214,16 +214,21 @@ class ObjectMap:
 
     # -- bulk ------------------------------------------------------------------------------
 
-    def keys_on(self, seg: _Seg) -> list[str]:
-        """Keys with a replica of their readable or pending version on ``seg``, in order."""
+    def handles_on(self, seg: _Seg) -> list[int]:
+        """Handles of the objects with a replica of their readable or pending version on
+        ``seg``, in order (a scan of the cold rows' segment column, and of the hot records)."""
         hs = self.table.cold_on_segment(seg.num) if seg.num >= 0 else []
         for h, obj in self.hot.items():
             for ver in (obj.readable, obj.pending.version if obj.pending else None):
                 if ver is not None and any(r.seg is seg for r in ver.replicas):
                     hs.append(h)
                     break
+        return self.table.sort_by_seq(hs)
+
+    def keys_on(self, seg: _Seg) -> list[str]:
+        """The keys of :meth:`handles_on`."""
         key = self.table.key
-        return [key(h) for h in self.table.sort_by_seq(hs)]
+        return [key(h) for h in self.handles_on(seg)]
 
     def extend_deadlines(self, at_least: float) -> None:
         """Every readable object's lease and read window last at least until ``at_least``."""

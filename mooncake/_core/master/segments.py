@@ -151,10 +151,15 @@ class _Segments(_StateBase):
             if until > now:
                 held.extend((until, r.addr, r.length) for r in reps if r.seg is seg)
 
-        for key in self._objects.keys_on(seg):
-            obj = self._objects.get(key)
-            if obj is None:
+        objects = self._objects
+        table = objects.table
+        for h in objects.handles_on(seg):
+            if table.is_cold(h):  # read from the row: no record for each object of the segment
+                _, addr, size, _, _, read, _ = table.cold_row(h)
+                if read > now:
+                    held.append((read, addr, size))
                 continue
+            obj = objects.by_handle(h)
             if obj.pending is not None:
                 note(
                     obj.pending.started + cfg.put_start_release_timeout,
@@ -218,10 +223,20 @@ class _Segments(_StateBase):
         name = seg.segment.name
         if name in self.quarantine and not any(s.segment.name == name for s in self._seg_list):
             self.quarantine.end(name)
-        for key in self._objects.keys_on(seg):
-            obj = self._objects.get(key)
-            if obj is None:
+        objects = self._objects
+        table = objects.table
+        for h in objects.handles_on(seg):
+            key = table.key(h)
+            if table.is_cold(h):  # its one replica was there: the object is gone
+                if h in self.policy:
+                    self.policy.on_remove(h)
+                if owner_died:
+                    self.misses.record_owner_death([key], owner=seg.client_id)
+                else:
+                    self.misses.record_removal(key, detail=f"segment {seg.segment.id} unmounted")
+                del objects[key]
                 continue
+            obj = objects.by_handle(h)
             for ver in (obj.readable, obj.pending.version if obj.pending else None):
                 if ver is not None:
                     ver.replicas = [r for r in ver.replicas if r.seg is not seg]
