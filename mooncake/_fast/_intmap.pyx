@@ -19,7 +19,9 @@ Contracts (identical in the pure twin ``_intmap_pure``):
 * ``items_sorted()`` is ``(keys, values)`` as two ``array('q')``, ascending by key: the only
   way to enumerate (there is no iteration in hash order, so nothing can depend on it);
 * ``total()`` is the sum of the values (exact, a Python int), kept as entries change;
-* ``memory_bytes()`` is what the map holds in C memory plus its object header.
+* ``memory_bytes()`` is what the map holds in C memory plus its object header;
+* like a dict, every operation runs under the GIL (none releases it while the table is in
+  flux), so threads may share a map.
 """
 
 from cpython.array cimport array, clone
@@ -152,14 +154,14 @@ cdef class IntMap:
         cdef size_t j, i
         cdef int64_t *ok = self._keys
         cdef int32_t *ov = self._vals
-        with nogil:
-            for j in range(self._cap):
-                if ok[j] != 0:
-                    i = <size_t>_mix(ok[j]) & mask
-                    while nk[i] != 0:
-                        i = (i + 1) & mask
-                    nk[i] = ok[j]
-                    nv[i] = ov[j]
+        # the GIL stays held here and below: no other thread may see a half-moved table
+        for j in range(self._cap):
+            if ok[j] != 0:
+                i = <size_t>_mix(ok[j]) & mask
+                while nk[i] != 0:
+                    i = (i + 1) & mask
+                nk[i] = ok[j]
+                nv[i] = ov[j]
         free(ok)
         free(ov)
         self._keys = nk
@@ -214,20 +216,19 @@ cdef class IntMap:
         if self._vals[i] == BIG:
             del self._big[self._keys[i]]
         self._total -= v
-        with nogil:
-            while True:
-                j = (j + 1) & mask
-                s = self._keys[j]
-                if s == 0:
-                    break
-                home = <size_t>_mix(s) & mask
-                # the entry at j may fill the hole at i when i lies on its probe path home..j
-                if ((j - home) & mask) >= ((j - i) & mask):
-                    self._keys[i] = s
-                    self._vals[i] = self._vals[j]
-                    i = j
-            self._keys[i] = 0
-            self._vals[i] = 0
+        while True:
+            j = (j + 1) & mask
+            s = self._keys[j]
+            if s == 0:
+                break
+            home = <size_t>_mix(s) & mask
+            # the entry at j may fill the hole at i when i lies on its probe path home..j
+            if ((j - home) & mask) >= ((j - i) & mask):
+                self._keys[i] = s
+                self._vals[i] = self._vals[j]
+                i = j
+        self._keys[i] = 0
+        self._vals[i] = 0
         self._used -= 1
         return v
 
@@ -359,7 +360,7 @@ cdef class IntMap:
                 a[m].key = self._keys[j]
                 a[m].val = self._val_at(j)
                 m += 1
-        with nogil:
+        with nogil:  # private buffers only: the table is not touched without the GIL
             res = _radix_sort(a, b, n)
             for j in range(n):
                 ko[j] = res[j].key
