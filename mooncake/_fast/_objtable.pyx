@@ -86,7 +86,7 @@ cdef int64_t _as_num(str name, object v, int64_t hi_incl) except -1:
         raise TypeError(f"{name} must be an int, got {type(v).__name__}")
     x = PyLong_AsLongLongAndOverflow(v, &overflow)
     if overflow or x < 0 or x > hi_incl:
-        raise OverflowError(f"{name} {v} out of range [0, {_PY_I31 if hi_incl < _I31 else _PY_I63})")
+        raise OverflowError(f"{name} {v} out of range [0, {_PY_I31 if hi_incl <= _I31 else _PY_I63})")
     return x
 
 
@@ -496,11 +496,11 @@ cdef class ObjectTable:
     def set_cold(self, h, seg, addr, size, vid, lease, read, writer):
         """Give ``h`` a cold row (replacing any it has)."""
         cdef int32_t x = self._live(h)
-        cdef int64_t s = _as_num("seg", seg, _I31 - 1)
+        cdef int64_t s = _as_num("seg", seg, _I31)
         cdef int64_t a = _as_num("addr", addr, 0x7FFFFFFFFFFFFFFF)
         cdef int64_t z = _as_num("size", size, 0x7FFFFFFFFFFFFFFF)
         cdef int64_t v = _as_num("vid", vid, 0x7FFFFFFFFFFFFFFF)
-        cdef int64_t w = _as_num("writer", writer, _I31 - 1)
+        cdef int64_t w = _as_num("writer", writer, _I31)
         cdef double ls = _as_double(lease)
         cdef double rd = _as_double(read)
         if self.seg_[x] < 0:
@@ -560,7 +560,7 @@ cdef class ObjectTable:
         if not PyLong_CheckExact(seg):
             raise TypeError(f"seg must be an int, got {type(seg).__name__}")
         s = PyLong_AsLongLongAndOverflow(seg, &overflow)
-        if overflow or s < 0 or s >= _I31:
+        if overflow or s < 0 or s > _I31:
             return []
         for h in range(self.n):
             if self.seg_[h] == s:
