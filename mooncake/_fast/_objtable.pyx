@@ -6,13 +6,14 @@ Storage, all owned by the table and grown by ``realloc`` (about 1.5x), never one
 object per key:
 
 * a key arena: the UTF-8 (``surrogatepass``) bytes of every key, one after another; per
-  handle an ``int64`` offset (``-1``: the handle is free) and a ``uint32`` length. A removed
-  key's bytes stay as garbage until the garbage outweighs the live bytes (and 16 bytes per
+  handle an ``int64`` offset (``-1``: the handle is free) and a ``uint32`` length, beside
+  the ``uint32`` hash of the key (one 16-byte record, so a lookup touches one cache line of
+  it besides its slot and the key's bytes). A removed key's bytes stay as garbage until the garbage outweighs the live bytes (and 16 bytes per
   handle), when :meth:`remove` compacts the arena (amortized: the garbage pays for it);
 * a hash index: open addressing with linear probing over ``int32`` slots holding handles
   (``-1`` empty), a power of two of them at load <= 0.7, deletion by backward shift. The
   hash is a keyed wyhash-style 64-bit hash of the key's bytes with a per-process random key,
-  so a client cannot choose keys that collide; a ``uint32`` of it is kept per handle so
+  so a client cannot choose keys that collide; 32 bits of it are kept per handle so
   probing and growing compare and move numbers, not keys. Nothing observable (handles,
   orders, states) depends on the hash;
 * per handle columns: ``seq`` (``int64``); the cold row (``seg`` ``int32``, ``-1`` when the
@@ -53,6 +54,10 @@ cdef extern from "mc_objtable.h" nogil:
         int64_t seq
         int64_t h
     void mc_sort_seqpairs(mc_seqpair *p, size_t n)
+    ctypedef struct mc_keyref:
+        int64_t off
+        uint32_t len
+        uint32_t hash
 
 COMPILED = True
 
@@ -96,9 +101,7 @@ cdef class ObjectTable:
     # handles: n ever handed out, hcap allocated, count live
     cdef Py_ssize_t n, hcap, count, nfree, free_cap, ncold, lru_n, nslots
     cdef int64_t next_seq_
-    cdef int64_t *koff
-    cdef uint32_t *klen
-    cdef uint32_t *khash
+    cdef mc_keyref *km  # per handle: the key's offset, length and hash, side by side
     cdef int64_t *seq_
     cdef int32_t *seg_
     cdef int64_t *addr_
@@ -131,9 +134,7 @@ cdef class ObjectTable:
         pass
 
     def __dealloc__(self):
-        free(self.koff)
-        free(self.klen)
-        free(self.khash)
+        free(self.km)
         free(self.seq_)
         free(self.seg_)
         free(self.addr_)
@@ -162,9 +163,7 @@ cdef class ObjectTable:
             cap = 16
         if cap > _MAX_HANDLES:
             cap = _MAX_HANDLES
-        _grow(<void **>&self.koff, sizeof(int64_t), cap)
-        _grow(<void **>&self.klen, sizeof(uint32_t), cap)
-        _grow(<void **>&self.khash, sizeof(uint32_t), cap)
+        _grow(<void **>&self.km, sizeof(mc_keyref), cap)
         _grow(<void **>&self.seq_, sizeof(int64_t), cap)
         _grow(<void **>&self.seg_, sizeof(int32_t), cap)
         _grow(<void **>&self.addr_, sizeof(int64_t), cap)
@@ -202,8 +201,8 @@ cdef class ObjectTable:
         memset(s, 0xFF, nslots * sizeof(int32_t))
         with nogil:
             for h in range(self.n):
-                if self.koff[h] >= 0:
-                    i = self.khash[h] & mask
+                if self.km[h].off >= 0:
+                    i = self.km[h].hash & mask
                     while s[i] >= 0:
                         i = (i + 1) & mask
                     s[i] = <int32_t>h
@@ -223,8 +222,8 @@ cdef class ObjectTable:
             if h < 0:
                 slot[0] = i
                 return -1
-            if (self.khash[h] == hv and self.klen[h] == <uint32_t>ln
-                    and memcmp(self.arena + self.koff[h], p, ln) == 0):
+            if (self.km[h].hash == hv and self.km[h].len == <uint32_t>ln
+                    and memcmp(self.arena + self.km[h].off, p, ln) == 0):
                 slot[0] = i
                 return h
             i = (i + 1) & mask
@@ -232,7 +231,7 @@ cdef class ObjectTable:
     cdef void _unindex(self, int32_t h) noexcept nogil:
         """Take ``h`` out of the index, shifting the run after it back (no tombstones)."""
         cdef uint64_t mask = self.nslots - 1
-        cdef uint64_t i = self.khash[h] & mask, j, k
+        cdef uint64_t i = self.km[h].hash & mask, j, k
         cdef int32_t g
         while self.slots[i] != h:
             i = (i + 1) & mask
@@ -242,7 +241,7 @@ cdef class ObjectTable:
             g = self.slots[j]
             if g < 0:
                 break
-            k = self.khash[g] & mask
+            k = self.km[g].hash & mask
             # g stays where it is if its home k lies cyclically in (i, j]
             if i <= j:
                 if i < k and k <= j:
@@ -261,10 +260,10 @@ cdef class ObjectTable:
             raise MemoryError()
         with nogil:
             for h in range(self.n):
-                if self.koff[h] >= 0:
-                    memcpy(a + pos, self.arena + self.koff[h], self.klen[h])
-                    self.koff[h] = pos
-                    pos += self.klen[h]
+                if self.km[h].off >= 0:
+                    memcpy(a + pos, self.arena + self.km[h].off, self.km[h].len)
+                    self.km[h].off = pos
+                    pos += self.km[h].len
         free(self.arena)
         self.arena = a
         self.acap = cap
@@ -277,7 +276,7 @@ cdef class ObjectTable:
         if not PyLong_CheckExact(h):
             raise TypeError(f"handle must be an int, got {type(h).__name__}")
         x = PyLong_AsLongLongAndOverflow(h, &overflow)
-        if overflow or x < 0 or x >= self.n or self.koff[x] < 0:
+        if overflow or x < 0 or x >= self.n or self.km[x].off < 0:
             raise KeyError(h)
         return <int32_t>x
 
@@ -398,9 +397,9 @@ cdef class ObjectTable:
             self.next_[h] = -1
             self.lsize[h] = 0
         memcpy(self.arena + self.aused, p, ln)
-        self.koff[h] = self.aused
-        self.klen[h] = <uint32_t>ln
-        self.khash[h] = hv
+        self.km[h].off = self.aused
+        self.km[h].len = <uint32_t>ln
+        self.km[h].hash = hv
         self.aused += ln
         self.alive += ln
         self.seq_[h] = self.next_seq_
@@ -425,9 +424,9 @@ cdef class ObjectTable:
             self.ncold -= 1
             self._zero_cold(x)
         self._unindex(x)
-        self.alive -= self.klen[x]
-        self.koff[x] = -1
-        self.klen[x] = 0
+        self.alive -= self.km[x].len
+        self.km[x].off = -1
+        self.km[x].len = 0
         self.free_[self.nfree] = x
         self.nfree += 1
         self.count -= 1
@@ -437,7 +436,7 @@ cdef class ObjectTable:
 
     def key(self, h):
         cdef int32_t x = self._live(h)
-        return PyUnicode_DecodeUTF8(self.arena + self.koff[x], self.klen[x], "surrogatepass")
+        return PyUnicode_DecodeUTF8(self.arena + self.km[x].off, self.km[x].len, "surrogatepass")
 
     def seq(self, h):
         return self.seq_[self._live(h)]
@@ -459,7 +458,7 @@ cdef class ObjectTable:
             raise MemoryError()
         try:
             for h in range(self.n):
-                if self.koff[h] >= 0:
+                if self.km[h].off >= 0:
                     pairs[m].seq = self.seq_[h]
                     pairs[m].h = h
                     m += 1
@@ -614,7 +613,7 @@ cdef class ObjectTable:
         if not PyLong_CheckExact(h):
             return False
         x = PyLong_AsLongLongAndOverflow(h, &overflow)
-        if overflow or x < 0 or x >= self.n or self.koff[x] < 0:
+        if overflow or x < 0 or x >= self.n or self.km[x].off < 0:
             return False
         return self._listed(<int32_t>x)
 
@@ -690,13 +689,13 @@ cdef class ObjectTable:
         cdef int32_t x
         with nogil:
             for h in range(n):
-                if self.koff[h] >= 0:
+                if self.km[h].off >= 0:
                     lv[h] = 1
-                    memcpy(bl + pos, self.arena + self.koff[h], self.klen[h])
-                    pos += self.klen[h]
+                    memcpy(bl + pos, self.arena + self.km[h].off, self.km[h].len)
+                    pos += self.km[h].len
                 else:
                     lv[h] = 0
-                kl[h] = self.klen[h]
+                kl[h] = self.km[h].len
             x = self.head
             i = 0
             while x >= 0:
@@ -771,8 +770,8 @@ cdef class ObjectTable:
             t.prev_[h] = _NOT_LISTED
             t.next_[h] = -1
             t.lsize[h] = 0
-            t.koff[h] = -1
-            t.klen[h] = 0
+            t.km[h].off = -1
+            t.km[h].len = 0
             if lv[h]:
                 nlive += 1
         # keys: check, copy the live ones, index them
@@ -790,12 +789,12 @@ cdef class ObjectTable:
                 s = t.seq_[h]
                 if s < 0 or s >= ns:
                     raise ValueError(f"object table seq {s} of handle {h} not in [0, {ns})")
-                t.khash[h] = <uint32_t>mc_hash(bl + pos, ln, _SEED)
-                if t._probe(<const char *>bl + pos, ln, t.khash[h], &slot) >= 0:
+                t.km[h].hash = <uint32_t>mc_hash(bl + pos, ln, _SEED)
+                if t._probe(<const char *>bl + pos, ln, t.km[h].hash, &slot) >= 0:
                     raise ValueError("object table with a key twice")
                 memcpy(t.arena + t.aused, bl + pos, ln)
-                t.koff[h] = t.aused
-                t.klen[h] = <uint32_t>ln
+                t.km[h].off = t.aused
+                t.km[h].len = <uint32_t>ln
                 t.aused += ln
                 t.slots[slot] = <int32_t>h
                 t.count += 1
@@ -849,18 +848,18 @@ cdef class ObjectTable:
         cdef int32_t x, p
         assert self.n <= self.hcap or self.n == 0
         for h in range(self.n):
-            if self.koff[h] >= 0:
+            if self.km[h].off >= 0:
                 live += 1
-                alive += self.klen[h]
-                assert self.koff[h] + self.klen[h] <= self.aused
-                assert self.khash[h] == <uint32_t>mc_hash(
-                    self.arena + self.koff[h], self.klen[h], _SEED)
-                assert self._probe(self.arena + self.koff[h], self.klen[h], self.khash[h],
+                alive += self.km[h].len
+                assert self.km[h].off + self.km[h].len <= self.aused
+                assert self.km[h].hash == <uint32_t>mc_hash(
+                    self.arena + self.km[h].off, self.km[h].len, _SEED)
+                assert self._probe(self.arena + self.km[h].off, self.km[h].len, self.km[h].hash,
                                    &slot) == h
                 if self.seg_[h] >= 0:
                     cold += 1
             else:
-                assert self.klen[h] == 0
+                assert self.km[h].len == 0
                 assert self.prev_[h] == _NOT_LISTED
             if self.seg_[h] < 0:
                 assert self.seg_[h] == -1 and self.addr_[h] == 0 and self.size_[h] == 0
@@ -871,16 +870,16 @@ cdef class ObjectTable:
         for i in range(self.nslots):
             if self.slots[i] >= 0:
                 nidx += 1
-                assert self.koff[self.slots[i]] >= 0
+                assert self.km[self.slots[i]].off >= 0
         assert nidx == self.count and self.count * 10 <= self.nslots * 7
         for i in range(self.nfree):
-            assert self.koff[self.free_[i]] < 0
+            assert self.km[self.free_[i]].off < 0
         total = 0
         x = self.head
         p = -1
         i = 0
         while x >= 0:
-            assert self.koff[x] >= 0 and self.prev_[x] == p
+            assert self.km[x].off >= 0 and self.prev_[x] == p
             total += self.lsize[x]
             p = x
             x = self.next_[x]
@@ -890,5 +889,5 @@ cdef class ObjectTable:
 
     def memory_bytes(self):
         """Bytes the table's own buffers take (allocated sizes)."""
-        return (self.hcap * (8 + 4 + 4 + 8 + 4 + 8 + 8 + 8 + 8 + 8 + 4 + 4 + 4 + 8)
+        return (self.hcap * (sizeof(mc_keyref) + 8 + 4 + 8 + 8 + 8 + 8 + 8 + 4 + 4 + 4 + 8)
                 + self.free_cap * 4 + self.nslots * 4 + self.acap)

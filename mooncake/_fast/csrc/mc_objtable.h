@@ -94,6 +94,9 @@ static inline int mc_utf8_valid(const unsigned char *s, size_t n) {
 
 typedef struct { int64_t seq; int64_t h; } mc_seqpair;
 
+/* where a handle's key is: arena offset (-1: free handle), byte length, hash */
+typedef struct { int64_t off; uint32_t len; uint32_t hash; } mc_keyref;
+
 static int mc_seqpair_cmp(const void *x, const void *y) {
     const mc_seqpair *a = (const mc_seqpair *)x, *b = (const mc_seqpair *)y;
     if (a->seq != b->seq) return a->seq < b->seq ? -1 : 1;
