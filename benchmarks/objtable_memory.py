@@ -120,6 +120,7 @@ def main() -> None:
     gc.collect()
     s = time.perf_counter_ns()
     t = ObjectTable.from_state(st)
+    assert len(t) == n
     out["from_state_s"] = (time.perf_counter_ns() - s) / 1e9
     print(f"state(): {out['state_s']:.2f} s, from_state(): {out['from_state_s']:.2f} s")
     out["loadavg"] = os.getloadavg()[0]

@@ -54,6 +54,7 @@ cdef extern from "mc_objtable.h" nogil:
         int64_t seq
         int64_t h
     void mc_sort_seqpairs(mc_seqpair *p, size_t n)
+    void mc_prefetch(const void *p)
     ctypedef struct mc_keyref:
         int64_t off
         uint32_t len
@@ -725,6 +726,22 @@ cdef class ObjectTable:
             "lru_size": lru_size,
         }
 
+    cdef bint _index_all(self) noexcept nogil:
+        """Put every live handle in the (empty) index; 0 if two have the same key."""
+        cdef uint64_t mask = self.nslots - 1, slot
+        cdef Py_ssize_t h, ahead = 16
+        for h in range(self.n):
+            if h + ahead < self.n:
+                mc_prefetch(&self.slots[self.km[h + ahead].hash & mask])
+            if self.km[h].off < 0:
+                continue
+            if self._probe(self.arena + self.km[h].off, self.km[h].len, self.km[h].hash,
+                           &slot) >= 0:
+                return 0
+            self.slots[slot] = <int32_t>h
+            self.count += 1
+        return 1
+
     cdef int _copy_columns(self, dict c, Py_ssize_t n) except -1:
         memcpy(self.seq_, (<array>c["seq"]).data.as_voidptr, n * 8)
         memcpy(self.seg_, (<array>c["seg"]).data.as_voidptr, n * 4)
@@ -774,7 +791,7 @@ cdef class ObjectTable:
             t.km[h].len = 0
             if lv[h]:
                 nlive += 1
-        # keys: check, copy the live ones, index them
+        # keys and rows, handle by handle: check them, copy the live keys, hash them
         nslots = 16
         while nlive * 10 > nslots * 7:
             nslots *= 2
@@ -790,14 +807,10 @@ cdef class ObjectTable:
                 if s < 0 or s >= ns:
                     raise ValueError(f"object table seq {s} of handle {h} not in [0, {ns})")
                 t.km[h].hash = <uint32_t>mc_hash(bl + pos, ln, _SEED)
-                if t._probe(<const char *>bl + pos, ln, t.km[h].hash, &slot) >= 0:
-                    raise ValueError("object table with a key twice")
                 memcpy(t.arena + t.aused, bl + pos, ln)
                 t.km[h].off = t.aused
                 t.km[h].len = <uint32_t>ln
                 t.aused += ln
-                t.slots[slot] = <int32_t>h
-                t.count += 1
                 seg = t.seg_[h]
                 if seg >= 0:
                     if t.addr_[h] < 0 or t.size_[h] < 0 or t.vid_[h] < 0 or t.writer_[h] < 0:
@@ -808,8 +821,12 @@ cdef class ObjectTable:
                 else:
                     t._zero_cold(<int32_t>h)
             else:
+                t.km[h].hash = 0
                 t._zero_cold(<int32_t>h)
             pos += ln
+        # the index, fetching each slot a few keys ahead (the slots are many cache misses)
+        if not t._index_all():
+            raise ValueError("object table with a key twice")
         t.alive = t.aused
         # the free list: exactly the dead handles, each once
         m = len(fra)

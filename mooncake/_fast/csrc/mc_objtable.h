@@ -107,4 +107,6 @@ static inline void mc_sort_seqpairs(mc_seqpair *p, size_t n) {
     if (n > 1) qsort(p, n, sizeof(mc_seqpair), mc_seqpair_cmp);
 }
 
+static inline void mc_prefetch(const void *p) { __builtin_prefetch(p, 1, 1); }
+
 #endif
