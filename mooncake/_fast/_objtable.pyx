@@ -96,8 +96,10 @@ cdef int64_t _as_num(str name, object v, int64_t hi_incl) except -1:
     return x
 
 
-cdef class ObjectTable:
-    """Keys to handles, with cold rows and one recency list (see the module docstring)."""
+cdef class _Columns:
+    """The storage of an :class:`ObjectTable`: its C buffers and the primitives over them
+    (growing, the index, the arena, the recency links). No Python-facing methods."""
+
 
     # handles: n ever handed out, hcap allocated, count live
     cdef Py_ssize_t n, hcap, count, nfree, free_cap, ncold, lru_n, nslots
@@ -130,9 +132,6 @@ cdef class ObjectTable:
         memset(self.slots, 0xFF, 16 * sizeof(int32_t))
         self.head = -1
         self.tail = -1
-
-    def __init__(self):
-        pass
 
     def __dealloc__(self):
         free(self.km)
@@ -325,6 +324,40 @@ cdef class ObjectTable:
         self.lb_lo += <uint64_t>size
         if self.lb_lo < <uint64_t>size:
             self.lb_hi += 1
+
+    cdef bint _index_all(self) noexcept nogil:
+        """Put every live handle in the (empty) index; 0 if two have the same key."""
+        cdef uint64_t mask = self.nslots - 1, slot
+        cdef Py_ssize_t h, ahead = 16
+        for h in range(self.n):
+            if h + ahead < self.n:
+                mc_prefetch(&self.slots[self.km[h + ahead].hash & mask])
+            if self.km[h].off < 0:
+                continue
+            if self._probe(self.arena + self.km[h].off, self.km[h].len, self.km[h].hash,
+                           &slot) >= 0:
+                return 0
+            self.slots[slot] = <int32_t>h
+            self.count += 1
+        return 1
+
+    cdef int _copy_columns(self, dict c, Py_ssize_t n) except -1:
+        memcpy(self.seq_, (<array>c["seq"]).data.as_voidptr, n * 8)
+        memcpy(self.seg_, (<array>c["seg"]).data.as_voidptr, n * 4)
+        memcpy(self.addr_, (<array>c["addr"]).data.as_voidptr, n * 8)
+        memcpy(self.size_, (<array>c["size"]).data.as_voidptr, n * 8)
+        memcpy(self.vid_, (<array>c["vid"]).data.as_voidptr, n * 8)
+        memcpy(self.lease_, (<array>c["lease"]).data.as_voidptr, n * 8)
+        memcpy(self.read_, (<array>c["read"]).data.as_voidptr, n * 8)
+        memcpy(self.writer_, (<array>c["writer"]).data.as_voidptr, n * 4)
+        return 0
+
+
+cdef class ObjectTable(_Columns):
+    """Keys to handles, with cold rows and one recency list (see the module docstring)."""
+
+    def __init__(self):
+        pass
 
     # -- keys and handles ----------------------------------------------------------------------
 
@@ -725,33 +758,6 @@ cdef class ObjectTable:
             "lru": lru,
             "lru_size": lru_size,
         }
-
-    cdef bint _index_all(self) noexcept nogil:
-        """Put every live handle in the (empty) index; 0 if two have the same key."""
-        cdef uint64_t mask = self.nslots - 1, slot
-        cdef Py_ssize_t h, ahead = 16
-        for h in range(self.n):
-            if h + ahead < self.n:
-                mc_prefetch(&self.slots[self.km[h + ahead].hash & mask])
-            if self.km[h].off < 0:
-                continue
-            if self._probe(self.arena + self.km[h].off, self.km[h].len, self.km[h].hash,
-                           &slot) >= 0:
-                return 0
-            self.slots[slot] = <int32_t>h
-            self.count += 1
-        return 1
-
-    cdef int _copy_columns(self, dict c, Py_ssize_t n) except -1:
-        memcpy(self.seq_, (<array>c["seq"]).data.as_voidptr, n * 8)
-        memcpy(self.seg_, (<array>c["seg"]).data.as_voidptr, n * 4)
-        memcpy(self.addr_, (<array>c["addr"]).data.as_voidptr, n * 8)
-        memcpy(self.size_, (<array>c["size"]).data.as_voidptr, n * 8)
-        memcpy(self.vid_, (<array>c["vid"]).data.as_voidptr, n * 8)
-        memcpy(self.lease_, (<array>c["lease"]).data.as_voidptr, n * 8)
-        memcpy(self.read_, (<array>c["read"]).data.as_voidptr, n * 8)
-        memcpy(self.writer_, (<array>c["writer"]).data.as_voidptr, n * 4)
-        return 0
 
     @classmethod
     def from_state(cls, st):
