@@ -525,3 +525,19 @@ def test_compaction_and_growth() -> None:
         t.remove(h)
     t.self_check()
     assert len(t) == 0 and t.find("0-0-") == -1
+
+
+@pytest.mark.parametrize("cls", [pure.ObjectTable, getattr(compiled, "ObjectTable", None)])
+def test_pickle_and_copy(cls: Any) -> None:
+    if cls is None:
+        pytest.skip(NO_COMPILED)
+    import copy
+    import pickle
+
+    t = _filled(cls, 500)
+    for u in (pickle.loads(pickle.dumps(t)), copy.deepcopy(t)):
+        assert type(u) is cls
+        u.self_check()
+        assert canon(u.state()) == canon(t.state())
+        u.add("only-in-the-copy")
+        assert t.find("only-in-the-copy") == -1

@@ -21,6 +21,9 @@ object per key:
   ``writer`` ``int32``), zero while not cold; the recency list's ``prev``/``next``
   (``int32``, ``-1`` ends the list, ``prev == -2``: not listed) and size (``int64``);
 * a stack of free handles (``int32``), the most recently freed on top.
+
+No method releases the GIL, so threads cannot see the buffers half-changed (the table is for
+one event loop; it takes no lock of its own). A table pickles as its :meth:`state`.
 """
 
 import os
@@ -61,6 +64,10 @@ cdef extern from "mc_objtable.h" nogil:
         uint32_t hash
 
 COMPILED = True
+
+
+def _from_state(st):
+    return ObjectTable.from_state(st)
 
 cdef uint64_t _SEED = int.from_bytes(os.urandom(8), "little")
 cdef int64_t _I31 = 2147483647  # one less than 2**31: handles, seg, writer are < 2**31
@@ -199,13 +206,12 @@ cdef class _Columns:
         if s == NULL:
             raise MemoryError()
         memset(s, 0xFF, nslots * sizeof(int32_t))
-        with nogil:
-            for h in range(self.n):
-                if self.km[h].off >= 0:
-                    i = self.km[h].hash & mask
-                    while s[i] >= 0:
-                        i = (i + 1) & mask
-                    s[i] = <int32_t>h
+        for h in range(self.n):
+            if self.km[h].off >= 0:
+                i = self.km[h].hash & mask
+                while s[i] >= 0:
+                    i = (i + 1) & mask
+                s[i] = <int32_t>h
         free(self.slots)
         self.slots = s
         self.nslots = nslots
@@ -252,23 +258,22 @@ cdef class _Columns:
             i = j
         self.slots[i] = -1
 
-    cdef int _compact(self) except -1:
-        """Rewrite the arena with only the live keys (in handle order)."""
+    cdef void _compact(self) noexcept:
+        """Rewrite the arena with only the live keys (in handle order); left as it is when no
+        memory is to be had (compacting is only ever a saving)."""
         cdef Py_ssize_t cap = self.alive + (self.alive >> 2) + 4096, pos = 0, h
         cdef char *a = <char *>malloc(cap)
         if a == NULL:
-            raise MemoryError()
-        with nogil:
-            for h in range(self.n):
-                if self.km[h].off >= 0:
-                    memcpy(a + pos, self.arena + self.km[h].off, self.km[h].len)
-                    self.km[h].off = pos
-                    pos += self.km[h].len
+            return
+        for h in range(self.n):
+            if self.km[h].off >= 0:
+                memcpy(a + pos, self.arena + self.km[h].off, self.km[h].len)
+                self.km[h].off = pos
+                pos += self.km[h].len
         free(self.arena)
         self.arena = a
         self.acap = cap
         self.aused = pos
-        return 0
 
     cdef int32_t _live(self, object h) except -1:
         cdef int overflow = 0
@@ -358,6 +363,9 @@ cdef class ObjectTable(_Columns):
 
     def __init__(self):
         pass
+
+    def __reduce__(self):
+        return (_from_state, (self.state(),))
 
     # -- keys and handles ----------------------------------------------------------------------
 
@@ -576,13 +584,12 @@ cdef class ObjectTable(_Columns):
         """Raise every cold row's lease and read deadlines to at least ``at_least``."""
         cdef double t = _as_double(at_least)
         cdef Py_ssize_t h
-        with nogil:
-            for h in range(self.n):
-                if self.seg_[h] >= 0:
-                    if t > self.lease_[h]:
-                        self.lease_[h] = t
-                    if t > self.read_[h]:
-                        self.read_[h] = t
+        for h in range(self.n):
+            if self.seg_[h] >= 0:
+                if t > self.lease_[h]:
+                    self.lease_[h] = t
+                if t > self.read_[h]:
+                    self.read_[h] = t
 
     def cold_on_segment(self, seg):
         """Cold handles whose replica is on segment ``seg``, in ``seq`` order."""
@@ -721,22 +728,21 @@ cdef class ObjectTable(_Columns):
         cdef long long *lo = lru.data.as_longlongs
         cdef long long *ls = lru_size.data.as_longlongs
         cdef int32_t x
-        with nogil:
-            for h in range(n):
-                if self.km[h].off >= 0:
-                    lv[h] = 1
-                    memcpy(bl + pos, self.arena + self.km[h].off, self.km[h].len)
-                    pos += self.km[h].len
-                else:
-                    lv[h] = 0
-                kl[h] = self.km[h].len
-            x = self.head
-            i = 0
-            while x >= 0:
-                lo[i] = x
-                ls[i] = self.lsize[x]
-                x = self.next_[x]
-                i += 1
+        for h in range(n):
+            if self.km[h].off >= 0:
+                lv[h] = 1
+                memcpy(bl + pos, self.arena + self.km[h].off, self.km[h].len)
+                pos += self.km[h].len
+            else:
+                lv[h] = 0
+            kl[h] = self.km[h].len
+        x = self.head
+        i = 0
+        while x >= 0:
+            lo[i] = x
+            ls[i] = self.lsize[x]
+            x = self.next_[x]
+            i += 1
         cdef array fr = clone(_pyarray("q"), self.nfree, False)
         for i in range(self.nfree):
             fr.data.as_longlongs[i] = self.free_[i]
