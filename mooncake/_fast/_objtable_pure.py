@@ -90,6 +90,8 @@ def normalize_state(st: dict[str, Any]) -> tuple[int, int, bytes, bytes, dict[st
         raise ValueError(f"object table state with n={n!r}")
     if type(next_seq) is not int or not 0 <= next_seq < _I63:
         raise ValueError(f"object table state with next_seq={next_seq!r}")
+    if isinstance(st["live"], int) or isinstance(st["key_blob"], int):
+        raise ValueError("object table state with an int for live/key_blob")
     try:
         live = st["live"] if type(st["live"]) is bytes else bytes(st["live"])
         blob = st["key_blob"] if type(st["key_blob"]) is bytes else bytes(st["key_blob"])
