@@ -541,3 +541,44 @@ def test_pickle_and_copy(cls: Any) -> None:
         assert canon(u.state()) == canon(t.state())
         u.add("only-in-the-copy")
         assert t.find("only-in-the-copy") == -1
+
+
+@NEED_COMPILED
+def test_twins_agree_at_scale() -> None:
+    """Tens of thousands of random adds, removes and list moves (through index growth, backward
+    shifts and arena compactions): both twins end in the same state, step by step alike."""
+    import random
+
+    rng = random.Random(7)
+    p, c = pure.ObjectTable(), compiled.ObjectTable()
+    live: list[int] = []
+    for step in range(40_000):
+        r = rng.random()
+        if r < 0.55 or not live:
+            k = f"{rng.randrange(30_000)}-" + "é" * rng.randrange(4) + "q" * rng.randrange(30)
+            if p.find(k) >= 0:
+                assert c.find(k) == p.find(k)
+                continue
+            h = p.add(k)
+            assert c.add(k) == h
+            live.append(h)
+            if rng.random() < 0.5:
+                p.lru_push(h, step)
+                c.lru_push(h, step)
+            if rng.random() < 0.5:
+                p.set_cold(h, step % 7, step, step, step, float(step), 0.0, 1)
+                c.set_cold(h, step % 7, step, step, step, float(step), 0.0, 1)
+        elif r < 0.9:
+            h = live.pop(rng.randrange(len(live)))
+            p.remove(h)
+            c.remove(h)
+        elif p.lru_len:
+            h = p.lru_first()
+            p.lru_touch(h)
+            c.lru_touch(h)
+        if step % 5000 == 0:
+            c.self_check()
+            assert canon(c.state()) == canon(p.state())
+    c.self_check()
+    assert canon(c.state()) == canon(p.state())
+    assert c.cold_on_segment(3) == p.cold_on_segment(3) and c.handles() == p.handles()
