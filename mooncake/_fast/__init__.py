@@ -86,6 +86,17 @@ else:
         from ._intmap_pure import COMPILED as INTMAP_COMPILED
         from ._intmap_pure import IntMap
 
+if os.environ.get("MOONCAKE_NO_EXTENSIONS", "") not in ("", "0"):
+    from ._objtable_pure import COMPILED as OBJTABLE_COMPILED
+    from ._objtable_pure import ObjectTable
+else:
+    try:
+        from ._objtable import COMPILED as OBJTABLE_COMPILED  # type: ignore[no-redef]
+        from ._objtable import ObjectTable  # type: ignore[assignment]
+    except ImportError:  # not built: the twin is correct, only slower
+        from ._objtable_pure import COMPILED as OBJTABLE_COMPILED
+        from ._objtable_pure import ObjectTable
+
 STAGE_SIZE = 65536  # the staging buffer a ClientPipe wants (both twins)
 # results of ServeConn.step / ClientPipe.step (identical in both twins)
 DONE, WANT_READ, WANT_WRITE, YIELD, CLOSE, PEER_CLOSED = 0, 1, 2, 3, 4, 5
@@ -98,6 +109,7 @@ __all__ = [
     "DONE",
     "E_PROTO",
     "INTMAP_COMPILED",
+    "OBJTABLE_COMPILED",
     "PEER_CLOSED",
     "STAGE",
     "STAGE_SIZE",
@@ -108,6 +120,7 @@ __all__ = [
     "ClientPipe",
     "CopyQueue",
     "IntMap",
+    "ObjectTable",
     "RegionTable",
     "ServeConn",
     "memcpy_at",
@@ -120,7 +133,3 @@ __all__ = [
     "vm_writev_at",
     "writev_at",
 ]
-
-# The master's object table: the pure twin until the compiled one is built.
-from ._objtable_pure import COMPILED as OBJTABLE_COMPILED  # noqa: E402,F401
-from ._objtable_pure import ObjectTable as ObjectTable  # noqa: E402
