@@ -28,7 +28,7 @@ async def master(threaded: bool, **kw: Any) -> AsyncIterator[MasterServer]:
     cfg = MasterServerConfig(
         rpc_port=0,
         metrics_port=-1,
-        rpc_thread=threaded,
+        rpc_threads=2 if threaded else 0,
         cluster_secret=kw.pop("cluster_secret", ""),
         state=MasterConfig(seed=0),
         **kw,
@@ -214,7 +214,7 @@ def test_cancelling_the_master_closes_threaded_connections_and_stops_the_thread(
                 tg.cancel_scope.cancel()
                 await anyio.lowlevel.checkpoint()
             # the loop still runs; the state is usable and the thread gone
-        assert server.rpc_thread is None and not rt._thread.is_alive()
+        assert server.rpc_thread is None and not any(w.thread.is_alive() for w in rt._workers)
         assert server.state.object_count == 0
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", server.rpc_port), timeout=2).close()

@@ -12,10 +12,10 @@ default). The RPC listener is bound last, so once it accepts connections the met
 (optional) HTTP metadata servers are up too: "the RPC port is open" means ready.
 
 Connections: one task each, at most ``max_connections`` live. On trio with its real clock and
-without replication, the requests themselves are read, answered and written by one thread
+without replication, the requests themselves are read, answered and written by serving threads
 beside the loop (:mod:`mooncake._store.rpc_thread`: no scheduler trip per request; the loop
 holds the state's lock whenever it runs, so the state is never seen by both at once), each
-connection's task waiting for it; ``rpc_thread=False`` keeps everything on the loop. At the cap the master stops
+connection's task waiting for it; ``rpc_threads=0`` keeps everything on the loop. At the cap the master stops
 accepting (the rest wait in the listen backlog) and closes the longest-idle connection (no
 partial frame, nothing being answered) in favour of the new one: a store client reconnects on
 its next call. Deadlines: the first byte must arrive within ``request_timeout`` of accept;
@@ -136,9 +136,9 @@ class MasterServerConfig:
     ha: HaConfig | None = None
     #: periodic snapshots to a local directory without HA (``--enable_snapshot``); None: off
     snapshot: SnapshotConfig | None = None
-    #: serve RPC connections from a thread of their own where possible (trio's real clock,
-    #: no replication: :mod:`mooncake._store.rpc_thread`); False: one loop task each
-    rpc_thread: bool = True
+    #: threads serving the RPC connections where possible (trio's real clock, no
+    #: replication: :mod:`mooncake._store.rpc_thread`); 0: every connection on the loop
+    rpc_threads: int = 2
 
 
 #: seconds between sweeps of a replicated master (at least)
@@ -947,8 +947,8 @@ async def serve_master(
                 config.snapshot.interval,
                 config.snapshot.child_timeout,
             )
-        if config.rpc_thread and config.ha is None and usable():
-            server.rpc_thread = RpcThread(server)
+        if config.rpc_threads > 0 and config.ha is None and usable():
+            server.rpc_thread = RpcThread(server, config.rpc_threads)
             server.rpc_thread.start()
         task_status.started(server)
         try:

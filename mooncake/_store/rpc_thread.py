@@ -1,38 +1,39 @@
-"""The master's RPC connections served from a thread of their own, beside the trio loop.
+"""The master's RPC connections served from threads of their own, beside the trio loop.
 
 Why: on trio every request of a sequential caller costs a trip through the scheduler
-(``wait_readable`` registers the socket, the run loop wakes the task, the task re-arms):
-measured with a 40-byte echo on the 2-core development VM, 22 us of user CPU and 15 us of
-system CPU per request, against 1 us and 10 us for a plain level-triggered ``epoll`` loop. The
-request path itself (decode, :meth:`MasterServer.execute`, encode) is ~3.5 us for ``ExistKey``.
-So a non-replicated master on trio serves its RPC connections here: one thread, one ``epoll``
-set, every connection registered for as long as it lives, each ready connection's buffered
-requests answered in one pass.
+(``wait_readable`` re-arms the socket, the run loop wakes the task) and a connection's
+requests are answered only when its task's turn comes; with several callers on the 2-core
+development VM the single loop thread also gets one thread's share of the CPUs. So a
+non-replicated master on trio serves its RPC connections here: ``threads`` threads (2 by
+default), each with its own level-triggered ``epoll`` set, every connection registered on one
+of them for as long as it lives; each ready connection's requests are answered in one pass.
+``recv`` and ``send`` (the kernel's loopback delivery, ~40 % of a small call's CPU) run
+outside the state's lock, so one thread's system calls overlap another's answering.
 
 Mutual exclusion with the loop: one :class:`threading.Lock` guards the master's state. The loop
 thread holds it whenever it runs (a trio instrument takes it after every I/O wait and gives it
 back before the next one), so everything on the loop (sweeper, snapshots, ``/metrics``,
-``/status``, regex matching's apply step) sees the state exactly as before, without a
-lock at each access; this thread takes it for each batch of ready connections (never across
-its own ``epoll`` wait). The loop never waits for this thread while holding it.
+``/status``, regex matching's apply step) sees the state exactly as before, without a lock at
+each access; a serving thread takes it while it answers one connection's batch of requests
+(never across I/O). The loop never waits for a serving thread while it holds the lock.
 
 Contracts kept from the loop path (:meth:`MasterServer._serve_socket`):
 
-* answers on a connection in request order; one ``recv`` (at most 256 KiB) per connection per
-  round, so a flood on one connection cannot starve the others (level-triggered: what is left
-  is read next round);
+* answers on a connection in request order (one thread owns a connection); one ``recv`` (at
+  most 256 KiB) per connection per round, so a flood on one connection cannot starve the
+  others (level-triggered: what is left is read next round);
 * a reply the peer does not read is kept (one batch at most) and the connection is not read
   again until it is sent: nothing a peer sends grows without bound;
 * deadlines: ``request_timeout`` to the first byte, ``progress_timeout`` inside a frame or
-  while a reply waits to be sent, ``idle_timeout`` between frames; checked every
-  :data:`_CHECK_S` (so they fire at most that late, never early);
+  while a reply waits to be sent (without a byte going out), ``idle_timeout`` between
+  frames; checked every :data:`_CHECK_S` (so they fire at most that late, never early);
 * authentication (:meth:`MasterServer._auth_step`) runs here; a regex method (it matches in a
-  worker thread of the loop) hands the connection, its decoder and the answers not yet sent,
-  back to the loop path, which serves it from then on;
-* cancellation: the loop task owning a connection waits for this thread to finish with it;
-  cancelled (eviction at the connection cap, shutdown) it takes the connection out of the
-  ``epoll`` set itself (it holds the lock, so this thread is not inside it) before the socket
-  is closed.
+  worker thread of the loop) hands the connection, its decoder, the requests decoded after
+  it and the answers not yet sent back to the loop path, which serves it from then on;
+* cancellation: the loop task owning a connection waits for its thread to finish with it;
+  cancelled (eviction at the connection cap, shutdown) it asks the thread to let go and waits
+  for that (shielded, bounded) before the socket is closed, so no thread ever uses a closed
+  (or reused) descriptor.
 
 Only on trio with its real clock: under ``MockClock`` (tests) time must move with the loop,
 and a replicated master (:mod:`mooncake._store.ha`) orders answers behind its log on the loop.
@@ -40,6 +41,7 @@ and a replicated master (:mod:`mooncake._store.ha`) orders answers behind its lo
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -148,12 +150,12 @@ def usable() -> bool:
 
 
 class RpcThread:
-    """The thread serving one master's RPC connections (see the module docstring).
+    """The threads serving one master's RPC connections (see the module docstring).
 
     :meth:`start` and :meth:`stop` run on the loop; :meth:`serve` is a connection's handler.
     """
 
-    def __init__(self, server: MasterServer) -> None:
+    def __init__(self, server: MasterServer, threads: int = 2) -> None:
         import trio
 
         self.server = server
@@ -161,22 +163,18 @@ class RpcThread:
         self._clock = trio.lowlevel.current_clock()
         self._token = trio.lowlevel.current_trio_token()
         self._instrument: Any = None
-        self._ep = select.epoll()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._ep.register(self._wake_r, _IN)
-        self._conns: dict[int, _Conn] = {}
-        self._scratch = memoryview(bytearray(_RECV))
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="mooncake-master-rpc", daemon=True)
-        self.rounds = 0
-        """Rounds of ready connections served (one lock hold each)."""
+        self._workers = [_Worker(self, i) for i in range(max(1, threads))]
+        self._next = 0
+
+    @property
+    def rounds(self) -> int:
+        """Rounds of ready connections served so far, all threads."""
+        return sum(w.rounds for w in self._workers)
 
     # -- the loop's side -----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Take the lock for the loop (it runs now) and start the thread."""
+        """Take the lock for the loop (it runs now) and start the threads."""
         import trio
 
         lock = self.lock
@@ -191,10 +189,11 @@ class RpcThread:
         lock.acquire()
         self._instrument = _HoldWhileRunning()
         trio.lowlevel.add_instrument(self._instrument)
-        self._thread.start()
+        for w in self._workers:
+            w.thread.start()
 
     def stop(self) -> None:
-        """Stop the thread (call on the loop, after every connection's handler returned)."""
+        """Stop the threads (call on the loop, after every connection's handler returned)."""
         import trio
 
         if self._instrument is None:
@@ -202,109 +201,152 @@ class RpcThread:
         with contextlib.suppress(KeyError):
             trio.lowlevel.remove_instrument(self._instrument)
         self._instrument = None
-        self._stopping = True
-        self.lock.release()  # the loop now runs without it: the thread may take it and leave
-        self._wake()
-        self._thread.join(5.0)
-        for c in list(self._conns.values()):
-            self._detach(c)
-        self._ep.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        for w in self._workers:
+            w.stopping = True
+        self.lock.release()  # the loop now runs without it: the threads may take it and leave
+        for w in self._workers:
+            w.wake()
+            w.thread.join(5.0)
+            w.close()
 
     async def serve(
         self, sock: socket.socket, slot: _accept.Slot, decoder: rpc.MessageDecoder
     ) -> Handoff | None:
-        """Serve ``sock`` on the thread until it is done: None (closed, dropped), or a
-        :class:`Handoff` for the loop path to go on with. Runs on the loop (lock held)."""
+        """Serve ``sock`` on a thread until it is done: None (closed, dropped), or a
+        :class:`Handoff` for the loop path to go on with.
+
+        Cancelled, it asks the thread to let go of the connection and waits (shielded, a
+        bounded time) until it has: the socket is never closed under a thread using it."""
+        import anyio
+
         c = _Conn(sock, slot, decoder)
         c.authed = self.server.secret is None
         c.deadline = time.monotonic() + self.server.config.request_timeout
+        w = self._workers[self._next % len(self._workers)]
+        self._next += 1
         slot.idle_cb = lambda: c.idle
-        self._conns[c.fd] = c
-        self._ep.register(c.fd, _IN)
+        w.queue.append((True, c))
+        w.wake()
         try:
             await c.done.wait()
         finally:
-            if self._conns.get(c.fd) is c:  # cancelled: the thread is not inside it (lock)
-                self._detach(c)
             slot.idle_cb = None
+            if not c.done.is_set():
+                w.queue.append((False, c))
+                w.wake()
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5.0):
+                    await c.done.wait()
         return c.handoff
 
-    # -- the thread ----------------------------------------------------------------------------
-
-    def _wake(self) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
-
-    def _detach(self, c: _Conn) -> None:
-        if self._conns.get(c.fd) is c:
-            del self._conns[c.fd]
-            with contextlib.suppress(OSError, ValueError):
-                self._ep.unregister(c.fd)
-
-    def _finish(self, c: _Conn, handoff: Handoff | None = None) -> None:
-        """Done with ``c`` (thread side): out of the set, its handler woken."""
-        self._detach(c)
+    def finish(self, c: _Conn, handoff: Handoff | None = None) -> None:
+        """(A thread) done with ``c``: its handler is woken; nothing touches ``c`` after."""
         c.handoff = handoff
         try:
             self._token.run_sync_soon(c.done.set)
         except Exception:  # the loop has finished: nobody waits any more
             pass
 
+
+class _Worker:
+    """One serving thread: its ``epoll`` set and connections (only it touches them; the loop
+    hands connections in and asks for them back through ``queue``)."""
+
+    def __init__(self, owner: RpcThread, index: int) -> None:
+        self.owner = owner
+        self.server = owner.server
+        self.ep = select.epoll()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        self.ep.register(self.wake_r, _IN)
+        self.conns: dict[int, _Conn] = {}
+        #: (attach?, connection) from the loop, in order
+        self.queue: collections.deque[tuple[bool, _Conn]] = collections.deque()
+        self.scratch = memoryview(bytearray(_RECV))
+        self.stopping = False
+        self.rounds = 0
+        self.thread = threading.Thread(
+            target=self._run, name=f"mooncake-master-rpc-{index}", daemon=True
+        )
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self.wake_w, b"x")
+
+    def close(self) -> None:
+        for c in list(self.conns.values()):
+            self._finish(c)
+        while self.queue:
+            self.owner.finish(self.queue.popleft()[1])
+        self.ep.close()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+
+    def _finish(self, c: _Conn, handoff: Handoff | None = None) -> None:
+        if self.conns.get(c.fd) is c:
+            del self.conns[c.fd]
+            with contextlib.suppress(OSError, ValueError):
+                self.ep.unregister(c.fd)
+        self.owner.finish(c, handoff)
+
+    def _take_queue(self) -> None:
+        while self.queue:
+            attach, c = self.queue.popleft()
+            if attach:
+                self.conns[c.fd] = c
+                self.ep.register(c.fd, _IN)
+            elif self.conns.get(c.fd) is c:
+                self._finish(c)
+
     def _run(self) -> None:
-        ep = self._ep
-        lock = self.lock
         next_check = time.monotonic() + _CHECK_S
-        while True:
+        while not self.stopping:
             try:
-                events = ep.poll(_CHECK_S)
+                events = self.ep.poll(_CHECK_S)
             except InterruptedError:
                 continue
             except (OSError, ValueError):  # closed under us: stopping
                 return
-            with lock:
-                if self._stopping:
-                    return
-                try:
-                    self._round(events)
-                except Exception:  # never lose the thread: every connection hangs on it
-                    log.exception("master: RPC thread round failed")
-                mono = time.monotonic()
-                if mono >= next_check:
-                    next_check = mono + _CHECK_S
-                    self._expire(mono)
+            try:
+                self._round(events)
+            except Exception:  # never lose the thread: its connections hang on it
+                log.exception("master: RPC thread round failed")
+            mono = time.monotonic()
+            if mono >= next_check:
+                next_check = mono + _CHECK_S
+                self._expire(mono)
 
     def _round(self, events: list[tuple[int, int]]) -> None:
-        server = self.server
         self.rounds += 1
-        now = self._clock.current_time() + server.clock_offset
-        for fd, ev in events:
-            if fd == self._wake_r:
+        for fd, _ in events:
+            if fd == self.wake_r:
                 with contextlib.suppress(OSError):
-                    os.read(self._wake_r, 4096)
+                    os.read(self.wake_r, 4096)
+                self._take_queue()
                 continue
-            c = self._conns.get(fd)
+            c = self.conns.get(fd)
             if c is None:
                 continue
             try:
-                self._step(c, ev, now)
-            except ProtocolError as e:
-                server.connections_dropped += 1
-                log.warning("master: dropping connection: %s", e)
-                self._finish(c)
-            except OSError as e:  # reset, broken pipe
-                server.connections_dropped += 1
-                log.info("master: connection lost: %s", e)
+                self._step(c)
+            except (ProtocolError, OSError) as e:
+                with self.owner.lock:
+                    self.server.connections_dropped += 1
+                if isinstance(e, ProtocolError):
+                    log.warning("master: dropping connection: %s", e)
+                else:  # reset, broken pipe
+                    log.info("master: connection lost: %s", e)
                 self._finish(c)
             except Exception:  # a bug here must cost its connection only
-                server.connections_dropped += 1
+                with self.owner.lock:
+                    self.server.connections_dropped += 1
                 log.exception("master: RPC connection failed")
                 self._finish(c)
 
     def _expire(self, mono: float) -> None:
-        for c in [c for c in self._conns.values() if mono >= c.deadline]:
-            self.server.connections_dropped += 1
+        for c in [c for c in self.conns.values() if mono >= c.deadline]:
+            with self.owner.lock:
+                self.server.connections_dropped += 1
             timeout = self._timeout(c)[0]
             log.info("master: closing a connection: %s for %g s", c.what, timeout)
             self._finish(c)
@@ -319,7 +361,7 @@ class RpcThread:
             return cfg.request_timeout, "no request"
         return cfg.idle_timeout, "idle"
 
-    def _step(self, c: _Conn, ev: int, now: float) -> None:
+    def _step(self, c: _Conn) -> None:
         sock = c.sock
         if c.wbuf is not None:
             try:
@@ -333,11 +375,11 @@ class RpcThread:
             if c.close_after:
                 self._finish(c)
                 return
-            self._ep.modify(c.fd, _IN)
+            self.ep.modify(c.fd, _IN)
             self._rearm(c)
             return
         try:
-            n = sock.recv_into(self._scratch)
+            n = sock.recv_into(self.scratch)
         except (BlockingIOError, InterruptedError):
             return
         if not n:
@@ -345,25 +387,32 @@ class RpcThread:
             self._finish(c)
             return
         # the messages' raw params point into the scratch buffer: used before the next recv
-        msgs = c.decoder.feed_messages(self._scratch[:n])
+        msgs = c.decoder.feed_messages(self.scratch[:n])
         server = self.server
         out: list[bytes] = []
-        for i, msg in enumerate(msgs):
-            c.first = False
-            if not isinstance(msg, rpc.Request):
-                raise ProtocolError("a client sent a response frame")
-            if not c.authed or msg.method in rpc.AUTH_METHODS:
-                reply, c.authed, c.nonces, close = server._auth_step(msg, c.authed, c.nonces)
-                out.append(reply)
-                if close:
-                    c.close_after = True
+        handoff = None
+        with self.owner.lock:  # the state, only while answering (not around the I/O)
+            now = self.owner._clock.current_time() + server.clock_offset
+            for i, msg in enumerate(msgs):
+                c.first = False
+                if not isinstance(msg, rpc.Request):
+                    raise ProtocolError("a client sent a response frame")
+                if not c.authed or msg.method in rpc.AUTH_METHODS:
+                    reply, c.authed, c.nonces, close = server._auth_step(msg, c.authed, c.nonces)
+                    out.append(reply)
+                    if close:
+                        c.close_after = True
+                        break
+                    continue
+                if msg.method in SCAN_METHODS:
+                    handoff = Handoff(
+                        c.decoder, c.authed, c.nonces, [_own(m) for m in msgs[i:]], out
+                    )
                     break
-                continue
-            if msg.method in SCAN_METHODS:
-                rest = [_own(m) for m in msgs[i:]]
-                self._finish(c, Handoff(c.decoder, c.authed, c.nonces, rest, out))
-                return
-            out.append(server.execute(msg, now)[0])
+                out.append(server.execute(msg, now)[0])
+        if handoff is not None:
+            self._finish(c, handoff)
+            return
         if out:
             data = b"".join(out) if len(out) > 1 else out[0]
             try:
@@ -372,7 +421,7 @@ class RpcThread:
                 sent = 0
             if sent < len(data):
                 c.wbuf = memoryview(data)[sent:]
-                self._ep.modify(c.fd, _OUT)
+                self.ep.modify(c.fd, _OUT)
             elif c.close_after:
                 self._finish(c)
                 return
@@ -383,4 +432,4 @@ class RpcThread:
         timeout, c.what = self._timeout(c)
         c.deadline = time.monotonic() + timeout
         if c.idle:
-            c.slot.since = self._clock.current_time()
+            c.slot.since = self.owner._clock.current_time()
