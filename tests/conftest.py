@@ -101,3 +101,38 @@ def anchor_python() -> str | None:
         if cand and os.access(cand, os.X_OK):
             return cand
     return None
+
+
+def _settle_after_each_call() -> None:
+    """Drive every ``MasterState`` the tests build as the master server does: after each
+    top-level call (one command), the objects it touched settle back into cold rows of the
+    object table (``MasterState.settle``). Without this, tests that call the state directly
+    would keep every object in its hot form and never exercise the compact one."""
+    import functools
+
+    from mooncake._core.master import MasterState
+
+    depth = [0]
+
+    def wrap(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def call(self: MasterState, *args: Any, **kwargs: Any) -> Any:
+            depth[0] += 1
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    self.settle()
+
+        return call
+
+    for name in dir(MasterState):
+        if name.startswith("_") or name in ("settle", "restore", "snapshot", "check_invariants"):
+            continue
+        attr = getattr(MasterState, name)
+        if callable(attr) and not isinstance(attr, type):
+            setattr(MasterState, name, wrap(attr))
+
+
+_settle_after_each_call()

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from mooncake._core.master import MasterConfig, MasterState
+from mooncake._core.master.objmap import ObjectMap
 from mooncake._core.store_types import ReplicateConfig, Segment, SoftPinAction
 from mooncake.errors import ObjectNotFoundError
 
@@ -14,23 +15,32 @@ KiB = 1 << 10
 SEG = Segment(id="seg-a", name="127.0.0.1:1000", base=1 << 30, size=64 << 20)
 
 
-class _NoScan(dict[str, Any]):
-    """An object table that fails any walk over all of it (lookups by key still work)."""
+class _NoScan(ObjectMap):
+    """An object map that fails any walk over all of it (lookups by key still work)."""
 
-    armed = True
+    __slots__ = ("armed",)
+
+    def __init__(self, base: ObjectMap) -> None:
+        super().__init__(base.table)
+        self.hot, self.segs, self.writers = base.hot, base.segs, base.writers
+        self._writer_num, self._dirty = base._writer_num, base._dirty
+        self.armed = True
 
     def _walk(name: str) -> Any:  # type: ignore[misc]
-        def walk(self: _NoScan) -> Any:
+        def walk(self: _NoScan, *args: Any) -> Any:
             if self.armed:
                 raise AssertionError(f"walked every object ({name})")
-            return getattr(dict, name)(self)
+            return getattr(ObjectMap, name)(self, *args)
 
         return walk
 
     __iter__ = _walk("__iter__")
     items = _walk("items")  # type: ignore[assignment]
     values = _walk("values")  # type: ignore[assignment]
-    keys = _walk("keys")  # type: ignore[assignment]
+    readable_keys = _walk("readable_keys")  # type: ignore[assignment]
+    handles_on = _walk("handles_on")  # type: ignore[assignment]
+    extend_deadlines = _walk("extend_deadlines")  # type: ignore[assignment]
+    settle_all = _walk("settle_all")  # type: ignore[assignment]
 
 
 def _state(**kw: Any) -> MasterState:

@@ -164,7 +164,7 @@ def observe(m: MasterState) -> dict[str, Any]:
         ],
         "segments": m.all_segments(),
         "allocators": [s.alloc.state() for s in m._seg_list],
-        "seg_keys": [sorted(s.keys) for s in m._seg_list],
+        "seg_keys": [m._objects.keys_on(s) for s in m._seg_list],
         # the order it would evict everything in (asked of both masters alike)
         "policy": (type(pol).__name__, len(pol), pol.total_bytes, pol.victims(1 << 62, _any)),
         "pins": sorted(getattr(pol, "_pins", {}).items()),

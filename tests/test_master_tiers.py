@@ -182,7 +182,7 @@ def test_promotion_brings_it_back_and_later_eviction_is_metadata_only() -> None:
     m.check_invariants()
     r = m.get_replica_list(key, 5)
     assert [x.addr for x in r.replicas] == [reps[0].addr] and r.disk_clients == ["c"]
-    assert key in m.policy and m.tiers["ssd"].promotions == 1
+    assert m._objects.handle(key) in m.policy and m.tiers["ssd"].promotions == 1
     with pytest.raises(ObjectAlreadyExistsError):
         m.promote_start("c", key, vid, 6)
     # evict everything in DRAM: the promoted object still has its SSD copy, so no new task

@@ -252,14 +252,17 @@ def decode(method: str, params: bytes | msgspec.Raw) -> Any:
 
 
 def _apply_call(state: MasterState, command: Command, params: Any) -> Any:
-    if command.kind == "rpc":
+    try:
+        if command.kind == "rpc":
+            p = params if params is not None else decode(command.method, command.params)
+            return HANDLERS[command.method](state, p, command.now)
+        scan = SCAN_APPLY.get(command.method)
+        if scan is None:
+            raise NotSupportedError(f"{command.method!r} is not a key-scan method")
         p = params if params is not None else decode(command.method, command.params)
-        return HANDLERS[command.method](state, p, command.now)
-    scan = SCAN_APPLY.get(command.method)
-    if scan is None:
-        raise NotSupportedError(f"{command.method!r} is not a key-scan method")
-    p = params if params is not None else decode(command.method, command.params)
-    return scan(state, p, list(command.keys or ()), command.now)
+        return scan(state, p, list(command.keys or ()), command.now)
+    finally:
+        state.settle()
 
 
 def _apply_once(
@@ -352,6 +355,7 @@ def digest(state: MasterState) -> str:
     import random as _random
 
     memo: dict[int, int] = {}
+    alive: list[Any] = []
 
     def canon(o: Any) -> Any:
         if o is None or isinstance(o, bool | int | float | str | bytes):
@@ -362,8 +366,12 @@ def digest(state: MasterState) -> str:
         if oid in memo:
             return ("ref", memo[oid])
         memo[oid] = len(memo)
+        alive.append(o)  # ids are only unique among live objects (views are made on the fly)
         if isinstance(o, _random.Random):
             return ("rng", o.getstate())
+        hook = getattr(type(o), "__canon__", None)
+        if hook is not None:  # a compact structure: its logical content, not its layout
+            return (type(o).__name__, canon(hook(o)))
         if isinstance(o, dict):
             return ("dict", [(canon(k), canon(v)) for k, v in o.items()])
         if isinstance(o, set | frozenset):

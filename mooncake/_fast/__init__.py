@@ -107,3 +107,7 @@ __all__ = [
     "vm_writev_at",
     "writev_at",
 ]
+
+# The master's object table: the pure twin until the compiled one is built.
+from ._objtable_pure import COMPILED as OBJTABLE_COMPILED  # noqa: E402,F401
+from ._objtable_pure import ObjectTable as ObjectTable  # noqa: E402

@@ -12,6 +12,7 @@ from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 from mooncake._core.master.config import MasterConfig, MasterStats
+from mooncake._core.master.objmap import ObjectMap
 from mooncake._core.master.records import (
     KeySet,
     _Client,
@@ -44,7 +45,8 @@ class _StateBase:
     misses: MissLedger
     tiers: dict[str, TierCounters]
     quarantine: Quarantine
-    _objects: dict[str, _Object]
+    _objects: ObjectMap
+    _next_seg_num: int
     _segments: dict[str, _Seg]
     _seg_list: list[_Seg]
     _clients: dict[str, _Client]
@@ -88,7 +90,6 @@ class _StateBase:
         def _start_demotion(self, obj: _Object, source: _Replica, now: float) -> None: ...
         def _to_disk_only(self, obj: _Object, now: float) -> None: ...
         def _touch_client(self, client_id: str, now: float) -> _Client: ...
-        def _unlink(self, key: str, ver: _Version) -> None: ...
         def _untrack(self, obj: _Object) -> None: ...
         def evict(self, now: float, need: int = 0, *, limit: int | None = None) -> int: ...
         def readable_keys(self) -> list[str]: ...

@@ -30,7 +30,13 @@ class _Leases(_StateBase):
         replaced, and the client fails any read that finishes after it (``read_ttl_ms``). A
         descriptor-only query (``for_read=False``) opens none.
         """
-        obj = self._objects.get(key)
+        objects = self._objects
+        h = objects.table.find(key)
+        if h >= 0 and h not in objects.hot:
+            cold = self._cold_replica_list(h, now, for_read)
+            if cold is not None:
+                return cold
+        obj = objects.get(key)
         if obj is None or obj.readable is None:
             # A key whose only version is still being written has no complete version to
             # read: not found (as ExistKey says), not "not ready" -- the write is ordered after
@@ -60,8 +66,8 @@ class _Leases(_StateBase):
         )
         if for_read:
             obj.read_deadline = max(obj.read_deadline, now + read_ttl)
-        if key in self.policy:
-            self.policy.on_access(key, now)
+        if obj.h in self.policy:
+            self.policy.on_access(obj.h, now)
         self.stats.gets += 1
         if replicas:
             self.tiers["dram"].hits += 1
@@ -75,6 +81,44 @@ class _Leases(_StateBase):
             read_ttl_ms=int(read_ttl * 1000),
             vid=ver.vid,
             disk_clients=list(ver.disk),
+        )
+
+    def _cold_replica_list(
+        self, h: int, now: float, for_read: bool
+    ) -> GetReplicaListResponse | None:
+        """:meth:`get_replica_list` of a cold object, read from its row (``None``: its
+        segment is quarantined, the general path answers)."""
+        t = self._objects.table
+        sn, addr, size, vid, lease, read, _ = t.cold_row(h)
+        seg = self._objects.segs[sn].segment
+        if self.quarantine and seg.name in self.quarantine:
+            return None
+        cfg = self.config
+        ttl = cfg.default_kv_lease_ttl
+        read_ttl = min(ttl, cfg.read_fence_ttl + cfg.read_fence_s_per_mib * size / (1 << 20))
+        lease = max(lease, now + ttl)
+        if for_read:
+            read = max(read, now + read_ttl)
+        t.set_deadlines(h, lease, read)
+        if h in self.policy:
+            self.policy.on_access(h, now)
+        self.stats.gets += 1
+        self.tiers["dram"].hits += 1
+        return GetReplicaListResponse(
+            replicas=[
+                ReplicaDescriptor(
+                    segment_name=seg.name,
+                    addr=addr,
+                    length=size,
+                    status=ReplicaStatus.COMPLETE,
+                    protocol=seg.protocol,
+                )
+            ],
+            lease_ttl_ms=int(ttl * 1000),
+            size=size,
+            read_ttl_ms=int(read_ttl * 1000),
+            vid=vid,
+            disk_clients=[],
         )
 
     def batch_get_replica_list(
@@ -113,11 +157,24 @@ class _Leases(_StateBase):
 
     def exist_key(self, key: str, now: float) -> bool:
         """Whether ``key`` is readable; a true answer extends its lease (as Mooncake does)."""
-        obj = self._objects.get(key)
+        objects = self._objects
+        h = objects.table.find(key)
+        if h < 0:
+            return False
+        if h not in objects.hot:  # cold: readable, in no group
+            self._extend_cold_lease(h, now + self.config.default_kv_lease_ttl)
+            return True
+        obj = objects.by_handle(h)
         if obj is None or obj.readable is None:
             return False
         self._extend_lease(obj, now + self.config.default_kv_lease_ttl)
         return True
+
+    def _extend_cold_lease(self, h: int, deadline: float) -> None:
+        t = self._objects.table
+        row = t.cold_row(h)
+        if row[4] < deadline:
+            t.set_deadlines(h, deadline, row[5])
 
     def _extend_lease(self, obj: _Object, deadline: float) -> None:
         """Lease ``obj`` until ``deadline`` -- and every current member of its group."""
@@ -142,12 +199,22 @@ class _Leases(_StateBase):
     def batch_exist_key(self, keys: list[str], now: float) -> list[int]:
         """:meth:`exist_key` per key (1 / 0), in one pass with the lookups hoisted."""
         objects = self._objects
+        find, hot = objects.table.find, objects.hot
+        cold_lease = self._extend_cold_lease
         deadline = now + self.config.default_kv_lease_ttl
         out: list[int] = []
         add = out.append
         for key in keys:
-            obj = objects.get(key)
-            if obj is None or obj.readable is None:
+            h = find(key)
+            if h < 0:
+                add(0)
+                continue
+            obj = hot.get(h)
+            if obj is None:  # cold: readable, in no group
+                cold_lease(h, deadline)
+                add(1)
+                continue
+            if obj.readable is None:
                 add(0)
                 continue
             if obj.group:
@@ -188,8 +255,8 @@ class _Leases(_StateBase):
             elif obj.soft_pin_deadline <= now:
                 obj.soft_pin_deadline = None
                 self._soft_pinned.discard(key)
-                if key in self.policy:
-                    self.policy.set_pin(key, Pin.NONE)
+                if obj.h in self.policy:
+                    self.policy.set_pin(obj.h, Pin.NONE)
 
     def evict(self, now: float, need: int = 0, *, limit: int | None = None) -> int:
         """Evict objects (policy order) to bring usage under the watermark, or to free ``need``
@@ -224,12 +291,15 @@ class _Leases(_StateBase):
         ask = min(target, max(need - pending, limit * (self.policy.total_bytes // n))) if n else 0
         allow_soft = self.config.allow_evict_soft_pinned_objects
         objects = self._objects
+        hot = objects.hot
+        cold_lease = objects.cold_lease
 
-        def can_evict(key: object) -> bool:
-            obj = objects.get(key)  # type: ignore[call-overload]
+        def can_evict(h: object) -> bool:
+            obj = hot.get(h)  # type: ignore[call-overload]
+            if obj is None:  # a cold row: readable, one replica, nothing in flight, no pin
+                return cold_lease(h) <= now  # type: ignore[arg-type]
             return (
-                obj is not None
-                and obj.readable is not None
+                obj.readable is not None
                 and obj.pending is None
                 and obj.demoting is None
                 and obj.promoting is None
@@ -245,8 +315,9 @@ class _Leases(_StateBase):
         victims = self.policy.victims(ask, can_evict)
         truncated = len(victims) > limit
         del victims[limit:]  # the policy keeps tracking those left for the next round
-        for key in victims:
-            obj = objects[key]  # type: ignore[index]
+        for h in victims:
+            obj = objects.by_handle(h)  # type: ignore[arg-type]
+            key = obj.key
             ver = obj.readable
             assert ver is not None
             freed += ver.size * len(ver.replicas)

@@ -112,7 +112,6 @@ class _Objects(_StateBase):
         # zombie: the writer may still be writing, so its space waits for the release timeout
         obj.pending = None
         self._writing.pop(obj.key, None)
-        self._unlink(obj.key, pending.version)
         self._defer(
             pending.started + self.config.put_start_release_timeout, pending.version.replicas
         )
@@ -168,8 +167,6 @@ class _Objects(_StateBase):
         obj.pending = _Pending(client_id, version, now, config)
         self._writing.pop(key, None)  # (re)queued last: the queue stays in PutStart order
         self._writing[key] = obj.pending
-        for r in replicas:
-            r.seg.keys.add(key)
         self.stats.puts_started += 1
         return [r.descriptor(ReplicaStatus.PROCESSING) for r in replicas]
 
@@ -188,7 +185,6 @@ class _Objects(_StateBase):
         obj, pending = self._pending_of(client_id, key)
         old = obj.readable
         if old is not None:
-            self._unlink(key, old)
             self._release_after_lease(obj, old, now)
             self._untrack(obj)
             self._end_tier_moves(obj)
@@ -215,11 +211,11 @@ class _Objects(_StateBase):
             ttl = min(ttl, self.config.max_kv_soft_pin_ttl)
             if ttl > 0:
                 obj.soft_pin_deadline = now + ttl
-        self.policy.on_insert(key, pending.version.size, now=now)
+        self.policy.on_insert(obj.h, pending.version.size, now=now)
         if obj.hard_pinned:
-            self.policy.set_pin(key, Pin.HARD)
+            self.policy.set_pin(obj.h, Pin.HARD)
         elif obj.soft_pin_deadline is not None:
-            self.policy.set_pin(key, Pin.SOFT)
+            self.policy.set_pin(obj.h, Pin.SOFT)
             self._pin_soft(key, obj.soft_pin_deadline)
         self.misses.record_stored(key)
         self.stats.puts_ended += 1
@@ -232,7 +228,6 @@ class _Objects(_StateBase):
         obj, pending = self._pending_of(client_id, key)
         obj.pending = None
         self._writing.pop(key, None)
-        self._unlink(key, pending.version)
         self._hold_written(pending.version.replicas, now)
         if obj.readable is None:
             del self._objects[key]
@@ -289,7 +284,7 @@ class _Objects(_StateBase):
 
     def readable_keys(self) -> list[str]:
         """A snapshot of the keys with a readable version (for matching outside the state)."""
-        return [key for key, obj in self._objects.items() if obj.readable is not None]
+        return self._objects.readable_keys()
 
     # -- removal ---------------------------------------------------------------------------
 
@@ -333,8 +328,11 @@ class _Objects(_StateBase):
         return self._remove_matching(lambda k: True, force, now)
 
     def _remove_matching(self, match: Callable[[str], bool], force: bool, now: float) -> int:
+        objects = self._objects
         return self._remove_objects(
-            [obj for key, obj in self._objects.items() if match(key)], force, now
+            [o for k in objects.readable_keys() if match(k) and (o := objects.get(k)) is not None],
+            force,
+            now,
         )
 
     def _remove_objects(self, objs: list[_Object], force: bool, now: float) -> int:
@@ -356,8 +354,6 @@ class _Objects(_StateBase):
         """Drop the readable version of ``obj``; the object goes with it unless a write of it
         is in progress (that write stays, and becomes the readable version at its End)."""
         ver = obj.readable
-        if obj.pending is None:
-            del self._objects[obj.key]
         if obj.group:
             members = self._groups.get(obj.group)
             if members is not None:
@@ -365,13 +361,14 @@ class _Objects(_StateBase):
                 if not members:
                     del self._groups[obj.group]
         if ver is not None:
-            self._unlink(obj.key, ver)
             self._release_after_lease(obj, ver, now)
             self._untrack(obj)
             self._end_tier_moves(obj)
             self._forget_disk(obj.key, ver)
             obj.readable = None
-        if obj.pending is not None:  # the record stays for the write: nothing of the old one
+        if obj.pending is None:
+            del self._objects[obj.key]
+        else:  # the record stays for the write: nothing of the old one
             obj.group = ""
             obj.lease_deadline = 0.0
             obj.hard_pinned = False
@@ -406,9 +403,6 @@ class _Objects(_StateBase):
                     continue
                 if len(gone) < len(ver.replicas):
                     ver.replicas = [r for r in ver.replicas if r not in gone]
-                    for r in gone:
-                        if not any(o.seg is r.seg for o in ver.replicas):
-                            r.seg.keys.discard(key)
                     if obj.read_deadline > now:
                         self._defer(obj.read_deadline, gone)
                     else:
@@ -446,7 +440,7 @@ class _Objects(_StateBase):
 
     def all_keys(self) -> list[str]:
         """Keys with a readable version."""
-        return [k for k, o in self._objects.items() if o.readable is not None]
+        return self._objects.readable_keys()
 
     def _release_zombies(self, now: float) -> None:
         """Release writes older than ``put_start_release_timeout``: only the oldest entries of
@@ -462,26 +456,12 @@ class _Objects(_StateBase):
             if obj is None or obj.pending is not p:
                 continue  # ended, revoked or dropped since
             obj.pending = None
-            self._unlink(key, p.version)
             self._free_version(p.version)
             if obj.readable is None:
                 del self._objects[key]
             self.stats.zombies_released += 1
 
-    def _unlink(self, key: str, ver: _Version) -> None:
-        obj = self._objects.get(key)
-        others = []
-        if obj is not None:
-            others = [
-                v
-                for v in (obj.readable, obj.pending.version if obj.pending else None)
-                if v is not None and v is not ver
-            ]
-        for r in ver.replicas:
-            if not any(o.seg is r.seg for v in others for o in v.replicas):
-                r.seg.keys.discard(key)
-
     def _untrack(self, obj: _Object) -> None:
-        if obj.key in self.policy:
-            self.policy.on_remove(obj.key)
+        if obj.h in self.policy:
+            self.policy.on_remove(obj.h)
         self._soft_pinned.discard(obj.key)

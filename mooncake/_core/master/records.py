@@ -79,6 +79,8 @@ class _Object:
     promoting: _Promote | None = None
     task: _Task | None = None
     group: str = ""
+    h: int = -1
+    """Its handle in the object table (set when the record joins the table)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -128,7 +130,8 @@ class _Seg:
     segment: Segment
     client_id: str
     alloc: OffsetAllocator
-    keys: KeySet = field(default_factory=KeySet)
+    num: int = -1
+    """Its number in the object table's cold rows (unique among the state's segments)."""
     mounted: bool = True
 
 

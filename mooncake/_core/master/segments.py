@@ -129,7 +129,10 @@ class _Segments(_StateBase):
             segment,
             client_id,
             OffsetAllocator(segment.base, segment.size, alignment=self.config.alignment),
+            self._next_seg_num,
         )
+        self._next_seg_num += 1
+        self._objects.segs[seg.num] = seg
         self._segments[segment.id] = seg
         self._seg_list.append(seg)
         client.segments.add(segment.id)
@@ -148,10 +151,15 @@ class _Segments(_StateBase):
             if until > now:
                 held.extend((until, r.addr, r.length) for r in reps if r.seg is seg)
 
-        for key in seg.keys:
-            obj = self._objects.get(key)
-            if obj is None:
+        objects = self._objects
+        table = objects.table
+        for h in objects.handles_on(seg):
+            if table.is_cold(h):  # read from the row: no record for each object of the segment
+                _, addr, size, _, _, read, _ = table.cold_row(h)
+                if read > now:
+                    held.append((read, addr, size))
                 continue
+            obj = objects.by_handle(h)
             if obj.pending is not None:
                 note(
                     obj.pending.started + cfg.put_start_release_timeout,
@@ -215,10 +223,20 @@ class _Segments(_StateBase):
         name = seg.segment.name
         if name in self.quarantine and not any(s.segment.name == name for s in self._seg_list):
             self.quarantine.end(name)
-        for key in list(seg.keys):
-            obj = self._objects.get(key)
-            if obj is None:
+        objects = self._objects
+        table = objects.table
+        for h in objects.handles_on(seg):
+            key = table.key(h)
+            if table.is_cold(h):  # its one replica was there: the object is gone
+                if h in self.policy:
+                    self.policy.on_remove(h)
+                if owner_died:
+                    self.misses.record_owner_death([key], owner=seg.client_id)
+                else:
+                    self.misses.record_removal(key, detail=f"segment {seg.segment.id} unmounted")
+                del objects[key]
                 continue
+            obj = objects.by_handle(h)
             for ver in (obj.readable, obj.pending.version if obj.pending else None):
                 if ver is not None:
                     ver.replicas = [r for r in ver.replicas if r.seg is not seg]
@@ -226,7 +244,7 @@ class _Segments(_StateBase):
             if obj.demoting is not None and obj.demoting.client_id == seg.client_id:
                 self._clear_demoting(obj)  # its source extent went with the segment
                 if ver is not None and ver.replicas and obj.promoting is None:
-                    self.policy.on_insert(key, ver.size)  # back under the DRAM policy
+                    self.policy.on_insert(obj.h, ver.size)  # back under the DRAM policy
             if ver is not None and not ver.replicas:
                 self._untrack(obj)
                 if not ver.disk:  # else it is still on an SSD
@@ -243,7 +261,7 @@ class _Segments(_StateBase):
                 self._writing.pop(key, None)
             if obj.readable is None and obj.pending is None:
                 del self._objects[key]
-        seg.keys.clear()
+        self._objects.segs.pop(seg.num, None)
         # deferred extents on this segment went with it (their bytes were counted in alloc.used)
         self._deferred = [
             (t, n, kept)

@@ -12,19 +12,20 @@ from mooncake._core.master import snapshot
 from mooncake._core.master.config import MasterConfig, MasterStats
 from mooncake._core.master.leases import _Leases
 from mooncake._core.master.objects import _Objects
+from mooncake._core.master.objmap import ObjectMap
 from mooncake._core.master.records import (
     KeySet,
     _Client,
     _Deferred,
     _Demote,
     _InUse,
-    _Object,
     _Pending,
     _Promote,
     _Seg,
     _Task,
 )
 from mooncake._core.master.segments import _Segments
+from mooncake._core.master.tablepolicy import TABLE_POLICIES, make_table_policy
 from mooncake._core.master.tasks import _Tasks
 from mooncake._core.master.tiers import _Tiers
 from mooncake._core.misses import MissLedger
@@ -46,13 +47,17 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
     ) -> None:
         self.config = config or MasterConfig()
         self.config.validate()
-        self.policy = policy if policy is not None else make_policy(self.config.eviction_policy)
         self.rng = rng or random.Random(self.config.seed)
         self.stats = MasterStats()
         # From the rng, not uuid/time: the state is a function of its seed and commands.
         self.view_version_id = self.rng.getrandbits(63)
         self._next_task = 0
-        self._objects: dict[str, _Object] = {}
+        self._objects = ObjectMap()
+        self._next_seg_num = 0
+        if policy is None and self.config.eviction_policy.lower() in TABLE_POLICIES:
+            policy = make_table_policy(self.config.eviction_policy.lower(), self._objects.table)
+        self.policy = policy if policy is not None else make_policy(self.config.eviction_policy)
+        """The DRAM eviction policy; it tracks object handles (``_Object.h``), not keys."""
         self._segments: dict[str, _Seg] = {}
         self._seg_list: list[_Seg] = []
         self._clients: dict[str, _Client] = {}
@@ -154,6 +159,13 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
             > self.config.eviction_high_watermark_ratio * self._capacity
         ):
             self.evict(now)  # one round of the run (at most eviction_round_objects objects)
+        self._objects.settle()
+
+    def settle(self) -> None:
+        """Between commands: fold the objects the last one touched back into the compact
+        table where they fit (:meth:`ObjectMap.settle`). Representation only: calling it or
+        not changes no answer."""
+        self._objects.settle()
 
     # -- snapshots -------------------------------------------------------------------------
 
@@ -176,16 +188,14 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         leases, read windows, pings) may be lost, so every lease and read window is extended
         to ``now + default_kv_lease_ttl`` and every client deadline to
         ``max(deadline, now + client_ttl)``."""
-        lease = now + self.config.default_kv_lease_ttl
-        for obj in self._objects.values():
-            if obj.readable is not None:
-                obj.lease_deadline = max(obj.lease_deadline, lease)
-                obj.read_deadline = max(obj.read_deadline, lease)
+        self._objects.extend_deadlines(now + self.config.default_kv_lease_ttl)
         for client in self._clients.values():
             client.deadline = max(client.deadline, now + self.config.client_ttl)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if bookkeeping is inconsistent (tests)."""
+        self._objects.self_check()
+        assert {id(s) for s in self._objects.segs.values()} == {id(s) for s in self._seg_list}
         assert self._demoting_bytes == sum(
             o.demoting.size for o in self._objects.values() if o.demoting is not None
         ), "demoting bytes"
@@ -209,13 +219,13 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
                 segs = [id(r.seg) for r in ver.replicas]
                 assert len(segs) == len(set(segs)), "two replicas on one segment"
                 for r in ver.replicas:
-                    assert r.seg.mounted and obj.key in r.seg.keys
+                    assert r.seg.mounted and self._objects.segs.get(r.seg.num) is r.seg
                     holders.setdefault(id(r.seg), set()).add(obj.key)
                     extents.setdefault(id(r.seg), []).append((r.addr, r.seg.alloc.extent(r.addr)))
             in_dram = (
                 obj.readable is not None and bool(obj.readable.replicas) and obj.demoting is None
             )
-            assert in_dram == (obj.key in self.policy), f"policy tracking of {obj.key!r}"
+            assert in_dram == (obj.h in self.policy), f"policy tracking of {obj.key!r}"
             if obj.readable is not None:
                 assert obj.readable.replicas or obj.readable.disk, f"{obj.key!r} has no replica"
                 for cid in obj.readable.disk:
@@ -236,7 +246,7 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
                 if r.seg.mounted:
                     extents.setdefault(id(r.seg), []).append((r.addr, r.seg.alloc.extent(r.addr)))
         for seg in self._seg_list:
-            assert set(seg.keys) == holders.get(id(seg), set()), "stale key in a segment's key set"
+            assert set(self._objects.keys_on(seg)) == holders.get(id(seg), set()), "segment keys"
             seg.alloc.self_check()
             spans = sorted(extents.get(id(seg), []))
             assert len(spans) == seg.alloc.allocations, "leaked or unaccounted extent"

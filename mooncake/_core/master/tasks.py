@@ -143,13 +143,10 @@ class _Tasks(_StateBase):
         assert obj.readable is not None and obj.task is task
         for r in task.allocated:
             obj.readable.replicas.append(r)
-            r.seg.keys.add(task.key)
         task.allocated = []
         if task.type is TaskType.REPLICA_MOVE:
             src = task.source
             obj.readable.replicas.remove(src)
-            if not any(r.seg is src.seg for r in obj.readable.replicas):
-                src.seg.keys.discard(task.key)
             if obj.read_deadline > now:  # a reader may be copying from it
                 self._defer(obj.read_deadline, [src])
             else:

@@ -115,7 +115,6 @@ class _Tiers(_StateBase):
     def _to_disk_only(self, obj: _Object, now: float) -> None:
         ver = obj.readable
         assert ver is not None and ver.disk
-        self._unlink(obj.key, ver)
         self._release_after_lease(obj, ver, now)
         ver.replicas = []
         self._untrack(obj)
@@ -196,13 +195,11 @@ class _Tiers(_StateBase):
         if not live:
             raise ObjectNotFoundError(f"the segment receiving {key!r} was unmounted")
         ver.replicas = live
-        for r in live:
-            r.seg.keys.add(key)
-        self.policy.on_insert(key, ver.size, now=now)
+        self.policy.on_insert(obj.h, ver.size, now=now)
         if obj.hard_pinned:
-            self.policy.set_pin(key, Pin.HARD)
+            self.policy.set_pin(obj.h, Pin.HARD)
         elif obj.soft_pin_deadline is not None:
-            self.policy.set_pin(key, Pin.SOFT)
+            self.policy.set_pin(obj.h, Pin.SOFT)
         self.tiers["ssd"].promotions += 1
 
     def promote_revoke(self, client_id: str, key: str, vid: int, now: float) -> None:
