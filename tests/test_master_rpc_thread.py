@@ -237,3 +237,39 @@ def test_mock_clock_masters_stay_on_the_loop() -> None:
             tg.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+@BOTH
+def test_a_slow_but_steady_reader_is_not_dropped(threaded: bool) -> None:
+    """Answers far larger than the socket buffers, read slowly for several times
+    ``progress_timeout``: every byte sent restarts that deadline, so the connection stays."""
+
+    async def main() -> None:
+        async with master(threaded, progress_timeout=0.6) as server:
+            stream = await anyio.connect_tcp("127.0.0.1", server.rpc_port)
+            keys = [f"key-{i:04d}-" + "x" * 200 for i in range(500)]  # ~100 KB per answer
+            async with stream:
+                mount = rpc.MountSegmentParams(client_id="a", segment=seg())
+                await call(stream, 1, "MountSegment", mount)
+                put = rpc.BatchPutStartParams(client_id="a", keys=keys, sizes=[64] * len(keys))
+                await call(stream, 2, "BatchPutStart", put)
+                await call(
+                    stream, 3, "BatchPutEnd", rpc.BatchKeyClientParams(client_id="a", keys=keys)
+                )
+                n = 150  # ~15 MB
+                await stream.send(
+                    b"".join(
+                        rpc.encode_request(10 + i, "GetAllKeys", rpc.Empty()) for i in range(n)
+                    )
+                )
+                dec = rpc.MessageDecoder()
+                ids: list[int] = []
+                with anyio.fail_after(120):
+                    while len(ids) < n:
+                        await anyio.sleep(0.05)  # seconds in all: several progress timeouts
+                        dec.feed(await stream.receive(256 << 10))
+                        ids.extend(m.id for m in dec)
+                assert ids == [10 + i for i in range(n)]
+            assert server.connections_dropped == 0
+
+    trio.run(main)
