@@ -53,6 +53,13 @@ extensions = [
         extra_compile_args=CFLAGS,
         extra_link_args=["-pthread"],
     ),
+    Extension(
+        "mooncake._fast._objtable",
+        ["mooncake/_fast/_objtable.pyx"],
+        include_dirs=[CSRC],
+        depends=[f"{CSRC}/mc_objtable.h"],
+        extra_compile_args=CFLAGS,
+    ),
 ]
 
 soft_provider = Extension(

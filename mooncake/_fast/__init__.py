@@ -75,6 +75,17 @@ else:
     except ImportError:
         from ._copyq_pure import CopyQueue
 
+if os.environ.get("MOONCAKE_NO_EXTENSIONS", "") not in ("", "0"):
+    from ._objtable_pure import COMPILED as OBJTABLE_COMPILED
+    from ._objtable_pure import ObjectTable
+else:
+    try:
+        from ._objtable import COMPILED as OBJTABLE_COMPILED  # type: ignore[no-redef]
+        from ._objtable import ObjectTable  # type: ignore[assignment]
+    except ImportError:  # not built: the twin is correct, only slower
+        from ._objtable_pure import COMPILED as OBJTABLE_COMPILED
+        from ._objtable_pure import ObjectTable
+
 STAGE_SIZE = 65536  # the staging buffer a ClientPipe wants (both twins)
 # results of ServeConn.step / ClientPipe.step (identical in both twins)
 DONE, WANT_READ, WANT_WRITE, YIELD, CLOSE, PEER_CLOSED = 0, 1, 2, 3, 4, 5
@@ -86,6 +97,7 @@ __all__ = [
     "COMPILED",
     "DONE",
     "E_PROTO",
+    "OBJTABLE_COMPILED",
     "PEER_CLOSED",
     "STAGE",
     "STAGE_SIZE",
@@ -95,6 +107,7 @@ __all__ = [
     "YIELD",
     "ClientPipe",
     "CopyQueue",
+    "ObjectTable",
     "RegionTable",
     "ServeConn",
     "memcpy_at",
@@ -107,7 +120,3 @@ __all__ = [
     "vm_writev_at",
     "writev_at",
 ]
-
-# The master's object table: the pure twin until the compiled one is built.
-from ._objtable_pure import COMPILED as OBJTABLE_COMPILED  # noqa: E402,F401
-from ._objtable_pure import ObjectTable as ObjectTable  # noqa: E402

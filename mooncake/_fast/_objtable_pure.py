@@ -49,6 +49,76 @@ def _check_row(seg: int, addr: int, size: int, vid: int, writer: int) -> None:
             raise OverflowError(f"{name} {v} out of range [0, {hi})")
 
 
+def _check_limit(limit: int) -> None:
+    if type(limit) is not int:
+        raise TypeError(f"limit must be an int, got {type(limit).__name__}")
+
+
+# the columns of a state and their array typecodes (None: not an array)
+STATE_COLUMNS: dict[str, str | None] = {
+    "n": None,
+    "next_seq": None,
+    "live": None,
+    "key_blob": None,
+    "key_len": "Q",
+    "seq": "q",
+    "free": "q",
+    "seg": "i",
+    "addr": "q",
+    "size": "q",
+    "vid": "q",
+    "lease": "d",
+    "read": "d",
+    "writer": "i",
+    "lru": "q",
+    "lru_size": "q",
+}
+_PER_HANDLE = ("key_len", "seq", "seg", "addr", "size", "vid", "lease", "read", "writer")
+
+
+def normalize_state(st: dict[str, Any]) -> tuple[int, int, bytes, bytes, dict[str, array[Any]]]:
+    """``(n, next_seq, live, key_blob, columns)`` of a state, every column an ``array`` of its
+    typecode; ``ValueError`` if a column is missing, of the wrong type or length. Both twins
+    check a state's shape here; each then checks the contents (its ``from_state``)."""
+    if not isinstance(st, dict):
+        raise ValueError(f"an object table state is a dict, got {type(st).__name__}")
+    missing = [c for c in STATE_COLUMNS if c not in st]
+    if missing:
+        raise ValueError(f"object table state without {', '.join(missing)}")
+    n, next_seq = st["n"], st["next_seq"]
+    if type(n) is not int or not 0 <= n < _I31:
+        raise ValueError(f"object table state with n={n!r}")
+    if type(next_seq) is not int or not 0 <= next_seq < _I63:
+        raise ValueError(f"object table state with next_seq={next_seq!r}")
+    if isinstance(st["live"], int) or isinstance(st["key_blob"], int):
+        raise ValueError("object table state with an int for live/key_blob")
+    try:
+        live = st["live"] if type(st["live"]) is bytes else bytes(st["live"])
+        blob = st["key_blob"] if type(st["key_blob"]) is bytes else bytes(st["key_blob"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"object table state with bad live/key_blob: {e}") from None
+    if len(live) != n:
+        raise ValueError("object table columns of different lengths")
+    if live.translate(None, b"\x00\x01"):
+        raise ValueError("object table state with live flags other than 0 and 1")
+    cols: dict[str, array[Any]] = {}
+    for c, tc in STATE_COLUMNS.items():
+        if tc is None:
+            continue
+        v = st[c]
+        if not (isinstance(v, array) and v.typecode == tc):
+            try:
+                v = array(tc, v)
+            except (TypeError, OverflowError, ValueError) as e:
+                raise ValueError(f"object table column {c}: {e}") from None
+        cols[c] = v
+    if any(len(cols[c]) != n for c in _PER_HANDLE):
+        raise ValueError("object table columns of different lengths")
+    if len(cols["lru"]) != len(cols["lru_size"]):
+        raise ValueError("object table lru and lru_size of different lengths")
+    return n, next_seq, live, blob, cols
+
+
 class ObjectTable:
     """Keys to handles, with cold rows and one recency list (see the module docstring)."""
 
@@ -165,9 +235,10 @@ class ObjectTable:
         """Give ``h`` a cold row (replacing any it has)."""
         self._live(h)
         _check_row(seg, addr, size, vid, writer)
+        row = (seg, addr, size, vid, float(lease), float(read), writer)
         if self._cold[h] is None:
             self._ncold += 1
-        self._cold[h] = (seg, addr, size, vid, float(lease), float(read), writer)
+        self._cold[h] = row
 
     def cold_row(self, h: int) -> tuple[int, int, int, int, float, float, int]:
         """``(seg, addr, size, vid, lease, read, writer)``; ``KeyError`` if ``h`` is not cold."""
@@ -198,6 +269,8 @@ class ObjectTable:
 
     def cold_on_segment(self, seg: int) -> list[int]:
         """Cold handles whose replica is on segment ``seg``, in ``seq`` order."""
+        if type(seg) is not int:
+            raise TypeError(f"seg must be an int, got {type(seg).__name__}")
         return self.sort_by_seq(
             h for h, row in enumerate(self._cold) if row is not None and row[0] == seg
         )
@@ -239,6 +312,7 @@ class ObjectTable:
 
     def lru_order(self, limit: int = -1) -> list[int]:
         """Listed handles, least recent first (at most ``limit`` of them when ``>= 0``)."""
+        _check_limit(limit)
         if limit < 0:
             return list(self._lru)
         out: list[int] = []
@@ -251,6 +325,7 @@ class ObjectTable:
     def lru_after(self, h: int, limit: int) -> list[int]:
         """Up to ``limit`` listed handles that follow ``h``, in order (``KeyError`` if ``h``
         is not listed)."""
+        _check_limit(limit)
         self._live(h)
         if h not in self._lru:
             raise KeyError(h)
@@ -304,46 +379,54 @@ class ObjectTable:
 
     @classmethod
     def from_state(cls, st: dict[str, Any]) -> ObjectTable:
-        """The table :meth:`state` described (``ValueError`` if the columns disagree)."""
+        """The table :meth:`state` described (``ValueError`` if the state is malformed: a
+        column missing or of the wrong length, a key twice or not UTF-8, a live ``seq`` not
+        below ``next_seq``, a cold row out of range, a free list that is not exactly the dead
+        handles, a recency entry that is dead, listed twice or of a negative size)."""
+        n, next_seq, live, blob, c = normalize_state(st)
         t = cls()
-        n = st["n"]
-        cols = ("seq", "seg", "addr", "size", "vid", "lease", "read", "writer", "key_len")
-        if len(st["live"]) != n or any(len(st[c]) != n for c in cols):
-            raise ValueError("object table columns of different lengths")
-        blob: bytes = st["key_blob"]
+        key_len, seqs, segs = c["key_len"], c["seq"], c["seg"]
+        if sum(key_len) != len(blob):
+            raise ValueError("object table key_len does not add up to key_blob")
         pos = 0
         for h in range(n):
-            ln = st["key_len"][h]
-            key = blob[pos : pos + ln].decode("utf-8", "surrogatepass")
+            ln = key_len[h]
+            try:
+                key = blob[pos : pos + ln].decode("utf-8", "surrogatepass")
+            except UnicodeDecodeError:
+                raise ValueError(f"object table key of handle {h} is not UTF-8") from None
             pos += ln
-            if st["live"][h]:
-                t._keys.append(key)
-                t._index[key] = h
-            else:
+            s = seqs[h]
+            t._seq.append(s)
+            if not live[h]:
                 t._keys.append(None)
-            t._seq.append(st["seq"][h])
-            seg = st["seg"][h]
-            if st["live"][h] and seg >= 0:
-                t._cold.append(
-                    (
-                        seg,
-                        st["addr"][h],
-                        st["size"][h],
-                        st["vid"][h],
-                        st["lease"][h],
-                        st["read"][h],
-                        st["writer"][h],
-                    )
-                )
-                t._ncold += 1
-            else:
                 t._cold.append(None)
-        if len(t._index) != sum(st["live"]):
+                continue
+            if not 0 <= s < next_seq:
+                raise ValueError(f"object table seq {s} of handle {h} not in [0, {next_seq})")
+            t._keys.append(key)
+            t._index[key] = h
+            seg = segs[h]
+            if seg < 0:
+                t._cold.append(None)
+                continue
+            row = (seg, c["addr"][h], c["size"][h], c["vid"][h], c["writer"][h])
+            if min(row) < 0:
+                raise ValueError(f"object table cold row of handle {h} out of range: {row}")
+            t._cold.append((*row[:4], c["lease"][h], c["read"][h], row[4]))
+            t._ncold += 1
+        if len(t._index) != live.count(1):
             raise ValueError("object table with a key twice")
-        t._free = list(st["free"])
-        t._next_seq = st["next_seq"]
-        for h, size in zip(st["lru"], st["lru_size"], strict=True):
-            t.lru_push(h, size)
+        free = list(c["free"])
+        if sorted(free) != [h for h in range(n) if not live[h]]:
+            raise ValueError("object table free list is not the dead handles")
+        t._free = free
+        t._next_seq = next_seq
+        for h, size in zip(c["lru"], c["lru_size"], strict=True):
+            try:
+                t.lru_push(h, size)
+            except (KeyError, OverflowError, ValueError):
+                raise ValueError(f"object table recency entry ({h}, {size}) is bad") from None
         return t
 
     def self_check(self) -> None:
