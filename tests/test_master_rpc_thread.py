@@ -309,3 +309,28 @@ def test_forked_snapshots_while_threads_serve_puts(tmp_path: Any) -> None:
         assert keys and len(keys) % 32 == 0  # whole batches only: no snapshot mid-batch
 
     trio.run(main)
+
+
+@BOTH
+def test_at_the_connection_cap_an_idle_connection_gives_way(threaded: bool) -> None:
+    """``max_connections``: the connection that reaches the cap closes the longest-idle one (its
+    loop task is cancelled; with the threads, the thread lets go of it first)."""
+
+    async def main() -> None:
+        async with master(threaded, max_connections=3) as server:
+            a = await anyio.connect_tcp("127.0.0.1", server.rpc_port)
+            b = await anyio.connect_tcp("127.0.0.1", server.rpc_port)
+            async with a, b:
+                assert await call(a, 1, "ServiceReady", rpc.Empty()) == rpc.VERSION
+                await anyio.sleep(0.05)
+                assert await call(b, 1, "ServiceReady", rpc.Empty()) == rpc.VERSION
+                c = await anyio.connect_tcp("127.0.0.1", server.rpc_port)
+                async with c:
+                    assert await call(c, 1, "ServiceReady", rpc.Empty()) == rpc.VERSION
+                    with pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)):
+                        with anyio.fail_after(10):
+                            await a.receive()  # the longest idle: closed
+                    assert await call(b, 2, "ServiceReady", rpc.Empty()) == rpc.VERSION
+            assert server.slots.evicted == 1
+
+    trio.run(main)
