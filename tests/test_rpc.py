@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -161,6 +163,52 @@ def test_any_chunking_gives_the_same_messages(fs: list[bytes], cuts: list[int]) 
     assert got == expected
     assert len(got) == len(fs)
     dec.check_eof()
+
+
+@given(frames(), st.lists(st.integers(1, 200), min_size=1, max_size=20))
+@settings(max_examples=200)
+def test_feed_messages_matches_feed_and_iterate(fs: list[bytes], cuts: list[int]) -> None:
+    """``feed_messages`` (frames decoded straight from the chunk when nothing is buffered)
+    gives the messages feeding and iterating gives, for any chunking, the chunk taken from a
+    buffer that is overwritten after each call (as a receive buffer is; what a message's raw
+    part points into is used before that)."""
+    whole = b"".join(fs)
+    ref = rpc.MessageDecoder()
+    ref.feed(whole)
+    expected = [msgspec.msgpack.encode(m) for m in ref]
+    dec = rpc.MessageDecoder()
+    scratch = bytearray(256)
+    got: list[bytes] = []
+    pos = 0
+    i = 0
+    while pos < len(whole):
+        chunk = whole[pos : pos + cuts[i % len(cuts)]]
+        scratch[: len(chunk)] = chunk
+        got.extend(
+            msgspec.msgpack.encode(m) for m in dec.feed_messages(memoryview(scratch)[: len(chunk)])
+        )
+        scratch[:] = b"\xee" * len(scratch)  # the next recv overwrites the buffer
+        pos += len(chunk)
+        i += 1
+    assert got == expected
+    dec.check_eof()
+
+
+@given(st.binary(max_size=300))
+@settings(max_examples=300)
+def test_feed_messages_garbage_raises_protocol_error_like_iterating(data: bytes) -> None:
+    def outcome(step: Any) -> list[bytes] | str:
+        dec = rpc.MessageDecoder(max_frame=256)
+        try:
+            return [msgspec.msgpack.encode(m) for m in step(dec)]
+        except ProtocolError:
+            return "protocol error"
+
+    def iterate(dec: rpc.MessageDecoder) -> list[rpc.Message]:
+        dec.feed(data)
+        return list(dec)
+
+    assert outcome(lambda d: d.feed_messages(data)) == outcome(iterate)
 
 
 @given(st.binary(max_size=300))

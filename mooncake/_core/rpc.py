@@ -608,6 +608,45 @@ class MessageDecoder:
             raise ProtocolError("decoder already failed on earlier input")
         self._buf += data
 
+    def feed_messages(self, data: bytes | bytearray | memoryview) -> list[Message]:
+        """``feed(data)`` and every message complete now, in order (the same messages and
+        errors as feeding and iterating). With nothing buffered, the frames whole in
+        ``data`` are decoded straight from it (no copy into the buffer); only a trailing
+        partial frame is kept."""
+        if self._broken:
+            raise ProtocolError("decoder already failed on earlier input")
+        if self._buf:
+            self._buf += data
+            return list(self)
+        view = memoryview(data)
+        end = len(view)
+        pos = 0
+        out: list[Message] = []
+        unpack = HEADER.unpack_from
+        decode = _message_decoder.decode
+        max_frame = self.max_frame
+        while end - pos >= 4:
+            (length,) = unpack(view, pos)
+            if length == 0 or length > max_frame:
+                self._broken = True
+                raise ProtocolError(f"frame length {length} outside [1, {max_frame}]")
+            stop = pos + 4 + length
+            if stop > end:
+                break
+            try:
+                msg: Message = decode(view[pos + 4 : stop])
+            except (msgspec.DecodeError, RecursionError) as e:
+                self._broken = True
+                raise ProtocolError(f"malformed RPC frame: {e}") from None
+            if not 0 <= msg.id <= _MAX_ID:
+                self._broken = True
+                raise ProtocolError(f"RPC id {msg.id} out of range")
+            out.append(msg)
+            pos = stop
+        if pos < end:
+            self._buf += view[pos:]
+        return out
+
     def next_message(self) -> Message | None:
         """The next complete message, or ``None`` until more bytes arrive."""
         if self._broken:

@@ -11,7 +11,11 @@ with the framing of :mod:`mooncake._core.rpc`. Everything binds the host it is g
 default). The RPC listener is bound last, so once it accepts connections the metrics and
 (optional) HTTP metadata servers are up too: "the RPC port is open" means ready.
 
-Connections: one task each, at most ``max_connections`` live. At the cap the master stops
+Connections: one task each, at most ``max_connections`` live. On trio with its real clock and
+without replication, the requests themselves are read, answered and written by serving threads
+beside the loop (:mod:`mooncake._store.rpc_thread`: no scheduler trip per request; the loop
+holds the state's lock whenever it runs, so the state is never seen by both at once), each
+connection's task waiting for it; ``rpc_threads=0`` keeps everything on the loop. At the cap the master stops
 accepting (the rest wait in the listen backlog) and closes the longest-idle connection (no
 partial frame, nothing being answered) in favour of the new one: a store client reconnects on
 its next call. Deadlines: the first byte must arrive within ``request_timeout`` of accept;
@@ -48,11 +52,12 @@ connections; the state object stays usable (tests inspect it afterwards).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
@@ -71,6 +76,7 @@ from mooncake._core import auth, commands, rpc
 from mooncake._core.master import MasterConfig, MasterState
 from mooncake._engine import _accept
 from mooncake._store.keyscan import DEFAULT_BUDGET_S, SCAN_METHODS, KeyScanner
+from mooncake._store.rpc_thread import Handoff, RpcThread, usable
 from mooncake.errors import (
     ErrorCode,
     InvalidArgumentError,
@@ -130,6 +136,9 @@ class MasterServerConfig:
     ha: HaConfig | None = None
     #: periodic snapshots to a local directory without HA (``--enable_snapshot``); None: off
     snapshot: SnapshotConfig | None = None
+    #: threads serving the RPC connections where possible (trio's real clock, no
+    #: replication: :mod:`mooncake._store.rpc_thread`); 0: every connection on the loop
+    rpc_threads: int = 2
 
 
 #: seconds between sweeps of a replicated master (at least)
@@ -195,6 +204,7 @@ class MasterServer:
         self.last_snapshot_seq = 0
         self.clock_offset = 0.0
         self._socks: set[socket.socket] = set()
+        self.rpc_thread: RpcThread | None = None
 
     # -- RPC -------------------------------------------------------------------------------
 
@@ -355,7 +365,13 @@ class MasterServer:
         self.connections += 1
         self._socks.add(sock)
         try:
-            await self._serve_socket(sock, slot)
+            resume = None
+            if self.rpc_thread is not None:
+                decoder = rpc.MessageDecoder(self.config.max_frame)
+                resume = await self.rpc_thread.serve(sock, slot, decoder)
+                if resume is None:
+                    return
+            await self._serve_socket(sock, slot, resume)
         except ProtocolError as e:
             self.connections_dropped += 1
             log.warning("master: dropping connection: %s", e)
@@ -365,13 +381,16 @@ class MasterServer:
         finally:
             self._socks.discard(sock)
 
-    async def _serve_socket(self, sock: socket.socket, slot: _accept.Slot) -> None:
+    async def _serve_socket(
+        self, sock: socket.socket, slot: _accept.Slot, resume: Handoff | None = None
+    ) -> None:
+        """The loop path of a connection; ``resume``: one the RPC thread handed back."""
         cfg = self.config
-        decoder = rpc.MessageDecoder(cfg.max_frame)
+        decoder = rpc.MessageDecoder(cfg.max_frame) if resume is None else resume.decoder
         busy = 0
-        first = True
-        authed = self.secret is None
-        nonces: tuple[bytes, bytes] | None = None
+        first = resume is None
+        authed = self.secret is None if resume is None else resume.authed
+        nonces: tuple[bytes, bytes] | None = None if resume is None else resume.nonces
         ticket = 0
         scratch = self._scratch
         what, timeout = "no request", cfg.request_timeout
@@ -381,9 +400,18 @@ class MasterServer:
         # early. It is lifted (inf) before every await that is not the wait for a request.
         with anyio.CancelScope() as scope:
             while True:
-                try:
-                    n = sock.recv_into(scratch)
-                except (BlockingIOError, InterruptedError):
+                msgs: Iterable[rpc.Message] = decoder
+                out: list[bytes] = []
+                if resume is not None:  # first its request, then what is still buffered
+                    msgs, out = itertools.chain(resume.requests, decoder), resume.out
+                    resume = None
+                    n = -1
+                else:
+                    try:
+                        n = sock.recv_into(scratch)
+                    except (BlockingIOError, InterruptedError):
+                        n = -2
+                if n == -2:
                     busy = 0
                     if decoder.buffered:
                         slot.busy()
@@ -401,9 +429,9 @@ class MasterServer:
                 if not n:
                     decoder.check_eof()
                     return
-                decoder.feed(scratch[:n])  # copied out before the next await
-                out: list[bytes] = []
-                for msg in decoder:
+                if n > 0:
+                    decoder.feed(scratch[:n])  # copied out before the next await
+                for msg in msgs:
                     first = False
                     if not isinstance(msg, rpc.Request):
                         raise ProtocolError("a client sent a response frame")
@@ -922,8 +950,14 @@ async def serve_master(
                 config.snapshot.interval,
                 config.snapshot.child_timeout,
             )
+        if config.rpc_threads > 0 and config.ha is None and usable():
+            server.rpc_thread = RpcThread(server, config.rpc_threads)
+            server.rpc_thread.start()
         task_status.started(server)
         try:
             await _accept.accept_loop(lsock, server.slots, server.serve_connection, prepare=_tune)
         finally:
             lsock.close()
+            if server.rpc_thread is not None:  # every connection's handler has returned
+                server.rpc_thread.stop()
+                server.rpc_thread = None
