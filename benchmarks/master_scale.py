@@ -68,6 +68,14 @@ def progress(msg: str) -> None:
     print(f"  [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def out_table(m: MasterState, n: int) -> str:
+    from mooncake._fast import OBJTABLE_COMPILED
+
+    if not OBJTABLE_COMPILED:
+        return "pure-Python twin (build the extension for the compact table)"
+    return f"{m._objects.table.memory_bytes() / n:,.0f} B/object"
+
+
 def run(n: int, size: int, probes: int) -> dict[str, Any]:
     wm = 0.9
     cap = int(n * size / (wm - 0.0005)) // 4096 * 4096 + 4096
@@ -97,7 +105,13 @@ def run(n: int, size: int, probes: int) -> dict[str, Any]:
         "rss_mib": rss() / (1 << 20),
         "bytes_per_object": per_obj,
         "put_pairs_per_s": n / put_s,
+        "hot_records": len(m._objects.hot),
+        "table_bytes_per_object": m._objects.table.memory_bytes() / n,
     }
+    progress(
+        f"{n:,}: {per_obj:,.0f} B/object RSS, object table {out_table(m, n)}, "
+        f"{len(m._objects.hot):,} hot records"
+    )
     rng = random.Random(2)
     sample = [key(rng.randrange(n)) for _ in range(probes)]
     for name, call in (

@@ -582,3 +582,20 @@ def test_twins_agree_at_scale() -> None:
     c.self_check()
     assert canon(c.state()) == canon(p.state())
     assert c.cold_on_segment(3) == p.cold_on_segment(3) and c.handles() == p.handles()
+
+
+@pytest.mark.parametrize("cls", [pure.ObjectTable, getattr(compiled, "ObjectTable", None)])
+def test_lease_keys_leases_cold_rows_and_names_the_rest(cls: Any) -> None:
+    if cls is None:
+        pytest.skip(NO_COMPILED)
+    t = cls()
+    cold, hot, gone = t.add("cold"), t.add("hot"), t.add("gone")
+    t.set_cold(cold, 1, 4096, 10, 7, 5.0, 3.0, 0)
+    t.remove(gone)
+    assert t.lease_keys(["cold", "hot", "gone", "\ud800", "cold"], 8.0) == [-2, hot, -1, -1, -2]
+    assert t.cold_row(cold)[4:6] == (8.0, 3.0)  # the lease raised, the read window untouched
+    assert t.lease_keys(["cold"], 2.0) == [-2] and t.cold_row(cold)[4] == 8.0  # never lowered
+    with pytest.raises(TypeError, match="keys must be a list"):
+        t.lease_keys(("cold",), 1.0)
+    with pytest.raises(TypeError, match="key must be a str"):
+        t.lease_keys(["cold", 3], 1.0)

@@ -398,6 +398,37 @@ cdef class ObjectTable(_Columns):
             ln = PyBytes_GET_SIZE(b)
         return self._probe(p, ln, <uint32_t>mc_hash(p, ln, _SEED), &slot)
 
+    def lease_keys(self, keys, deadline):
+        """For each key of the list ``keys``: ``-1`` if absent, ``-2`` if cold (its lease
+        raised to at least ``deadline``), else its handle (a hot object: the caller's)."""
+        cdef Py_ssize_t ln, i, n
+        cdef const char *p
+        cdef uint64_t slot
+        cdef int32_t h
+        cdef object b, key
+        cdef double d = _as_double(deadline)
+        cdef list out = []
+        if type(keys) is not list:
+            raise TypeError(f"keys must be a list, got {type(keys).__name__}")
+        n = len(<list>keys)
+        for i in range(n):
+            key = (<list>keys)[i]
+            if not PyUnicode_CheckExact(key):
+                raise TypeError(f"key must be a str, got {type(key).__name__}")
+            p = PyUnicode_AsUTF8AndSize(key, &ln)
+            if p == NULL:
+                PyErr_Clear()
+                b = (<str>key).encode("utf-8", "surrogatepass")
+                p = PyBytes_AS_STRING(b)
+                ln = PyBytes_GET_SIZE(b)
+            h = self._probe(p, ln, <uint32_t>mc_hash(p, ln, _SEED), &slot)
+            if h >= 0 and self.seg_[h] >= 0:
+                if self.lease_[h] < d:
+                    self.lease_[h] = d
+                h = -2
+            out.append(h)
+        return out
+
     def add(self, key):
         """A new handle for ``key`` (``ValueError`` if ``key`` is already in the table)."""
         cdef Py_ssize_t ln

@@ -155,6 +155,23 @@ class ObjectTable:
             raise TypeError(f"key must be a str, got {type(key).__name__}")
         return self._index.get(key, -1)
 
+    def lease_keys(self, keys: list[str], deadline: float) -> list[int]:
+        """For each key of the list ``keys``: ``-1`` if absent, ``-2`` if cold (its lease
+        raised to at least ``deadline``), else its handle (a hot object: the caller's)."""
+        if type(keys) is not list:
+            raise TypeError(f"keys must be a list, got {type(keys).__name__}")
+        d = float(deadline)
+        out: list[int] = []
+        for key in keys:
+            h = self.find(key)
+            if h >= 0 and (row := self._cold[h]) is not None:
+                if row[4] < d:
+                    seg, addr, size, vid, _, read, writer = row
+                    self._cold[h] = (seg, addr, size, vid, d, read, writer)
+                h = -2
+            out.append(h)
+        return out
+
     def add(self, key: str) -> int:
         """A new handle for ``key`` (``ValueError`` if ``key`` is already in the table)."""
         if type(key) is not str:

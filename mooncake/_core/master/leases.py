@@ -157,24 +157,18 @@ class _Leases(_StateBase):
 
     def exist_key(self, key: str, now: float) -> bool:
         """Whether ``key`` is readable; a true answer extends its lease (as Mooncake does)."""
+        deadline = now + self.config.default_kv_lease_ttl
         objects = self._objects
-        h = objects.table.find(key)
+        (h,) = objects.table.lease_keys([key], deadline)
+        if h == -2:  # cold: readable, in no group, leased by the table
+            return True
         if h < 0:
             return False
-        if h not in objects.hot:  # cold: readable, in no group
-            self._extend_cold_lease(h, now + self.config.default_kv_lease_ttl)
-            return True
         obj = objects.by_handle(h)
-        if obj is None or obj.readable is None:
+        if obj.readable is None:
             return False
-        self._extend_lease(obj, now + self.config.default_kv_lease_ttl)
+        self._extend_lease(obj, deadline)
         return True
-
-    def _extend_cold_lease(self, h: int, deadline: float) -> None:
-        t = self._objects.table
-        row = t.cold_row(h)
-        if row[4] < deadline:
-            t.set_deadlines(h, deadline, row[5])
 
     def _extend_lease(self, obj: _Object, deadline: float) -> None:
         """Lease ``obj`` until ``deadline`` -- and every current member of its group."""
@@ -197,24 +191,19 @@ class _Leases(_StateBase):
             self._groups.setdefault(group, KeySet()).add(obj.key)
 
     def batch_exist_key(self, keys: list[str], now: float) -> list[int]:
-        """:meth:`exist_key` per key (1 / 0), in one pass with the lookups hoisted."""
-        objects = self._objects
-        find, hot = objects.table.find, objects.hot
-        cold_lease = self._extend_cold_lease
+        """:meth:`exist_key` per key (1 / 0): the cold ones leased by the table in one call,
+        the hot ones here."""
         deadline = now + self.config.default_kv_lease_ttl
+        found = self._objects.table.lease_keys(keys, deadline)
+        hot = self._objects.hot
         out: list[int] = []
         add = out.append
-        for key in keys:
-            h = find(key)
-            if h < 0:
-                add(0)
-                continue
-            obj = hot.get(h)
-            if obj is None:  # cold: readable, in no group
-                cold_lease(h, deadline)
+        for h in found:
+            if h == -2:
                 add(1)
                 continue
-            if obj.readable is None:
+            obj = hot.get(h) if h >= 0 else None
+            if obj is None or obj.readable is None:
                 add(0)
                 continue
             if obj.group:
