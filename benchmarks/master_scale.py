@@ -10,11 +10,12 @@ watermark, then
   calls (``--probes`` each);
 * eviction of ``eviction_ratio`` (5 %) of the capacity: puts past the watermark, then sweeps
   until the run is done; the longest single call (put or sweep) is the "max stall";
-Each call is followed by ``settle()``, as the master server does between commands (the
-objects a call touched fold back into the compact object table).
-
 * ``snapshot()`` size and time, ``restore()`` time (and that the restored state answers the
   same for a few keys).
+
+The state is driven as the master process drives it: each call is followed by ``settle()``
+(the objects a call touched fold back into the compact object table), and automatic full
+collections are off once the segment is mounted (``--default-gc`` leaves them on).
 
 Prints progress to stderr and a table to stdout; ``--json PATH`` writes the rows. The numbers are
 of one Python process (the compiled build: ``build_ext --inplace`` first); the machine's load
@@ -38,6 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from mooncake._cli.master import _no_full_collections  # noqa: E402
 from mooncake._core.master import MasterConfig, MasterState  # noqa: E402
 from mooncake._core.store_types import ReplicateConfig, Segment  # noqa: E402
 
@@ -76,12 +78,14 @@ def out_table(m: MasterState, n: int) -> str:
     return f"{m._objects.table.memory_bytes() / n:,.0f} B/object"
 
 
-def run(n: int, size: int, probes: int) -> dict[str, Any]:
+def run(n: int, size: int, probes: int, server_gc: bool) -> dict[str, Any]:
     wm = 0.9
     cap = int(n * size / (wm - 0.0005)) // 4096 * 4096 + 4096
     m = MasterState(MasterConfig(seed=1, offload_on_evict=False))
     m.mount_segment("bench", Segment(id="s", name="127.0.0.1:9", base=1 << 40, size=cap), 0.0)
     gc.collect()
+    if server_gc:  # as the master process runs: no automatic full collections
+        _no_full_collections()
     r0 = rss()
     t0 = time.perf_counter()
     step = max(1, n // 10)
@@ -199,12 +203,17 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=4096, help="object size in bytes")
     ap.add_argument("--probes", type=int, default=20000, help="lookups timed per size")
     ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument(
+        "--default-gc",
+        action="store_true",
+        help="leave Python's automatic full collections on (the master process turns them off)",
+    )
     args = ap.parse_args()
     rows = []
     for s in args.objects.split(","):
         n = parse_count(s)
         progress(f"{n:,} objects (load average {os.getloadavg()[0]:.1f})")
-        rows.append(run(n, args.size, args.probes))
+        rows.append(run(n, args.size, args.probes, not args.default_gc))
         rows[-1]["load_average"] = os.getloadavg()[0]
     print("| " + " | ".join(c for c, _ in COLUMNS) + " | load |")
     print("|" + "---|" * (len(COLUMNS) + 1))

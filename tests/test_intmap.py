@@ -282,3 +282,22 @@ def test_compiled_memory_per_entry() -> None:
     assert m.memory_bytes() == small and m.total() == n * 4096
     m.clear()
     assert m.memory_bytes() < 1024 and len(m) == 0
+
+
+@pytest.mark.parametrize("mod", TWINS)
+def test_update_columns_sets_each_pair_and_checks_the_columns(mod: ModuleType) -> None:
+    from array import array
+
+    m = mod.IntMap()
+    m[5] = 1
+    m.update_columns(array("q", [5, -(2**63), 0, 7, 7]), array("q", [9, 2, 3, 4, 2**40]))
+    assert sorted((k, m[k]) for k in (5, -(2**63), 0, 7)) == sorted(
+        [(5, 9), (-(2**63), 2), (0, 3), (7, 2**40)]
+    )
+    assert len(m) == 4 and m.total() == 9 + 2 + 3 + 2**40  # later pairs win, as in update
+    with pytest.raises(ValueError, match="2 keys but 1 values"):
+        m.update_columns(array("q", [1, 2]), array("q", [1]))
+    with pytest.raises(TypeError, match="array"):
+        m.update_columns([1], [2])
+    with pytest.raises(TypeError, match="array"):
+        m.update_columns(array("i", [1]), array("q", [2]))

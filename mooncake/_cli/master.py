@@ -312,10 +312,11 @@ _NO_FULL_GC = 1 << 30
 def _no_full_collections() -> None:
     """Stop the collector's automatic full collections in the master process.
 
-    A full collection walks every tracked object: the master's state is a few Python objects
-    per stored object (~1 M at 200 k objects), so one took ~0.7 s there and stalled every
-    call (measured: 9 of them in a 200 k-object fill, up to 0.4 s each). The state frees
-    its objects by reference count (its operations leave no reference cycles), so only the
+    A full collection walks every tracked object: the objects in flight, the miss ledger and
+    every other record of the state (before the compact object table, a few Python objects
+    per stored object: one full collection took ~0.7 s at 200 k objects and stalled every
+    call). The state frees its objects by reference count (its operations leave no reference
+    cycles), so only the
     young generations, where short-lived cycles of the RPC path die, keep collecting; what
     was allocated up to start-up is frozen out of them too. ``gc.collect()`` still works.
     """

@@ -217,15 +217,19 @@ class OffsetAllocator:
         size: int,
         alignment: int,
         *,
-        allocated: Iterable[tuple[int, int]],
+        allocated: Iterable[tuple[int, int]] | tuple[array[int], array[int]],
         free: Iterable[tuple[int, int]],
         used: int,
     ) -> OffsetAllocator:
         """An allocator in exactly the state described: ``allocated`` extents (any order) and
         ``free`` blocks (address order) as ``(start, length)``, ``used`` bytes (a snapshot's;
-        :meth:`self_check` verifies the result)."""
+        :meth:`self_check` verifies the result); ``allocated`` may also be the two columns
+        (addresses, lengths as ``array('q')``) :meth:`extents` returns."""
         a = cls(base, size, alignment=alignment)
-        a._allocated.update(allocated)
+        if isinstance(allocated, tuple) and len(allocated) == 2 and type(allocated[0]) is array:
+            a._allocated.update_columns(allocated[0], allocated[1])
+        else:
+            a._allocated.update(allocated)  # type: ignore[arg-type]
         a._free = dict(free)
         a._starts = list(a._free)
         a._by_size = sorted((n, s) for s, n in a._free.items())

@@ -314,6 +314,20 @@ cdef class IntMap:
         for k, v in pairs:
             self._set(_i64(k), _i64(v))
 
+    def update_columns(self, keys: array, values: array) -> None:
+        """Set ``keys[j] -> values[j]`` for every ``j`` (two ``array('q')`` of one length), in
+        order: :meth:`update` without a Python pair per entry."""
+        cdef Py_ssize_t j, n
+        if type(keys) is not array or type(values) is not array:
+            raise TypeError("update_columns takes two array('q')")
+        if keys.typecode != "q" or values.typecode != "q":
+            raise TypeError(f"update_columns takes array('q'), got {keys.typecode!r}, {values.typecode!r}")
+        n = len(keys)
+        if len(values) != n:
+            raise ValueError(f"{n} keys but {len(values)} values")
+        for j in range(n):
+            self._set(keys.data.as_longlongs[j], values.data.as_longlongs[j])
+
     def clear(self) -> None:
         """Remove everything and give the table's memory back (down to the minimum)."""
         self._alloc_table(MIN_CAP)

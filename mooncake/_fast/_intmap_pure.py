@@ -88,6 +88,20 @@ class IntMap:
         for k, v in pairs:
             self[k] = v
 
+    def update_columns(self, keys: array[int], values: array[int]) -> None:
+        """Set ``keys[j] -> values[j]`` for every ``j`` (two ``array('q')`` of one length), in
+        order: :meth:`update` without a Python pair per entry."""
+        if type(keys) is not array or type(values) is not array:
+            raise TypeError("update_columns takes two array('q')")
+        if keys.typecode != "q" or values.typecode != "q":
+            raise TypeError(
+                f"update_columns takes array('q'), got {keys.typecode!r}, {values.typecode!r}"
+            )
+        if len(values) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        for k, v in zip(keys, values, strict=True):
+            self[k] = v
+
     def clear(self) -> None:
         """Remove everything."""
         self._d = {}

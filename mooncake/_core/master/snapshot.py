@@ -145,7 +145,7 @@ def _restore(cls: type[MasterState], data: bytes, config: MasterConfig | None) -
             segment.base,
             segment.size,
             alignment,
-            allocated=zip(_col("q", aaddr), _col("q", alen), strict=True),
+            allocated=(_col("q", aaddr), _col("q", alen)),
             free=zip(_col("q", fstart), _col("q", flen), strict=True),
             used=used,
         )
