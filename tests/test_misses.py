@@ -134,3 +134,15 @@ def test_every_miss_is_attributed_and_counted(ops: list[tuple[str, int]], cap: i
             ever_forgotten.add(old)
         assert len(ledger) == len(order)
     assert ledger.total == misses == sum(ledger.by_reason().values())
+
+
+def test_a_str_key_and_another_key_of_the_same_repr_are_distinct() -> None:
+    ledger = MissLedger()
+    ledger.record_eviction("1", policy="lru", tier="dram", now=2.0)
+    ledger.record_removal(1, detail="by hand")
+    assert ledger.explain("1").reason is MissReason.EVICTED
+    assert ledger.explain("1").at == 2.0 and ledger.explain(1).detail == "by hand"
+    assert ledger.explain("'1'").reason is MissReason.NEVER_STORED
+    ledger.record_stored("1")
+    assert ledger.explain("1").reason is MissReason.NEVER_STORED
+    assert ledger.explain(1).reason is MissReason.REMOVED and len(ledger) == 1

@@ -13,16 +13,25 @@ forgotten key leaves a bit in a fixed-size filter, so a later miss on it is repo
 collisions can only turn a ``NEVER_STORED`` into ``UNKNOWN``, never invent a cause.
 
 Every call is O(1). Time is whatever the caller passes as ``now`` (the ledger reads no clock).
+
+Compact: the remembered losses live in an :class:`~mooncake._fast.ObjectTable` (keys in its
+arena, their age order in its recency list) and a few numeric columns, not as one Python
+object per lost key, so a ledger of a million losses costs ~150 MiB less than records would
+and gives the collector nothing to walk.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import zlib
-from collections import Counter, OrderedDict
+from array import array
+from collections import Counter
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
+from mooncake._fast import ObjectTable
 from mooncake.errors import InvalidArgumentError
 
 __all__ = ["Miss", "MissLedger", "MissReason"]
@@ -50,6 +59,12 @@ class MissReason(enum.Enum):
 _LOSSES = (MissReason.EVICTED, MissReason.REMOVED, MissReason.OWNER_DIED)
 
 
+def _code(key: Hashable) -> str:
+    """The table key of ``key``: a ``str`` as itself, anything else by its ``repr`` (marked, so
+    the two never collide)."""
+    return "s" + key if type(key) is str else "r" + repr(key)
+
+
 @dataclass(frozen=True, slots=True)
 class Miss:
     """The attribution of one miss: the reason and what the ledger knows about it."""
@@ -74,7 +89,19 @@ class MissLedger:
     filter of forgotten keys (default 8 Mi bits = 1 MiB).
     """
 
-    __slots__ = ("_counts", "_filter", "_filter_mask", "_lost", "capacity", "forgotten")
+    __slots__ = (
+        "_at",
+        "_counts",
+        "_filter",
+        "_filter_mask",
+        "_lost",
+        "_reason",
+        "_str_ids",
+        "_strs",
+        "_text",
+        "capacity",
+        "forgotten",
+    )
 
     def __init__(self, capacity: int = 1 << 20, *, filter_bits: int = 1 << 23) -> None:
         if capacity < 1:
@@ -86,20 +113,50 @@ class MissLedger:
         self.capacity = capacity
         self.forgotten = 0
         """Losses dropped to stay within ``capacity``."""
-        self._lost: OrderedDict[Hashable, Miss] = OrderedDict()
+        self._lost = ObjectTable()
+        """The keys remembered (their loss order: the table's recency list, oldest first)."""
+        self._reason = bytearray()  # per handle: the index of the reason in _LOSSES
+        self._text = array("I")  # per handle, 4 entries: policy, tier, owner, detail (in _strs)
+        self._at = array("d")  # per handle: the time of the loss (NaN: none given)
+        self._strs: list[str] = [""]
+        self._str_ids: dict[str, int] = {"": 0}
         self._counts: Counter[tuple[MissReason, str, str]] = Counter()
         self._filter = bytearray(filter_bits // 8)
         self._filter_mask = filter_bits - 1
 
     # -- losses ----------------------------------------------------------------------------
 
+    def _sid(self, text: str) -> int:
+        n = self._str_ids.get(text)
+        if n is None:
+            n = self._str_ids[text] = len(self._strs)
+            self._strs.append(text)
+        return n
+
     def _lose(self, miss: Miss) -> None:
         lost = self._lost
-        lost.pop(miss.key, None)
-        lost[miss.key] = miss
+        code = _code(miss.key)
+        h = lost.find(code)
+        if h >= 0:
+            lost.lru_unlink(h)  # lost again: now the newest loss
+        else:
+            h = lost.add(code)
+            grow = h + 1 - len(self._at)
+            if grow > 0:
+                self._reason.extend(bytes(grow))
+                self._text.extend(array("I", [0]) * (4 * grow))
+                self._at.extend(array("d", [math.nan]) * grow)
+        lost.lru_push(h, 0)
+        self._reason[h] = _LOSSES.index(miss.reason)
+        sid = self._sid
+        self._text[4 * h : 4 * h + 4] = array(
+            "I", (sid(miss.policy), sid(miss.tier), sid(miss.owner), sid(miss.detail))
+        )
+        self._at[h] = math.nan if miss.at is None else miss.at
         if len(lost) > self.capacity:
-            old = lost.popitem(last=False)[0]
-            bit = _stable_hash(old) & self._filter_mask
+            old = lost.lru_first()
+            bit = _stable_hash(lost.key(old)) & self._filter_mask
+            lost.remove(old)
             self._filter[bit >> 3] |= 1 << (bit & 7)
             self.forgotten += 1
 
@@ -122,19 +179,36 @@ class MissLedger:
 
     def record_stored(self, key: Hashable) -> None:
         """A put of ``key`` completed: it is readable again, its old loss no longer applies."""
-        self._lost.pop(key, None)
+        h = self._lost.find(_code(key))
+        if h >= 0:
+            self._lost.remove(h)
 
     # -- misses ----------------------------------------------------------------------------
 
     def explain(self, key: Hashable) -> Miss:
         """Why a lookup of the absent ``key`` misses, without counting it."""
-        miss = self._lost.get(key)
-        if miss is not None:
-            return miss
-        bit = _stable_hash(key) & self._filter_mask
+        code = _code(key)
+        h = self._lost.find(code)
+        if h >= 0:
+            return self._miss(key, h)
+        bit = _stable_hash(code) & self._filter_mask
         if self._filter[bit >> 3] & (1 << (bit & 7)):
             return Miss(key, MissReason.UNKNOWN)
         return Miss(key, MissReason.NEVER_STORED)
+
+    def _miss(self, key: Hashable, h: int) -> Miss:
+        s = self._strs
+        policy, tier, owner, detail = self._text[4 * h : 4 * h + 4]
+        at = self._at[h]
+        return Miss(
+            key,
+            _LOSSES[self._reason[h]],
+            policy=s[policy],
+            tier=s[tier],
+            owner=s[owner],
+            at=None if at != at else at,
+            detail=s[detail],
+        )
 
     def classify(self, key: Hashable) -> Miss:
         """Attribute and count a miss on the absent ``key``."""
@@ -186,6 +260,17 @@ class MissLedger:
 
     def __repr__(self) -> str:
         return f"<MissLedger {len(self._lost)} losses remembered, {self.total} misses counted>"
+
+    def __canon__(self) -> Any:
+        """The logical content, oldest loss first (for state fingerprints)."""
+        lost = self._lost
+        return (
+            [(lost.key(h), self._miss(None, h)) for h in lost.lru_order()],
+            sorted((repr(k), n) for k, n in self._counts.items()),
+            bytes(self._filter),
+            self.forgotten,
+            self.capacity,
+        )
 
 
 def _stable_hash(key: Hashable) -> int:
