@@ -330,12 +330,13 @@ class _Objects(_StateBase):
     def _remove_matching(self, match: Callable[[str], bool], force: bool, now: float) -> int:
         objects = self._objects
         return self._remove_objects(
-            [o for k in objects.readable_keys() if match(k) and (o := objects.get(k)) is not None],
+            # one record at a time (a cold row is inflated only as it is removed)
+            (o for k in objects.readable_keys() if match(k) and (o := objects.get(k)) is not None),
             force,
             now,
         )
 
-    def _remove_objects(self, objs: list[_Object], force: bool, now: float) -> int:
+    def _remove_objects(self, objs: Iterable[_Object], force: bool, now: float) -> int:
         n = 0
         for obj in objs:
             key = obj.key
