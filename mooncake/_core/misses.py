@@ -94,11 +94,10 @@ class MissLedger:
         "_counts",
         "_filter",
         "_filter_mask",
+        "_kind",
+        "_kind_ids",
+        "_kinds",
         "_lost",
-        "_reason",
-        "_str_ids",
-        "_strs",
-        "_text",
         "capacity",
         "forgotten",
     )
@@ -115,67 +114,69 @@ class MissLedger:
         """Losses dropped to stay within ``capacity``."""
         self._lost = ObjectTable()
         """The keys remembered (their loss order: the table's recency list, oldest first)."""
-        self._reason = bytearray()  # per handle: the index of the reason in _LOSSES
-        self._text = array("I")  # per handle, 4 entries: policy, tier, owner, detail (in _strs)
+        self._kind = array("I")  # per handle: what the loss was (an index into _kinds)
         self._at = array("d")  # per handle: the time of the loss (NaN: none given)
-        self._strs: list[str] = [""]
-        self._str_ids: dict[str, int] = {"": 0}
+        self._kinds: list[tuple[MissReason, str, str, str, str]] = []
+        """Distinct (reason, policy, tier, owner, detail) of losses, interned: few in practice
+        (a policy and tier per eviction path, an owner per dead client)."""
+        self._kind_ids: dict[tuple[MissReason, str, str, str, str], int] = {}
         self._counts: Counter[tuple[MissReason, str, str]] = Counter()
         self._filter = bytearray(filter_bits // 8)
         self._filter_mask = filter_bits - 1
 
     # -- losses ----------------------------------------------------------------------------
 
-    def _sid(self, text: str) -> int:
-        n = self._str_ids.get(text)
-        if n is None:
-            n = self._str_ids[text] = len(self._strs)
-            self._strs.append(text)
-        return n
-
-    def _lose(self, miss: Miss) -> None:
+    def _lose(
+        self,
+        keys: Iterable[Hashable],
+        kind: tuple[MissReason, str, str, str, str],
+        at: float | None,
+    ) -> None:
+        """Remember that each of ``keys`` was lost so (newest loss last)."""
+        kid = self._kind_ids.get(kind)
+        if kid is None:
+            kid = self._kind_ids[kind] = len(self._kinds)
+            self._kinds.append(kind)
+        t = math.nan if at is None else at
         lost = self._lost
-        code = _code(miss.key)
-        h = lost.find(code)
-        if h >= 0:
-            lost.lru_unlink(h)  # lost again: now the newest loss
-        else:
-            h = lost.add(code)
-            grow = h + 1 - len(self._at)
-            if grow > 0:
-                self._reason.extend(bytes(grow))
-                self._text.extend(array("I", [0]) * (4 * grow))
-                self._at.extend(array("d", [math.nan]) * grow)
-        lost.lru_push(h, 0)
-        self._reason[h] = _LOSSES.index(miss.reason)
-        sid = self._sid
-        self._text[4 * h : 4 * h + 4] = array(
-            "I", (sid(miss.policy), sid(miss.tier), sid(miss.owner), sid(miss.detail))
-        )
-        self._at[h] = math.nan if miss.at is None else miss.at
-        if len(lost) > self.capacity:
-            old = lost.lru_first()
-            bit = _stable_hash(lost.key(old)) & self._filter_mask
-            lost.remove(old)
-            self._filter[bit >> 3] |= 1 << (bit & 7)
-            self.forgotten += 1
+        find, add, unlink, push = lost.find, lost.add, lost.lru_unlink, lost.lru_push
+        kinds, ats, cap = self._kind, self._at, self.capacity
+        for key in keys:
+            code = "s" + key if type(key) is str else "r" + repr(key)
+            h = find(code)
+            if h >= 0:
+                unlink(h)  # lost again: now the newest loss
+            else:
+                h = add(code)
+                if h >= len(ats):  # the columns grow by half (amortized O(1))
+                    grow = max(h + 1 - len(ats), len(ats) // 2 + 16)
+                    kinds.extend(array("I", [0]) * grow)
+                    ats.extend(array("d", [math.nan]) * grow)
+            push(h, 0)
+            kinds[h] = kid
+            ats[h] = t
+            if len(lost) > cap:
+                old = lost.lru_first()
+                bit = _stable_hash(lost.key(old)) & self._filter_mask
+                lost.remove(old)
+                self._filter[bit >> 3] |= 1 << (bit & 7)
+                self.forgotten += 1
 
     def record_eviction(
         self, key: Hashable, *, policy: str, tier: str, now: float | None = None
     ) -> None:
         """``key`` was evicted by ``policy`` from ``tier`` (and is in no other tier)."""
-        self._lose(Miss(key, MissReason.EVICTED, policy=policy, tier=tier, at=now))
+        self._lose((key,), (MissReason.EVICTED, policy, tier, "", ""), now)
 
     def record_removal(self, key: Hashable, *, now: float | None = None, detail: str = "") -> None:
         """``key`` was removed explicitly."""
-        self._lose(Miss(key, MissReason.REMOVED, at=now, detail=detail))
+        self._lose((key,), (MissReason.REMOVED, "", "", "", detail), now)
 
     def record_owner_death(
         self, keys: Iterable[Hashable], *, owner: str, now: float | None = None
     ) -> None:
         """``keys`` lost their last replica with client ``owner``."""
-        for key in keys:
-            self._lose(Miss(key, MissReason.OWNER_DIED, owner=owner, at=now))
+        self._lose(keys, (MissReason.OWNER_DIED, "", "", owner, ""), now)
 
     def record_stored(self, key: Hashable) -> None:
         """A put of ``key`` completed: it is readable again, its old loss no longer applies."""
@@ -197,17 +198,16 @@ class MissLedger:
         return Miss(key, MissReason.NEVER_STORED)
 
     def _miss(self, key: Hashable, h: int) -> Miss:
-        s = self._strs
-        policy, tier, owner, detail = self._text[4 * h : 4 * h + 4]
+        reason, policy, tier, owner, detail = self._kinds[self._kind[h]]
         at = self._at[h]
         return Miss(
             key,
-            _LOSSES[self._reason[h]],
-            policy=s[policy],
-            tier=s[tier],
-            owner=s[owner],
+            reason,
+            policy=policy,
+            tier=tier,
+            owner=owner,
             at=None if at != at else at,
-            detail=s[detail],
+            detail=detail,
         )
 
     def classify(self, key: Hashable) -> Miss:

@@ -76,6 +76,11 @@ class ObjectMap:
         self.hot.pop(h, None)
         self.table.remove(h)
 
+    def remove_handle(self, h: int) -> None:
+        """``del`` by handle (``KeyError`` if ``h`` is not live)."""
+        self.hot.pop(h, None)
+        self.table.remove(h)
+
     def __contains__(self, key: object) -> bool:
         return type(key) is str and self.table.find(key) >= 0
 

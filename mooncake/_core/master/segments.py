@@ -225,16 +225,15 @@ class _Segments(_StateBase):
             self.quarantine.end(name)
         objects = self._objects
         table = objects.table
+        policy = self.policy
+        gone: list[str] = []  # cold objects: their one replica was there
         for h in objects.handles_on(seg):
             key = table.key(h)
-            if table.is_cold(h):  # its one replica was there: the object is gone
-                if h in self.policy:
-                    self.policy.on_remove(h)
-                if owner_died:
-                    self.misses.record_owner_death([key], owner=seg.client_id)
-                else:
-                    self.misses.record_removal(key, detail=f"segment {seg.segment.id} unmounted")
-                del objects[key]
+            if table.is_cold(h):
+                if h in policy:
+                    policy.on_remove(h)
+                objects.remove_handle(h)
+                gone.append(key)
                 continue
             obj = objects.by_handle(h)
             for ver in (obj.readable, obj.pending.version if obj.pending else None):
@@ -261,6 +260,12 @@ class _Segments(_StateBase):
                 self._writing.pop(key, None)
             if obj.readable is None and obj.pending is None:
                 del self._objects[key]
+        if owner_died:
+            self.misses.record_owner_death(gone, owner=seg.client_id)
+        else:
+            detail = f"segment {seg.segment.id} unmounted"
+            for key in gone:
+                self.misses.record_removal(key, detail=detail)
         self._objects.segs.pop(seg.num, None)
         # deferred extents on this segment went with it (their bytes were counted in alloc.used)
         self._deferred = [
