@@ -146,3 +146,18 @@ def test_a_str_key_and_another_key_of_the_same_repr_are_distinct() -> None:
     ledger.record_stored("1")
     assert ledger.explain("1").reason is MissReason.NEVER_STORED
     assert ledger.explain(1).reason is MissReason.REMOVED and len(ledger) == 1
+
+
+def test_a_batch_of_losses_past_capacity_forgets_the_oldest_in_order() -> None:
+    ledger = MissLedger(capacity=3, filter_bits=1 << 12)
+    ledger.record_eviction("old", policy="lru", tier="dram", now=1.0)
+    ledger.record_owner_death(["a", "b", "c"], owner="dead", now=2.0)
+    assert len(ledger) == 3 and ledger.forgotten == 1
+    assert ledger.explain("old").reason is MissReason.UNKNOWN  # forgotten, not "never stored"
+    for k in "abc":
+        m = ledger.explain(k)
+        assert (m.reason, m.owner, m.at) == (MissReason.OWNER_DIED, "dead", 2.0)
+    ledger.record_owner_death(["a"], owner="other")  # lost again: newest, its new cause
+    ledger.record_removal("d")
+    assert ledger.explain("b").reason is MissReason.UNKNOWN  # the oldest left first
+    assert ledger.explain("a").owner == "other" and ledger.explain("a").at is None
