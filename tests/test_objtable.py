@@ -599,3 +599,30 @@ def test_lease_keys_leases_cold_rows_and_names_the_rest(cls: Any) -> None:
         t.lease_keys(("cold",), 1.0)
     with pytest.raises(TypeError, match="key must be a str"):
         t.lease_keys(["cold", 3], 1.0)
+
+
+@pytest.mark.parametrize("cls", [pure.ObjectTable, getattr(compiled, "ObjectTable", None)])
+@pytest.mark.parametrize("seed", range(6))
+def test_lookups_and_removals_while_the_index_grows(cls: Any, seed: int) -> None:
+    """The index grows by moving the old one over a few slots per insertion: every key stays
+    findable, removals reach whichever index holds the key, and no key is lost or doubled."""
+    if cls is None:
+        pytest.skip(NO_COMPILED)
+    import random
+
+    rng = random.Random(seed)
+    t = cls()
+    model: dict[str, int] = {}
+    for i in range(20000):
+        key = f"k{rng.randrange(3000)}"
+        if key in model and rng.random() < 0.45:
+            t.remove(model.pop(key))
+        elif key not in model:
+            model[key] = t.add(key)
+        if i % 53 == 0 or len(model) in (11, 12, 13, 22, 23, 45, 90, 180, 359, 717):
+            t.self_check()
+            probe = rng.sample(sorted(model), min(20, len(model)))
+            assert [t.find(k) for k in probe] == [model[k] for k in probe]
+            assert t.find(f"absent{i}") == -1
+    t.self_check()
+    assert len(t) == len(model) and all(t.find(k) == h for k, h in model.items())

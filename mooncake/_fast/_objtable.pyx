@@ -10,8 +10,11 @@ object per key:
   the ``uint32`` hash of the key (one 16-byte record, so a lookup touches one cache line of
   it besides its slot and the key's bytes). A removed key's bytes stay as garbage until the garbage outweighs the live bytes (and 16 bytes per
   handle), when :meth:`remove` compacts the arena (amortized: the garbage pays for it);
-* a hash index: open addressing with linear probing over ``int32`` slots holding handles
-  (``-1`` empty), a power of two of them at load <= 0.7, deletion by backward shift. The
+* a hash index: open addressing with linear probing over ``int32`` slots holding handle + 1
+  (``0`` empty, so a new index is ``calloc``'d memory, no fill pass), a power of two of them
+  at load <= 0.7, deletion by backward shift. It grows incrementally: past the load limit a
+  twice larger index takes every insertion while the old one is moved into it 8 slots per
+  insertion (a lookup meanwhile probes both), so no insertion waits for a whole rehash. The
   hash is a keyed wyhash-style 64-bit hash of the key's bytes with a per-process random key,
   so a client cannot choose keys that collide; 32 bits of it are kept per handle so
   probing and growing compare and move numbers, not keys. Nothing observable (handles,
@@ -31,7 +34,7 @@ import os
 from cpython.array cimport array, clone
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memset
 
 from array import array as _pyarray
@@ -75,6 +78,7 @@ cdef object _PY_I31 = 2**31
 cdef object _PY_I63 = 2**63
 cdef int32_t _NOT_LISTED = -2
 cdef Py_ssize_t _MAX_HANDLES = 2147483647
+cdef Py_ssize_t _MIGRATE_STEPS = 8  # old index slots moved per insertion while the index grows
 
 
 cdef int _grow(void **p, size_t elem, Py_ssize_t cap) except -1:
@@ -125,6 +129,8 @@ cdef class _Columns:
     cdef int64_t *lsize
     cdef int32_t *free_
     cdef int32_t *slots
+    cdef int32_t *old_slots  # while the index grows: the previous index, moved over by steps
+    cdef Py_ssize_t old_nslots, mig  # its size, and how many of its slots were moved
     cdef char *arena
     cdef Py_ssize_t aused, acap, alive
     cdef int32_t head, tail
@@ -133,10 +139,9 @@ cdef class _Columns:
 
     def __cinit__(self):
         self.nslots = 16
-        self.slots = <int32_t *>malloc(16 * sizeof(int32_t))
+        self.slots = <int32_t *>calloc(16, sizeof(int32_t))
         if self.slots == NULL:
             raise MemoryError()
-        memset(self.slots, 0xFF, 16 * sizeof(int32_t))
         self.head = -1
         self.tail = -1
 
@@ -155,6 +160,7 @@ cdef class _Columns:
         free(self.lsize)
         free(self.free_)
         free(self.slots)
+        free(self.old_slots)
         free(self.arena)
 
     # -- storage -----------------------------------------------------------------------------
@@ -200,31 +206,31 @@ cdef class _Columns:
 
     cdef int _set_slots(self, Py_ssize_t nslots) except -1:
         """A fresh index of ``nslots`` (a power of two) slots holding every live handle."""
-        cdef int32_t *s = <int32_t *>malloc(nslots * sizeof(int32_t))
+        cdef int32_t *s = <int32_t *>calloc(nslots, sizeof(int32_t))
         cdef Py_ssize_t h
         cdef uint64_t mask = nslots - 1, i
         if s == NULL:
             raise MemoryError()
-        memset(s, 0xFF, nslots * sizeof(int32_t))
         for h in range(self.n):
             if self.km[h].off >= 0:
                 i = self.km[h].hash & mask
-                while s[i] >= 0:
+                while s[i] != 0:
                     i = (i + 1) & mask
-                s[i] = <int32_t>h
+                s[i] = <int32_t>h + 1
         free(self.slots)
         self.slots = s
         self.nslots = nslots
         return 0
 
-    cdef inline int32_t _probe(self, const char *p, Py_ssize_t ln, uint32_t hv,
-                               uint64_t *slot) noexcept nogil:
-        """The handle of key ``p[:ln]`` (hash ``hv``), or -1 and the empty slot it would take."""
-        cdef uint64_t mask = self.nslots - 1
+    cdef inline int32_t _probe_in(self, int32_t *slots, Py_ssize_t nslots, const char *p,
+                                  Py_ssize_t ln, uint32_t hv, uint64_t *slot) noexcept nogil:
+        """The handle of key ``p[:ln]`` (hash ``hv``) in index ``slots``, or -1 and the empty
+        slot it would take there."""
+        cdef uint64_t mask = nslots - 1
         cdef uint64_t i = hv & mask
         cdef int32_t h
         while True:
-            h = self.slots[i]
+            h = slots[i] - 1  # a slot holds handle + 1; 0 is empty (calloc'd: no fill pass)
             if h < 0:
                 slot[0] = i
                 return -1
@@ -234,17 +240,43 @@ cdef class _Columns:
                 return h
             i = (i + 1) & mask
 
-    cdef void _unindex(self, int32_t h) noexcept nogil:
-        """Take ``h`` out of the index, shifting the run after it back (no tombstones)."""
+    cdef inline int32_t _probe(self, const char *p, Py_ssize_t ln, uint32_t hv,
+                               uint64_t *slot) noexcept nogil:
+        """The handle of key ``p[:ln]`` (hash ``hv``), or -1 and the empty slot of the
+        current index it would take. While the index grows a key is in the new index or, not
+        moved yet, in the old one."""
+        cdef uint64_t other
+        cdef int32_t h = self._probe_in(self.slots, self.nslots, p, ln, hv, slot)
+        if h < 0 and self.old_slots != NULL:
+            h = self._probe_in(self.old_slots, self.old_nslots, p, ln, hv, &other)
+        return h
+
+    cdef void _put_new(self, int32_t g) noexcept nogil:
+        """Index ``g`` in the current index unless it is there already."""
         cdef uint64_t mask = self.nslots - 1
+        cdef uint64_t i = self.km[g].hash & mask
+        while self.slots[i] != 0:
+            if self.slots[i] == g + 1:
+                return
+            i = (i + 1) & mask
+        self.slots[i] = g + 1
+
+    cdef bint _unindex_in(self, int32_t *slots, Py_ssize_t nslots, int32_t h,
+                          bint old) noexcept nogil:
+        """Take ``h`` out of index ``slots`` if it is there, shifting the run after it back (no
+        tombstones); 0 if it was not there. In the old index, a handle shifted back below the
+        move cursor is moved to the new index at once (the cursor will not pass it again)."""
+        cdef uint64_t mask = nslots - 1
         cdef uint64_t i = self.km[h].hash & mask, j, k
         cdef int32_t g
-        while self.slots[i] != h:
+        while slots[i] != h + 1:
+            if slots[i] == 0:
+                return 0
             i = (i + 1) & mask
         j = i
         while True:
             j = (j + 1) & mask
-            g = self.slots[j]
+            g = slots[j] - 1
             if g < 0:
                 break
             k = self.km[g].hash & mask
@@ -254,9 +286,53 @@ cdef class _Columns:
                     continue
             elif i < k or k <= j:
                 continue
-            self.slots[i] = g
+            slots[i] = g + 1
+            if old and <Py_ssize_t>i < self.mig:
+                self._put_new(g)
             i = j
-        self.slots[i] = -1
+        slots[i] = 0
+        return 1
+
+    cdef void _unindex(self, int32_t h) noexcept nogil:
+        """Take ``h`` out of the index (both, while it grows)."""
+        self._unindex_in(self.slots, self.nslots, h, 0)
+        if self.old_slots != NULL:
+            self._unindex_in(self.old_slots, self.old_nslots, h, 1)
+
+    cdef void _migrate(self, Py_ssize_t steps) noexcept nogil:
+        """Move up to ``steps`` slots of the old index into the current one; free the old one
+        once every slot has been moved."""
+        cdef int32_t g
+        while self.old_slots != NULL:
+            if self.mig >= self.old_nslots:
+                free(self.old_slots)
+                self.old_slots = NULL
+                self.old_nslots = 0
+                self.mig = 0
+                return
+            if steps <= 0:
+                return
+            g = self.old_slots[self.mig] - 1
+            if g >= 0:
+                self._put_new(g)
+            self.mig += 1
+            steps -= 1
+
+    cdef int _grow_index(self) except -1:
+        """Start moving to an index twice the size: the current one becomes the old one,
+        moved over :data:`_MIGRATE_STEPS` slots per insertion (so no insertion waits for a
+        whole rehash; a lookup meanwhile probes both)."""
+        cdef Py_ssize_t nslots = self.nslots * 2
+        cdef int32_t *s = <int32_t *>calloc(nslots, sizeof(int32_t))
+        if s == NULL:
+            raise MemoryError()
+        self._migrate(self.old_nslots)  # (finished long before: 8 slots per insertion)
+        self.old_slots = self.slots
+        self.old_nslots = self.nslots
+        self.mig = 0
+        self.slots = s
+        self.nslots = nslots
+        return 0
 
     cdef void _compact(self) noexcept:
         """Rewrite the arena with only the live keys (in handle order); left as it is when no
@@ -342,7 +418,7 @@ cdef class _Columns:
             if self._probe(self.arena + self.km[h].off, self.km[h].len, self.km[h].hash,
                            &slot) >= 0:
                 return 0
-            self.slots[slot] = <int32_t>h
+            self.slots[slot] = <int32_t>h + 1
             self.count += 1
         return 1
 
@@ -457,8 +533,10 @@ cdef class ObjectTable(_Columns):
         if self.nfree == 0:
             self._reserve_handles(self.n + 1)
         if (self.count + 1) * 10 > self.nslots * 7:
-            self._set_slots(self.nslots * 2)
-            self._probe(p, ln, hv, &slot)
+            self._grow_index()
+        if self.old_slots != NULL:
+            self._migrate(_MIGRATE_STEPS)
+            self._probe_in(self.slots, self.nslots, p, ln, hv, &slot)
         if self.nfree > 0:
             self.nfree -= 1
             h = self.free_[self.nfree]
@@ -477,7 +555,7 @@ cdef class ObjectTable(_Columns):
         self.alive += ln
         self.seq_[h] = self.next_seq_
         self.next_seq_ += 1
-        self.slots[slot] = h
+        self.slots[slot] = h + 1
         self.count += 1
         return h
 
@@ -927,10 +1005,21 @@ cdef class ObjectTable(_Columns):
                 assert self.lease_[h] == 0.0 and self.read_[h] == 0.0
         assert live == self.count and live + self.nfree == self.n
         assert cold == self.ncold and alive == self.alive
+        seen = set()
         for i in range(self.nslots):
-            if self.slots[i] >= 0:
+            if self.slots[i] != 0:
                 nidx += 1
-                assert self.km[self.slots[i]].off >= 0
+                assert self.km[self.slots[i] - 1].off >= 0
+                assert self.slots[i] not in seen
+                seen.add(self.slots[i])
+        if self.old_slots != NULL:  # growing: every live handle is in one index or the other
+            assert 0 <= self.mig <= self.old_nslots
+            for i in range(self.old_nslots):
+                if self.old_slots[i] != 0:
+                    assert self.km[self.old_slots[i] - 1].off >= 0
+                    assert i >= self.mig or self.old_slots[i] in seen, "unmoved below cursor"
+                    seen.add(self.old_slots[i])
+            nidx = len(seen)
         assert nidx == self.count and self.count * 10 <= self.nslots * 7
         for i in range(self.nfree):
             assert self.km[self.free_[i]].off < 0
@@ -950,4 +1039,4 @@ cdef class ObjectTable(_Columns):
     def memory_bytes(self):
         """Bytes the table's own buffers take (allocated sizes)."""
         return (self.hcap * (sizeof(mc_keyref) + 8 + 4 + 8 + 8 + 8 + 8 + 8 + 4 + 4 + 4 + 8)
-                + self.free_cap * 4 + self.nslots * 4 + self.acap)
+                + self.free_cap * 4 + (self.nslots + self.old_nslots) * 4 + self.acap)
