@@ -40,7 +40,6 @@ class _NoScan(ObjectMap):
     readable_keys = _walk("readable_keys")  # type: ignore[assignment]
     handles_on = _walk("handles_on")  # type: ignore[assignment]
     extend_deadlines = _walk("extend_deadlines")  # type: ignore[assignment]
-    settle_all = _walk("settle_all")  # type: ignore[assignment]
 
 
 def _state(**kw: Any) -> MasterState:

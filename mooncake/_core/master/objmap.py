@@ -208,15 +208,6 @@ class ObjectMap:
             )
             del hot[h]
 
-    def settle_all(self) -> None:
-        """:meth:`settle` every hot record (a restore, tests)."""
-        self._dirty = list(self.hot)
-        self.settle()
-
-    def touched(self, obj: _Object) -> None:
-        """``obj`` changed outside :meth:`get` (e.g. a record kept by a queue): settle it too."""
-        self._dirty.append(obj.h)
-
     # -- bulk ------------------------------------------------------------------------------
 
     def handles_on(self, seg: _Seg) -> list[int]:
