@@ -134,6 +134,7 @@ cdef class _Columns:
     cdef char *arena
     cdef Py_ssize_t aused, acap, alive
     cdef int32_t head, tail
+    cdef object kbuf  # the UTF-8 copy of the last key with a lone surrogate (see _utf8)
     cdef uint64_t lb_lo  # lru_bytes = lb_hi * 2**64 + lb_lo
     cdef int64_t lb_hi
 
@@ -221,6 +222,20 @@ cdef class _Columns:
         self.slots = s
         self.nslots = nslots
         return 0
+
+    cdef const char *_utf8(self, object key, Py_ssize_t *ln) except NULL:
+        """The UTF-8 bytes of ``key`` (a lone surrogate as ``surrogatepass``, as the pure
+        twin encodes it); ``TypeError`` for anything but a ``str``. Valid until the next call."""
+        cdef const char *p
+        if not PyUnicode_CheckExact(key):
+            raise TypeError(f"key must be a str, got {type(key).__name__}")
+        p = PyUnicode_AsUTF8AndSize(key, ln)
+        if p == NULL:  # a lone surrogate
+            PyErr_Clear()
+            self.kbuf = (<str>key).encode("utf-8", "surrogatepass")
+            p = PyBytes_AS_STRING(self.kbuf)
+            ln[0] = PyBytes_GET_SIZE(self.kbuf)
+        return p
 
     cdef inline int32_t _probe_in(self, int32_t *slots, Py_ssize_t nslots, const char *p,
                                   Py_ssize_t ln, uint32_t hv, uint64_t *slot) noexcept nogil:
@@ -463,15 +478,7 @@ cdef class ObjectTable(_Columns):
         cdef Py_ssize_t ln
         cdef const char *p
         cdef uint64_t slot
-        cdef object b
-        if not PyUnicode_CheckExact(key):
-            raise TypeError(f"key must be a str, got {type(key).__name__}")
-        p = PyUnicode_AsUTF8AndSize(key, &ln)
-        if p == NULL:  # a lone surrogate
-            PyErr_Clear()
-            b = (<str>key).encode("utf-8", "surrogatepass")
-            p = PyBytes_AS_STRING(b)
-            ln = PyBytes_GET_SIZE(b)
+        p = self._utf8(key, &ln)
         return self._probe(p, ln, <uint32_t>mc_hash(p, ln, _SEED), &slot)
 
     def lease_keys(self, keys, deadline):
@@ -481,7 +488,7 @@ cdef class ObjectTable(_Columns):
         cdef const char *p
         cdef uint64_t slot
         cdef int32_t h
-        cdef object b, key
+        cdef object key
         cdef double d = _as_double(deadline)
         cdef list out = []
         if type(keys) is not list:
@@ -489,14 +496,7 @@ cdef class ObjectTable(_Columns):
         n = len(<list>keys)
         for i in range(n):
             key = (<list>keys)[i]
-            if not PyUnicode_CheckExact(key):
-                raise TypeError(f"key must be a str, got {type(key).__name__}")
-            p = PyUnicode_AsUTF8AndSize(key, &ln)
-            if p == NULL:
-                PyErr_Clear()
-                b = (<str>key).encode("utf-8", "surrogatepass")
-                p = PyBytes_AS_STRING(b)
-                ln = PyBytes_GET_SIZE(b)
+            p = self._utf8(key, &ln)
             h = self._probe(p, ln, <uint32_t>mc_hash(p, ln, _SEED), &slot)
             if h >= 0 and self.seg_[h] >= 0:
                 if self.lease_[h] < d:
@@ -512,15 +512,7 @@ cdef class ObjectTable(_Columns):
         cdef uint64_t slot
         cdef uint32_t hv
         cdef int32_t h
-        cdef object b
-        if not PyUnicode_CheckExact(key):
-            raise TypeError(f"key must be a str, got {type(key).__name__}")
-        p = PyUnicode_AsUTF8AndSize(key, &ln)
-        if p == NULL:
-            PyErr_Clear()
-            b = (<str>key).encode("utf-8", "surrogatepass")
-            p = PyBytes_AS_STRING(b)
-            ln = PyBytes_GET_SIZE(b)
+        p = self._utf8(key, &ln)
         if ln > 0xFFFFFFFF:
             raise OverflowError(f"key of {ln} bytes: at most 2**32 - 1")
         hv = <uint32_t>mc_hash(p, ln, _SEED)
