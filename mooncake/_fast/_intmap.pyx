@@ -84,12 +84,7 @@ cdef class IntMap:
     def __cinit__(self) -> None:
         self._keys = NULL
         self._vals = NULL
-        self._alloc_table(MIN_CAP)
-        self._big = None
-        self._used = 0
-        self._has_zero = False
-        self._zero_val = 0
-        self._total = 0
+        self._reset()
 
     def __dealloc__(self) -> None:
         free(self._keys)
@@ -110,6 +105,16 @@ cdef class IntMap:
         self._keys = k
         self._vals = v
         self._cap = cap
+        return 0
+
+    cdef int _reset(self) except -1:
+        """Empty, at the minimum size."""
+        self._alloc_table(MIN_CAP)
+        self._big = None
+        self._used = 0
+        self._has_zero = False
+        self._zero_val = 0
+        self._total = 0
         return 0
 
     cdef inline Py_ssize_t _find(self, int64_t k) noexcept nogil:
@@ -330,12 +335,7 @@ cdef class IntMap:
 
     def clear(self) -> None:
         """Remove everything and give the table's memory back (down to the minimum)."""
-        self._alloc_table(MIN_CAP)
-        self._big = None
-        self._used = 0
-        self._has_zero = False
-        self._zero_val = 0
-        self._total = 0
+        self._reset()
 
     def total(self) -> int:
         """Sum of all values (exact)."""
