@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from mooncake._core.policies import CanEvict, EvictionPolicy, Key, Pin
+from mooncake._core.policies import CanEvict, EvictionPolicy, Key, Pin, select_victims
 from mooncake._core.policies.base import check_size, record_pin
 from mooncake._fast import ObjectTable
 from mooncake.errors import InvalidArgumentError
@@ -23,6 +23,18 @@ TABLE_POLICIES = frozenset({"lru", "fifo"})
 """Policy names the master keeps in its object table."""
 
 _CHUNK = 256
+
+
+class _Sizes:
+    """A table's recency-list sizes, indexable by handle (for ``select_victims``)."""
+
+    __slots__ = ("_size",)
+
+    def __init__(self, table: ObjectTable) -> None:
+        self._size = table.lru_size
+
+    def __getitem__(self, h: Key) -> int:
+        return self._size(h)  # type: ignore[arg-type]
 
 
 def make_table_policy(name: str, table: ObjectTable) -> TablePolicy:
@@ -81,28 +93,7 @@ class TablePolicy(EvictionPolicy):
     def victims(self, nbytes: int, can_evict: CanEvict) -> list[Key]:
         if nbytes <= 0:
             return []
-        size = self._table.lru_size
-        pins = self._pins
-        out: list[Key] = []
-        deferred: list[int] = []
-        freed = 0
-        for h in self._order():
-            pin = pins.get(h)
-            if pin is Pin.HARD or not can_evict(h):
-                continue
-            if pin is Pin.SOFT:
-                deferred.append(h)
-                continue
-            out.append(h)
-            freed += size(h)
-            if freed >= nbytes:
-                return out
-        for h in deferred:
-            out.append(h)
-            freed += size(h)
-            if freed >= nbytes:
-                return out
-        return out
+        return select_victims(self._order(), _Sizes(self._table), self._pins, nbytes, can_evict)
 
     def __len__(self) -> int:
         return self._table.lru_len

@@ -59,14 +59,29 @@ import abc
 import enum
 import operator
 from collections.abc import Callable, Hashable, Iterable
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from mooncake.errors import InvalidArgumentError
 
-__all__ = ["CanEvict", "EvictionPolicy", "Key", "Pin", "check_pin", "check_size", "select_victims"]
+__all__ = [
+    "CanEvict",
+    "EvictionPolicy",
+    "Key",
+    "Pin",
+    "Sizes",
+    "check_pin",
+    "check_size",
+    "select_victims",
+]
 
 Key = Hashable
 CanEvict = Callable[[Hashable], bool]
+
+
+class Sizes(Protocol):
+    """What :func:`select_victims` reads sizes from: ``sizes[key]``."""
+
+    def __getitem__(self, key: Key, /) -> int: ...
 
 
 class Pin(enum.IntEnum):
@@ -116,7 +131,7 @@ def record_pin(pins: dict[Key, Pin], key: Key, pin: Pin) -> None:
 
 def select_victims(
     order: Iterable[Key],
-    sizes: dict[Key, int],
+    sizes: Sizes,
     pins: dict[Key, Pin],
     nbytes: int,
     can_evict: CanEvict,
@@ -125,7 +140,8 @@ def select_victims(
 
     Hard-pinned keys and keys with ``can_evict(key)`` false are skipped; soft-pinned keys are
     set aside and taken, in the order met, only after ``order`` is exhausted. Stops as soon as
-    ``nbytes`` are covered. ``pins`` holds only pinned keys.
+    ``nbytes`` are covered. ``pins`` holds only pinned keys; ``sizes[key]`` is a key's size
+    (a dict, or anything indexable so).
     """
     out: list[Key] = []
     freed = 0
