@@ -264,15 +264,16 @@ class MasterServer:
                     if matched is not None
                     else commands.rpc_command(name, bytes(req.params), now, rid)
                 )
-            try:
-                if cmd is not None:  # the same function the standbys apply with
-                    result = commands.apply(self.state, cmd, params, unrecorded=rid is not None)
-                elif matched is not None:
-                    result = commands.SCAN_APPLY[name](self.state, params, matched, now)
-                else:
-                    result = self.handlers[name](self.state, params, now)
-            finally:
-                self.state.settle()
+            if cmd is not None:  # the same function the standbys apply with (it settles)
+                result = commands.apply(self.state, cmd, params, unrecorded=rid is not None)
+            else:
+                try:
+                    if matched is not None:
+                        result = commands.SCAN_APPLY[name](self.state, params, matched, now)
+                    else:
+                        result = self.handlers[name](self.state, params, now)
+                finally:
+                    self.state.settle()
             try:
                 return rpc.encode_result(req.id, result, max_frame=max_frame), ticket
             except InvalidArgumentError as e:  # answer too large for one frame
