@@ -142,7 +142,7 @@ class MissLedger:
         find, add, unlink, push = lost.find, lost.add, lost.lru_unlink, lost.lru_push
         kinds, ats, cap = self._kind, self._at, self.capacity
         for key in keys:
-            code = "s" + key if type(key) is str else "r" + repr(key)
+            code = _code(key)
             h = find(code)
             if h >= 0:
                 unlink(h)  # lost again: now the newest loss

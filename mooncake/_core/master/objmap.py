@@ -114,7 +114,7 @@ class ObjectMap:
         key = self.table.key
         for h in self.table.handles():
             obj = self.hot.get(h)
-            yield obj if obj is not None else self._view(h, key(h))
+            yield obj if obj is not None else self._row_object(h, key(h))
 
     def items(self) -> Iterator[tuple[str, _Object]]:
         """``(key, object)`` pairs in order, as :meth:`values`."""
@@ -143,9 +143,6 @@ class ObjectMap:
         )
         obj.h = h
         return obj
-
-    def _view(self, h: int, key: str) -> _Object:
-        return self._row_object(h, key)
 
     def _inflate(self, h: int, key: str) -> _Object:
         obj = self._row_object(h, key)
