@@ -235,6 +235,8 @@ def test_restore_takes_a_new_config_and_refuses_foreign_bytes() -> None:
     assert r.config is cfg and r.get_replica_list("k", 1.0).lease_ttl_ms == 99_000
     with pytest.raises(InvalidArgumentError, match="not a master snapshot"):
         MasterState.restore(b"garbage")
+    with pytest.raises(InvalidArgumentError, match="older format \\(MCKSNAP1\\)"):
+        MasterState.restore(b"MCKSNAP1" + m.snapshot()[8:])
 
 
 def test_a_custom_policy_is_carried_whole() -> None:
