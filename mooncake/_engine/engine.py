@@ -77,6 +77,7 @@ from mooncake._engine.metrics import (
 from mooncake._engine.metrics import enabled as metrics_enabled
 from mooncake._engine.metrics import env_port as metrics_env_port
 from mooncake._engine.transports.base import PeerInfo, Transport
+from mooncake._groups import unwrapped
 from mooncake.errors import (
     ClosedError,
     CudaError,
@@ -270,6 +271,10 @@ class Engine:
             raise InvalidArgumentError(f"bad port in local hostname {hostname!r}")
         self.hostname = host or hostname
         self._rpc_port_req = rpc_port or (int(port) if port else 0)
+        if not 0 <= self._rpc_port_req < 65536:
+            raise InvalidArgumentError(
+                f"rpc_port {self._rpc_port_req} is out of range (0-65535; 0 picks a free port)"
+            )
         self.bind_host = bind_host or self.hostname
         self.metadata_conn = metadata
         self.metadata: MetadataBackend = open_backend(metadata)
@@ -309,9 +314,15 @@ class Engine:
         self.handshake.handlers[FrameType.METADATA] = self._on_metadata
         self.handshake.handlers[FrameType.NOTIFY] = self._on_notify
         self.handshake.handlers[FrameType.PROBE] = self._on_probe
-        self.rpc_port: int = await self.task_group.start(
-            self.handshake.serve, self.bind_host, self._rpc_port_req
-        )
+        try:
+            self.rpc_port: int = await self.task_group.start(
+                self.handshake.serve, self.bind_host, self._rpc_port_req
+            )
+        except OSError as e:
+            raise InvalidArgumentError(
+                f"rpc_port {self._rpc_port_req} on {self.bind_host}: cannot listen "
+                f"({e.strerror or e}); pass rpc_port=0 for a free port"
+            ) from e
         if self.metadata.p2p:
             self.segment_name = f"{self.hostname}:{self.rpc_port}"
         else:
@@ -1209,30 +1220,24 @@ async def open_engine(
         segment_name=segment_name,
         cuda_runtime=cuda_runtime,
     )
-    start_error: MooncakeError | None = None
     try:
-        async with anyio.create_task_group() as tg:
-            engine.task_group = tg
-            try:
+        # the block's exception and setup errors leave as themselves, not as a group
+        with unwrapped():
+            async with anyio.create_task_group() as tg:
+                engine.task_group = tg
                 try:
                     await engine._start()
                     if metrics_port is not None and engine.metrics is not None:
                         _start_exporter(engine, metrics_port, metrics_host, from_env)
-                except MooncakeError as e:
-                    # raised as itself below, not wrapped in the task group's ExceptionGroup
-                    start_error = e
-                else:
                     yield engine
-            finally:
-                if engine.metrics_server is not None:
-                    engine.metrics_server.close()
-                engine._closed = True
-                with anyio.CancelScope(shield=True):
-                    await engine._unpublish()
-                    await engine._withdraw()
-                tg.cancel_scope.cancel()
-        if start_error is not None:
-            raise start_error
+                finally:
+                    if engine.metrics_server is not None:
+                        engine.metrics_server.close()
+                    engine._closed = True
+                    with anyio.CancelScope(shield=True):
+                        await engine._unpublish()
+                        await engine._withdraw()
+                    tg.cancel_scope.cancel()
     finally:
         # every task (servers, submitted batches) has ended: release what they used
         await engine._aclose()

@@ -67,6 +67,7 @@ from mooncake._core.policies import EvictionPolicy
 from mooncake._core.staging import RangeAllocator
 from mooncake._core.tiers import Admission, make_admission
 from mooncake._engine.engine import DeviceMemory, Engine, open_engine
+from mooncake._groups import unwrapped
 from mooncake._store.admin import _Admin
 from mooncake._store.metrics import StoreMetrics, instrument
 from mooncake._store.moves import HEARTBEAT_S
@@ -306,12 +307,13 @@ async def _open_with_engine(
             store.metrics = StoreMetrics(store)
             eng.metrics_registry.register(store.metrics)
         try:
-            async with anyio.create_task_group() as tg:
-                try:
-                    await store._start(tg)
-                    yield store
-                finally:
-                    tg.cancel_scope.cancel()
+            with unwrapped():  # the block's exception and setup errors leave as themselves
+                async with anyio.create_task_group() as tg:
+                    try:
+                        await store._start(tg)
+                        yield store
+                    finally:
+                        tg.cancel_scope.cancel()
         finally:
             if hasattr(store, "_shm"):
                 await store._aclose()

@@ -8,6 +8,9 @@ are imported on first use, so ``import mooncake.testing`` itself does not need i
 :mod:`mooncake.testing.fake_cuda` (``FakeCudaRuntime``) is a test double of the CUDA runtime
 backed by host memory, for logic tests of GPU paths on machines without a GPU (never a measure of
 the real thing).
+
+:func:`local_master` runs a store master in this process for the block and yields its address
+(:mod:`mooncake.testing.master`); it needs nothing beyond the package itself.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from mooncake.testing.master import local_master, local_master_server
     from mooncake.testing.policy import (
         ORACLES,
         PolicyModel,
@@ -33,6 +37,8 @@ __all__ = [
     "check_policy",
     "fifo_oracle",
     "lfu_oracle",
+    "local_master",
+    "local_master_server",
     "lru_oracle",
     "prefix_lru_oracle",
     "s3fifo_oracle",
@@ -40,6 +46,7 @@ __all__ = [
 ]
 
 _LAZY = {name: "mooncake.testing.policy" for name in __all__}
+_LAZY["local_master"] = _LAZY["local_master_server"] = "mooncake.testing.master"
 
 
 def __getattr__(name: str) -> Any:

@@ -12,7 +12,6 @@ Key layout for the key-value backends (prefix ``mooncake/`` plus an optional clu
 
 from __future__ import annotations
 
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -20,9 +19,7 @@ import anyio
 
 from mooncake._engine.metadata.base import MetadataBackend, SegmentRecord, parse_metadata
 from mooncake._engine.metadata.kv import KeyLayout, KVMetadata, KVStore
-
-if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup
+from mooncake._groups import unwrapped
 
 __all__ = [
     "KVMetadata",
@@ -72,18 +69,13 @@ async def open_kv(conn: str, *, lease_ttl: int | None = None) -> AsyncIterator[K
     """A connected key-value client for ``conn`` (its lease, if any, revoked on exit)."""
     kv = make_kv(conn, lease_ttl=lease_ttl)
     try:
-        try:
+        with unwrapped():  # the block's exception and setup errors leave as themselves
             async with anyio.create_task_group() as tg:
                 await kv.open(tg)
                 try:
                     yield kv
                 finally:
                     tg.cancel_scope.cancel()
-        except BaseExceptionGroup as eg:
-            # only the body or a background task can fail here: surface a lone error as itself
-            if len(eg.exceptions) == 1:
-                raise eg.exceptions[0] from None
-            raise
     finally:
         with anyio.CancelScope(shield=True):
             await kv.aclose()
