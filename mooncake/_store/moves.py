@@ -104,12 +104,38 @@ class _Op:
 
 def _check_key(key: Any) -> str:
     if not isinstance(key, str):
-        raise InvalidArgumentError(f"key must be a str, got {type(key).__name__}")
+        raise InvalidArgumentError(
+            f"key must be a str, got {type(key).__name__}"
+            + (" (decode it first: key.decode())" if isinstance(key, bytes | bytearray) else "")
+        )
     if not key:
         raise InvalidArgumentError("key must not be empty")
     if len(key) > MAX_KEY_BYTES:
         raise InvalidArgumentError(f"key of {len(key)} characters is too long")
+    if not key.isascii():
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidArgumentError(
+                f"key {key!r} is not valid UTF-8 (lone surrogate at index {e.start}); keys are"
+                " text: decode bytes with errors='strict' or use their hex"
+            ) from None
     return key
+
+
+def staging_refusal(total: int, local_buffer_size: int) -> str:
+    """Why a copying put/get of ``total`` bytes is refused, naming the setting to change."""
+    if local_buffer_size == 0:
+        return (
+            f"{total} bytes to copy but local_buffer_size is 0 (copying put/get is off): pass "
+            "local_buffer_size > 0 to setup/open_store, or use put_from/get_into on a "
+            "registered buffer"
+        )
+    return (
+        f"{total} bytes exceed the local buffer (local_buffer_size={local_buffer_size} bytes), "
+        "which copying put/get stage through: raise local_buffer_size in setup/open_store, "
+        "or use put_from/get_into on a registered buffer"
+    )
 
 
 def _value_addr(value: Any) -> tuple[int, int, Any]:

@@ -20,7 +20,7 @@ from mooncake._core import store_types as st
 from mooncake._core.master import parse_miss
 from mooncake._core.misses import MissReason
 from mooncake._store.bounds import check_replica_list
-from mooncake._store.moves import _check_key, _Op, _read_ttl
+from mooncake._store.moves import _check_key, _Op, _read_ttl, staging_refusal
 from mooncake._store.writes import _Writes
 from mooncake.errors import (
     InvalidArgumentError,
@@ -230,9 +230,7 @@ class _Reads(_Writes):
         sizes = [self._size_of(r) if not isinstance(r, MooncakeError) else 0 for r in resps]
         total = sum(sizes)
         if total > self._staging.capacity:
-            err = InvalidArgumentError(
-                f"{total} bytes exceed the local buffer ({self.local_buffer_size} bytes)"
-            )
+            err = InvalidArgumentError(staging_refusal(total, self.local_buffer_size))
             return [err] * len(keys)
         off = await self._stage(total) if total else None
         try:

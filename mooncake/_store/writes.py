@@ -28,6 +28,7 @@ from mooncake._store.moves import (
     _parts_of,
     _subset,
     _value_addr,
+    staging_refusal,
 )
 from mooncake._store.tiering import _Tiered
 from mooncake.errors import (
@@ -151,15 +152,15 @@ class _Writes(_Tiered):
         total = sum(n for _, n, _ in spans)
         if any(n == 0 for _, n, _ in spans):
             # b"" could not be told apart from "missing" by get(), so Mooncake refuses it
-            return [InvalidArgumentError("empty values cannot be stored")] * len(keys)
+            return [InvalidArgumentError(
+                    "empty values cannot be stored (get answers b'' for a missing key)"
+                )] * len(keys)
         # The published client stages every copying put through its local buffer: a value (or a
         # batch) larger than the buffer is refused up front, before anything is allocated.
         if total > self._staging.capacity:
-            return [
-                InvalidArgumentError(
-                    f"{total} bytes exceed the local buffer ({self.local_buffer_size} bytes)"
-                )
-            ] * len(keys)
+            return [InvalidArgumentError(staging_refusal(total, self.local_buffer_size))] * len(
+                keys
+            )
         addrs = [a for a, _, _ in spans]
         sizes = [n for _, n, _ in spans]
         try:

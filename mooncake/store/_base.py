@@ -33,10 +33,40 @@ log = logging.getLogger("mooncake.store")
 _CAPSULE_NAME = b"mooncake.store.PyClient"
 
 
+#: codes that are ordinary answers, not failures to explain (a miss, a duplicate put, a race)
+_ORDINARY = frozenset(
+    {
+        ErrorCode.OBJECT_NOT_FOUND,
+        ErrorCode.OBJECT_ALREADY_EXISTS,
+        ErrorCode.OBJECT_HAS_LEASE,
+        ErrorCode.REPLICA_IS_NOT_READY,
+    }
+)
+
+
+def fail(op: str, e: BaseException) -> int:
+    """The published int code of ``e``, raised by the API call ``op``.
+
+    The int code alone says nothing of the cause, so every failure that is not an ordinary
+    answer (a miss, an existing key) is logged once here at ERROR, naming the call and the
+    exception's message (which names the argument and what to do): ``put: key must not be
+    empty``. Ordinary answers are logged at DEBUG.
+    """
+    code = to_code(e)
+    if code in _ORDINARY:
+        log.debug("%s: %s", op, e)
+    else:
+        msg = str(e) if isinstance(e, MooncakeError) else f"{type(e).__name__}: {e}"
+        log.error("%s", msg if msg.startswith(f"{op}:") else f"{op}: {msg}")
+    return code
+
+
 def _os_error(e: BaseException) -> OSError | None:
-    """The ``OSError`` behind ``e`` (a task group wraps a failed bind), if any."""
+    """The ``OSError`` behind ``e`` (a failed bind, possibly wrapped), if any."""
     if isinstance(e, OSError):
         return e
+    if isinstance(e.__cause__, OSError):
+        return e.__cause__
     if isinstance(e, BaseExceptionGroup):
         for sub in e.exceptions:
             found = _os_error(sub)
@@ -51,7 +81,13 @@ def _kw(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
     async def call(*args: Any) -> Any:
         return await fn(*args, **kwargs)
 
+    call.__name__ = getattr(fn, "__name__", "call")  # what :func:`fail` names
     return call
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    """The API call ``fn`` implements, for log lines (``put``, ``get_into``)."""
+    return str(getattr(fn, "__name__", "call"))
 
 
 class StoreBase:
@@ -81,8 +117,7 @@ class StoreBase:
             cfg = _setup.collect(args, kwargs)
             opts = _setup.open_store_options(cfg)
         except MooncakeError as e:
-            log.error("setup: %s", e)
-            return to_code(e)
+            return fail("setup", e)
         engine = cfg.get("engine")
         if engine is not None:
             return self._setup_shared(engine, opts)
@@ -93,8 +128,7 @@ class StoreBase:
                 try:
                     opts["hostname"] = f"{host}:{_setup.pick_port(host)}"
                 except MooncakeError as e:
-                    log.error("setup: %s", e)
-                    return to_code(e)
+                    return fail("setup", e)
             loop = LoopThread(name="mooncake-store")
             try:
                 store = loop.enter(open_store(**opts))
@@ -103,8 +137,7 @@ class StoreBase:
                 cause = _os_error(e)
                 if cause is not None and not _setup.has_port(host) and attempt + 1 < retries:
                     continue  # the random port was taken meanwhile: another one
-                log.error("setup failed: %s", cause or e)
-                return to_code(cause or e)
+                return fail("setup", e)
             self._adopt(loop, store, owns_loop=True)
             return 0
         return int(ErrorCode.INTERNAL_ERROR)
@@ -121,8 +154,7 @@ class StoreBase:
         try:
             store = loop.enter(open_store(engine=eng, **opts))
         except BaseException as e:
-            log.error("setup failed: %s", e)
-            return to_code(e)
+            return fail("setup", e)
         self._adopt(loop, store, owns_loop=False)
         return 0
 
@@ -190,19 +222,19 @@ class StoreBase:
         return loop.call(fn, *args)
 
     def _rc(self, fn: Callable[..., Any], *args: Any) -> int:
-        """0, or the code of what ``fn(*args)`` raised."""
+        """0, or the code of what ``fn(*args)`` raised (logged by :func:`fail`)."""
         try:
             self._call(fn, *args)
         except Exception as e:
-            return to_code(e)
+            return fail(_name(fn), e)
         return 0
 
     def _int(self, fn: Callable[..., Any], *args: Any) -> int:
-        """The int ``fn(*args)`` returns, or the code of what it raised."""
+        """The int ``fn(*args)`` returns, or the code of what it raised (logged)."""
         try:
             return int(self._call(fn, *args))
         except Exception as e:
-            return to_code(e)
+            return fail(_name(fn), e)
 
     @property
     def _s(self) -> Store:
@@ -211,19 +243,29 @@ class StoreBase:
         return self._store
 
     @staticmethod
-    def _codes(results: Sequence[Any]) -> list[int]:
-        """Per-key results (None ok, an int, or an exception) as published int codes."""
-        return [
-            to_code(r) if isinstance(r, BaseException) else (int(r) if isinstance(r, int) else 0)
-            for r in results
-        ]
+    def _codes(results: Sequence[Any], op: str = "") -> list[int]:
+        """Per-key results (None ok, an int, or an exception) as published int codes; with
+        ``op``, the first failure of each distinct message is logged (:func:`fail`)."""
+        seen: set[str] = set()
+        out = []
+        for r in results:
+            if isinstance(r, BaseException):
+                msg = str(r)
+                if op and msg not in seen:
+                    seen.add(msg)
+                    out.append(fail(op, r))
+                else:
+                    out.append(to_code(r))
+            else:
+                out.append(int(r) if isinstance(r, int) else 0)
+        return out
 
     def _batch_codes(self, n: int, fn: Callable[..., Any], *args: Any) -> list[int]:
         """``fn(*args)``'s per-key results as codes, sized ``n`` (``len(keys)``) as published."""
         try:
-            res = self._codes(self._call(fn, *args))
+            res = self._codes(self._call(fn, *args), _name(fn))
         except Exception as e:
-            return [to_code(e)] * n
+            return [fail(_name(fn), e)] * n
         if len(res) != n:
             code = int(ErrorCode.INVALID_PARAMS)
             return [code] * n

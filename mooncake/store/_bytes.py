@@ -19,8 +19,8 @@ from mooncake._store.client import Store
 from mooncake._store.config import ReplicateConfig
 from mooncake._store.fastpath import FAST_MAX
 from mooncake._store.moves import _check_key, _value_addr
-from mooncake.errors import ErrorCode, InvalidArgumentError, MooncakeError, to_code
-from mooncake.store._base import StoreBase, _kw
+from mooncake.errors import ErrorCode, InvalidArgumentError, MooncakeError
+from mooncake.store._base import StoreBase, _kw, fail
 from mooncake.store._multi import MultiBufferMethods
 
 log = logging.getLogger("mooncake.store")
@@ -62,13 +62,13 @@ class BytesMethods(StoreBase):
         try:
             addr, n, keep = _value_addr(value)
         except MooncakeError as e:
-            return to_code(e)
+            return fail("upsert" if upsert else "put", e)
         if not 0 < n <= FAST_MAX or n > store._staging.capacity:
             return None  # empty or too large: the loop path gives the published answer
         try:
             fp.put(_check_key(key), addr, n, config, upsert)
         except Exception as e:
-            return to_code(e)
+            return fail("upsert" if upsert else "put", e)
         finally:
             del keep
         return 0
@@ -80,7 +80,7 @@ class BytesMethods(StoreBase):
         try:
             return self._rc(self._s.upsert if upsert else self._s.put, key, value, config)
         except Exception as e:
-            return to_code(e)
+            return fail("upsert" if upsert else "put", e)
 
     def _put_batch(self, keys: list[str], values: list[Any], config: Any, upsert: bool) -> int:
         try:
@@ -88,10 +88,10 @@ class BytesMethods(StoreBase):
                 self._s.upsert_batch if upsert else self._s.put_batch, keys, values, config
             )
         except Exception as e:
-            return to_code(e)
+            return fail("upsert_batch" if upsert else "put_batch", e)
         for r in res:
             if r is not None:
-                return to_code(r)
+                return fail("upsert_batch" if upsert else "put_batch", r)
         return 0
 
     def _put_from(self, key: str, ptr: int, size: int, config: Any, upsert: bool) -> int:
@@ -104,13 +104,13 @@ class BytesMethods(StoreBase):
                     fp.put(_check_key(key), ptr, size, config, False)
                     return 0
             except Exception as e:
-                return to_code(e)
+                return fail("upsert_from" if upsert else "put_from", e)
         try:
             return self._rc(
                 self._s.upsert_from if upsert else self._s.put_from, key, ptr, size, config
             )
         except Exception as e:
-            return to_code(e)
+            return fail("upsert_from" if upsert else "put_from", e)
 
     def _batch_from(
         self, keys: list[str], ptrs: list[int], sizes: list[int], config: Any, upsert: bool
@@ -130,7 +130,7 @@ class BytesMethods(StoreBase):
         try:
             fn = self._s.batch_upsert_from if upsert else self._s.batch_put_from
         except Exception as e:
-            return [to_code(e)] * len(keys)
+            return [fail("batch_upsert_from" if upsert else "batch_put_from", e)] * len(keys)
         return self._batch_codes(len(keys), fn, keys, ptrs, sizes, config)
 
     # -- bytes API ------------------------------------------------------------------------
@@ -145,7 +145,7 @@ class BytesMethods(StoreBase):
         try:
             value = _joined(parts)
         except MooncakeError as e:
-            return to_code(e)
+            return fail("put_parts", e)
         return self.put(key, value, config)
 
     def put_batch(
@@ -161,13 +161,13 @@ class BytesMethods(StoreBase):
             try:
                 return fp.get(_check_key(key))
             except Exception as e:
-                log.debug("get(%r): %s", key, e)
+                fail("get", e)  # a miss is logged at DEBUG only
                 return b""
         try:
             data: bytes = self._call(self._s.get, key)
             return data
         except Exception as e:
-            log.debug("get(%r): %s", key, e)
+            fail("get", e)
             return b""
 
     def get_batch(self, keys: list[str]) -> list[bytes]:
@@ -203,7 +203,7 @@ class BytesMethods(StoreBase):
                 return int(Store._size_of(resp))
             return int(self._call(self._s.get_size, key))
         except Exception as e:
-            return to_code(e)
+            return fail("get_size", e)
 
     def is_exist(self, key: str) -> int:
         """1 exists, 0 does not, negative on error."""
@@ -213,7 +213,7 @@ class BytesMethods(StoreBase):
                 return 1 if found else 0
             return 1 if self._call(self._s.exists, key) else 0
         except Exception as e:
-            return to_code(e)
+            return fail("is_exist", e)
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
         """1 / 0 / negative code per key."""
@@ -228,7 +228,7 @@ class BytesMethods(StoreBase):
                     return list(codes)
             return list(self._call(self._s.batch_exists, keys))
         except Exception as e:
-            return [to_code(e)] * len(keys)
+            return [fail("batch_is_exist", e)] * len(keys)
 
     def remove(self, key: str, force: bool = False) -> int:
         """0, or ``OBJECT_HAS_LEASE`` (-706) while leased unless ``force``, or another code."""
@@ -240,27 +240,27 @@ class BytesMethods(StoreBase):
                 return 0
             return self._rc(_kw(self._s.remove, force=force), key)
         except Exception as e:
-            return to_code(e)
+            return fail("remove", e)
 
     def batch_remove(self, keys: list[str], force: bool = False) -> list[int]:
         try:
             return list(self._call(_kw(self._s.batch_remove, force=force), keys))
         except Exception as e:
-            return [to_code(e)] * len(keys)
+            return [fail("batch_remove", e)] * len(keys)
 
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
         """Number of objects removed (or a negative code)."""
         try:
             return int(self._call(_kw(self._s.remove_by_regex, force=force), regex_pattern))
         except Exception as e:
-            return to_code(e)
+            return fail("remove_by_regex", e)
 
     def remove_all(self, force: bool = False) -> int:
         """Number of objects removed (or a negative code)."""
         try:
             return int(self._call(_kw(self._s.remove_all, force=force)))
         except Exception as e:
-            return to_code(e)
+            return fail("remove_all", e)
 
     # -- zero-copy API --------------------------------------------------------------------
 
@@ -269,13 +269,13 @@ class BytesMethods(StoreBase):
         try:
             return self._rc(self._s.register_buffer, buffer_ptr, size)
         except Exception as e:
-            return to_code(e)
+            return fail("register_buffer", e)
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
         try:
             return self._rc(self._s.unregister_buffer, buffer_ptr)
         except Exception as e:
-            return to_code(e)
+            return fail("unregister_buffer", e)
 
     def put_from(
         self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None
@@ -307,8 +307,8 @@ class BytesMethods(StoreBase):
         try:
             (res,) = self._call(self._s.batch_put_parts, [key], [parts], config)
         except Exception as e:
-            return to_code(e)
-        return to_code(res) if res is not None else 0
+            return fail("put_from_with_metadata", e)
+        return fail("put_from_with_metadata", res) if res is not None else 0
 
     def batch_put_from(
         self,
@@ -330,7 +330,7 @@ class BytesMethods(StoreBase):
                 if device_of(region.location) is None:  # GPU buffers go through the loop
                     return fp.get_into(_check_key(key), buffer_ptr, size)
             except Exception as e:
-                return to_code(e)
+                return fail("get_into", e)
         return self._int(self._s.get_into, key, buffer_ptr, size)
 
     def batch_get_into(
@@ -340,5 +340,5 @@ class BytesMethods(StoreBase):
         try:
             fn = self._s.batch_get_into
         except Exception as e:
-            return [to_code(e)] * len(keys)
+            return [fail("batch_get_into", e)] * len(keys)
         return self._batch_codes(len(keys), fn, keys, buffer_ptrs, sizes)

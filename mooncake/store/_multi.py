@@ -22,7 +22,7 @@ from mooncake._core.memory import Region
 from mooncake._store.config import ReplicateConfig
 from mooncake._store.moves import _check_key
 from mooncake.errors import ErrorCode, MooncakeError, to_code
-from mooncake.store._base import StoreBase
+from mooncake.store._base import StoreBase, fail
 
 _INT = {int}
 
@@ -130,7 +130,7 @@ class MultiBufferMethods(StoreBase):
         try:
             fn = self._s.batch_put_parts
         except Exception as e:
-            return [to_code(e)] * len(keys)
+            return [fail("batch_put_from_multi_buffers", e)] * len(keys)
         return self._batch_codes(len(keys), fn, keys, parts, config)
 
     def batch_get_into_multi_buffers(
@@ -167,7 +167,7 @@ class MultiBufferMethods(StoreBase):
         try:
             fn = self._s.batch_get_parts
         except Exception as e:
-            return [to_code(e)] * len(keys)
+            return [fail("batch_get_into_multi_buffers", e)] * len(keys)
         return self._batch_codes(len(keys), fn, keys, parts)
 
 

@@ -19,8 +19,8 @@ writing the whole object.
 from __future__ import annotations
 
 from mooncake._store.config import ReplicateConfig
-from mooncake.errors import ErrorCode, to_code
-from mooncake.store._base import StoreBase, _kw
+from mooncake.errors import ErrorCode
+from mooncake.store._base import StoreBase, _kw, fail
 
 
 class RangeMethods(StoreBase):
@@ -45,7 +45,7 @@ class RangeMethods(StoreBase):
             )
             return out
         except Exception as e:
-            code = to_code(e)
+            code = fail("get_into_ranges", e)
             return [
                 [[code] * len(d) for d in dsts]
                 for dsts in (all_dst_offsets if isinstance(all_dst_offsets, list) else [])
@@ -55,7 +55,7 @@ class RangeMethods(StoreBase):
         try:
             return list(self._call(self._s.get_session_start, keys))
         except Exception as e:
-            return [to_code(e)] * len(keys)
+            return [fail("batch_get_session_start", e)] * len(keys)
 
     def batch_get_into_multi_buffer_ranges(
         self,
@@ -71,7 +71,7 @@ class RangeMethods(StoreBase):
                 )
             )
         except Exception as e:
-            return [to_code(e)] * len(keys)
+            return [fail("batch_get_into_multi_buffer_ranges", e)] * len(keys)
 
     def batch_get_session_end(self, keys: list[str]) -> int:
         store = self._store
@@ -86,7 +86,7 @@ class RangeMethods(StoreBase):
         try:
             return list(self._call(self._s.put_session_start, keys, sizes, config))
         except Exception as e:
-            return [to_code(e)] * len(keys)
+            return [fail("batch_put_session_start", e)] * len(keys)
 
     def batch_put_from_multi_buffer_ranges(
         self,
@@ -102,13 +102,13 @@ class RangeMethods(StoreBase):
                 )
             )
         except Exception as e:
-            return [to_code(e)] * len(keys)
+            return [fail("batch_put_from_multi_buffer_ranges", e)] * len(keys)
 
     def _put_session_finish(self, keys: list[str], revoke: bool) -> list[int]:
         try:
             return list(self._call(_kw(self._s.put_session_finish, revoke=revoke), keys))
         except Exception as e:
-            return [to_code(e)] * len(keys)
+            return [fail("_put_session_finish", e)] * len(keys)
 
     def batch_put_session_end(self, keys: list[str]) -> list[int]:
         return self._put_session_finish(keys, False)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from mooncake._store.config import ReplicateConfig
-from mooncake.errors import MooncakeError, to_code
+from mooncake.errors import MooncakeError
+from mooncake.store._base import fail
 from mooncake.store._bytes import BytesMethods, _joined
 
 
@@ -21,7 +22,7 @@ class UpsertMethods(BytesMethods):
         try:
             value = _joined(parts)
         except MooncakeError as e:
-            return to_code(e)
+            return fail("upsert_parts", e)
         return self.upsert(key, value, config)
 
     def upsert_batch(
