@@ -23,7 +23,12 @@ _SUBCOMMANDS: list[str] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mooncake import __version__
+
     parser = argparse.ArgumentParser(prog="mooncake", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--version", action="version", version=f"mooncake {__version__} (mooncake-py)"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _SUBCOMMANDS:
         importlib.import_module(f"mooncake._cli.{name}").register(sub)

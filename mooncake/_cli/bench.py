@@ -1,6 +1,7 @@
 """``mooncake bench``: benchmarks with progress, a table and ``--json``.
 
-Each benchmark is a sub-subcommand (``mooncake bench transfer``, ``mooncake bench store``...)
+Each benchmark is a sub-subcommand (``mooncake bench transfer``; the store's benchmarks are
+scripts, ``benchmarks/store_bench.py``, see docs/benchmarks.md)
 living in its own module that exposes ``register(subparsers)``, exactly like the top-level
 subcommands. Add new ones to ``_BENCHES``.
 """
@@ -17,7 +18,7 @@ _BENCHES: list[str] = ["bench_transfer"]
 
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
-        "bench", help="benchmarks (transfer engine, store)", description=__doc__.splitlines()[0]
+        "bench", help="benchmarks (transfer engine)", description=__doc__.splitlines()[0]
     )
     sub = parser.add_subparsers(dest="bench", metavar="BENCH")
     for name in _BENCHES:

@@ -152,7 +152,16 @@ async def _demo(
 
 
 def run(args: argparse.Namespace) -> int:
-    local, remote, used, rows = anyio.run(_demo, args.seconds, args.transport, backend="trio")
+    from mooncake._cli._quiet import ordinary
+
+    try:
+        local, remote, used, rows = anyio.run(_demo, args.seconds, args.transport, backend="trio")
+    except BaseException as e:
+        exc = ordinary(e)
+        if exc is None or isinstance(exc, KeyboardInterrupt):
+            raise
+        print(f"mooncake demo: {exc}", file=sys.stderr)  # a bad --transport, a busy port
+        return 2
     if args.json:
         print(
             json.dumps(

@@ -7,7 +7,9 @@ Two spellings of the same flags:
   spellings (``--flag=value``, ``--flag value``, ``-flag=value``, ``--bool_flag`` /
   ``--bool_flag=true|false`` / ``--nobool_flag``), so deployment scripts and benchmarks written
   for the published master start this one unchanged. Published flags this master does not
-  implement are accepted with a warning on stderr, never an error.
+  implement are accepted with a warning on stderr; a flag the published binary does not have
+  either (a typo such as ``--rpc_prot``) is refused, as gflags refuses it, naming the nearest
+  real flag. ``mooncake_master --help`` lists every flag with its meaning and default.
 
 Differences from the published binary, on purpose: both RPC and metrics bind loopback unless
 told otherwise (the published default is 0.0.0.0). ``--rpc_port=0`` means ``--port`` (default
@@ -20,6 +22,7 @@ port. Once every port is bound the master prints one line
 from __future__ import annotations
 
 import argparse
+import difflib
 import gc
 import logging
 import re
@@ -30,6 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mooncake._cli._published_flags import FRAMEWORK_FLAGS, PUBLISHED_FLAGS
+from mooncake._cli._quiet import port_arg, run_server
 from mooncake._core.master import ALLOCATION_STRATEGIES, MasterConfig
 from mooncake._store.master import (
     DEFAULT_METRICS_PORT,
@@ -71,6 +76,17 @@ def _bool(text: str) -> bool:
     raise InvalidArgumentError(f"bad boolean {text!r}: want true or false")
 
 
+def port(text: str) -> int:
+    """A TCP port, 0-65535 (0: a free one); anything else names the range."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise InvalidArgumentError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise InvalidArgumentError(f"port {value} is out of range (0-65535; 0 picks a free port)")
+    return value
+
+
 def _ratio(text: str) -> float:
     v = float(text)
     if not 0.0 <= v <= 1.0:
@@ -88,14 +104,14 @@ class _Flag:
 # published gflags name -> where it goes
 _GFLAGS: dict[str, _Flag] = {
     "rpc_address": _Flag("server.rpc_address", str),
-    "rpc_port": _Flag("server.rpc_port", int),
-    "port": _Flag("legacy_port", int),
+    "rpc_port": _Flag("server.rpc_port", port),
+    "port": _Flag("legacy_port", port),
     "enable_metric_reporting": _Flag("server.enable_metric_reporting", _bool, True),
     "metrics_host": _Flag("server.metrics_host", str),
-    "metrics_port": _Flag("server.metrics_port", int),
+    "metrics_port": _Flag("server.metrics_port", port),
     "enable_http_metadata_server": _Flag("server.enable_http_metadata_server", _bool, True),
     "http_metadata_server_host": _Flag("server.http_metadata_server_host", str),
-    "http_metadata_server_port": _Flag("server.http_metadata_server_port", int),
+    "http_metadata_server_port": _Flag("server.http_metadata_server_port", port),
     "default_kv_lease_ttl": _Flag("state.default_kv_lease_ttl", lambda t: parse_duration(t, "ms")),
     "default_kv_soft_pin_ttl": _Flag(
         "state.default_kv_soft_pin_ttl", lambda t: parse_duration(t, "ms")
@@ -138,6 +154,8 @@ _GFLAGS: dict[str, _Flag] = {
     "snapshot_backup_dir": _Flag("ha.snapshot_backup_dir", str),
     "version": _Flag("version", _bool, True),
     "help": _Flag("help", _bool, True),
+    "helpfull": _Flag("help", _bool, True),
+    "helpshort": _Flag("help", _bool, True),
     "v": _Flag("verbosity", int),
     "log_level": _Flag("log_level", str),
 }
@@ -237,8 +255,9 @@ class _Parsed:
 def parse_gflags(argv: Sequence[str], *, warn: Callable[[str], None] | None = None) -> _Parsed:
     """Parse ``mooncake_master`` gflags-style arguments into a config.
 
-    Unknown flags are reported through ``warn`` and skipped (a following token that is not a
-    flag is taken as their value). Bad values of known flags raise
+    Flags of the published binary this master does not implement are reported through
+    ``warn`` and skipped (a following token that is not a flag is taken as their value). A
+    flag the published binary does not have either, and bad values of known flags, raise
     :class:`InvalidArgumentError` naming the flag.
     """
     warn = warn or (lambda msg: print(msg, file=sys.stderr))
@@ -262,6 +281,12 @@ def parse_gflags(argv: Sequence[str], *, warn: Callable[[str], None] | None = No
             else:
                 flag = None
         if flag is None:
+            if name not in PUBLISHED_FLAGS and name not in FRAMEWORK_FLAGS:
+                near = difflib.get_close_matches(name, list(_GFLAGS), n=1)
+                hint = f" (did you mean --{near[0]}?)" if near else ""
+                raise InvalidArgumentError(
+                    f"unknown flag --{name}{hint}; mooncake_master --help lists the flags"
+                )
             if not eq and i < len(args) and not args[i].startswith("-"):
                 i += 1  # its value
             warn(f"mooncake_master: flag --{name} is not supported by this master; ignored")
@@ -371,14 +396,8 @@ def run_master(config: MasterServerConfig, *, memory_allocator: str = "offset") 
                         nursery.cancel_scope.cancel()
                         break
 
-    try:
-        trio.run(main)
-    except InvalidArgumentError as e:
-        print(f"mooncake master: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 0
-    return 0
+    # Ctrl-C: exit 0 quietly; a port in use or a bad setting: one line, exit 1
+    return run_server("mooncake master", lambda: trio.run(main))
 
 
 def _setup_logging(level: str) -> None:
@@ -386,6 +405,72 @@ def _setup_logging(level: str) -> None:
         level=getattr(logging, level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+
+
+#: this master's defaults where they differ from the published binary's
+_OWN_DEFAULTS = {
+    "rpc_address": "127.0.0.1",
+    "metrics_host": "127.0.0.1",
+    "http_metadata_server_host": "127.0.0.1",
+}
+
+
+#: flags of this master the published binary does not document: type, default, meaning
+_OWN_FLAGS: dict[str, tuple[str, str, str]] = {
+    "eviction_policy": (
+        "string",
+        "lru",
+        "eviction policy: lru, lfu, fifo, sieve, s3fifo, prefix_lru (docs/policies.md)",
+    ),
+    "demote_timeout_sec": (
+        "double",
+        "30",
+        "seconds a demotion to a client's SSD tier may take before the object is dropped",
+    ),
+    "ha_advertise_address": (
+        "string",
+        "",
+        "host:port clients reach this master at (default: rpc_address:rpc_port)",
+    ),
+    "ha_lease_ttl": ("int32", "5", "seconds of the leader's etcd lease"),
+    "ha_fast_failover": (
+        "bool",
+        "true",
+        "a standby takes over once the leader's RPC port refuses connections",
+    ),
+    "snapshot_log_entries": ("int32", "10000", "HA: also snapshot after this many log batches"),
+    "version": ("bool", "false", "show the version and exit"),
+    "help": ("bool", "false", "show this help and exit"),
+    "helpfull": ("bool", "false", "show this help and exit"),
+    "helpshort": ("bool", "false", "show this help and exit"),
+    "v": ("int32", "0", "verbose logging level (glog's -v)"),
+    "log_level": ("string", "INFO", "log level: DEBUG, INFO, WARNING, ERROR"),
+}
+
+
+def gflags_help() -> str:
+    """``mooncake_master --help``: every flag with its meaning and default."""
+    lines = [
+        "mooncake_master (mooncake-py): the Mooncake Store master.",
+        "Usage: mooncake_master [--flag=value | --flag value | --bool_flag | --nobool_flag]...",
+        "",
+        "Flags:",
+    ]
+    for name in sorted(_GFLAGS):
+        typ, default, meaning = PUBLISHED_FLAGS.get(name) or _OWN_FLAGS[name]
+        shown = _OWN_DEFAULTS.get(name, default) or '""'
+        lines.append(f"  --{name} ({typ}, default: {shown})")
+        if meaning:
+            lines.append(f"      {meaning}")
+    ignored = sorted(set(PUBLISHED_FLAGS) - set(_GFLAGS))
+    lines += [
+        "",
+        "Accepted for compatibility and ignored (with a warning): "
+        + ", ".join(f"--{n}" for n in ignored),
+        "",
+        "Any other flag is refused.",
+    ]
+    return "\n".join(lines)
 
 
 def gflags_main(argv: Sequence[str] | None = None) -> int:
@@ -397,10 +482,7 @@ def gflags_main(argv: Sequence[str] | None = None) -> int:
         print(f"mooncake_master: {e}", file=sys.stderr)
         return 2
     if parsed.help:
-        print(
-            "mooncake_master (mooncake-py): the Mooncake Store master.\n"
-            "Flags (gflags style, --flag=value): " + ", ".join(f"--{n}" for n in sorted(_GFLAGS))
-        )
+        print(gflags_help())
         return 0
     if parsed.version:
         print(f"mooncake_master version {_version()} (mooncake-py)")
@@ -420,10 +502,10 @@ def register(sub: Any) -> None:
     )
     d = MasterConfig()
     p.add_argument("--rpc-address", default="127.0.0.1", help="address to bind (default loopback)")
-    p.add_argument("--rpc-port", type=int, default=DEFAULT_RPC_PORT, help="0 = any free port")
+    p.add_argument("--rpc-port", type=port_arg, default=DEFAULT_RPC_PORT, help="0 = any free port")
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument(
-        "--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="0 = any free port"
+        "--metrics-port", type=port_arg, default=DEFAULT_METRICS_PORT, help="0 = any free port"
     )
     p.add_argument("--no-metrics", action="store_true", help="do not serve /metrics and /health")
     p.add_argument("--client-ttl", default=str(d.client_ttl), help="seconds (or 500ms, 1m ...)")
@@ -457,7 +539,7 @@ def register(sub: Any) -> None:
     p.add_argument("--demote-timeout-sec", default=str(d.demote_timeout))
     p.add_argument("--enable-http-metadata-server", action="store_true")
     p.add_argument("--http-metadata-server-host", default="127.0.0.1")
-    p.add_argument("--http-metadata-server-port", type=int, default=8080)
+    p.add_argument("--http-metadata-server-port", type=port_arg, default=8080)
     p.add_argument("--seed", type=int, default=None, help="seed of the random placement")
     p.add_argument(
         "--cluster-secret-file",

@@ -8,6 +8,7 @@ import sys
 from functools import partial
 from typing import Any
 
+from mooncake._cli._quiet import port_arg, run_server
 from mooncake._engine.metadata import server
 
 
@@ -18,7 +19,7 @@ def register(sub: Any) -> None:
         description=__doc__,
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    p.add_argument("--port", type=int, default=server.DEFAULT_PORT, help="0 = any free port")
+    p.add_argument("--port", type=port_arg, default=server.DEFAULT_PORT, help="0 = any free port")
     p.add_argument("--path", default=server.DEFAULT_PATH, help="URL path (default /metadata)")
     p.add_argument("--max-body", type=int, default=server.DEFAULT_MAX_BODY, help="bytes per PUT")
     p.add_argument(
@@ -63,15 +64,12 @@ def run(args: argparse.Namespace) -> int:
             # one parseable line for scripts and tests
             print(f"metadata-server listening on http://{host}:{port}{args.path}", flush=True)
 
-    try:
-        trio.run(main)
-    except OSError as e:
-        print(
-            f"mooncake metadata-server: cannot listen on {args.host}:{args.port}: {e}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    # Ctrl-C: exit 0 quietly; a port in use: one line naming it, exit 1
+    return run_server(
+        "mooncake metadata-server",
+        lambda: trio.run(main),
+        what=f"cannot listen on {args.host}:{args.port}",
+    )
 
 
 def read_secret_file(path: str | None) -> str | None:

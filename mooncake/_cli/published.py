@@ -56,12 +56,13 @@ _UNITS = {
 def http_metadata_server_main(argv: Sequence[str] | None = None) -> int:
     """``mooncake_http_metadata_server``: the published flags over ``mooncake metadata-server``."""
     from mooncake._cli import metadata_server
+    from mooncake._cli._quiet import port_arg
     from mooncake._engine.metadata import server
 
     p = argparse.ArgumentParser(
         prog="mooncake_http_metadata_server", description="HTTP Metadata Server for Mooncake"
     )
-    p.add_argument("--port", type=int, default=8080, help="Port to listen on")
+    p.add_argument("--port", type=port_arg, default=8080, help="Port to listen on")
     p.add_argument("--host", default="127.0.0.1", help="Host to bind to (default: loopback)")
     p.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
@@ -121,13 +122,53 @@ def parse_bench_flags(argv: Sequence[str]) -> dict[str, Any]:
     return flags
 
 
+#: what each flag of ``transfer_engine_bench`` means (the published bench's flags)
+_BENCH_HELP = {
+    "mode": "target (serve a buffer) or initiator (transfer to a target)",
+    "metadata_server": "metadata connection string (P2PHANDSHAKE: none)",
+    "protocol": "transport protocol (tcp; rdma where available)",
+    "local_server_name": "this engine's address (host or host:port)",
+    "device_name": "RDMA devices (comma separated), '' for none",
+    "buffer_size": "bytes of the registered buffer",
+    "segment_id": "initiator: the target's segment name (its 'listening on' line)",
+    "operation": "read or write",
+    "block_size": "bytes per transfer request",
+    "batch_size": "requests per batch",
+    "threads": "initiator threads",
+    "duration": "seconds to run",
+    "report_unit": "throughput unit: " + ", ".join(_UNITS),
+    "report_precision": "digits after the point",
+    "auto_discovery": "accepted; this implementation discovers transports itself",
+    "backend": "accepted; one backend here",
+    "nic_priority_matrix": "accepted; ignored",
+}
+
+
+def bench_help() -> str:
+    """``transfer_engine_bench --help``: every flag with its meaning and default."""
+    lines = [
+        "transfer_engine_bench (mooncake-py): the Transfer Engine benchmark.",
+        "Usage: transfer_engine_bench --mode=target|initiator [--flag=value]...",
+        "",
+        "Flags:",
+    ]
+    for name, default in _BENCH_FLAGS.items():
+        lines.append(f"  --{name} (default: {default!r})")
+        lines.append(f"      {_BENCH_HELP.get(name, '')}")
+    return "\n".join(lines)
+
+
 def transfer_engine_bench_main(argv: Sequence[str] | None = None) -> int:
     """``transfer_engine_bench``: the published C++ bench's flags and output lines."""
     import numpy as np
 
     from mooncake.engine import TransferEngine
 
-    f = parse_bench_flags(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a.lstrip("-") in ("help", "helpfull", "helpshort", "h") for a in argv):
+        print(bench_help())
+        return 0
+    f = parse_bench_flags(argv)
     if f["mode"] not in ("target", "initiator"):
         print("transfer_engine_bench: --mode must be target or initiator", file=sys.stderr)
         return 2

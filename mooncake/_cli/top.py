@@ -187,6 +187,11 @@ def run(args: argparse.Namespace) -> int:
         prev = sample(args.master, args.client)
     except (OSError, urllib.error.URLError, ValueError) as e:
         print(f"mooncake top: cannot read {_url(args.master, '/status')}: {e}", file=sys.stderr)
+        print(
+            "mooncake top: it reads the master's HTTP metrics port (default 9003, the "
+            "'metrics=' of `mooncake master`'s first line), not its RPC port",
+            file=sys.stderr,
+        )
         return 1
     if args.once:
         time.sleep(max(args.interval, 0.0))
