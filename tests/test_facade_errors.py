@@ -113,3 +113,15 @@ async def test_engine_rpc_port_out_of_range() -> None:
     with pytest.raises(InvalidArgumentError, match="70000 is out of range"):
         async with mooncake.open_engine("127.0.0.1", rpc_port=70000):
             pass
+
+
+async def test_buffer_supports_the_buffer_protocol() -> None:
+    async with mooncake.open_engine("127.0.0.1") as a, mooncake.open_engine("127.0.0.1") as b:
+        src, dst = await a.allocate(1 << 16), await b.allocate(1 << 16)
+        with memoryview(src) as m:
+            m[:5] = b"hello"
+        await a.write(b.segment_name, src.addr, dst.addr, 4096)
+        assert bytes(memoryview(dst)[:5]) == b"hello"
+        with pytest.raises(InvalidArgumentError, match="unregister"):
+            dst.close()  # registered memory is never unmapped under the engine
+        await b.unregister(dst)

@@ -46,7 +46,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import anyio
 import anyio.abc
@@ -174,25 +174,43 @@ class DeviceMemory:
         return f"<DeviceMemory cuda:{self.device} {self.addr:#x} +{self.length}>"
 
 
-class Buffer:
+class Buffer(mmap.mmap):
     """Engine-allocated, registered, pre-faulted memory (``engine.allocate``).
+
+    It is the shared mapping itself, so it supports the buffer protocol: ``memoryview(buf)``,
+    ``np.frombuffer(buf, np.uint8)``, ``bytes(buf[:16])`` and ``buf[0:4] = b"abcd"`` all work on
+    the registered bytes (``buf.view`` and ``buf.numpy()`` are the same views). ``buf.addr`` is
+    its address for transfer requests, ``len(buf)`` its length (a whole number of pages).
 
     Backed by a memfd where the kernel has them (``fd``; else -1), so that a same-host peer's
     ``shm`` transport can map it; the engine closes the mapping and the fd on unregister/close.
+    ``close()`` is refused: unmapping registered memory under the engine would let a transfer
+    write into freed pages (``await engine.unregister(buf)`` releases it).
     """
 
-    def __init__(self, mm: mmap.mmap, region: Region, fd: int = -1) -> None:
-        self._mmap = mm
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # mmap's arguments, set in __new__
+        self.region: Region | None = None
+        self.addr = 0
+        self.length = 0
+        self.fd = -1
+
+    def _attach(self, region: Region, fd: int) -> None:
         self.region = region
         self.addr = region.addr
         self.length = region.length
         self.fd = fd
 
+    def close(self) -> None:
+        raise InvalidArgumentError(
+            "an engine Buffer is closed by the engine: await engine.unregister(buf) (or leave "
+            "the open_engine block)"
+        )
+
     def _close(self) -> None:
         """Unmap (``BufferError`` while a view is exported) and close the memfd either way:
         a mapping that outlives this keeps its pages without the fd."""
         try:
-            self._mmap.close()
+            mmap.mmap.close(self)
         finally:
             if self.fd >= 0:
                 os.close(self.fd)
@@ -200,13 +218,10 @@ class Buffer:
 
     @property
     def view(self) -> memoryview:
-        return memoryview(self._mmap)
+        return memoryview(self)
 
     def numpy(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        return np.frombuffer(self._mmap, dtype=np.uint8)
-
-    def __len__(self) -> int:
-        return self.length
+        return np.frombuffer(self, dtype=np.uint8)
 
     def __repr__(self) -> str:
         return f"<Buffer {self.addr:#x} +{self.length}>"
@@ -681,20 +696,20 @@ class Engine:
             self._device_mem[ptr] = dm
             return dm
         size = math.ceil(length / mmap.PAGESIZE) * mmap.PAGESIZE
-        mm, fd = _map_shared(size)
+        buf, fd = _map_shared(size, Buffer)
         try:
-            addr = int(np.frombuffer(mm, dtype=np.uint8).ctypes.data)
+            addr = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
             await anyio.to_thread.run_sync(_fast.prefault, addr, size)
             region = await self.register((addr, size), location=location)
         except BaseException:
-            mm.close()
+            mmap.mmap.close(buf)
             if fd >= 0:
                 os.close(fd)
             raise
-        region.owner = mm
+        region.owner = buf
         if fd >= 0:
             region.meta["memfd"] = fd
-        buf = Buffer(mm, region, fd)
+        buf._attach(region, fd)
         self._buffers[addr] = buf
         return buf
 
@@ -1138,8 +1153,11 @@ def _uncovered(
     return out
 
 
-def _map_shared(size: int) -> tuple[mmap.mmap, int]:
-    """A shared mapping of ``size`` bytes: memfd-backed where possible (fd, else -1).
+_M = TypeVar("_M", bound=mmap.mmap)
+
+
+def _map_shared(size: int, cls: type[_M]) -> tuple[_M, int]:
+    """A shared mapping (a ``cls``) of ``size`` bytes: memfd-backed where possible (fd, else -1).
 
     The memfd is sealed at its size (no shrink, no grow, no further seals): a peer mapping it
     (``shm``) can never be made to fault past its end by a truncate, and checks the seal.
@@ -1158,11 +1176,11 @@ def _map_shared(size: int) -> tuple[mmap.mmap, int]:
                     fcntl.F_ADD_SEALS,
                     fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL,
                 )
-                return mmap.mmap(fd, size, flags=mmap.MAP_SHARED), fd
+                return cls(fd, size, flags=mmap.MAP_SHARED), fd
             except BaseException:
                 os.close(fd)
                 raise
-    return mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS), -1
+    return cls(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS), -1
 
 
 @asynccontextmanager
