@@ -19,7 +19,8 @@ first alternates per round), with client 0 alone and with all clients at once:
   scheduler gave it.
 
 Prints the medians over ``--rounds``, the ratio ours/published per row, the load average, and
-writes a summary JSON (``--json``, default ``benchmarks/results/master-vs-published-DATE.json``).
+writes a summary JSON (``--json``, default ``bench-results/master-vs-published-DATE.json`` under
+the working directory; git ignores ``bench-results/``).
 ``--profile DIR`` runs ``py-spy record`` on our master and our client 0 during the first
 round's one-client ``--profile-op`` phase (default ``is_exist``) (``--only ours`` to profile without the published side).
 
@@ -503,13 +504,13 @@ def orchestrate(args: argparse.Namespace) -> int:
                 f"  [{'ok' if r.get('ratio', 0) >= 1.5 else 'MISSED'}] {r['op']} x{r['clients']} "
                 f"{r.get('ratio', float('nan')):.2f}x"
             )
+    # never into the source tree unasked: bench-results/ (git-ignored) of the working directory
     out = (
-        Path(args.json)
+        Path(args.json).resolve()
         if args.json
-        else ROOT
-        / "benchmarks"
-        / "results"
-        / (f"master-vs-published-{time.strftime('%Y-%m-%d-%H%M')}.json")
+        else Path.cwd()
+        / "bench-results"
+        / f"master-vs-published-{time.strftime('%Y-%m-%d-%H%M')}.json"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(

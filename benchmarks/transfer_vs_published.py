@@ -449,7 +449,19 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    # one panel per batch size that has data (a run with --batches 1 draws one panel)
+    batches = sorted(
+        {
+            int(k.split("/")[2])
+            for series in ("ours-shm", "ours-tcp", "published", "facade")
+            for k in (summary.get(series) or {})
+            if k.count("/") == 2
+        }
+    ) or [1]
+    fig, axes_ = plt.subplots(
+        1, len(batches), figsize=(6.5 * len(batches), 5), sharey=True, squeeze=False
+    )
+    axes = list(axes_[0])
     styles = {
         "ours-shm": ("tab:green", "shm (mooncake-py)"),
         "ours-tcp": ("tab:blue", "tcp (mooncake-py)"),
@@ -457,7 +469,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         "facade": ("tab:purple", "tcp, sync facade (mooncake-py)"),
     }
     lim = summary["limits"]
-    for ax, batch in zip(axes, (1, 32), strict=True):
+    for ax, batch in zip(axes, batches, strict=True):
         for series, (color, label) in styles.items():
             data = summary.get(series)
             if not data:
@@ -500,9 +512,14 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         ax.set_title(f"batch {batch}")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("throughput (GB/s, median of rounds)")
-    axes[1].legend(fontsize=7, loc="lower right")
+    # one legend for the figure, with every series any panel drew
+    seen: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            seen.setdefault(label, handle)
+    fig.legend(list(seen.values()), list(seen), fontsize=7, loc="lower center", ncol=3)
     fig.suptitle("Transfer Engine between two processes on one host (2-core shared VM)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04 + 0.03 * ((len(seen) + 2) // 3), 1, 1))
     fig.savefig(path, dpi=110)
 
 
@@ -531,7 +548,8 @@ def main() -> int:
     )
     args = ap.parse_args()
 
-    outdir = Path(args.out)
+    # absolute: the published side's child runs in the anchor scripts' directory
+    outdir = Path(args.out).resolve()
     outdir.mkdir(parents=True, exist_ok=True)
     if args.small_ops:
         if args.tcp_sizes == ap.get_default("tcp_sizes"):

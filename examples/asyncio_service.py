@@ -27,8 +27,7 @@ import anyio
 import numpy as np
 
 import mooncake
-from mooncake import TransferRequest
-from mooncake._store.master import MasterServerConfig, serve_master
+from mooncake import MasterServerConfig, TransferRequest, serve_master
 from mooncake.errors import ObjectNotFoundError
 
 SLOT = 256 << 10  # the largest value GET serves from one pooled buffer

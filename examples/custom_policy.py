@@ -108,6 +108,7 @@ def main() -> int:
     except AssertionError as e:
         steps = "\n    ".join(getattr(e, "__notes__", [])[:8])
         print(f"LeakyLargestFirst: caught: {str(e).splitlines()[0]}\n    {steps}")
+        print("custom_policy: the harness passed the sound policy and caught the leaky one: OK")
         return 0
     print("LeakyLargestFirst: NOT caught")
     return 1

@@ -27,7 +27,7 @@ import anyio
 import numpy as np
 
 import mooncake
-from mooncake._store.master import MasterServerConfig, serve_master
+from mooncake import MasterServerConfig, serve_master
 
 BLOCK_TOKENS = 16
 LAYERS, HEADS, HEAD_DIM = 4, 2, 32

@@ -401,10 +401,12 @@ def run_master(config: MasterServerConfig, *, memory_allocator: str = "offset") 
 
 
 def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    lvl = getattr(logging, level.upper(), logging.INFO)
+    logging.basicConfig(level=lvl, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: an HA master's etcd traffic (lease keep-alives, log
+    # polls) would be several lines a second; they show at DEBUG
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(max(lvl, logging.WARNING))
 
 
 #: this master's defaults where they differ from the published binary's
