@@ -7,6 +7,7 @@ has to fire.
 
 from __future__ import annotations
 
+import logging
 import socket
 import sys
 from collections.abc import Iterator
@@ -125,3 +126,24 @@ async def test_buffer_supports_the_buffer_protocol() -> None:
         with pytest.raises(InvalidArgumentError, match="unregister"):
             dst.close()  # registered memory is never unmapped under the engine
         await b.unregister(dst)
+
+
+async def test_failed_start_logs_only_its_cause(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from mooncake._store.master_conn import MasterConnection
+    from mooncake.errors import RpcError
+
+    real = MasterConnection.call
+
+    async def refuse(self: MasterConnection, method: str, *args: object, **kw: object) -> object:
+        if method in ("MountSegment", "UnmountSegment"):
+            raise RpcError(f"{method} refused for the test")
+        return await real(self, method, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(MasterConnection, "call", refuse)
+    async with local_master() as addr:
+        with caplog.at_level(logging.WARNING), pytest.raises(RpcError, match="MountSegment"):
+            async with mooncake.open_store(addr, segment_size=1 << 20):
+                pass
+    assert not [r for r in caplog.records if "unmounting" in r.getMessage()]

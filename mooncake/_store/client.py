@@ -153,6 +153,7 @@ class Store(_Admin):
         tg.start_soon(self.master.follow)  # an HA address: follow the leader key
         if self.mounted is not None:
             tg.start_soon(self._task_loop)
+        self._started = True
 
     async def _remount(self) -> None:
         """After ``NEED_REMOUNT`` (the master restarted, or expired this client): mount the
@@ -196,7 +197,9 @@ class Store(_Admin):
                             rpc.UnmountSegmentParams(client_id=self.client_id, segment_id=seg.id),
                         )
                 except MooncakeError as e:
-                    log.warning("unmounting from the master failed: %s", e)
+                    # after a failed start the start's own error says it all: no second line
+                    level = logging.WARNING if getattr(self, "_started", False) else logging.DEBUG
+                    log.log(level, "unmounting from the master failed: %s", e)
             self._release_extra()
             with anyio.move_on_after(2):
                 await self.master.aclose()
