@@ -163,3 +163,20 @@ def test_top_on_the_rpc_port_hints_at_the_metrics_port() -> None:
         loop.close()
     assert proc.returncode == 1
     assert "metrics port" in proc.stderr and "RPC port" in proc.stderr
+
+
+def test_master_logging_keeps_httpx_requests_at_debug() -> None:
+    import logging
+
+    from mooncake._cli.master import _setup_logging
+
+    loggers = [logging.getLogger(n) for n in ("httpx", "httpcore")]
+    saved = [lg.level for lg in loggers]
+    try:
+        _setup_logging("INFO")  # an HA master's etcd requests would be lines every second
+        assert all(not lg.isEnabledFor(logging.INFO) for lg in loggers)
+        _setup_logging("DEBUG")
+        assert all(lg.isEnabledFor(logging.DEBUG) for lg in loggers)
+    finally:
+        for lg, level in zip(loggers, saved, strict=True):
+            lg.setLevel(level)

@@ -406,7 +406,7 @@ def _setup_logging(level: str) -> None:
     # httpx logs every request at INFO: an HA master's etcd traffic (lease keep-alives, log
     # polls) would be several lines a second; they show at DEBUG
     for name in ("httpx", "httpcore"):
-        logging.getLogger(name).setLevel(max(lvl, logging.WARNING))
+        logging.getLogger(name).setLevel(lvl if lvl <= logging.DEBUG else max(lvl, logging.WARNING))
 
 
 #: this master's defaults where they differ from the published binary's
