@@ -152,9 +152,11 @@ class _Writes(_Tiered):
         total = sum(n for _, n, _ in spans)
         if any(n == 0 for _, n, _ in spans):
             # b"" could not be told apart from "missing" by get(), so Mooncake refuses it
-            return [InvalidArgumentError(
+            return [
+                InvalidArgumentError(
                     "empty values cannot be stored (get answers b'' for a missing key)"
-                )] * len(keys)
+                )
+            ] * len(keys)
         # The published client stages every copying put through its local buffer: a value (or a
         # batch) larger than the buffer is refused up front, before anything is allocated.
         if total > self._staging.capacity:
