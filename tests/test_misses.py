@@ -161,3 +161,31 @@ def test_a_batch_of_losses_past_capacity_forgets_the_oldest_in_order() -> None:
     ledger.record_removal("d")
     assert ledger.explain("b").reason is MissReason.UNKNOWN  # the oldest left first
     assert ledger.explain("a").owner == "other" and ledger.explain("a").at is None
+
+
+def test_a_master_that_lost_its_state_never_says_never_stored() -> None:
+    from mooncake._core.master import MasterConfig, MasterState
+    from mooncake._core.master.config import parse_miss
+    from mooncake._core.store_types import Segment
+    from mooncake.errors import ObjectNotFoundError
+
+    def lookup(m: MasterState, key: str) -> str:
+        with pytest.raises(ObjectNotFoundError) as info:
+            m.get_replica_list(key, 1.0)
+        return str(info.value)
+
+    seg = Segment(id="seg0", name="127.0.0.1:1000", base=1 << 30, size=1 << 20)
+    fresh = MasterState(MasterConfig(seed=0))
+    fresh.mount_segment("c", seg, 0)  # a first mount: nothing can predate it
+    assert parse_miss("k", lookup(fresh, "k")).reason is MissReason.NEVER_STORED  # type: ignore[union-attr]
+
+    restarted = MasterState(MasterConfig(seed=0))
+    # a client mounted at an earlier master comes back after NEED_REMOUNT
+    restarted.remount_segments("c", [seg], 0)
+    msg = lookup(restarted, "k")
+    miss = parse_miss("k", msg)
+    assert miss is not None and miss.reason is MissReason.UNKNOWN
+    assert "restarted without its state" in msg
+    # a client the master knows remounting (its own segment, say) changes nothing
+    fresh.remount_segments("c", [seg], 1)
+    assert parse_miss("k", lookup(fresh, "k")).reason is MissReason.NEVER_STORED  # type: ignore[union-attr]

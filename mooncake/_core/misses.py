@@ -57,6 +57,8 @@ class MissReason(enum.Enum):
 
 
 _LOSSES = (MissReason.EVICTED, MissReason.REMOVED, MissReason.OWNER_DIED)
+#: ``Miss.detail`` of a key absent from a ledger that began after keys were stored
+PREDATES_DETAIL = "the master restarted without its state: keys stored before are not on record"
 
 
 def _code(key: Hashable) -> str:
@@ -100,6 +102,7 @@ class MissLedger:
         "_lost",
         "capacity",
         "forgotten",
+        "predates",
     )
 
     def __init__(self, capacity: int = 1 << 20, *, filter_bits: int = 1 << 23) -> None:
@@ -112,6 +115,8 @@ class MissLedger:
         self.capacity = capacity
         self.forgotten = 0
         """Losses dropped to stay within ``capacity``."""
+        self.predates: float | None = None
+        """Set by :meth:`forget_earlier`: keys may have existed before this ledger began."""
         self._lost = ObjectTable()
         """The keys remembered (their loss order: the table's recency list, oldest first)."""
         self._kind = array("I")  # per handle: what the loss was (an index into _kinds)
@@ -195,7 +200,19 @@ class MissLedger:
         bit = _stable_hash(code) & self._filter_mask
         if self._filter[bit >> 3] & (1 << (bit & 7)):
             return Miss(key, MissReason.UNKNOWN)
+        if self.predates is not None:
+            # the records of keys before ``predates`` are gone: absent is not "never stored"
+            return Miss(key, MissReason.UNKNOWN, at=self.predates, detail=PREDATES_DETAIL)
         return Miss(key, MissReason.NEVER_STORED)
+
+    def forget_earlier(self, now: float | None = None) -> None:
+        """Say that keys may have been stored before this ledger began, unrecorded (a master
+        that restarted without its state learns it when a client remounts a segment it never
+        had; a client it expired and that comes back looks the same, and only costs precision:
+        its lost keys are on record already). From then on a key absent from the ledger reads
+        ``UNKNOWN``, never a wrong ``NEVER_STORED``; the first call's ``now`` is kept."""
+        if self.predates is None:
+            self.predates = float("nan") if now is None else float(now)
 
     def _miss(self, key: Hashable, h: int) -> Miss:
         reason, policy, tier, owner, detail = self._kinds[self._kind[h]]

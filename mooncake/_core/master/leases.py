@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from mooncake._core.master.base import _StateBase
 from mooncake._core.master.config import _compile, format_miss
 from mooncake._core.master.records import KeySet, _Object
+from mooncake._core.misses import PREDATES_DETAIL
 from mooncake._core.policies import Pin
 from mooncake._core.rpc import Item
 from mooncake._core.store_types import GetReplicaListResponse, ReplicaDescriptor, ReplicaStatus
@@ -43,9 +44,9 @@ class _Leases(_StateBase):
             # this read.
             self.stats.get_misses += 1
             self.tiers["dram"].misses += 1
-            raise ObjectNotFoundError(
-                f"object {key!r} not found {format_miss(self.misses.classify(key))}"
-            )
+            miss = self.misses.classify(key)
+            why = f" ({miss.detail})" if miss.detail == PREDATES_DETAIL else ""
+            raise ObjectNotFoundError(f"object {key!r} not found {format_miss(miss)}{why}")
         ver = obj.readable
         replicas = ver.replicas
         if self.quarantine and replicas:

@@ -190,8 +190,13 @@ class _Segments(_StateBase):
     def remount_segments(self, client_id: str, segments: Iterable[Segment], now: float) -> None:
         """Mount each of ``segments`` not mounted yet (after ``NEED_REMOUNT``)."""
         _check_client_id(client_id)
+        known = client_id in self._clients
         client = self._touch_client(client_id, now)
         for seg in segments:
+            if not known and seg.id not in self._segments:
+                # a client this master never saw remounts: it was mounted at an earlier master
+                # (a restart without state), so absent keys may have been stored then
+                self.misses.forget_earlier(now)
             self.mount_segment(client_id, seg, now)
         if self.quarantine:
             self._holder_alive(client, now)
