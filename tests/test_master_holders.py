@@ -158,7 +158,10 @@ def test_report_quarantines_the_segment_until_its_holders_heartbeat() -> None:
     # its only replica is unreachable: a clear code at once, no lease granted
     with pytest.raises(ReplicaNotFoundError, match="no reachable replica"):
         m.get_replica_list("k", 1.0)
-    assert m.exist_key("k", 1.0)  # the object is not lost
+    # exist agrees with get: no readable replica, so it does not exist (and is not leased)
+    assert not m.exist_key("k", 1.0)
+    assert m.batch_exist_key(["k", "absent"], 1.0) == [0, 0]
+    assert len(m.query_key("k").replicas) == 1  # the object is not lost
     # no new allocation there, even when asked for
     assert [r.segment_name for r in m.put_start("b", "new", 100, on(0), 1.0)] == [seg(1).name]
     m.ping("a", 1.05)  # inside the grace: a heartbeat sent before the report
@@ -166,6 +169,7 @@ def test_report_quarantines_the_segment_until_its_holders_heartbeat() -> None:
         m.get_replica_list("k", 1.05)
     m.ping("a", 1.2)
     assert names(m, "k", 1.2) == [seg(0).name]
+    assert m.exist_key("k", 1.2) and m.batch_exist_key(["k"], 1.2) == [1]
     assert m.quarantine.stats.lifted == 1
     m.check_invariants()
 
@@ -178,6 +182,7 @@ def test_reads_skip_a_quarantined_replica_and_use_the_others() -> None:
     assert sorted(names(m, "k", 0)) == [seg(0).name, seg(1).name]
     m.report_segment_failure("c", seg(0).name, "", 1)
     assert names(m, "k", 1) == [seg(1).name]
+    assert m.exist_key("k", 1) and m.batch_exist_key(["k"], 1) == [1]  # one is readable
     assert len(m.query_key("k").replicas) == 2  # both still belong to the object
 
 

@@ -93,6 +93,14 @@ class Quarantine:
         entry.reporters[reporter] = None
         return True
 
+    def suspect(self, name: str, now: float, reason: str) -> None:
+        """Quarantine ``name`` on the master's own observation (its holder's connection
+        closed): lifted like a report by the holder's next heartbeat after ``grace``, but
+        nobody is refuted for it."""
+        if name not in self.names:
+            self.names[name] = _Entry(now, reason=reason[:200])
+            self.stats.started += 1
+
     def alive(self, names: Iterable[str], now: float) -> list[str]:
         """The holder of ``names`` was heard from at ``now``: lift those quarantined at least
         ``grace`` ago (their reporters are refuted); the names lifted."""

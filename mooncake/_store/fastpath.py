@@ -230,8 +230,9 @@ class FastPath:
             except ObjectAlreadyExistsError:
                 return
             except ReplicaNotReadyError:
-                # another write of the key is in flight: wait for it (as the async client)
-                if not upsert or time.monotonic() + pause > end:
+                # another write of the key is in flight: wait for it (as the async client);
+                # it may still fail, so its "exists" would not mean ours is stored
+                if time.monotonic() + pause > end:
                     raise
                 time.sleep(pause)
                 pause = min(pause * 2, 0.05)

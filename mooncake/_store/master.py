@@ -97,6 +97,8 @@ DEFAULT_METRICS_PORT = 9003
 DEFAULT_SERVER_MAX_FRAME = 16 << 20
 _RECV = 256 << 10
 _FAIR_ROUNDS = 16
+#: the calls whose client id marks their connection as that client's heartbeat connection
+_HEARTBEATS = frozenset({"Ping", "MountSegment", "ReMountSegment"})
 _DEADLINE_SLACK = 0.5  # seconds a connection's wait deadline may fire late (5 % at most)
 _HTTP_MAX_HEAD = 16 << 10
 _HTTP_IDLE_S = 30.0
@@ -204,6 +206,9 @@ class MasterServer:
         self.last_snapshot_seq = 0
         self.clock_offset = 0.0
         self._socks: set[socket.socket] = set()
+        self._heartbeats: dict[socket.socket, str] = {}
+        """Connection -> the client id its last ``Ping``/mount carried (the connection that
+        closes last for a client is the sign its process is gone)."""
         self.rpc_thread: RpcThread | None = None
 
     # -- RPC -------------------------------------------------------------------------------
@@ -225,7 +230,11 @@ class MasterServer:
         return self.execute(req, now, matched)[0]
 
     def execute(
-        self, req: rpc.Request, now: float, matched: list[str] | None = None
+        self,
+        req: rpc.Request,
+        now: float,
+        matched: list[str] | None = None,
+        sock: socket.socket | None = None,
     ) -> tuple[bytes, int]:
         """(framed reply, log ticket): with replication on, the reply may be sent only once
         :meth:`Replication.wait_durable` of the ticket returned True (0: send at once).
@@ -240,6 +249,8 @@ class MasterServer:
         try:
             params = rpc.decode_params(req)
             self.requests[name] += 1
+            if sock is not None and name in _HEARTBEATS:
+                self._heartbeats[sock] = getattr(params, "client_id", "")
             rid = req.rid if name in rpc.MUTATING else None
             if ha is not None:
                 refusal = ha.refusal()
@@ -381,6 +392,22 @@ class MasterServer:
             log.info("master: connection lost: %s", e)
         finally:
             self._socks.discard(sock)
+            self._connection_closed(sock)
+
+    def _connection_closed(self, sock: socket.socket) -> None:
+        """``sock`` closed: if it was the last connection a client sent heartbeats on, that
+        client's segments are quarantined and its writes in flight discarded at once
+        (:func:`commands.ConnectionLost`) instead of at its client TTL."""
+        client_id = self._heartbeats.pop(sock, None)
+        if not client_id or client_id in self._heartbeats.values():
+            return
+        ha = self.ha
+        if ha is not None and ha.refusal() is not None:
+            return  # not the leader: the leader (if any) sees its own connections
+        try:
+            self.run_command(commands.ConnectionLost(client_id, self.now()))
+        except Exception:
+            log.exception("master: handling the lost connection of %s failed", client_id)
 
     async def _serve_socket(
         self, sock: socket.socket, slot: _accept.Slot, resume: Handoff | None = None
@@ -451,7 +478,7 @@ class MasterServer:
                         out.append(reply)
                         ticket = max(ticket, t)
                     else:
-                        reply, t = self.execute(msg, self.now())
+                        reply, t = self.execute(msg, self.now(), sock=sock)
                         out.append(reply)
                         ticket = max(ticket, t)
                 if ticket:

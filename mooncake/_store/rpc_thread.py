@@ -409,7 +409,7 @@ class _Worker:
                         c.decoder, c.authed, c.nonces, [_own(m) for m in msgs[i:]], out
                     )
                     break
-                out.append(server.execute(msg, now)[0])
+                out.append(server.execute(msg, now, sock=sock)[0])
         if handoff is not None:
             self._finish(c, handoff)
             return
