@@ -155,7 +155,9 @@ class SyncMaster:
             sock = self._sock or self._connect()
             if stamp is not None:
                 stamp[0] = time.monotonic()
-            return self._roundtrip(sock, method, params, rid)
+            # the first attempt says so (never refused as stale); the loop resends the plain id
+            first = rpc.first_attempt(rid) if rid is not None else None
+            return self._roundtrip(sock, method, params, first)
         except (OSError, ProtocolError):
             self.close()
         except (NotLeaderError, UnavailableError):

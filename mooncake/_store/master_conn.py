@@ -262,10 +262,13 @@ class MasterConnection:
         answers are retried as the module docstring says. ``stamp[0]``, when given, is set to
         ``anyio.current_time()`` just before each attempt is sent: after the call it is the
         send time of the attempt that was answered (read fences measure from it)."""
-        if rid is None and method in rpc.MUTATING:
+        fresh = rid is None and method in rpc.MUTATING
+        if fresh:
             rid = self.next_rid()
         try:
-            return await self._call_once(method, params, rid, stamp)
+            # the first attempt says so (never refused as stale); retries resend the plain id
+            first = rpc.first_attempt(rid) if fresh and rid is not None else rid
+            return await self._call_once(method, params, first, stamp)
         except (MasterUnreachableError, NotLeaderError, UnavailableError) as e:
             if method in rpc.AUTH_METHODS or (
                 self.resolver is None and not isinstance(e, MasterUnreachableError)
