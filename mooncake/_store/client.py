@@ -63,6 +63,7 @@ import anyio
 from mooncake._core import rpc
 from mooncake._core import store_types as st
 from mooncake._core.gpu import device_of
+from mooncake._core.hostmem import check_backable
 from mooncake._core.policies import EvictionPolicy
 from mooncake._core.staging import RangeAllocator
 from mooncake._core.tiers import Admission, make_admission
@@ -245,7 +246,10 @@ async def open_store(
     it across failovers and retries calls in flight there (:mod:`mooncake._store.master_conn`).
 
     ``segment_size`` 0 makes a pure client (contributes no memory); ``local_buffer_size`` 0
-    disables the copying APIs' staging for remote replicas. ``hostname`` is this client's
+    disables the copying APIs' staging for remote replicas. Both are pre-faulted host memory
+    (a ``cuda:N`` segment is not): sizes the machine cannot back now raise
+    :class:`InvalidArgumentError` naming them and what is available
+    (:mod:`mooncake._core.hostmem`; ``MC_MEMORY_CHECK=0`` skips the check). ``hostname`` is this client's
     address for peers (its engine binds it). Pass ``engine`` to share an existing engine (it is
     not closed on exit). On exit the segment is unmounted (objects stored in it disappear) and
     everything the client started stops.
@@ -266,6 +270,11 @@ async def open_store(
     """
     if protocol not in ("tcp", "rdma", ""):
         raise InvalidArgumentError(f"protocol {protocol!r} is not supported (use 'tcp' or 'rdma')")
+    # both are pre-faulted host memory: refuse at once what the machine cannot back
+    host_segment = segment_size if device_of(segment_location) is None else 0
+    check_backable(host_segment, "the segment (segment_size)")
+    check_backable(local_buffer_size, "the local buffer (local_buffer_size)")
+    check_backable(host_segment + local_buffer_size, "the segment and the local buffer together")
     store = Store(
         master,
         segment_size=segment_size,

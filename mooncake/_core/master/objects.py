@@ -159,7 +159,7 @@ class _Objects(_StateBase):
             raise NoAvailableHandleError(
                 f"no mounted segment has {size} free bytes for {key!r} "
                 f"({len(self._seg_list)} segments, {self._used}/{self._capacity} bytes used, "
-                f"{self._demoting_bytes} being demoted to SSD)"
+                f"{self._demoting_bytes} being demoted to SSD{self._held_note(now)})"
             )
         if obj is not None and self._objects.get(key) is not obj:
             obj = None  # the eviction above dropped the very object being upserted
@@ -172,6 +172,22 @@ class _Objects(_StateBase):
         self._writing[key] = obj.pending
         self.stats.puts_started += 1
         return [r.descriptor(ReplicaStatus.PROCESSING) for r in replicas]
+
+    def _held_note(self, now: float) -> str:
+        """What of the used bytes is only *held* (a deferred free: space of revoked, cancelled,
+        abandoned or replaced writes, or of versions inside a read window), and when the last
+        of it comes back: for a ``NO_AVAILABLE_HANDLE`` message, so a full answer from a nearly
+        empty store says why."""
+        held, last = 0, now
+        for until, _, reps in self._deferred:
+            held += sum(r.length for r in reps)
+            last = max(last, until)
+        if not held:
+            return ""
+        return (
+            f"; {held} of the used bytes are held after revoked, cancelled or replaced writes "
+            f"and read windows, all free again within {last - now:.1f} s"
+        )
 
     def _forget_if_empty(self, key: str, obj: _Object | None) -> None:
         """A failed PutStart that pre-empted a zombie write leaves no empty record behind."""
