@@ -2,9 +2,9 @@
 
 A holder (``tests/helpers/store_client_driver.py`` in its own process) keeps objects in its
 segment; the test process is a reader. The master's client TTL is long (60 s) so nothing here
-can be explained by the holder's expiry: what the reader sees comes from the quarantine the
-first failed transfer started (``ReportSegmentFailure``), and from its end when the holder is
-heard from again.
+can be explained by the holder's expiry: what the reader sees comes from the quarantine that
+the holder's closed heartbeat connection or the first failed transfer started
+(``ReportSegmentFailure``), and from its end when the holder is heard from again.
 """
 
 from __future__ import annotations
