@@ -190,3 +190,48 @@ def test_engine_surface_with_a_cluster_secret(secret_env: None, transport: str) 
             assert (tbuf.numpy()[:65536] == 7).all()
 
     anyio.run(native, backend="trio")
+
+
+def test_the_shm_transport_runs_the_exchange_and_refuses_without_it(secret_env: None) -> None:
+    import json
+    import socket
+
+    from mooncake._engine.transports.shm import ShmTransport, _Session
+
+    def shm_of(engine: mooncake.Engine) -> ShmTransport:
+        (t,) = [t for t in engine.transports if isinstance(t, ShmTransport)]
+        return t
+
+    async def native() -> None:
+        async with (
+            mooncake.open_engine(transports=["shm", "tcp"]) as target,
+            mooncake.open_engine(transports=["shm", "tcp"]) as initiator,
+        ):
+            tbuf = await target.allocate(1 << 20)
+            ibuf = await initiator.allocate(1 << 20)
+            ibuf.numpy()[:] = 5
+            (res,) = await initiator.transfer(
+                target.segment_name, [mooncake.TransferRequest.write(ibuf.addr, tbuf.addr, 4096)]
+            )
+            assert res.ok, res
+            assert (tbuf.numpy()[:4096] == 5).all()
+            peer = await initiator.peer(target.segment_name)
+            assert isinstance(peer.state.get("shm"), _Session)  # memory mapped, not TCP
+            assert shm_of(target).auth_failures == 0
+            # a same-uid process without the secret gets no buffer list, not even one fd
+            name = str(peer.descriptor.extra["shm_socket"])
+            assert peer.descriptor.extra.get("shm_auth") == 1
+            raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                raw.connect("\0" + name.removeprefix("@"))
+                raw.send(json.dumps({"op": "list"}).encode())
+                raw.settimeout(30)  # the server runs on this loop: wait in a thread
+                data, fds, _, _ = await anyio.to_thread.run_sync(
+                    lambda: socket.recv_fds(raw, 1 << 16, 8)
+                )
+                assert data == b"" and fds == []  # closed on us
+            finally:
+                raw.close()
+            assert shm_of(target).auth_failures == 1  # counted before it closed the socket
+
+    anyio.run(native, backend="trio")
