@@ -146,6 +146,8 @@ class Store(_Admin):
                 rpc.MountSegmentParams(client_id=self.client_id, segment=self.mounted),
             )
         self._tg = tg
+        # from now on every reconnection says "alive" first (MasterConnection.hello)
+        self.master.hello = rpc.ClientParams(client_id=self.client_id)
         if self.ssd is not None:
             await self._start_ssd()
             tg.start_soon(self._tier_loop)
@@ -177,9 +179,9 @@ class Store(_Admin):
             await self.master.sleep_or_leader_change(HEARTBEAT_S)
             try:
                 resp: st.PingResponse = await self.master.call("Ping", params)
-                if resp.client_status == st.ClientStatus.NEED_REMOUNT and (
-                    self.mounted_segments() or self.ssd is not None
-                ):
+                asked = resp.client_status == st.ClientStatus.NEED_REMOUNT
+                asked, self.master.remount_asked = asked or self.master.remount_asked, False
+                if asked and (self.mounted_segments() or self.ssd is not None):
                     log.warning("master asked %s to remount its segment", self.client_id)
                     await self._remount()
             except MooncakeError as e:
