@@ -321,4 +321,7 @@ def test_a_discarded_write_of_a_lost_client_is_revoked_and_its_keys_free() -> No
     assert m.exist_key("k", 2) and names(m, "k", 2) == [seg(0).name]
     assert m.put_start("a", "w", 100, on(0), 2)  # not "being written" any more
     m.connection_lost("stranger", 2)  # unknown: nothing happens
+    m.connection_lost("a", 3)
+    m.ping("a", 3)  # a heartbeat after the close came on a new connection: no grace needed
+    assert m.exist_key("k", 3) and m.quarantine.stats.reports == 0  # nobody was refuted
     m.check_invariants()

@@ -339,7 +339,9 @@ class MasterServer:
             ha.mark_mutated()
 
     def close_connections(self) -> None:
-        """Shut every client connection (a deposed leader does: clients re-resolve)."""
+        """Shut every client connection (a deposed leader does: clients re-resolve). Their
+        clients are not gone: no :func:`commands.ConnectionLost` for them."""
+        self._heartbeats.clear()
         for sock in list(self._socks):
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -376,6 +378,7 @@ class MasterServer:
         """
         self.connections += 1
         self._socks.add(sock)
+        stopping = False
         try:
             resume = None
             if self.rpc_thread is not None:
@@ -390,9 +393,15 @@ class MasterServer:
         except OSError as e:  # reset, broken pipe
             self.connections_dropped += 1
             log.info("master: connection lost: %s", e)
+        except anyio.get_cancelled_exc_class():
+            stopping = True  # the master is stopping: its clients are not gone
+            raise
         finally:
             self._socks.discard(sock)
-            self._connection_closed(sock)
+            if stopping:
+                self._heartbeats.pop(sock, None)
+            else:
+                self._connection_closed(sock)
 
     def _connection_closed(self, sock: socket.socket) -> None:
         """``sock`` closed: if it was the last connection a client sent heartbeats on, that
