@@ -146,8 +146,13 @@ class Store(_Admin):
                 rpc.MountSegmentParams(client_id=self.client_id, segment=self.mounted),
             )
         self._tg = tg
-        # from now on every reconnection says "alive" first (MasterConnection.hello)
-        self.master.hello = rpc.ClientParams(client_id=self.client_id)
+        # One heartbeat now (its answer needs nothing: a pure client is registered by it, a
+        # mounted one is known): with the mount, this connection is already this client's
+        # heartbeat connection, whose close tells the master at once that we are gone. From
+        # now on every reconnection says "alive" first (MasterConnection.hello).
+        hello = rpc.ClientParams(client_id=self.client_id)
+        await self.master.call("Ping", hello)
+        self.master.hello = hello
         if self.ssd is not None:
             await self._start_ssd()
             tg.start_soon(self._tier_loop)

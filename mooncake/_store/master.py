@@ -99,6 +99,8 @@ _RECV = 256 << 10
 _FAIR_ROUNDS = 16
 #: the calls whose client id marks their connection as that client's heartbeat connection
 _HEARTBEATS = frozenset({"Ping", "MountSegment", "ReMountSegment"})
+#: heartbeat calls that make a connection its client's heartbeat connection
+HEARTBEAT_CONNECTION_CALLS = 2
 _DEADLINE_SLACK = 0.5  # seconds a connection's wait deadline may fire late (5 % at most)
 _HTTP_MAX_HEAD = 16 << 10
 _HTTP_IDLE_S = 30.0
@@ -206,9 +208,11 @@ class MasterServer:
         self.last_snapshot_seq = 0
         self.clock_offset = 0.0
         self._socks: set[socket.socket] = set()
-        self._heartbeats: dict[socket.socket, str] = {}
-        """Connection -> the client id its last ``Ping``/mount carried (the connection that
-        closes last for a client is the sign its process is gone)."""
+        self._heartbeats: dict[socket.socket, tuple[str, int]] = {}
+        """Connection -> (the client id its last ``Ping``/mount carried, how many it carried).
+        One that carried two or more is that client's *heartbeat connection* (a tool's
+        one-call connection is not): the last of those closing is the sign the client is
+        gone."""
         self.rpc_thread: RpcThread | None = None
 
     # -- RPC -------------------------------------------------------------------------------
@@ -250,7 +254,9 @@ class MasterServer:
             params = rpc.decode_params(req)
             self.requests[name] += 1
             if sock is not None and name in _HEARTBEATS:
-                self._heartbeats[sock] = getattr(params, "client_id", "")
+                cid = getattr(params, "client_id", "")
+                seen = self._heartbeats.get(sock)
+                self._heartbeats[sock] = (cid, seen[1] + 1 if seen and seen[0] == cid else 1)
             rid = req.rid if name in rpc.MUTATING else None
             if ha is not None:
                 refusal = ha.refusal()
@@ -407,8 +413,13 @@ class MasterServer:
         """``sock`` closed: if it was the last connection a client sent heartbeats on, that
         client's segments are quarantined and its writes in flight discarded at once
         (:func:`commands.ConnectionLost`) instead of at its client TTL."""
-        client_id = self._heartbeats.pop(sock, None)
-        if not client_id or client_id in self._heartbeats.values():
+        entry = self._heartbeats.pop(sock, None)
+        if entry is None or entry[1] < HEARTBEAT_CONNECTION_CALLS or not entry[0]:
+            return
+        client_id = entry[0]
+        if any(
+            c == client_id and n >= HEARTBEAT_CONNECTION_CALLS for c, n in self._heartbeats.values()
+        ):
             return
         ha = self.ha
         if ha is not None and ha.refusal() is not None:
