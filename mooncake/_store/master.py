@@ -409,10 +409,11 @@ class MasterServer:
             else:
                 self._connection_closed(sock)
 
-    def _connection_closed(self, sock: socket.socket) -> None:
+    def _connection_closed(self, sock: socket.socket, now: float | None = None) -> None:
         """``sock`` closed: if it was the last connection a client sent heartbeats on, that
         client's segments are quarantined and its writes in flight discarded at once
-        (:func:`commands.ConnectionLost`) instead of at its client TTL."""
+        (:func:`commands.ConnectionLost`) instead of at its client TTL. ``now``: the state's
+        clock, for a caller off the loop (an RPC thread, holding the state lock)."""
         entry = self._heartbeats.pop(sock, None)
         if entry is None or entry[1] < HEARTBEAT_CONNECTION_CALLS or not entry[0]:
             return
@@ -425,7 +426,8 @@ class MasterServer:
         if ha is not None and ha.refusal() is not None:
             return  # not the leader: the leader (if any) sees its own connections
         try:
-            self.run_command(commands.ConnectionLost(client_id, self.now()))
+            when = self.now() if now is None else now
+            self.run_command(commands.ConnectionLost(client_id, when))
         except Exception:
             log.exception("master: handling the lost connection of %s failed", client_id)
 
