@@ -280,3 +280,51 @@ def test_reads_ignore_rids_and_stale_rids_are_refused() -> None:
     _answer(srv, rpc.encode_request(3, "Remove", rm, rid=rid(0, 2)))
     stale = _answer(srv, rpc.encode_request(4, "Remove", rm, rid=rid(0, 1)))
     assert stale.code == -900 and "cannot tell" in stale.message
+
+
+# -- first attempts are never stale ---------------------------------------------------------------
+
+
+def test_a_first_attempt_below_the_floor_is_new_and_its_retry_is_answered() -> None:
+    led = DedupLedger(per_client=4)
+    for seq in range(2, 12):  # other threads' calls, recorded while seq 1 was descheduled
+        led.record(rpc.first_attempt(rid(0, seq)), b"r%d" % seq)
+    with pytest.raises(StaleRequestError):  # an unmarked id (a retry) below the floor
+        led.lookup(rid(0, 1))
+    assert led.lookup(rpc.first_attempt(rid(0, 1))) is None  # old ledger: refused (-900)
+    led.record(rpc.first_attempt(rid(0, 1)), b"r1")
+    assert led.lookup(rid(0, 1)) == b"r1"  # its retry: the recorded reply, not applied again
+    assert led.lookup(rpc.first_attempt(rid(0, 11))) == b"r11"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    order=hs.permutations(list(range(1, 41))),
+    retries=hs.lists(hs.integers(1, 40), max_size=40),
+    per_client=hs.integers(1, 8),
+    max_bytes=hs.integers(200, 4000),
+)
+def test_first_attempts_in_any_order_are_never_refused_and_never_applied_twice(
+    order: list[int], retries: list[int], per_client: int, max_bytes: int
+) -> None:
+    """Threads draw sequence numbers from one counter and send them in any order: every first
+    attempt is applied exactly once; a retry of an applied call gets its recorded reply or is
+    refused (never applied again); a retry of a call never applied looks new."""
+    led = DedupLedger(per_client=per_client, max_clients=2, max_bytes=max_bytes)
+    applied: dict[int, bytes] = {}
+    for i, seq in enumerate(order):
+        assert led.lookup(rpc.first_attempt(rid(0, seq))) is None
+        applied[seq] = b"reply-%d" % seq
+        led.record(rpc.first_attempt(rid(0, seq)), applied[seq])
+        for r in retries[i : i + 1]:
+            try:
+                got = led.lookup(rid(0, r))
+            except StaleRequestError:
+                assert r in applied or r <= max(applied)
+                continue
+            if r in applied:
+                assert got == applied[r]  # never None: that would apply it twice
+            else:
+                assert got is None
+        if i % 7 == 0:  # another instance's traffic shares the byte bound
+            led.record(rpc.first_attempt(rid(1, i + 1)), b"x" * 50)

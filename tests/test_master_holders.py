@@ -19,6 +19,7 @@ from mooncake._core.store_types import ReplicateConfig, Segment
 from mooncake.errors import (
     ClientNotFoundError,
     InvalidArgumentError,
+    NoAvailableHandleError,
     ObjectAlreadyExistsError,
     ObjectHasLeaseError,
     ObjectNotFoundError,
@@ -158,7 +159,10 @@ def test_report_quarantines_the_segment_until_its_holders_heartbeat() -> None:
     # its only replica is unreachable: a clear code at once, no lease granted
     with pytest.raises(ReplicaNotFoundError, match="no reachable replica"):
         m.get_replica_list("k", 1.0)
-    assert m.exist_key("k", 1.0)  # the object is not lost
+    # exist agrees with get: no readable replica, so it does not exist (and is not leased)
+    assert not m.exist_key("k", 1.0)
+    assert m.batch_exist_key(["k", "absent"], 1.0) == [0, 0]
+    assert len(m.query_key("k").replicas) == 1  # the object is not lost
     # no new allocation there, even when asked for
     assert [r.segment_name for r in m.put_start("b", "new", 100, on(0), 1.0)] == [seg(1).name]
     m.ping("a", 1.05)  # inside the grace: a heartbeat sent before the report
@@ -166,6 +170,7 @@ def test_report_quarantines_the_segment_until_its_holders_heartbeat() -> None:
         m.get_replica_list("k", 1.05)
     m.ping("a", 1.2)
     assert names(m, "k", 1.2) == [seg(0).name]
+    assert m.exist_key("k", 1.2) and m.batch_exist_key(["k"], 1.2) == [1]
     assert m.quarantine.stats.lifted == 1
     m.check_invariants()
 
@@ -178,6 +183,7 @@ def test_reads_skip_a_quarantined_replica_and_use_the_others() -> None:
     assert sorted(names(m, "k", 0)) == [seg(0).name, seg(1).name]
     m.report_segment_failure("c", seg(0).name, "", 1)
     assert names(m, "k", 1) == [seg(1).name]
+    assert m.exist_key("k", 1) and m.batch_exist_key(["k"], 1) == [1]  # one is readable
     assert len(m.query_key("k").replicas) == 2  # both still belong to the object
 
 
@@ -284,3 +290,38 @@ def test_another_directory_does_not_take_over_a_live_clients_copies() -> None:
     with pytest.raises(ObjectAlreadyExistsError):
         m.put_local("b", "k", 100, 0)
     assert m.get_replica_list("k", 0).disk_clients == ["a"]
+
+
+# -- space held after a revoke -------------------------------------------------------------------
+
+
+def test_a_full_answer_from_held_space_says_so_and_the_space_returns() -> None:
+    m = master(put_revoke_hold=10.0)
+    m.mount_segment("a", Segment(id="s", name="127.0.0.1:1000", base=1 << 30, size=MiB), 0)
+    m.put_start("a", "big", MiB, DEF, 0)
+    m.put_revoke("a", "big", 0)  # a cancelled put: its bytes may still land for 10 s
+    with pytest.raises(NoAvailableHandleError, match=r"1048576 of the used bytes are held"):
+        m.put_start("a", "next", MiB, DEF, 1)
+    m.ping("a", 11)
+    m.sweep(11)
+    assert m.put_start("a", "next", MiB, DEF, 11)  # held only for put_revoke_hold
+    m.check_invariants()
+
+
+def test_a_discarded_write_of_a_lost_client_is_revoked_and_its_keys_free() -> None:
+    m = two_holders()
+    put(m, "a", "k", 0, on(0))
+    m.put_start("b", "w", 100, on(0), 0)
+    m.connection_lost("a", 1)  # the holder's heartbeat connection closed
+    assert not m.exist_key("k", 1) and m.batch_exist_key(["k"], 1) == [0]
+    with pytest.raises(ReplicaNotFoundError):
+        m.get_replica_list("k", 1)
+    m.connection_lost("b", 1)  # the writer's: its write in flight is discarded at once
+    m.ping("a", 2)  # the holder was alive after all: its next heartbeat lifts the quarantine
+    assert m.exist_key("k", 2) and names(m, "k", 2) == [seg(0).name]
+    assert m.put_start("a", "w", 100, on(0), 2)  # not "being written" any more
+    m.connection_lost("stranger", 2)  # unknown: nothing happens
+    m.connection_lost("a", 3)
+    m.ping("a", 3)  # a heartbeat after the close came on a new connection: no grace needed
+    assert m.exist_key("k", 3) and m.quarantine.stats.reports == 0  # nobody was refuted
+    m.check_invariants()

@@ -176,16 +176,20 @@ def test_reads_of_a_dead_clients_keys_fail_then_the_keys_are_gone(
             assert a.cmd("put", key=k, seed=i, size=65536, preferred=[a.hostname])["rc"] == 0
         assert me.get_into(keys[0], buf.ctypes.data, buf.nbytes) == 65536
         a.kill()
-        # the master still lists them (client TTL not over): the read itself must fail, and
-        # once reported, the master answers the holder's keys "no reachable replica" at once
+        # the master still lists them (client TTL not over), but it saw the holder's connection
+        # close (or a failed read reported it): its keys answer "no reachable replica" and do
+        # not exist, at once (a read racing that notice fails its transfer instead)
         rcs = [me.get_into(k, buf.ctypes.data, buf.nbytes) for k in keys]
-        assert set(rcs) <= {TRANSFER_FAIL, NOT_FOUND, UNREACHABLE} and TRANSFER_FAIL in rcs, rcs
+        assert set(rcs) <= {TRANSFER_FAIL, NOT_FOUND, UNREACHABLE} and UNREACHABLE in rcs, rcs
+        assert me.batch_is_exist(keys) == [0] * len(keys)
         wait_until(
-            lambda: me.batch_is_exist(keys) == [0] * len(keys), "the dead client's keys to go"
+            lambda: (
+                [me.get_into(k, buf.ctypes.data, buf.nbytes) for k in keys]
+                == [NOT_FOUND] * len(keys)
+            ),
+            "the dead client's keys to go",
         )
-        assert [me.get_into(k, buf.ctypes.data, buf.nbytes) for k in keys] == [NOT_FOUND] * len(
-            keys
-        )
+        assert me.batch_is_exist(keys) == [0] * len(keys)
         # the survivors' segments still take new objects
         assert me.put("after", b"x" * 1000) == 0
         assert b.cmd("digest", key="after") == {"len": 1000, "sha": sha(b"x" * 1000)}

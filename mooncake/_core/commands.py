@@ -11,6 +11,7 @@ A :class:`Command` is either an RPC call (``kind == "rpc"``: ``method`` and the 
 
 * :func:`Sweep` ``(now)``: time-driven work (:meth:`MasterState.sweep`);
 * :func:`CreditStall` ``(seconds, now)``: the master could not run for ``seconds``;
+* :func:`ConnectionLost` ``(client_id, now)``: the client's heartbeat connection closed;
 * :func:`ScanApply` ``(method, params, keys, now)``: a regex method applied to the keys the
   leader matched beforehand (off its loop), so replicas never run the pattern;
 * :func:`Promote` ``(now, seed, genesis)``: a leader took over: leases and client deadlines
@@ -44,6 +45,7 @@ __all__ = [
     "PURE_READS",
     "SCAN_APPLY",
     "Command",
+    "ConnectionLost",
     "CreditStall",
     "Durability",
     "Promote",
@@ -62,7 +64,7 @@ class Command(msgspec.Struct, array_like=True, frozen=True):
     """One entry of the replicated log (see the module docstring)."""
 
     kind: str
-    """``"rpc"``, ``"sweep"``, ``"stall"``, ``"scan"`` or ``"promote"``."""
+    """``"rpc"``, ``"sweep"``, ``"stall"``, ``"lost"``, ``"scan"`` or ``"promote"``."""
     now: float
     method: str = ""
     params: bytes = b""
@@ -88,6 +90,12 @@ def Sweep(now: float) -> Command:
 
 def CreditStall(seconds: float, now: float) -> Command:
     return Command("stall", now, seconds=seconds)
+
+
+def ConnectionLost(client_id: str, now: float) -> Command:
+    """The last connection on which ``client_id`` sent heartbeats closed
+    (:meth:`MasterState.connection_lost`)."""
+    return Command("lost", now, method=client_id)
 
 
 def ScanApply(
@@ -318,6 +326,9 @@ def apply(
         return None
     if kind == "stall":
         state.credit_stall(command.seconds)
+        return None
+    if kind == "lost":
+        state.connection_lost(command.method, command.now)
         return None
     if kind == "promote":
         state.rng.seed(command.seed)

@@ -20,11 +20,14 @@ Bounds (all configurable; the defaults in brackets):
 * ``max_clients`` [8192] instances: recording for one more forgets the least recently active
   instance entirely (its entries and its floor).
 
-What happens beyond them: :meth:`DedupLedger.lookup` of a ``rid`` whose instance is known and
-whose sequence number is at or below the instance's floor raises :class:`StaleRequestError` --
-the ledger cannot tell whether it applied that call, so the call is refused, never applied a
-second time. (The same holds for a first attempt that arrives after ``per_client`` later calls of
-its own instance were recorded: it is refused, not applied.) A ``rid`` of a forgotten instance
+What happens beyond them: :meth:`DedupLedger.lookup` of a *retried* ``rid`` whose instance is
+known and whose sequence number is at or below the instance's floor raises
+:class:`StaleRequestError` -- the ledger cannot tell whether it applied that call, so the call
+is refused, never applied a second time. A *first* attempt (its id marked with
+:data:`~mooncake._core.rpc.RID_FIRST`, as this package's clients send every call the first
+time) is never refused: it cannot have been applied, however many later calls of its instance
+(threads of one client draw from one counter but send on their own connections, so ids arrive
+out of order) were recorded meanwhile. An unmarked id (an older client) keeps the floor rule. A ``rid`` of a forgotten instance
 looks new and is applied: that needs ``max_clients`` other instances to have recorded a
 mutation since the forgotten one last did, while its retry was still pending (clients retry for
 at most their failover timeout).
@@ -40,7 +43,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from mooncake._core.rpc import RID_BYTES, check_rid
+from mooncake._core.rpc import RID_BYTES, RID_FIRST, check_rid
 from mooncake.errors import ErrorCode, InvalidArgumentError, StoreError
 
 DEFAULT_PER_CLIENT = 1024
@@ -73,11 +76,13 @@ class _Snapshot(msgspec.Struct, array_like=True):
     clients: list[tuple[bytes, int, list[tuple[int, bytes]]]]  # least recently active first
 
 
-def _split(rid: bytes) -> tuple[bytes, int]:
-    seq = int.from_bytes(rid[8:], "big")
+def _split(rid: bytes) -> tuple[bytes, int, bool]:
+    """(instance, sequence number, whether the id is marked as a first attempt)."""
+    raw = int.from_bytes(rid[8:], "big")
+    seq = raw & ~RID_FIRST
     if len(rid) != RID_BYTES or not seq:
         check_rid(rid)  # raises, naming what is wrong
-    return rid[:8], seq
+    return rid[:8], seq, raw != seq
 
 
 class DedupLedger:
@@ -119,15 +124,16 @@ class DedupLedger:
         return len(self._clients)
 
     def lookup(self, rid: bytes) -> bytes | None:
-        """The reply recorded for ``rid``; None if never seen; StaleRequestError if evicted."""
-        inst, seq = _split(rid)
+        """The reply recorded for ``rid``; None if never seen; StaleRequestError if evicted
+        (a retry only: a first attempt is new by definition, whatever the floor)."""
+        inst, seq, first = _split(rid)
         c = self._clients.get(inst)
         if c is None:
             return None
         reply = c.replies.get(seq)
         if reply is not None:
             return reply
-        if seq <= c.floor:
+        if seq <= c.floor and not first:
             raise StaleRequestError(
                 f"request {seq} of this client is older than the {self.per_client} replies "
                 "the master keeps per client; it cannot tell whether it was applied"
@@ -137,7 +143,7 @@ class DedupLedger:
     def record(self, rid: bytes, reply: bytes) -> None:
         """Remember ``reply`` as the answer to ``rid`` (a call just applied), then evict to the
         bounds. Recording a ``rid`` again replaces its reply."""
-        inst, seq = _split(rid)
+        inst, seq, _ = _split(rid)
         c = self._clients.get(inst)
         if c is None:
             c = self._clients[inst] = _Client(0, OrderedDict())

@@ -93,13 +93,24 @@ class Quarantine:
         entry.reporters[reporter] = None
         return True
 
+    def suspect(self, name: str, now: float, reason: str) -> None:
+        """Quarantine ``name`` on the master's own observation (its holder's heartbeat
+        connection closed): lifted by the holder's next heartbeat (no grace: a heartbeat
+        processed after the close came on a newer connection), and nobody is refuted for it."""
+        if name not in self.names:
+            self.names[name] = _Entry(now, reason=reason[:200])
+            self.stats.started += 1
+
     def alive(self, names: Iterable[str], now: float) -> list[str]:
         """The holder of ``names`` was heard from at ``now``: lift those quarantined at least
         ``grace`` ago (their reporters are refuted); the names lifted."""
         lifted = []
         for name in names:
             entry = self.names.get(name)
-            if entry is None or now < entry.since + self.grace:
+            # a suspicion of the master's own (no reporter: the holder's heartbeat connection
+            # closed) is lifted by any later heartbeat, which can only come on a newer
+            # connection; a report waits out the grace
+            if entry is None or (entry.reporters and now < entry.since + self.grace):
                 continue
             del self.names[name]
             lifted.append(name)

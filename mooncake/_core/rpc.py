@@ -484,9 +484,20 @@ def make_rid(instance: bytes, seq: int) -> bytes:
     return instance + seq.to_bytes(8, "big")
 
 
+RID_FIRST = 1 << 63
+"""Set in a request id's sequence number on the *first* attempt of a call (:func:`first_attempt`):
+the master then knows it was never sent before, so it is never refused as stale
+(:mod:`mooncake._core.dedup`); retries resend the id without it. Sequence numbers stay below."""
+
+
+def first_attempt(rid: bytes) -> bytes:
+    """``rid`` marked as the first attempt of its call (:data:`RID_FIRST`)."""
+    return rid[:8] + (int.from_bytes(rid[8:], "big") | RID_FIRST).to_bytes(8, "big")
+
+
 def check_rid(rid: bytes) -> None:
     """Raise :class:`InvalidArgumentError` unless ``rid`` is a well-formed request id."""
-    if len(rid) != RID_BYTES or rid[8:] == bytes(8):
+    if len(rid) != RID_BYTES or int.from_bytes(rid[8:], "big") & ~RID_FIRST == 0:
         raise InvalidArgumentError(
             f"request id must be {RID_BYTES} bytes (8 instance + u64 sequence >= 1), "
             f"got {len(rid)} bytes"
@@ -787,5 +798,6 @@ __all__ = [
     "encode_reply",
     "encode_request",
     "encode_result",
+    "first_attempt",
     "make_rid",
 ]

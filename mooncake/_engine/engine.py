@@ -56,6 +56,7 @@ from mooncake import _fast
 from mooncake._core.descriptor import BufferDesc, SegmentDescriptor, now_timestamp
 from mooncake._core.gpu import device_of, parse_location
 from mooncake._core.handshake import Frame, FrameType
+from mooncake._core.hostmem import check_backable
 from mooncake._core.memory import MemoryRegistry, Region, check_range
 from mooncake._core.transfer import (
     Opcode,
@@ -696,6 +697,7 @@ class Engine:
             self._device_mem[ptr] = dm
             return dm
         size = math.ceil(length / mmap.PAGESIZE) * mmap.PAGESIZE
+        check_backable(size, "a buffer")  # pre-faulted: too large would end in the OOM killer
         buf, fd = _map_shared(size, Buffer)
         try:
             addr = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)

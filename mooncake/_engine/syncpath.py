@@ -32,7 +32,8 @@ Pins are counted in the same ``users`` fields the loop thread uses (``Region.use
 shm ``_Entry.users``). A pin is taken first and the ``closing``/``dead`` flag checked after it;
 the loop sets the flag first and reads the count after it, so one of the two always sees the
 other. The count changes are single ``+= 1``/``-= 1`` on slot attributes, which CPython runs
-without releasing the GIL in between. Whatever the loop waits on (an ``unregister``, a revoke)
+without releasing the GIL in between; without a GIL (a free-threaded build) :func:`enabled` is
+false and the path never runs. Whatever the loop waits on (an ``unregister``, a revoke)
 is woken on the loop thread (``call_soon_threadsafe``) when a caller-thread pin ends.
 """
 
@@ -42,6 +43,7 @@ import errno
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -76,9 +78,34 @@ IDLE_LANES = 16
 SPIN_US = 0
 
 
+def gil_enabled() -> bool:
+    """Whether the GIL serialises Python code here: always on builds without
+    ``sys._is_gil_enabled`` (before 3.13), else its answer (a free-threaded build may run with
+    or without it)."""
+    check = getattr(sys, "_is_gil_enabled", None)
+    return True if check is None else bool(check())
+
+
 def enabled() -> bool:
-    """Whether the facade uses the caller-thread path (``MOONCAKE_SYNC_FASTPATH=0`` turns it off)."""
-    return os.environ.get("MOONCAKE_SYNC_FASTPATH", "1") not in ("0", "")
+    """Whether the facade uses the caller-thread path (``MOONCAKE_SYNC_FASTPATH=0`` turns it off).
+
+    Never without the GIL: the path's pins are plain ``+= 1``/``-= 1`` on counters the loop
+    thread changes too (``Region.users``, shm ``_Entry.users``, ``_Session.busy``), which only
+    the GIL makes atomic; on a free-threaded build running without it a lost decrement would
+    hang an ``unregister`` and a lost increment unmap memory in use, so everything goes through
+    the loop thread instead (logged once)."""
+    if os.environ.get("MOONCAKE_SYNC_FASTPATH", "1") in ("0", ""):
+        return False
+    if not gil_enabled():
+        global _WARNED_NOGIL
+        if not _WARNED_NOGIL:
+            _WARNED_NOGIL = True
+            log.warning("sync fast path off: this interpreter runs without the GIL")
+        return False
+    return True
+
+
+_WARNED_NOGIL = False
 
 
 class LanePool:

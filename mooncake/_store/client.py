@@ -63,6 +63,7 @@ import anyio
 from mooncake._core import rpc
 from mooncake._core import store_types as st
 from mooncake._core.gpu import device_of
+from mooncake._core.hostmem import check_backable
 from mooncake._core.policies import EvictionPolicy
 from mooncake._core.staging import RangeAllocator
 from mooncake._core.tiers import Admission, make_admission
@@ -146,6 +147,13 @@ class Store(_Admin):
                 rpc.MountSegmentParams(client_id=self.client_id, segment=self.mounted),
             )
         self._tg = tg
+        # One heartbeat now (its answer needs nothing: a pure client is registered by it, a
+        # mounted one is known): with the mount, this connection is already this client's
+        # heartbeat connection, whose close tells the master at once that we are gone. From
+        # now on every reconnection says "alive" first (MasterConnection.hello).
+        hello = rpc.ClientParams(client_id=self.client_id)
+        await self.master.call("Ping", hello)
+        self.master.hello = hello
         if self.ssd is not None:
             await self._start_ssd()
             tg.start_soon(self._tier_loop)
@@ -178,9 +186,9 @@ class Store(_Admin):
             await self.master.sleep_or_leader_change(HEARTBEAT_S)
             try:
                 resp: st.PingResponse = await self.master.call("Ping", params)
-                if resp.client_status == st.ClientStatus.NEED_REMOUNT and (
-                    self.mounted_segments() or self.ssd is not None
-                ):
+                asked = resp.client_status == st.ClientStatus.NEED_REMOUNT
+                asked, self.master.remount_asked = asked or self.master.remount_asked, False
+                if asked and (self.mounted_segments() or self.ssd is not None):
                     log.warning("master asked %s to remount its segment", self.client_id)
                     await self._remount()
             except MooncakeError as e:
@@ -249,7 +257,10 @@ async def open_store(
     it across failovers and retries calls in flight there (:mod:`mooncake._store.master_conn`).
 
     ``segment_size`` 0 makes a pure client (contributes no memory); ``local_buffer_size`` 0
-    disables the copying APIs' staging for remote replicas. ``hostname`` is this client's
+    disables the copying APIs' staging for remote replicas. Both are pre-faulted host memory
+    (a ``cuda:N`` segment is not): sizes the machine cannot back now raise
+    :class:`InvalidArgumentError` naming them and what is available
+    (:mod:`mooncake._core.hostmem`; ``MC_MEMORY_CHECK=0`` skips the check). ``hostname`` is this client's
     address for peers (its engine binds it). Pass ``engine`` to share an existing engine (it is
     not closed on exit). On exit the segment is unmounted (objects stored in it disappear) and
     everything the client started stops.
@@ -270,6 +281,11 @@ async def open_store(
     """
     if protocol not in ("tcp", "rdma", ""):
         raise InvalidArgumentError(f"protocol {protocol!r} is not supported (use 'tcp' or 'rdma')")
+    # both are pre-faulted host memory: refuse at once what the machine cannot back
+    host_segment = segment_size if device_of(segment_location) is None else 0
+    check_backable(host_segment, "the segment (segment_size)")
+    check_backable(local_buffer_size, "the local buffer (local_buffer_size)")
+    check_backable(host_segment + local_buffer_size, "the segment and the local buffer together")
     store = Store(
         master,
         segment_size=segment_size,

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 
 from mooncake import _fast
-from mooncake._core import rpc
+from mooncake._core import auth, rpc
 from mooncake._core import store_types as st
 from mooncake._core.master import parse_miss
 from mooncake._store.bounds import check_replica_list, own_extent
@@ -44,14 +44,17 @@ from mooncake._store.metrics import instrument_fast
 from mooncake._store.shm import MappedPeer
 from mooncake._store.writes import UPSERT_WAIT_S
 from mooncake.errors import (
+    AuthError,
     LeaseExpiredError,
     MooncakeError,
     NotLeaderError,
+    NotSupportedError,
     ObjectAlreadyExistsError,
     ObjectNotFoundError,
     PeerDiedError,
     ProtocolError,
     ReplicaNotReadyError,
+    RpcError,
     TransferError,
     UnavailableError,
 )
@@ -85,6 +88,8 @@ class SyncMaster:
         self._rbuf = memoryview(bytearray(1 << 16))  # recv_into: no allocation per answer
 
     def _connect(self) -> socket.socket:
+        """A new connection to the master the async connection resolved, authenticated with
+        the cluster secret when the store has one (as :meth:`MasterConnection.connect`)."""
         m = self._master
         if not m.port:  # an HA address not resolved yet: let the loop do it
             raise OSError("the leader is not resolved yet")
@@ -92,7 +97,50 @@ class SyncMaster:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
         self._dec = rpc.MessageDecoder()
+        if m.secret is not None:
+            try:
+                self._authenticate(sock, m.secret)
+            except BaseException:
+                self.close()
+                raise
         return sock
+
+    def _authenticate(self, sock: socket.socket, key: bytes) -> None:
+        """``AuthHello``/``AuthProve`` on a fresh connection; :class:`AuthError` when the
+        master takes no secret, does not know ours, or refuses our proof."""
+        where = f"{self._master.host}:{self._master.port}"
+        cn = auth.new_nonce()
+        try:
+            ch: rpc.AuthChallenge = self._roundtrip(
+                sock, "AuthHello", rpc.AuthHelloParams(nonce=cn)
+            )
+        except NotSupportedError:
+            raise AuthError(f"the master at {where} takes no cluster secret") from None
+        if not auth.verify(auth.server_proof(key, "rpc", cn, ch.nonce), ch.proof):
+            raise AuthError(f"the master at {where} does not know the cluster secret")
+        proof = auth.client_proof(key, "rpc", cn, ch.nonce)
+        try:
+            self._roundtrip(sock, "AuthProve", rpc.AuthProveParams(proof=proof))
+        except RpcError as e:
+            raise AuthError(f"the master at {where} refused us: {e}") from None
+
+    def _roundtrip(
+        self, sock: socket.socket, method: str, params: msgspec.Struct, rid: bytes | None = None
+    ) -> Any:
+        """Send one request on ``sock`` and decode its answer (skipping late answers of
+        interrupted calls); the master's errors raise their class."""
+        req_id = next(self._ids)
+        sock.sendall(rpc.encode_request(req_id, method, params, rid=rid))
+        while True:
+            msg = self._dec.next_message()
+            if msg is None:
+                n = sock.recv_into(self._rbuf)
+                if not n:
+                    raise OSError("the master closed the connection")
+                self._dec.feed(self._rbuf[:n])
+            elif isinstance(msg, rpc.Response) and msg.id == req_id:
+                return rpc.decode_result(method, msg)
+            # else: the late answer of an interrupted call; skip it
 
     def close(self) -> None:
         if self._sock is not None:
@@ -105,21 +153,11 @@ class SyncMaster:
         rid = self._master.next_rid() if method in rpc.MUTATING else None
         try:
             sock = self._sock or self._connect()
-            req_id = next(self._ids)
             if stamp is not None:
                 stamp[0] = time.monotonic()
-            sock.sendall(rpc.encode_request(req_id, method, params, rid=rid))
-            while True:
-                msg = self._dec.next_message()
-                if msg is None:
-                    n = sock.recv_into(self._rbuf)
-                    if not n:
-                        raise OSError("the master closed the connection")
-                    self._dec.feed(self._rbuf[:n])
-                elif isinstance(msg, rpc.Response) and msg.id == req_id:
-                    break
-                # else: the late answer of an interrupted call; skip it
-            return rpc.decode_result(method, msg)
+            # the first attempt says so (never refused as stale); the loop resends the plain id
+            first = rpc.first_attempt(rid) if rid is not None else None
+            return self._roundtrip(sock, method, params, first)
         except (OSError, ProtocolError):
             self.close()
         except (NotLeaderError, UnavailableError):
@@ -194,8 +232,9 @@ class FastPath:
             except ObjectAlreadyExistsError:
                 return
             except ReplicaNotReadyError:
-                # another write of the key is in flight: wait for it (as the async client)
-                if not upsert or time.monotonic() + pause > end:
+                # another write of the key is in flight: wait for it (as the async client);
+                # it may still fail, so its "exists" would not mean ours is stored
+                if time.monotonic() + pause > end:
                     raise
                 time.sleep(pause)
                 pause = min(pause * 2, 0.05)

@@ -97,6 +97,10 @@ DEFAULT_METRICS_PORT = 9003
 DEFAULT_SERVER_MAX_FRAME = 16 << 20
 _RECV = 256 << 10
 _FAIR_ROUNDS = 16
+#: the calls whose client id marks their connection as that client's heartbeat connection
+_HEARTBEATS = frozenset({"Ping", "MountSegment", "ReMountSegment"})
+#: heartbeat calls that make a connection its client's heartbeat connection
+HEARTBEAT_CONNECTION_CALLS = 2
 _DEADLINE_SLACK = 0.5  # seconds a connection's wait deadline may fire late (5 % at most)
 _HTTP_MAX_HEAD = 16 << 10
 _HTTP_IDLE_S = 30.0
@@ -204,6 +208,11 @@ class MasterServer:
         self.last_snapshot_seq = 0
         self.clock_offset = 0.0
         self._socks: set[socket.socket] = set()
+        self._heartbeats: dict[socket.socket, tuple[str, int]] = {}
+        """Connection -> (the client id its last ``Ping``/mount carried, how many it carried).
+        One that carried two or more is that client's *heartbeat connection* (a tool's
+        one-call connection is not): the last of those closing is the sign the client is
+        gone."""
         self.rpc_thread: RpcThread | None = None
 
     # -- RPC -------------------------------------------------------------------------------
@@ -225,7 +234,11 @@ class MasterServer:
         return self.execute(req, now, matched)[0]
 
     def execute(
-        self, req: rpc.Request, now: float, matched: list[str] | None = None
+        self,
+        req: rpc.Request,
+        now: float,
+        matched: list[str] | None = None,
+        sock: socket.socket | None = None,
     ) -> tuple[bytes, int]:
         """(framed reply, log ticket): with replication on, the reply may be sent only once
         :meth:`Replication.wait_durable` of the ticket returned True (0: send at once).
@@ -240,6 +253,10 @@ class MasterServer:
         try:
             params = rpc.decode_params(req)
             self.requests[name] += 1
+            if sock is not None and name in _HEARTBEATS:
+                cid = getattr(params, "client_id", "")
+                seen = self._heartbeats.get(sock)
+                self._heartbeats[sock] = (cid, seen[1] + 1 if seen and seen[0] == cid else 1)
             rid = req.rid if name in rpc.MUTATING else None
             if ha is not None:
                 refusal = ha.refusal()
@@ -328,7 +345,9 @@ class MasterServer:
             ha.mark_mutated()
 
     def close_connections(self) -> None:
-        """Shut every client connection (a deposed leader does: clients re-resolve)."""
+        """Shut every client connection (a deposed leader does: clients re-resolve). Their
+        clients are not gone: no :func:`commands.ConnectionLost` for them."""
+        self._heartbeats.clear()
         for sock in list(self._socks):
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -365,6 +384,7 @@ class MasterServer:
         """
         self.connections += 1
         self._socks.add(sock)
+        stopping = False
         try:
             resume = None
             if self.rpc_thread is not None:
@@ -379,8 +399,37 @@ class MasterServer:
         except OSError as e:  # reset, broken pipe
             self.connections_dropped += 1
             log.info("master: connection lost: %s", e)
+        except anyio.get_cancelled_exc_class():
+            stopping = True  # the master is stopping: its clients are not gone
+            raise
         finally:
             self._socks.discard(sock)
+            if stopping:
+                self._heartbeats.pop(sock, None)
+            else:
+                self._connection_closed(sock)
+
+    def _connection_closed(self, sock: socket.socket, now: float | None = None) -> None:
+        """``sock`` closed: if it was the last connection a client sent heartbeats on, that
+        client's segments are quarantined and its writes in flight discarded at once
+        (:func:`commands.ConnectionLost`) instead of at its client TTL. ``now``: the state's
+        clock, for a caller off the loop (an RPC thread, holding the state lock)."""
+        entry = self._heartbeats.pop(sock, None)
+        if entry is None or entry[1] < HEARTBEAT_CONNECTION_CALLS or not entry[0]:
+            return
+        client_id = entry[0]
+        if any(
+            c == client_id and n >= HEARTBEAT_CONNECTION_CALLS for c, n in self._heartbeats.values()
+        ):
+            return
+        ha = self.ha
+        if ha is not None and ha.refusal() is not None:
+            return  # not the leader: the leader (if any) sees its own connections
+        try:
+            when = self.now() if now is None else now
+            self.run_command(commands.ConnectionLost(client_id, when))
+        except Exception:
+            log.exception("master: handling the lost connection of %s failed", client_id)
 
     async def _serve_socket(
         self, sock: socket.socket, slot: _accept.Slot, resume: Handoff | None = None
@@ -451,7 +500,7 @@ class MasterServer:
                         out.append(reply)
                         ticket = max(ticket, t)
                     else:
-                        reply, t = self.execute(msg, self.now())
+                        reply, t = self.execute(msg, self.now(), sock=sock)
                         out.append(reply)
                         ticket = max(ticket, t)
                 if ticket:

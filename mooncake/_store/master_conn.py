@@ -58,6 +58,7 @@ import anyio.abc
 import msgspec
 
 from mooncake._core import auth, rpc
+from mooncake._core import store_types as st
 from mooncake._engine import _sockio
 from mooncake._store.leader import LeaderResolver, failover_timeout_from_env, is_ha_address
 from mooncake.errors import (
@@ -129,6 +130,12 @@ class MasterConnection:
         """Calls re-sent after a lost connection or a standby's answer."""
         self.leader_changes = 0
         self._change: anyio.Event | None = None
+        self.hello: rpc.ClientParams | None = None
+        """Set by a store client once mounted: every *re*connection first sends this ``Ping``
+        (before any retried call), so the master, which quarantines a client's segments when
+        its heartbeat connection closes, sees it alive again at once."""
+        self.remount_asked = False
+        """That ``Ping`` was answered ``NEED_REMOUNT`` (the heartbeat loop remounts)."""
         self._sock: socket.socket | None = None
         self._decoder = rpc.MessageDecoder()
         self._ids = itertools.count(1)
@@ -181,6 +188,20 @@ class MasterConnection:
             except BaseException:
                 self.close()
                 raise
+        if self.hello is not None:
+            await self._say_hello(self.hello)
+
+    async def _say_hello(self, params: rpc.ClientParams) -> None:
+        try:
+            resp: st.PingResponse = await self._call_once("Ping", params, None, None)
+        except MooncakeError as e:  # the call that reconnected fails or retries as always
+            log.info("ping after reconnecting to %s failed: %s", self.leader, e)
+            return
+        if resp.client_status == st.ClientStatus.NEED_REMOUNT:
+            self.remount_asked = True
+            ev, self._change = self._change, None
+            if ev is not None:
+                ev.set()  # wake the heartbeat loop: it remounts
 
     async def _authenticate(self, key: bytes) -> None:
         cn = auth.new_nonce()
@@ -262,10 +283,13 @@ class MasterConnection:
         answers are retried as the module docstring says. ``stamp[0]``, when given, is set to
         ``anyio.current_time()`` just before each attempt is sent: after the call it is the
         send time of the attempt that was answered (read fences measure from it)."""
-        if rid is None and method in rpc.MUTATING:
+        fresh = rid is None and method in rpc.MUTATING
+        if fresh:
             rid = self.next_rid()
         try:
-            return await self._call_once(method, params, rid, stamp)
+            # the first attempt says so (never refused as stale); retries resend the plain id
+            first = rpc.first_attempt(rid) if fresh and rid is not None else rid
+            return await self._call_once(method, params, first, stamp)
         except (MasterUnreachableError, NotLeaderError, UnavailableError) as e:
             if method in rpc.AUTH_METHODS or (
                 self.resolver is None and not isinstance(e, MasterUnreachableError)

@@ -384,6 +384,13 @@ class _Worker:
             return
         if not n:
             c.decoder.check_eof()
+            # a client's heartbeat connection closed: tell the state now, before this thread
+            # (or another) answers anyone else, not when the loop gets round to the handler
+            with self.owner.lock:
+                server = self.server
+                server._connection_closed(
+                    sock, self.owner._clock.current_time() + server.clock_offset
+                )
             self._finish(c)
             return
         # the messages' raw params point into the scratch buffer: used before the next recv
@@ -409,7 +416,7 @@ class _Worker:
                         c.decoder, c.authed, c.nonces, [_own(m) for m in msgs[i:]], out
                     )
                     break
-                out.append(server.execute(msg, now)[0])
+                out.append(server.execute(msg, now, sock=sock)[0])
         if handoff is not None:
             self._finish(c, handoff)
             return

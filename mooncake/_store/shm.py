@@ -51,6 +51,7 @@ import numpy as np
 
 from mooncake import _fast
 from mooncake._core.auth import load_secret
+from mooncake._core.hostmem import check_backable
 from mooncake.errors import InvalidArgumentError, PeerDiedError
 
 log = logging.getLogger("mooncake.store.shm")
@@ -100,12 +101,15 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 
 
 class SharedSegment:
-    """``size`` bytes of memfd-backed, page-aligned memory (pre-fault with :meth:`prefault`)."""
+    """``size`` bytes of memfd-backed, page-aligned memory (pre-fault with :meth:`prefault`);
+    :class:`InvalidArgumentError` if the machine cannot back that much now
+    (:func:`~mooncake._core.hostmem.check_backable`)."""
 
     def __init__(self, size: int, name: str = "mooncake-segment") -> None:
         if size <= 0:
             raise InvalidArgumentError(f"segment size must be positive, got {size}")
         size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        check_backable(size, "a segment")  # pre-faulted: too large would end in the OOM killer
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, size)

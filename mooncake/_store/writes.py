@@ -189,8 +189,10 @@ class _Writes(_Tiered):
         errs = await self._put_addrs_once(
             keys, addrs, sizes, config, upsert=upsert, batch=batch, copy=copy
         )
-        if upsert:
-            await self._wait_writes(errs, keys, addrs, sizes, config, batch=batch, copy=copy)
+        # another write of a key in flight: wait for it (it may fail, so "exists" is not ours)
+        await self._wait_writes(
+            errs, keys, addrs, sizes, config, upsert=upsert, batch=batch, copy=copy
+        )
         if self.ssd is None:
             return errs
         while True:  # while rounds make progress (each places at least one key)
@@ -225,11 +227,15 @@ class _Writes(_Tiered):
         sizes: Sequence[int],
         config: Config,
         *,
+        upsert: bool,
         batch: bool,
         copy: bool,
     ) -> None:
-        """Retry (in place in ``errs``) the upserts refused because another write of their key
-        was in flight, until it ended or :data:`UPSERT_WAIT_S` passed."""
+        """Retry (in place in ``errs``) the puts or upserts refused because another write of
+        their key was in flight (``REPLICA_IS_NOT_READY``), until it ended or
+        :data:`UPSERT_WAIT_S` passed: a put then finds the key readable (success: the other
+        put's bytes are stored) or starts its own write (the other was revoked or its writer
+        is gone); past the wait the error stays."""
         end = anyio.current_time() + UPSERT_WAIT_S
         pause = 0.001
         while True:
@@ -243,7 +249,7 @@ class _Writes(_Tiered):
                 [addrs[i] for i in again],
                 [sizes[i] for i in again],
                 _subset(config, again, len(keys)),
-                upsert=True,
+                upsert=upsert,
                 batch=batch,
                 copy=copy,
             )

@@ -26,7 +26,7 @@ import os
 from typing import Any
 
 from mooncake._store.shm import SharedSegment
-from mooncake.errors import to_code
+from mooncake.errors import MooncakeError, to_code
 from mooncake.store._base import StoreBase
 
 log = logging.getLogger("mooncake.store")
@@ -100,7 +100,7 @@ class SegmentMethods(StoreBase):
         aligned = -(-size // SLAB) * SLAB
         try:
             seg = SharedSegment(aligned, "mooncake-extra-segment")
-        except OSError as e:
+        except (OSError, MooncakeError) as e:
             log.error("allocate_and_mount_segment: %s", e)
             return out
         try:

@@ -156,8 +156,30 @@ class _Leases(_StateBase):
                 out[key] = self.get_replica_list(key, now).replicas
         return out
 
+    def _unreachable(self, key: str) -> bool:
+        """Whether ``key`` has a complete version whose every memory replica is on a
+        quarantined segment and which has no disk copy: :meth:`get_replica_list` answers
+        ``REPLICA_NOT_FOUND`` for it, so it does not exist either. Only asked while a segment
+        is quarantined."""
+        objects = self._objects
+        h = objects.table.find(key)
+        if h < 0:
+            return False
+        if h not in objects.hot:  # a cold row: one replica, no disk copy
+            sn = objects.table.cold_row(h)[0]
+            return objects.segs[sn].segment.name in self.quarantine
+        ver = objects.by_handle(h).readable
+        if ver is None or not ver.replicas or ver.disk:
+            return False
+        return all(r.seg.segment.name in self.quarantine for r in ver.replicas)
+
     def exist_key(self, key: str, now: float) -> bool:
-        """Whether ``key`` is readable; a true answer extends its lease (as Mooncake does)."""
+        """Whether ``key`` is readable: it has a complete version with a replica on a segment
+        that is not quarantined, or a disk copy -- exactly when :meth:`get_replica_list` would
+        answer replicas. A true answer extends its lease (as Mooncake does); a key whose every
+        holder is quarantined answers False and is not leased."""
+        if self.quarantine and self._unreachable(key):
+            return False
         deadline = now + self.config.default_kv_lease_ttl
         objects = self._objects
         (h,) = objects.table.lease_keys([key], deadline)
@@ -193,7 +215,9 @@ class _Leases(_StateBase):
 
     def batch_exist_key(self, keys: list[str], now: float) -> list[int]:
         """:meth:`exist_key` per key (1 / 0): the cold ones leased by the table in one call,
-        the hot ones here."""
+        the hot ones here (while a segment is quarantined, each key as :meth:`exist_key`)."""
+        if self.quarantine:
+            return [int(self.exist_key(k, now)) for k in keys]
         deadline = now + self.config.default_kv_lease_ttl
         found = self._objects.table.lease_keys(keys, deadline)
         hot = self._objects.hot

@@ -48,8 +48,11 @@ class _Objects(_StateBase):
     ) -> list[ReplicaDescriptor]:
         """Allocate replicas for a new object; it becomes readable at :meth:`put_end`.
 
-        ``OBJECT_ALREADY_EXISTS`` if ``key`` is readable or being written (unless that write
-        is a zombie older than ``put_start_discard_timeout``, which is pre-empted).
+        ``OBJECT_ALREADY_EXISTS`` if ``key`` is readable (Mooncake's idempotent put: what is
+        stored is an acknowledged put's bytes). ``REPLICA_IS_NOT_READY`` if its only version
+        is being written by another put (unless that write is a zombie older than
+        ``put_start_discard_timeout``, which is pre-empted): that write may still fail, so
+        "exists" would be a success with nothing stored; the client waits and retries.
         ``NO_AVAILABLE_HANDLE`` if not even one replica fits after eviction.
         """
         _check_client_id(client_id)
@@ -106,9 +109,9 @@ class _Objects(_StateBase):
         if pending is None:
             return
         if now - pending.started < self.config.put_start_discard_timeout:
-            if upsert:  # not "exists": the upsert did not happen, the caller must not assume it did
-                raise ReplicaNotReadyError(f"object {obj.key!r} is being written; retry later")
-            raise ObjectAlreadyExistsError(f"object {obj.key!r} is being written")
+            # not "exists": that write may still fail, and the caller must not assume its
+            # own happened (put or upsert)
+            raise ReplicaNotReadyError(f"object {obj.key!r} is being written; retry later")
         # zombie: the writer may still be writing, so its space waits for the release timeout
         obj.pending = None
         self._writing.pop(obj.key, None)
@@ -156,7 +159,7 @@ class _Objects(_StateBase):
             raise NoAvailableHandleError(
                 f"no mounted segment has {size} free bytes for {key!r} "
                 f"({len(self._seg_list)} segments, {self._used}/{self._capacity} bytes used, "
-                f"{self._demoting_bytes} being demoted to SSD)"
+                f"{self._demoting_bytes} being demoted to SSD{self._held_note(now)})"
             )
         if obj is not None and self._objects.get(key) is not obj:
             obj = None  # the eviction above dropped the very object being upserted
@@ -169,6 +172,22 @@ class _Objects(_StateBase):
         self._writing[key] = obj.pending
         self.stats.puts_started += 1
         return [r.descriptor(ReplicaStatus.PROCESSING) for r in replicas]
+
+    def _held_note(self, now: float) -> str:
+        """What of the used bytes is only *held* (a deferred free: space of revoked, cancelled,
+        abandoned or replaced writes, or of versions inside a read window), and when the last
+        of it comes back: for a ``NO_AVAILABLE_HANDLE`` message, so a full answer from a nearly
+        empty store says why."""
+        held, last = 0, now
+        for until, _, reps in self._deferred:
+            held += sum(r.length for r in reps)
+            last = max(last, until)
+        if not held:
+            return ""
+        return (
+            f"; {held} of the used bytes are held after revoked, cancelled or replaced writes "
+            f"and read windows, all free again within {last - now:.1f} s"
+        )
 
     def _forget_if_empty(self, key: str, obj: _Object | None) -> None:
         """A failed PutStart that pre-empted a zombie write leaves no empty record behind."""
@@ -234,6 +253,24 @@ class _Objects(_StateBase):
         self.stats.puts_revoked += 1
 
     upsert_revoke = put_revoke
+
+    def discard_writes_of(self, client_id: str, now: float) -> int:
+        """Abandon every write in flight of ``client_id`` (its writer is gone: its connection
+        closed or it expired), as a ``PutRevoke`` would: nothing of them becomes readable, a
+        later put of those keys starts at once, and their space is reused after
+        ``put_revoke_hold`` (a transfer may still be landing). The number discarded."""
+        mine = [(k, p) for k, p in self._writing.items() if p.client_id == client_id]
+        for key, p in mine:
+            del self._writing[key]
+            obj = self._objects.get(key)
+            if obj is None or obj.pending is not p:
+                continue
+            obj.pending = None
+            self._hold_written(p.version.replicas, now)
+            if obj.readable is None:
+                del self._objects[key]
+            self.stats.zombies_discarded += 1
+        return len(mine)
 
     def _pending_of(self, client_id: str, key: str) -> tuple[_Object, _Pending]:
         obj = self._objects.get(key)

@@ -59,6 +59,20 @@ class _Segments(_StateBase):
         )
         self.quarantine.alive(names, now)
 
+    def connection_lost(self, client_id: str, now: float) -> None:
+        """The last master connection on which ``client_id`` sent heartbeats closed: its
+        segments are quarantined until its next heartbeat (after the grace), as if a peer had
+        reported them, and its writes in flight are discarded (:meth:`discard_writes_of`).
+        A client the master does not know: nothing happens."""
+        client = self._clients.get(client_id)
+        if client is None:
+            return
+        for sid in client.segments:
+            seg = self._segments.get(sid)
+            if seg is not None:
+                self.quarantine.suspect(seg.segment.name, now, "its master connection closed")
+        self.discard_writes_of(client_id, now)
+
     def report_segment_failure(
         self, client_id: str, segment_name: str, reason: str, now: float
     ) -> bool:

@@ -25,7 +25,12 @@ credentials with ``SO_PEERCRED``. The server serves only clients of its own effe
 a uid listed in ``MOONCAKE_SHM_ALLOW_UIDS`` (comma-separated); others are disconnected before
 they can send anything. The client trusts a listener only if it has such a uid and is the
 process the descriptor names (``shm_pid``): a name taken over by another user (after the engine
-exited) is never talked to; that peer's requests go over TCP instead, with one warning. Every
+exited) is never talked to; that peer's requests go over TCP instead, with one warning. With
+``MOONCAKE_CLUSTER_SECRET`` set the descriptor says ``shm_auth: 1`` and every connection first
+runs the challenge-response of :mod:`mooncake._core.auth` (channel ``shm``; ``auth_hello`` /
+``auth_challenge`` / ``auth_prove`` / ``auth_ok`` messages, :data:`AUTH_S` in all) before the
+server lists anything; a peer on the other side of a secret mismatch is reached over TCP, whose
+own exchange then names the problem. Every
 message is validated (types, ranges, fd indices, memfd size and seals); a malformed one drops
 that connection, never the engine. Only sealed memfds (``F_SEAL_SHRINK``: they cannot be
 truncated under our mapping) are mapped.
@@ -63,12 +68,14 @@ from typing import Any
 import anyio
 
 from mooncake import _fast
+from mooncake._core import auth
 from mooncake._core.memory import Region
 from mooncake._core.transfer import Opcode, TransferRequest, TransferResult, completed, failed
 from mooncake._engine import _sockio
 from mooncake._engine._copier import Copier
 from mooncake._engine.transports.base import PeerInfo, Transport
 from mooncake.errors import (
+    AuthError,
     MooncakeError,
     NotSupportedError,
     PeerDiedError,
@@ -90,6 +97,63 @@ MAX_BUFFERS = 1 << 16  # entries one listing may announce (each mapping costs a 
 VM_CHUNK = 16 << 20  # process_vm bytes per call on a worker thread (a revoke waits for one)
 _CREDS = struct.Struct("3i")
 _U64 = 1 << 64
+AUTH_S = 5.0  # the whole challenge-response of one connection
+
+
+async def _client_auth(sock: socket.socket, secret: bytes, peer: str) -> None:
+    """The connecting side of the cluster-secret exchange (channel ``shm``); AuthError when
+    the server does not prove the secret or refuses our proof."""
+    cn = auth.new_nonce()
+    try:
+        with anyio.fail_after(AUTH_S):
+            await _send(sock, {"op": "auth_hello", "nonce": cn.hex()})
+            msg, fds = await _recv(sock)
+            for fd in fds:
+                os.close(fd)
+            if msg.get("op") != "auth_challenge":
+                raise AuthError(f"shm: {peer} answered {msg.get('op')!r:.40} to our auth hello")
+            sn = auth.check_hex(msg.get("nonce"), auth.NONCE_BYTES, "server nonce")
+            sp = auth.check_hex(msg.get("proof"), auth.PROOF_BYTES, "server proof")
+            if not auth.verify(auth.server_proof(secret, "shm", cn, sn), sp):
+                raise AuthError(f"shm: {peer} does not know the cluster secret")
+            proof = auth.client_proof(secret, "shm", cn, sn)
+            await _send(sock, {"op": "auth_prove", "proof": proof.hex()})
+            msg, fds = await _recv(sock)
+            for fd in fds:
+                os.close(fd)
+            if msg.get("op") != "auth_ok":
+                raise AuthError(f"shm: {peer} refused our cluster-secret proof")
+    except TimeoutError:
+        raise AuthError(f"shm: {peer} did not complete the cluster-secret exchange") from None
+    except (ValueError, PeerDiedError, ProtocolError) as e:
+        raise AuthError(f"shm: cluster-secret exchange with {peer} failed: {e}") from None
+
+
+async def _server_auth(sock: socket.socket, secret: bytes) -> bool:
+    """The serving side of the exchange: whether the client proved the secret."""
+    try:
+        with anyio.fail_after(AUTH_S):
+            msg, fds = await _recv(sock)
+            for fd in fds:
+                os.close(fd)
+            if msg.get("op") != "auth_hello":
+                return False
+            cn = auth.check_hex(msg.get("nonce"), auth.NONCE_BYTES, "client nonce")
+            sn = auth.new_nonce()
+            sp = auth.server_proof(secret, "shm", cn, sn)
+            await _send(sock, {"op": "auth_challenge", "nonce": sn.hex(), "proof": sp.hex()})
+            msg, fds = await _recv(sock)
+            for fd in fds:
+                os.close(fd)
+            got = auth.check_hex(msg.get("proof"), auth.PROOF_BYTES, "client proof")
+            if msg.get("op") != "auth_prove" or not auth.verify(
+                auth.client_proof(secret, "shm", cn, sn), got
+            ):
+                return False
+            await _send(sock, {"op": "auth_ok"})
+            return True
+    except (TimeoutError, ValueError, MooncakeError):
+        return False
 
 
 def allowed_uids() -> frozenset[int]:
@@ -470,6 +534,9 @@ class ShmTransport(Transport):
         self._warned_trust = False
         self._copier: Copier | None = None
         self._uids = allowed_uids()
+        #: the cluster secret clients must prove before anything else (None: no exchange)
+        self.secret = auth.load_secret()
+        self.auth_failures = 0
 
     async def start(self) -> None:
         if not available():
@@ -488,6 +555,7 @@ class ShmTransport(Transport):
             "shm_socket": "@" + self._name,
             "shm_pid": os.getpid(),
             "shm_proto": SHM_PROTO,
+            **({"shm_auth": 1} if self.secret is not None else {}),
         }
 
     async def _accept_loop(self, lsock: socket.socket) -> None:
@@ -515,6 +583,10 @@ class ShmTransport(Transport):
             if uid not in self._uids:
                 # another user: not even the buffer list (MOONCAKE_SHM_ALLOW_UIDS widens this)
                 log.info("shm: refusing a client of uid %d (pid %d)", uid, pid)
+                return
+            if self.secret is not None and not await _server_auth(sock, self.secret):
+                self.auth_failures += 1
+                log.warning("shm: refusing pid %d: it did not prove the cluster secret", pid)
                 return
             async with limiter:
                 self._clients.add(client)
@@ -640,12 +712,26 @@ class ShmTransport(Transport):
             reason = f"its shm socket is held by uid {uid}"
         elif type(want_pid) is int and want_pid != pid:
             reason = f"its shm socket is held by pid {pid}, not the pid {want_pid} it published"
+        wants = bool(peer.descriptor.extra.get("shm_auth"))
+        if not reason and wants != (self.secret is not None):
+            # one side has the cluster secret, the other not: TCP's exchange says which
+            reason = (
+                "it takes the cluster secret and we have none"
+                if wants
+                else ("it does not take the cluster secret")
+            )
         if reason:
             # a name taken over by someone else (or a user we do not share memory with): say
             # nothing to it, map nothing from it
             sock.close()
             u = peer.state[self.name] = _Untrusted(reason)
             return u
+        if self.secret is not None:
+            try:
+                await _client_auth(sock, self.secret, peer.segment)
+            except BaseException:
+                sock.close()
+                raise
         s = _Session(sock, pid)
         peer.state[self.name] = s
         self.engine.task_group.start_soon(s.reader, name=f"shm-session {peer.segment}")
@@ -672,7 +758,7 @@ class ShmTransport(Transport):
             s = await self._session(peer)
             if isinstance(s, _Session):
                 s.check_alive()
-        except PeerDiedError as e:
+        except (PeerDiedError, AuthError) as e:
             return [failed(e)] * len(requests)
         if isinstance(s, _Untrusted):
             if not self._warned_trust:
