@@ -273,3 +273,23 @@ def test_cli_prints_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
     # TensorRT-LLM's CMake looks for MOONCAKE_ROOT/lib and MOONCAKE_ROOT/include
     assert (root / "lib" / "libtransfer_engine.so").exists()
     assert (root / "include" / "transfer_engine_c.h").exists()
+
+
+def test_device_memory_check_compiles_and_runs_where_there_is_a_gpu(tmp_path: Path) -> None:
+    """tests/c/gpu_register.c (benchmarks/gpu_check_cabi.sh runs it on a GPU machine) builds
+    here; it runs to the end only with a usable GPU (exit 3 without one)."""
+    assert CC is not None
+    exe = tmp_path / "gpu_register"
+    src = ROOT / "tests" / "c" / "gpu_register.c"
+    cmd = [CC, "-O1", "-Wall", "-Werror", "-std=gnu11", *c_abi.cflags().split(), str(src)]
+    r = subprocess.run(
+        [*cmd, "-o", str(exe), *c_abi.libs().split(), "-ldl"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([str(exe)], capture_output=True, text=True, env=_env(), timeout=300)
+    if r.returncode == 3:
+        pytest.skip(f"no usable GPU: {r.stderr.strip()[-200:]}")
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -113,6 +113,8 @@ class CEngine:
         self.loop: LoopThread = loop
         self.engine: Engine = engine
         self._timeout_s = _timeout_s
+        self._fast = te._fast
+        self._tbase = te._tbase
         self._names: dict[int, str] = {0: engine.segment_name}
         self._ids: dict[str, int] = {engine.segment_name: 0}
         self._next_id = 1
@@ -197,66 +199,79 @@ class CEngine:
     # -- transfers ------------------------------------------------------------------------
 
     def submit(
-        self, batch: int, first: int, view: memoryview, nname: bytes | None, nmsg: bytes | None
+        self, batch: int, first: int, raw: bytes, nname: bytes | None, nmsg: bytes | None
     ) -> int:
         """Start tasks ``first, first + 1, ...`` of ``batch`` (the C struct's address), one per
-        ``struct transfer_request`` in ``view``. A Status code if refused before anything
+        ``struct transfer_request`` in ``raw``. A Status code if refused before anything
         moved (1: bad opcode or unknown segment, 3: a source range not registered), 0 when
         started (each task's end is reported to C), or :data:`DONE_INLINE`."""
-        groups: dict[int, list[tuple[int, TransferRequest]]] = {}
-        registry = self.engine.registry
-        for i, (opcode, src, target, offset, length) in enumerate(REQUEST.iter_unpack(view)):
-            if opcode not in (0, 1) or target not in self._names:
+        entries = list(REQUEST.iter_unpack(raw))
+        names = self._names
+        find = self.engine.registry.find
+        for opcode, src, target, _, length in entries:
+            if (opcode != 0 and opcode != 1) or target not in names:
                 log.error("submitTransfer: bad opcode %d or unknown segment %d", opcode, target)
                 return S_INVALID_ARGUMENT
-            if not src or not length or registry.find(src, length) is None:
+            if not src or not length or find(src, length) is None:
                 log.error("submitTransfer: [%#x, +%d) is not registered", src, length)
                 return S_ADDRESS_NOT_REGISTERED
+        notify = None if nname is None or nmsg is None else (_text(nname), _text(nmsg))
+        op0, _, target0, _, _ = entries[0]
+        if notify is None and (
+            len(entries) == 1 or all(e[2] == target0 and e[0] == op0 for e in entries)
+        ):
+            failed = self._inline(names[target0], entries)
+            if failed is not None:
+                if not failed:
+                    return DONE_INLINE
+                _report(batch, first, len(entries), STATUS_FAILED)
+                return S_OK
+        groups: dict[int, list[tuple[int, TransferRequest]]] = {}
+        for i, (opcode, src, target, offset, length) in enumerate(entries):
             op = Opcode.WRITE if opcode else Opcode.READ
             groups.setdefault(target, []).append(
                 (first + i, TransferRequest(op, src, offset, length))
             )
-        notify = None if nname is None or nmsg is None else (_text(nname), _text(nmsg))
-        if notify is None and len(groups) == 1:
-            ((target, items),) = groups.items()
-            done = self._inline(target, items)
-            if done is not None:
-                if not done:
-                    return DONE_INLINE
-                _report_all(batch, [i for i, _ in items], STATUS_FAILED)
-                return S_OK
         for target, items in groups.items():
             reqs = [r for _, r in items]
-            timeout = self._timeout_s(sum(r.length for r in reqs), self.te._tbase)
-            fut = self.loop.submit(_run, self.engine, self._names[target], reqs, timeout, notify)
+            timeout = self._timeout_s(sum(r.length for r in reqs), self._tbase)
+            fut = self.loop.submit(_run, self.engine, names[target], reqs, timeout, notify)
             fut.add_done_callback(partial(self._done, batch, [i for i, _ in items]))
         return S_OK
 
-    def _inline(self, target: int, items: list[tuple[int, TransferRequest]]) -> list[int] | None:
-        """Run a small single-opcode batch on this thread: [] all done, [...] failed, or None."""
-        fast = self.te._fast
+    def _inline(self, segment: str, entries: list[tuple[int, int, int, int, int]]) -> bool | None:
+        """Run a small single-opcode batch to one segment on this thread through the facade's
+        sync path: False when every request completed, True when one failed, None when the
+        batch belongs on the loop."""
+        fast = self._fast
         if fast is None:
             return None
-        op = items[0][1].opcode
-        if any(r.opcode is not op for _, r in items):
-            return None
-        reqs = [r for _, r in items]
-        lens = [r.length for r in reqs]
+        if len(entries) == 1:
+            op, la, _, ra, n = entries[0]
+            las, ras, lens, total = [la], [ra], [n], n
+        else:
+            op = entries[0][0]
+            las = [e[1] for e in entries]
+            ras = [e[3] for e in entries]
+            lens = [e[4] for e in entries]
+            total = sum(lens)
         try:
             bad = fast.transfer(
-                self._names[target],
-                op,
-                [r.local_addr for r in reqs],
-                [r.remote_addr for r in reqs],
+                segment,
+                Opcode.WRITE if op else Opcode.READ,
+                las,
+                ras,
                 lens,
-                self._timeout_s(sum(lens), self.te._tbase),
+                self._tbase + total * 1e-9,  # the facade's deadline: base plus 1 ns per byte
             )
         except (MooncakeError, TimeoutError) as e:
-            log.error("transfer to %s failed: %s", self._names[target], e)
-            return [i for i, _ in items]
+            log.error("transfer to %s failed: %s", segment, e)
+            return True
         if bad is None:
             return None
-        return [i for i, _ in items] if bad else []
+        if bad:
+            log.error("transfer to %s: %d requests failed: %s", segment, len(bad), bad[0].error)
+        return bool(bad)
 
     def _done(self, batch: int, tasks: list[int], fut: Future[list[TransferResult]]) -> None:
         if self._closed:

@@ -26,6 +26,7 @@
 #include <dlfcn.h>
 #include <limits.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -494,32 +495,28 @@ static int mc_submit(transfer_engine_t engine, batch_id_t batch_id,
 
     PyGILState_STATE gs = PyGILState_Ensure();
     long rc = S_INVALID_ARGUMENT;
-    PyObject *view = PyMemoryView_FromMemory((char *)entries,
-                                             (Py_ssize_t)(count * sizeof(*entries)), PyBUF_READ);
+    static PyObject *submit_name;
+    if (!submit_name) submit_name = PyUnicode_InternFromString("submit");
+    /* a copy: Python never keeps a view of the caller's array */
+    PyObject *raw = PyBytes_FromStringAndSize((const char *)entries,
+                                             (Py_ssize_t)(count * sizeof(*entries)));
+    PyObject *pb = PyLong_FromVoidPtr(b), *pf = PyLong_FromSize_t(first);
+    PyObject *nn = notify ? PyBytes_FromString(notify->name) : Py_NewRef(Py_None);
+    PyObject *nm = notify ? PyBytes_FromString(notify->msg) : Py_NewRef(Py_None);
     PyObject *r = NULL;
-    if (view) {
-        if (notify)
-            r = PyObject_CallMethod(e->py, "submit", "KnOyy",
-                                    (unsigned long long)(uintptr_t)b, (Py_ssize_t)first, view,
-                                    notify->name, notify->msg);
-        else
-            r = PyObject_CallMethod(e->py, "submit", "KnOOO",
-                                    (unsigned long long)(uintptr_t)b, (Py_ssize_t)first, view,
-                                    Py_None, Py_None);
-    }
+    if (submit_name && raw && pb && pf && nn && nm)
+        r = PyObject_CallMethodObjArgs(e->py, submit_name, pb, pf, raw, nn, nm, NULL);
     if (r) {
         rc = PyLong_AsLong(r);
         if (rc == -1 && PyErr_Occurred()) rc = S_INVALID_ARGUMENT;
     }
     if (PyErr_Occurred()) PyErr_Print();
-    if (view) {
-        /* Python must not keep a view of the caller's array */
-        PyObject *rel = PyObject_CallMethod(view, "release", NULL);
-        Py_XDECREF(rel);
-        if (PyErr_Occurred()) PyErr_Clear();
-    }
     Py_XDECREF(r);
-    Py_XDECREF(view);
+    Py_XDECREF(raw);
+    Py_XDECREF(pb);
+    Py_XDECREF(pf);
+    Py_XDECREF(nn);
+    Py_XDECREF(nm);
     PyGILState_Release(gs);
 
     if (rc == MC_DONE_INLINE) {
@@ -563,6 +560,8 @@ MC_EXPORT int getTransferStatus(transfer_engine_t engine, batch_id_t batch_id, s
     status->status = s;
     status->transferred_bytes = s == STATUS_COMPLETED ? b->lengths[task_id] : 0;
     pthread_mutex_unlock(&g_lock);
+    /* callers spin on this (TensorRT-LLM does): give the engine's threads the core meanwhile */
+    if (s == STATUS_WAITING) sched_yield();
     return S_OK;
 }
 
