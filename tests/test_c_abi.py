@@ -84,6 +84,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "-Wextra",
         "-Werror",
         "-std=gnu11",
+        "-pthread",
         *c_abi.cflags().split(),
         str(PROGRAM),
         "-o",

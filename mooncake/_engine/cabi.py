@@ -88,7 +88,7 @@ def create(
     """
     from mooncake.engine import TransferEngine
 
-    host = (ip_or_host_name or local_server_name).decode()
+    host = (local_server_name or ip_or_host_name).decode()
     if not host:
         log.error("createTransferEngine: no local server name")
         return None

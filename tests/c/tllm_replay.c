@@ -15,6 +15,7 @@
  */
 
 #include <inttypes.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -242,6 +243,26 @@ static int run_initiator(const char *seg, uint64_t raddr) {
     return failures ? 1 : 0;
 }
 
+struct thread_job {
+    transfer_engine_t e;
+    uint8_t *buf;
+    int rc;
+};
+
+/* Calls from threads other than the one that created the engine (TensorRT-LLM makes them). */
+static void *thread_copy(void *arg) {
+    struct thread_job *j = arg;
+    for (int round = 0; round < 50 && j->rc == 0; round++) {
+        char name[64];
+        if (getLocalIpAndPort(j->e, name, sizeof(name))) j->rc = 1;
+        batch_id_t bid = allocateBatchID(j->e, 4);
+        struct transfer_request r = {OPCODE_WRITE, j->buf, LOCAL_SEGMENT,
+                                     (uint64_t)(uintptr_t)(j->buf + 8 * K4), K4};
+        if (submitTransfer(j->e, bid, &r, 1) || wait_batch(j->e, bid, &r, 1)) j->rc = 2;
+    }
+    return NULL;
+}
+
 static int run_bad(void) {
     char out[64];
     int size = 7;
@@ -292,6 +313,17 @@ static int run_bad(void) {
     CHECK(submitTransfer(e, bid, &r, 1) == 0, "local write");
     CHECK(wait_batch(e, bid, &r, 1) == 0, "local write completes");
     CHECK(mismatch(buf + 128 * K4, 0, 16 * K4, 3) < 0, "local copy differs");
+
+    /* the same from two other threads at once */
+    struct thread_job jobs[2] = {{e, buf + 160 * K4, 0}, {e, buf + 192 * K4, 0}};
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++) fill(jobs[i].buf, 0, K4, 4 + i);
+    for (int i = 0; i < 2; i++) pthread_create(&th[i], NULL, thread_copy, &jobs[i]);
+    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < 2; i++) {
+        CHECK(jobs[i].rc == 0, "calls from thread %d: %d", i, jobs[i].rc);
+        CHECK(mismatch(jobs[i].buf + 8 * K4, 0, K4, 4 + i) < 0, "thread %d's copy differs", i);
+    }
 
     /* a freed batch id is refused everywhere */
     CHECK(getTransferStatus(e, bid, 0, &st) == 1, "status of a freed batch");

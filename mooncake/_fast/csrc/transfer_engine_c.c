@@ -164,6 +164,23 @@ static void mc_init_python(void) {
     if (embedded) PyEval_SaveThread(); /* the loop thread runs while C is outside our calls */
 }
 
+/* The GIL for this thread. A thread's first call keeps a thread state for it for good, so
+ * later calls from it (TensorRT-LLM calls from its own threads) neither create nor destroy one;
+ * a thread that already holds the GIL (a PyDLL caller) is left as it is. */
+static __thread int t_kept;
+
+static PyGILState_STATE mc_gil(void) {
+    if (!t_kept) {
+        t_kept = 1;
+        PyGILState_STATE s = PyGILState_Ensure();
+        if (s == PyGILState_UNLOCKED)
+            PyEval_SaveThread();
+        else
+            PyGILState_Release(s);
+    }
+    return PyGILState_Ensure();
+}
+
 /* The engine of a handle, or NULL if it is not a live engine of this library. */
 static mc_engine *mc_engine_of(transfer_engine_t handle) {
     mc_engine *found = NULL;
@@ -180,7 +197,7 @@ static mc_engine *mc_engine_of(transfer_engine_t handle) {
 
 /* Call a method of the engine's CEngine; its int result, or `fail` on an exception. */
 static long mc_call_int(mc_engine *e, long fail, const char *method, const char *fmt, ...) {
-    PyGILState_STATE gs = PyGILState_Ensure();
+    PyGILState_STATE gs = mc_gil();
     long rc = fail;
     PyObject *m = PyObject_GetAttrString(e->py, method);
     PyObject *args = NULL, *r = NULL;
@@ -218,7 +235,7 @@ MC_EXPORT transfer_engine_t createTransferEngine(const char *metadata_conn_strin
                                                  int auto_discover) {
     pthread_once(&g_once, mc_init_python);
     if (!g_mod) return NULL;
-    PyGILState_STATE gs = PyGILState_Ensure();
+    PyGILState_STATE gs = mc_gil();
     PyObject *py = PyObject_CallMethod(
         g_mod, "create", "yyyKi", metadata_conn_string ? metadata_conn_string : "",
         local_server_name ? local_server_name : "", ip_or_host_name ? ip_or_host_name : "",
@@ -229,7 +246,7 @@ MC_EXPORT transfer_engine_t createTransferEngine(const char *metadata_conn_strin
     if (!py) return NULL;
     mc_engine *e = calloc(1, sizeof(*e));
     if (!e) {
-        gs = PyGILState_Ensure();
+        gs = mc_gil();
         PyObject *r = PyObject_CallMethod(py, "close", NULL);
         Py_XDECREF(r);
         Py_DECREF(py);
@@ -265,7 +282,7 @@ MC_EXPORT void destroyTransferEngine(transfer_engine_t engine) {
             break;
         }
     pthread_mutex_unlock(&g_lock);
-    PyGILState_STATE gs = PyGILState_Ensure();
+    PyGILState_STATE gs = mc_gil();
     PyObject *r = PyObject_CallMethod(e->py, "close", NULL);
     if (!r) PyErr_Print();
     Py_XDECREF(r);
@@ -287,7 +304,7 @@ MC_EXPORT int discoverTopology(transfer_engine_t engine) {
 MC_EXPORT int getLocalIpAndPort(transfer_engine_t engine, char *buf_out, size_t buf_len) {
     mc_engine *e = mc_engine_of(engine);
     if (!e || !buf_out || !buf_len) return ERR_INVALID_ARGUMENT;
-    PyGILState_STATE gs = PyGILState_Ensure();
+    PyGILState_STATE gs = mc_gil();
     int rc = ERR_INVALID_ARGUMENT;
     PyObject *r = PyObject_CallMethod(e->py, "local_ip_and_port", NULL);
     const char *s = r ? PyUnicode_AsUTF8(r) : NULL;
@@ -493,7 +510,7 @@ static int mc_submit(transfer_engine_t engine, batch_id_t batch_id,
     pthread_mutex_unlock(&g_lock);
     if (!count) return S_OK;
 
-    PyGILState_STATE gs = PyGILState_Ensure();
+    PyGILState_STATE gs = mc_gil();
     long rc = S_INVALID_ARGUMENT;
     static PyObject *submit_name;
     if (!submit_name) submit_name = PyUnicode_InternFromString("submit");
@@ -611,7 +628,7 @@ MC_EXPORT notify_msg_t *getNotifsFromEngine(transfer_engine_t engine, int *size)
     mc_engine *e = mc_engine_of(engine);
     if (size) *size = 0;
     if (!e || !size) return NULL;
-    PyGILState_STATE gs = PyGILState_Ensure();
+    PyGILState_STATE gs = mc_gil();
     notify_msg_t *out = NULL;
     PyObject *lst = PyObject_CallMethod(e->py, "get_notifies", NULL);
     Py_ssize_t n = lst && PyList_Check(lst) ? PyList_GET_SIZE(lst) : 0;
