@@ -207,25 +207,27 @@ class CEngine:
         started (each task's end is reported to C), or :data:`DONE_INLINE`."""
         entries = list(REQUEST.iter_unpack(raw))
         names = self._names
-        find = self.engine.registry.find
-        for opcode, src, target, _, length in entries:
+        for opcode, _, target, _, _ in entries:
             if (opcode != 0 and opcode != 1) or target not in names:
                 log.error("submitTransfer: bad opcode %d or unknown segment %d", opcode, target)
                 return S_INVALID_ARGUMENT
-            if not src or not length or find(src, length) is None:
-                log.error("submitTransfer: [%#x, +%d) is not registered", src, length)
-                return S_ADDRESS_NOT_REGISTERED
         notify = None if nname is None or nmsg is None else (_text(nname), _text(nmsg))
         op0, _, target0, _, _ = entries[0]
         if notify is None and (
             len(entries) == 1 or all(e[2] == target0 and e[0] == op0 for e in entries)
         ):
+            # the sync path checks the local ranges itself and moves nothing unless all hold
             failed = self._inline(names[target0], entries)
             if failed is not None:
                 if not failed:
                     return DONE_INLINE
                 _report(batch, first, len(entries), STATUS_FAILED)
                 return S_OK
+        find = self.engine.registry.find
+        for _, src, _, _, length in entries:
+            if not src or not length or find(src, length) is None:
+                log.error("submitTransfer: [%#x, +%d) is not registered", src, length)
+                return S_ADDRESS_NOT_REGISTERED
         groups: dict[int, list[tuple[int, TransferRequest]]] = {}
         for i, (opcode, src, target, offset, length) in enumerate(entries):
             op = Opcode.WRITE if opcode else Opcode.READ
