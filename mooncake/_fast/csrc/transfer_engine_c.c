@@ -10,7 +10,8 @@
  *
  * Batches live here, in C: allocateBatchID, getTransferStatus and freeBatchID never touch
  * Python, so a caller spinning on getTransferStatus (as TensorRT-LLM's agent does) costs the
- * engine nothing. Python reports each task's end through mc_cabi_finish (atomic stores).
+ * engine nothing. Python reports each task's end through mc_cabi_finish. Every batch field is
+ * read and written under g_lock, which is never held while waiting for the GIL.
  * Batch ids carry a generation: a freed or made-up id is refused with kInvalidArgument (1),
  * never dereferenced.
  *
@@ -63,7 +64,8 @@ typedef struct mc_engine {
 typedef struct mc_batch {
     mc_engine *engine;
     size_t capacity;
-    size_t count; /* tasks submitted; under g_lock */
+    size_t count; /* tasks submitted */
+    size_t alloc; /* slots allocated in status/lengths (grown by submits up to capacity) */
     _Atomic int *status;
     uint64_t *lengths;
 } mc_batch;
@@ -85,12 +87,18 @@ static PyObject *g_mod; /* mooncake._engine.cabi, NULL if it could not be import
 
 /* ---- Python ---------------------------------------------------------------------------- */
 
+static void mc_set_locked(mc_batch *b, size_t first, size_t n, int status) {
+    if (first <= b->alloc && n <= b->alloc - first)
+        for (size_t i = first; i < first + n; i++)
+            atomic_store_explicit(&b->status[i], status, memory_order_release);
+}
+
 /* Called by Python (ctypes, GIL held) when tasks [first, first + n) of a batch ended. */
 MC_EXPORT void mc_cabi_finish(void *batch, size_t first, size_t n, int status) {
-    mc_batch *b = (mc_batch *)batch;
-    if (!b || first > b->capacity || n > b->capacity - first) return;
-    for (size_t i = first; i < first + n; i++)
-        atomic_store_explicit(&b->status[i], status, memory_order_release);
+    if (!batch) return;
+    pthread_mutex_lock(&g_lock);
+    mc_set_locked((mc_batch *)batch, first, n, status);
+    pthread_mutex_unlock(&g_lock);
 }
 
 static void mc_root_dir(char *out, size_t len) {
@@ -444,8 +452,9 @@ MC_EXPORT batch_id_t allocateBatchID(transfer_engine_t engine, size_t batch_size
     mc_engine *e = mc_engine_of(engine);
     if (!e || batch_size > ((size_t)1 << 30)) return INVALID_BATCH;
     mc_batch *b = calloc(1, sizeof(*b));
-    size_t cap = batch_size ? batch_size : 1;
+    size_t cap = batch_size < 16 ? (batch_size ? batch_size : 1) : 16;
     if (b) {
+        b->alloc = cap;
         b->status = calloc(cap, sizeof(*b->status));
         b->lengths = calloc(cap, sizeof(*b->lengths));
     }
@@ -501,6 +510,19 @@ static int mc_submit(transfer_engine_t engine, batch_id_t batch_id,
         pthread_mutex_unlock(&g_lock);
         return S_TOO_MANY_REQUESTS;
     }
+    if (b->count + count > b->alloc) { /* grow the task slots (Python holds no pointer to them) */
+        size_t want = b->alloc * 2 > b->count + count ? b->alloc * 2 : b->count + count;
+        if (want > b->capacity) want = b->capacity;
+        _Atomic int *st = realloc((void *)b->status, want * sizeof(*st));
+        if (st) b->status = st;
+        uint64_t *ln = st ? realloc(b->lengths, want * sizeof(*ln)) : NULL;
+        if (ln) b->lengths = ln;
+        if (!st || !ln) {
+            pthread_mutex_unlock(&g_lock);
+            return S_TOO_MANY_REQUESTS;
+        }
+        b->alloc = want;
+    }
     size_t first = b->count;
     for (size_t i = 0; i < count; i++) {
         b->lengths[first + i] = entries[i].length;
@@ -546,7 +568,7 @@ static int mc_submit(transfer_engine_t engine, batch_id_t batch_id,
         if (b->count == first + count)
             b->count = first;
         else
-            mc_cabi_finish(b, first, count, STATUS_FAILED);
+            mc_set_locked(b, first, count, STATUS_FAILED);
         pthread_mutex_unlock(&g_lock);
     }
     return (int)rc;
