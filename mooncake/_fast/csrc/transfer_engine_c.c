@@ -27,12 +27,12 @@
 #include <dlfcn.h>
 #include <limits.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "transfer_engine_c.h"
 
@@ -76,6 +76,8 @@ typedef struct {
 } mc_slot;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_done; /* broadcast when tasks end (CLOCK_MONOTONIC; set up at init) */
+#define MC_POLL_WAIT_NS 50000 /* getTransferStatus waits at most this long for a running task */
 static mc_engine *g_engines; /* live engines (a handle not in here is refused) */
 static mc_slot *g_slots;
 static uint32_t g_nslots, g_cap_slots;
@@ -91,6 +93,7 @@ static void mc_set_locked(mc_batch *b, size_t first, size_t n, int status) {
     if (first <= b->alloc && n <= b->alloc - first)
         for (size_t i = first; i < first + n; i++)
             atomic_store_explicit(&b->status[i], status, memory_order_release);
+    pthread_cond_broadcast(&g_done);
 }
 
 /* Called by Python (ctypes, GIL held) when tasks [first, first + n) of a batch ended. */
@@ -134,6 +137,11 @@ static PyObject *mc_import(int put_root_first) {
 }
 
 static void mc_init_python(void) {
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&g_done, &ca);
+    pthread_condattr_destroy(&ca);
     int embedded = !Py_IsInitialized();
     if (embedded) {
         PyConfig config;
@@ -596,11 +604,27 @@ MC_EXPORT int getTransferStatus(transfer_engine_t engine, batch_id_t batch_id, s
         return S_INVALID_ARGUMENT;
     }
     int s = atomic_load_explicit(&b->status[task_id], memory_order_acquire);
+    if (s == STATUS_WAITING) {
+        /* callers spin on this (TensorRT-LLM does): rather than burn the core the engine needs,
+         * wait a little for a task to end (woken at once when one does) */
+        struct timespec until;
+        clock_gettime(CLOCK_MONOTONIC, &until);
+        until.tv_nsec += MC_POLL_WAIT_NS;
+        if (until.tv_nsec >= 1000000000L) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&g_done, &g_lock, &until);
+        b = mc_batch_locked(e, batch_id, NULL); /* freed meanwhile by another thread? */
+        if (!b || task_id >= b->count) {
+            pthread_mutex_unlock(&g_lock);
+            return S_INVALID_ARGUMENT;
+        }
+        s = atomic_load_explicit(&b->status[task_id], memory_order_acquire);
+    }
     status->status = s;
     status->transferred_bytes = s == STATUS_COMPLETED ? b->lengths[task_id] : 0;
     pthread_mutex_unlock(&g_lock);
-    /* callers spin on this (TensorRT-LLM does): give the engine's threads the core meanwhile */
-    if (s == STATUS_WAITING) sched_yield();
     return S_OK;
 }
 
