@@ -77,7 +77,7 @@ typedef struct {
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_done; /* broadcast when tasks end (CLOCK_MONOTONIC; set up at init) */
-#define MC_POLL_WAIT_NS 50000 /* getTransferStatus waits at most this long for a running task */
+#define MC_POLL_WAIT_NS 1000000 /* getTransferStatus waits at most this long for a running task */
 static mc_engine *g_engines; /* live engines (a handle not in here is refused) */
 static mc_slot *g_slots;
 static uint32_t g_nslots, g_cap_slots;
