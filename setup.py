@@ -10,6 +10,8 @@ project's software verbs provider (tests and hosts without RNICs).
 from __future__ import annotations
 
 import os
+import sys
+import sysconfig
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
@@ -18,6 +20,11 @@ from setuptools.command.build_ext import build_ext
 CFLAGS = ["-O3", "-fno-strict-aliasing"]
 CSRC = "mooncake/_fast/csrc"
 SOFT_PROVIDER = "mooncake._fast.libmcsoftverbs"
+C_ABI = "mooncake._fast.lib.libtransfer_engine"  # Mooncake's C ABI: lib/ + include/ = MOONCAKE_ROOT
+LIB_NAMES = {
+    SOFT_PROVIDER: "libmcsoftverbs.so",
+    C_ABI: "libtransfer_engine.so",
+}
 
 VERBS_MODULES = ["_verbs_lib", "_verbs_device", "_verbs_pd", "_verbs_mr", "_verbs_cq", "_verbs_qp"]
 
@@ -73,17 +80,47 @@ soft_provider = Extension(
 )
 
 
+def c_abi_library() -> list[Extension]:
+    """``libtransfer_engine.so``: links libpython (it embeds the interpreter when loaded into a
+    process without one); skipped, with a note, where Python has no shared library."""
+    libdir = sysconfig.get_config_var("LIBDIR")
+    if not sysconfig.get_config_var("Py_ENABLE_SHARED") or not libdir:
+        print("note: this Python has no libpython; not building libtransfer_engine.so")
+        return []
+    ver = sysconfig.get_config_var("LDVERSION") or sysconfig.get_config_var("VERSION")
+    exe = sys.executable.replace("\\", "\\\\").replace('"', '\\"')
+    return [
+        Extension(
+            C_ABI,
+            [f"{CSRC}/transfer_engine_c.c"],
+            include_dirs=["mooncake/_fast/include"],
+            define_macros=[("MC_PYTHON_EXE", f'"{exe}"')],
+            extra_compile_args=["-O2", "-fvisibility=hidden", "-Wall", "-std=gnu11"],
+            extra_link_args=[f"-L{libdir}", f"-lpython{ver}", f"-Wl,-rpath,{libdir}", "-ldl"],
+            depends=["mooncake/_fast/include/transfer_engine_c.h"],
+        )
+    ]
+
+
 class BuildExt(build_ext):
-    """Names the soft provider ``libmcsoftverbs.so`` (a plain C library, not a Python module)."""
+    """Names the plain C libraries (not Python modules) ``libmcsoftverbs.so`` and
+    ``lib/libtransfer_engine.so``."""
 
     def get_ext_filename(self, fullname: str) -> str:
         # distutils asks with the full dotted name and with the last component only
-        if fullname in (SOFT_PROVIDER, SOFT_PROVIDER.rsplit(".", 1)[1]):
-            return os.path.join(*fullname.split(".")[:-1], "libmcsoftverbs.so")
+        for name, filename in LIB_NAMES.items():
+            if fullname in (name, name.rsplit(".", 1)[1]):
+                return os.path.join(*fullname.split(".")[:-1], filename)
         return super().get_ext_filename(fullname)
 
+    def run(self) -> None:
+        if self.inplace:  # lib/ is no package: nothing else creates it in the source tree
+            for name in LIB_NAMES:
+                os.makedirs(os.path.join(*name.split(".")[:-1]), exist_ok=True)
+        super().run()
+
     def get_export_symbols(self, ext: Extension) -> list[str]:
-        if ext.name == SOFT_PROVIDER:
+        if ext.name in LIB_NAMES:
             return []
         return super().get_export_symbols(ext)
 
@@ -99,5 +136,6 @@ setup(
             force=bool(os.environ.get("MOONCAKE_CYTHON_FORCE")),
         ),
         soft_provider,
+        *c_abi_library(),
     ],
 )

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 _SUBCOMMANDS: list[str] = [
     "bench",
+    "c_abi",
     "demo",
     "master",
     "metadata_server",
