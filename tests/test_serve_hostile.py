@@ -8,6 +8,7 @@ paths of the master. Timeouts are hang guards, never speed assertions.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import struct
 import threading
@@ -307,5 +308,62 @@ def test_tcp_data_port_trickles_at_the_cap_give_way(
                 assert t._slots.killed >= 1
             finally:
                 tr.close()
+
+    trio.run(main)
+
+
+# -- descriptor ownership between the loop and the RPC threads -------------------------------
+
+
+def test_a_thread_late_to_let_go_still_holds_its_own_descriptor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loop gives up waiting for a serving thread (5 s) and closes the connection's socket
+    while the thread has not yet let go: the descriptor the thread uses is its own and still
+    names that connection (not a closed or reused number); the thread closes it when it lets
+    go."""
+    from mooncake._store import rpc_thread
+
+    gate = threading.Event()
+    stalled = threading.Event()
+    original = rpc_thread._Worker._take_queue
+
+    def late_take_queue(self: Any) -> None:
+        if any(not attach for attach, _ in self.queue):  # a request to let go: be late
+            stalled.set()
+            gate.wait(60)
+        original(self)
+
+    monkeypatch.setattr(rpc_thread._Worker, "_take_queue", late_take_queue)
+
+    async def main() -> None:
+        async with master(True) as server:
+            client = socket.create_connection(("127.0.0.1", server.rpc_port))
+            try:
+                client.sendall(rpc.encode_request(1, "ServiceReady", rpc.Empty()))
+                assert await anyio.to_thread.run_sync(client.recv, 4096)  # never on the loop
+                assert server.rpc_thread is not None
+                workers = server.rpc_thread._workers
+                await wait_until(lambda: any(w.conns for w in workers), "the thread holds it")
+                (conn,) = [c for w in workers for c in w.conns.values()]
+                (slot,) = server.slots.live
+                loop_sock = slot.sock
+                assert conn.fd != loop_sock.fileno()
+                ino = os.fstat(conn.fd).st_ino
+                slot.kill()  # as eviction at the cap does
+                await wait_until(lambda: loop_sock.fileno() < 0, "the loop closed its socket")
+                assert stalled.is_set()
+                # while the thread is late, the number it uses is the same connection still
+                assert os.fstat(conn.fd).st_ino == ino
+                blocker = socket.socket()  # would take a freed number
+                try:
+                    assert blocker.fileno() != conn.fd
+                finally:
+                    blocker.close()
+                gate.set()
+                await wait_until(lambda: conn.sock.fileno() < 0, "the thread closed its own")
+            finally:
+                gate.set()
+                client.close()
 
     trio.run(main)

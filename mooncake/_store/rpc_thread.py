@@ -34,10 +34,12 @@ Contracts kept from the loop path (:meth:`MasterServer._serve_socket`):
 * authentication (:meth:`MasterServer._auth_step`) runs here; a regex method (it matches in a
   worker thread of the loop) hands the connection, its decoder, the requests decoded after
   it and the answers not yet sent back to the loop path, which serves it from then on;
+* descriptors: a thread serves a connection through a ``dup`` of its socket's descriptor,
+  which it alone closes when it lets go; the loop's socket is closed by the accept loop. So
+  whatever the order, no thread ever uses a closed (or reused) descriptor number;
 * cancellation: the loop task owning a connection waits for its thread to finish with it;
   cancelled (eviction at the connection cap, shutdown) it asks the thread to let go and waits
-  for that (shielded, bounded) before the socket is closed, so no thread ever uses a closed
-  (or reused) descriptor.
+  for that (shielded, bounded: a late thread still holds its own descriptor).
 
 Only on trio with its real clock: under ``MockClock`` (tests) time must move with the loop,
 and a replicated master (:mod:`mooncake._store.ha`) orders answers behind its log on the loop.
@@ -241,11 +243,16 @@ class RpcThread:
         """Serve ``sock`` on a thread until it is done: None (closed, dropped), or a
         :class:`Handoff` for the loop path to go on with.
 
-        Cancelled, it asks the thread to let go of the connection and waits (shielded, a
-        bounded time) until it has: the socket is never closed under a thread using it."""
+        The thread works on a descriptor of its own (a ``dup`` of ``sock``'s), which only it
+        closes, once it has let go of the connection (:meth:`finish`); ``sock`` stays the
+        caller's. Cancelled, this asks the thread to let go and waits (shielded, a bounded
+        time) until it has; if the thread is late, ``sock`` may be closed meanwhile, and the
+        thread's descriptor still names the same connection, never a reused number."""
         import anyio
 
-        c = _Conn(sock, slot, decoder)
+        own = sock.dup()
+        own.setblocking(False)
+        c = _Conn(own, slot, decoder)
         c.authed = self.server.secret is None
         c.deadline = time.monotonic() + self.server.config.request_timeout
         w = self._workers[self._next % len(self._workers)]
@@ -267,8 +274,11 @@ class RpcThread:
         return c.handoff
 
     def finish(self, c: _Conn, handoff: Handoff | None = None) -> None:
-        """(A thread) done with ``c``: its handler is woken; nothing touches ``c`` after."""
+        """(A thread) done with ``c``: its descriptor (the thread's own, out of its ``epoll``
+        set by now) is closed and its handler woken; nothing touches ``c`` after."""
         c.handoff = handoff
+        with contextlib.suppress(OSError):
+            c.sock.close()
         try:
             self._token.run_sync_soon(c.done.set)
         except Exception:  # the loop has finished: nobody waits any more
