@@ -67,7 +67,8 @@ class Slot:
         return self.idle_cb() if self.idle_cb is not None else self.idle
 
     def busy_for(self) -> float:
-        """Seconds the connection has been inside its current request (0 when idle)."""
+        """Seconds the connection has been inside a request without finishing one (0 when
+        idle; see :meth:`progress`)."""
         if self.busy_for_cb is not None:
             return self.busy_for_cb()
         return 0.0 if self.idle else anyio.current_time() - self.busy_since
@@ -78,6 +79,11 @@ class Slot:
         if self.idle:
             self.idle = False
             self.busy_since = anyio.current_time()
+
+    def progress(self) -> None:
+        """The connection finished a request but is still inside others (pipelined): its
+        :meth:`busy_for` clock restarts."""
+        self.busy_since = anyio.current_time()
 
     def rest(self) -> None:
         """The connection is between requests: evictable, longest-idle first."""

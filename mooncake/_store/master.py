@@ -500,6 +500,7 @@ class MasterServer:
                     ticket = 0
                 if out:
                     slot.busy()
+                    slot.progress()
                     reply = b"".join(out) if len(out) > 1 else out[0]
                     try:  # almost always all of it at once: no coroutine, no scheduler trip
                         sent = sock.send(reply)

@@ -146,7 +146,7 @@ class _Conn:
         self.frame_start = 0.0
         #: (monotonic) when the unsent reply must be all sent
         self.reply_end = 0.0
-        #: (monotonic) since when it has been inside a request (meaningful while not idle)
+        #: (monotonic) when it last began a request or finished some (meaningful while not idle)
         self.busy_start = 0.0
         self.events = 0
         self.what = "no request"
@@ -158,7 +158,8 @@ class _Conn:
         return not self.decoder.buffered and self.wbuf is None and not self.pending
 
     def busy_for(self) -> float:
-        """Seconds it has been inside its current request (0: idle)."""
+        """Seconds since it last began a request or finished some while it is inside one
+        (0: idle): what the accept loop closes first at the cap, with none idle."""
         return 0.0 if self.idle else time.monotonic() - self.busy_start
 
 
@@ -371,8 +372,11 @@ class _Worker:
             c = self.conns.get(fd)
             if c is None:
                 continue
+            idle = c.idle
             try:
                 self._step(c)
+                if idle and not c.idle:  # a request began
+                    c.busy_start = time.monotonic()
             except (ProtocolError, OSError) as e:
                 with self.owner.lock:
                     self.server.connections_dropped += 1
@@ -444,7 +448,7 @@ class _Worker:
         # the next recv
         msgs = c.decoder.feed_messages(self.scratch[:n])
         if c.decoder.buffered and (fresh or msgs):  # a new frame began in this recv
-            c.frame_start = c.busy_start = time.monotonic()
+            c.frame_start = time.monotonic()
         self._answer(c, msgs, owned=False)
 
     def _send(self, c: _Conn) -> bool:
@@ -499,7 +503,8 @@ class _Worker:
             self._finish(c, handoff)
             return
         c.pending = rest
-        if out:
+        if out:  # requests done: the clock of "inside a request" restarts
+            c.busy_start = time.monotonic()
             data = b"".join(out) if len(out) > 1 else out[0]
             try:
                 sent = c.sock.send(data)
@@ -521,8 +526,6 @@ class _Worker:
                 c.held = left
                 c.wbuf = memoryview(data)[sent:]
                 mono = time.monotonic()
-                if not c.decoder.buffered:
-                    c.busy_start = mono
                 cfg = server.config
                 c.reply_end = frame_deadline(mono, left, cfg.progress_timeout, cfg.min_rate)
                 self._want(c, _OUT)
@@ -531,8 +534,8 @@ class _Worker:
             if c.close_after:
                 self._finish(c)
                 return
-        if c.pending:  # answered in the next round (the socket is writable)
-            self._want(c, _OUT)
+        # the rest is answered in the next round (the socket is writable); else read again
+        self._want(c, _OUT if c.pending else _IN)
         self._rearm(c)
 
     def _rearm(self, c: _Conn) -> None:
