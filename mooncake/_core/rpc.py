@@ -613,6 +613,14 @@ class MessageDecoder:
         """Bytes received and not yet returned as messages."""
         return len(self._buf) - self._pos
 
+    @property
+    def pending_length(self) -> int:
+        """The body length the partial frame buffered announced (0: under 4 bytes in)."""
+        if len(self._buf) - self._pos < 4:
+            return 0
+        length: int = HEADER.unpack_from(self._buf, self._pos)[0]
+        return length
+
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Append bytes received from the peer."""
         if self._broken:

@@ -7,8 +7,10 @@ Every server of ours (TCP data, P2P handshake, HTTP metadata, store master RPC) 
   connections wait in the kernel's listen backlog, and past it are refused by the kernel);
 * before waiting, it asks the longest-idle live connection to close (``evict``): a connection
   is *idle* when it is between requests (or has sent nothing since it was accepted) and can be
-  closed without losing a request; one that is mid-request is never evicted, and is bounded by
-  its server's per-request progress deadline instead;
+  closed without losing a request;
+* with none idle, it closes (``kill``) the connection that has been inside its current request
+  longest, once that is over :data:`EVICT_BUSY_S`: peers that trickle their requests cannot
+  hold every slot against a new one (each server also bounds a request's whole time);
 * each connection's handler runs in its own task inside a cancel scope, so evicting a connection
   served on the event loop is a plain cancellation.
 
@@ -30,17 +32,31 @@ log = logging.getLogger("mooncake.accept")
 
 #: how long the accept loop waits for an evicted connection to go before choosing again
 EVICT_WAIT_S = 0.05
+#: at the cap with no idle connection, one inside a request this long (seconds) may be closed
+EVICT_BUSY_S = 1.0
 
 
 class Slot:
     """One live connection in a :class:`Slots` table."""
 
-    __slots__ = ("evict_cb", "idle", "idle_cb", "scope", "since", "sock")
+    __slots__ = (
+        "busy_for_cb",
+        "busy_since",
+        "evict_cb",
+        "idle",
+        "idle_cb",
+        "scope",
+        "since",
+        "sock",
+    )
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.idle = True
         self.since = anyio.current_time()
+        self.busy_since = self.since
+        #: seconds inside its current request, where another thread knows better
+        self.busy_for_cb: Callable[[], float] | None = None
         self.scope: anyio.CancelScope | None = None
         #: how to evict this connection when idle (default: cancel its handler's scope)
         self.evict_cb: Callable[[], None] | None = None
@@ -50,9 +66,24 @@ class Slot:
     def is_idle(self) -> bool:
         return self.idle_cb() if self.idle_cb is not None else self.idle
 
+    def busy_for(self) -> float:
+        """Seconds the connection has been inside a request without finishing one (0 when
+        idle; see :meth:`progress`)."""
+        if self.busy_for_cb is not None:
+            return self.busy_for_cb()
+        return 0.0 if self.idle else anyio.current_time() - self.busy_since
+
     def busy(self) -> None:
-        """The connection is inside a request: not evictable."""
-        self.idle = False
+        """The connection is inside a request: evicted only after the idle ones, and only
+        once it has been inside this request for :data:`EVICT_BUSY_S`."""
+        if self.idle:
+            self.idle = False
+            self.busy_since = anyio.current_time()
+
+    def progress(self) -> None:
+        """The connection finished a request but is still inside others (pipelined): its
+        :meth:`busy_for` clock restarts."""
+        self.busy_since = anyio.current_time()
 
     def rest(self) -> None:
         """The connection is between requests: evictable, longest-idle first."""
@@ -66,6 +97,11 @@ class Slot:
         elif self.scope is not None:
             self.scope.cancel()
 
+    def kill(self) -> None:
+        """Close the connection whatever it is doing (cancel its handler)."""
+        if self.scope is not None:
+            self.scope.cancel()
+
 
 class Slots:
     """Live connections of one server, at most ``cap`` (see the module docstring)."""
@@ -77,6 +113,8 @@ class Slots:
         self.what = what
         self.live: set[Slot] = set()
         self.evicted = 0
+        #: connections closed inside a request at the cap (counted in ``evicted`` too)
+        self.killed = 0
         self.waited = 0
         self._freed = anyio.Event()
 
@@ -97,12 +135,36 @@ class Slots:
                 self.evicted += 1
                 log.debug("%s: %d connections (cap); evicting an idle one", self.what, self.cap)
                 victim.evict()
+            else:
+                slow = self._slowest(asked)
+                if slow is not None:
+                    asked.add(slow)
+                    self.evicted += 1
+                    self.killed += 1
+                    log.info(
+                        "%s: %d connections (cap), none idle; closing the one longest inside "
+                        "a request",
+                        self.what,
+                        self.cap,
+                    )
+                    slow.kill()
+                    idle = [slow]
             self._freed = anyio.Event()
             with anyio.move_on_after(EVICT_WAIT_S if idle else 1.0):
                 await self._freed.wait()
             asked &= self.live  # forget those that went
             if not idle:
                 asked.clear()  # one that refused (it was busy) may be idle by now
+
+    def _slowest(self, asked: set[Slot]) -> Slot | None:
+        """The live connection longest inside its request, if that is over EVICT_BUSY_S."""
+        best, age = None, EVICT_BUSY_S
+        for s in self.live:
+            if s not in asked:
+                t = s.busy_for()
+                if t >= age:
+                    best, age = s, t
+        return best
 
     def open(self, sock: socket.socket) -> Slot:
         slot = Slot(sock)

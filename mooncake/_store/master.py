@@ -57,7 +57,7 @@ import logging
 import math
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
@@ -77,6 +77,7 @@ from mooncake._core.master import MasterConfig, MasterState
 from mooncake._engine import _accept
 from mooncake._store.keyscan import DEFAULT_BUDGET_S, SCAN_METHODS, KeyScanner
 from mooncake._store.rpc_thread import Handoff, RpcThread, usable
+from mooncake._store.serving import ReplyBudget, frame_deadline
 from mooncake.errors import (
     ErrorCode,
     InvalidArgumentError,
@@ -132,6 +133,14 @@ class MasterServerConfig:
     progress_timeout: float = 20.0
     #: seconds a connection may sit between frames
     idle_timeout: float = 300.0
+    #: bytes per second a frame must move on average, either way: one must be done within
+    #: ``progress_timeout`` + its size / ``min_rate`` of its first byte
+    min_rate: float = 64 << 10
+    #: bytes of answers one connection gets per pass: it is not read again until they are sent
+    reply_batch: int = 1 << 20
+    #: bytes of unsent answers the master holds for all connections together; a connection
+    #: whose unsent answers would not fit is closed
+    reply_budget: int = 512 << 20
     #: the cluster secret clients must prove (None: ``$MOONCAKE_CLUSTER_SECRET``; "": off)
     cluster_secret: str | None = None
     regex_budget: float = DEFAULT_BUDGET_S
@@ -195,6 +204,7 @@ class MasterServer:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_MasterCollector(self))
         self.slots = _accept.Slots(config.max_connections, "master")
+        self.replies = ReplyBudget(config.reply_budget)
         self.secret = auth.load_secret(config.cluster_secret)
         self.auth_failures = 0
         self.http_slots = _accept.Slots(_HTTP_MAX_CONNECTIONS, "master-http")
@@ -444,17 +454,24 @@ class MasterServer:
         ticket = 0
         scratch = self._scratch
         what, timeout = "no request", cfg.request_timeout
+        frame_start = anyio.current_time()
+        # the requests still to answer when a batch stopped at ``reply_batch`` (no recv first)
+        more: Iterator[rpc.Message] | None = None
         # One cancel scope for the connection's life instead of one per wait: its deadline is
         # moved only when it drifts out of [want, want + 2 slack] (a connection with steady
         # traffic never touches it), so a deadline fires at most 2 slack late and never
         # early. It is lifted (inf) before every await that is not the wait for a request.
         with anyio.CancelScope() as scope:
             while True:
-                msgs: Iterable[rpc.Message] = decoder
+                msgs: Iterator[rpc.Message] = decoder
                 out: list[bytes] = []
+                fresh = False
                 if resume is not None:  # first its request, then what is still buffered
                     msgs, out = itertools.chain(resume.requests, decoder), resume.out
                     resume = None
+                    n = -1
+                elif more is not None:
+                    msgs, more = more, None
                     n = -1
                 else:
                     try:
@@ -463,14 +480,24 @@ class MasterServer:
                         n = -2
                 if n == -2:
                     busy = 0
+                    now = anyio.current_time()
                     if decoder.buffered:
                         slot.busy()
                         timeout, what = cfg.progress_timeout, "no progress inside a frame"
+                        want = now + timeout
+                        end = frame_deadline(
+                            frame_start,
+                            decoder.pending_length + 4,
+                            cfg.progress_timeout,
+                            cfg.min_rate,
+                        )
+                        if end < want:
+                            want, what = end, "frame not done within its bound"
                     else:
                         slot.rest()
                         timeout = cfg.request_timeout if first else cfg.idle_timeout
                         what = "no request" if first else "idle"
-                    want = anyio.current_time() + timeout
+                        want = now + timeout
                     slack = min(_DEADLINE_SLACK, timeout * 0.05)
                     if not want <= scope.deadline <= want + 2 * slack:
                         scope.deadline = want + slack
@@ -480,9 +507,13 @@ class MasterServer:
                     decoder.check_eof()
                     return
                 if n > 0:
+                    fresh = not decoder.buffered
                     decoder.feed(scratch[:n])  # copied out before the next await
+                size = 0
+                answered = False
                 for msg in msgs:
                     first = False
+                    answered = True
                     if not isinstance(msg, rpc.Request):
                         raise ProtocolError("a client sent a response frame")
                     if not authed or msg.method in rpc.AUTH_METHODS:
@@ -490,10 +521,9 @@ class MasterServer:
                         out.append(reply)
                         if close:
                             scope.deadline = math.inf
-                            await _send_all(sock, b"".join(out))
+                            await self._send_bounded(sock, b"".join(out), 0)
                             return
-                        continue
-                    if msg.method in SCAN_METHODS:
+                    elif msg.method in SCAN_METHODS:
                         slot.busy()
                         scope.deadline = math.inf
                         reply, t = await self.handle_scan(msg)
@@ -503,6 +533,12 @@ class MasterServer:
                         reply, t = self.execute(msg, self.now(), sock=sock)
                         out.append(reply)
                         ticket = max(ticket, t)
+                    size += len(out[-1])
+                    if size >= cfg.reply_batch:  # the rest once this batch is sent
+                        more = msgs
+                        break
+                if decoder.buffered and (fresh or answered) and more is None:
+                    frame_start = anyio.current_time()  # a new frame began in this recv
                 if ticket:
                     slot.busy()
                     ha = self.ha
@@ -513,6 +549,7 @@ class MasterServer:
                     ticket = 0
                 if out:
                     slot.busy()
+                    slot.progress()
                     reply = b"".join(out) if len(out) > 1 else out[0]
                     try:  # almost always all of it at once: no coroutine, no scheduler trip
                         sent = sock.send(reply)
@@ -520,7 +557,8 @@ class MasterServer:
                         sent = 0
                     if sent < len(reply):
                         scope.deadline = math.inf
-                        await _send_all(sock, memoryview(reply)[sent:])
+                        if not await self._send_bounded(sock, reply, sent):
+                            return
                 busy += 1
                 if busy >= _FAIR_ROUNDS:
                     busy = 0
@@ -529,6 +567,44 @@ class MasterServer:
         if scope.cancelled_caught:
             self.connections_dropped += 1
             log.info("master: closing a connection: %s for %g s", what, timeout)
+
+    async def _send_bounded(self, sock: socket.socket, data: bytes, sent: int) -> bool:
+        """Send ``data[sent:]``, holding it in the reply budget meanwhile: True once sent;
+        False (the connection is to be closed, counted dropped) if it does not fit the
+        budget, or a byte does not go within ``progress_timeout``, or all of it within its
+        bound (:func:`frame_deadline`)."""
+        cfg = self.config
+        view = memoryview(data)[sent:]
+        left = len(view)
+        if not self.replies.take(left):
+            self.connections_dropped += 1
+            log.warning(
+                "master: closing a connection: %d bytes of answers not read, over the reply "
+                "budget (%d bytes held for all connections)",
+                left,
+                self.replies.held,
+            )
+            return False
+        end = frame_deadline(anyio.current_time(), left, cfg.progress_timeout, cfg.min_rate)
+        try:
+            while view:
+                try:
+                    n = sock.send(view)
+                except (BlockingIOError, InterruptedError):
+                    wait = min(cfg.progress_timeout, end - anyio.current_time())
+                    with anyio.move_on_after(max(0.0, wait)) as waited:
+                        await anyio.wait_writable(sock)
+                    if waited.cancelled_caught:
+                        self.connections_dropped += 1
+                        log.info("master: closing a connection: reply not read in time")
+                        return False
+                    continue
+                view = view[n:]
+                self.replies.give(n)
+                left -= n
+            return True
+        finally:
+            self.replies.give(left)
 
     def _auth_step(
         self, req: rpc.Request, authed: bool, nonces: tuple[bytes, bytes] | None
@@ -894,17 +970,6 @@ class _MasterCollector(Collector):
             fail.add_metric([name], n)
         yield req
         yield fail
-
-
-async def _send_all(sock: socket.socket, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        try:
-            n = sock.send(view)
-        except (BlockingIOError, InterruptedError):
-            await anyio.wait_writable(sock)
-            continue
-        view = view[n:]
 
 
 async def _raw_listener(host: str, port: int) -> socket.socket:

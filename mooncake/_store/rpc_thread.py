@@ -22,18 +22,24 @@ Contracts kept from the loop path (:meth:`MasterServer._serve_socket`):
 * answers on a connection in request order (one thread owns a connection); one ``recv`` (at
   most 256 KiB) per connection per round, so a flood on one connection cannot starve the
   others (level-triggered: what is left is read next round);
-* a reply the peer does not read is kept (one batch at most) and the connection is not read
-  again until it is sent: nothing a peer sends grows without bound;
+* a connection is answered at most ``reply_batch`` bytes per pass (the requests decoded after
+  that wait, copied, in ``pending``); a batch the peer does not read is kept, counted in the
+  master's :class:`~mooncake._store.serving.ReplyBudget` (over it: the connection is closed),
+  and the connection is neither answered nor read again until it is sent: what a peer makes
+  the master hold is one batch plus one answer, whatever it sends;
 * deadlines: ``request_timeout`` to the first byte, ``progress_timeout`` inside a frame or
-  while a reply waits to be sent (without a byte going out), ``idle_timeout`` between
-  frames; checked every :data:`_CHECK_S` (so they fire at most that late, never early);
+  while a reply waits to be sent (without a byte going out), and the frame's whole bound
+  (:func:`~mooncake._store.serving.frame_deadline`), ``idle_timeout`` between frames;
+  checked every :data:`_CHECK_S` (so they fire at most that late, never early);
 * authentication (:meth:`MasterServer._auth_step`) runs here; a regex method (it matches in a
   worker thread of the loop) hands the connection, its decoder, the requests decoded after
   it and the answers not yet sent back to the loop path, which serves it from then on;
+* descriptors: a thread serves a connection through a ``dup`` of its socket's descriptor,
+  which it alone closes when it lets go; the loop's socket is closed by the accept loop. So
+  whatever the order, no thread ever uses a closed (or reused) descriptor number;
 * cancellation: the loop task owning a connection waits for its thread to finish with it;
   cancelled (eviction at the connection cap, shutdown) it asks the thread to let go and waits
-  for that (shielded, bounded) before the socket is closed, so no thread ever uses a closed
-  (or reused) descriptor.
+  for that (shielded, bounded: a late thread still holds its own descriptor).
 
 Only on trio with its real clock: under ``MockClock`` (tests) time must move with the loop,
 and a replicated master (:mod:`mooncake._store.ha`) orders answers behind its log on the loop.
@@ -56,6 +62,7 @@ import msgspec
 
 from mooncake._core import rpc
 from mooncake._store.keyscan import SCAN_METHODS
+from mooncake._store.serving import frame_deadline
 from mooncake.errors import ProtocolError
 
 if TYPE_CHECKING:
@@ -96,14 +103,21 @@ def _own(msg: rpc.Message) -> rpc.Message:
 class _Conn:
     __slots__ = (
         "authed",
+        "busy_start",
         "close_after",
         "deadline",
         "decoder",
         "done",
+        "events",
         "fd",
         "first",
+        "frame_start",
         "handoff",
+        "held",
         "nonces",
+        "origin",
+        "pending",
+        "reply_end",
         "slot",
         "sock",
         "wbuf",
@@ -116,6 +130,9 @@ class _Conn:
         import trio
 
         self.sock = sock
+        #: the caller's socket (``sock`` may be a dup of it): the master's key for the
+        #: connection (its heartbeat record)
+        self.origin = sock
         self.fd = sock.fileno()
         self.slot = slot
         self.decoder = decoder
@@ -123,15 +140,31 @@ class _Conn:
         self.nonces: tuple[bytes, bytes] | None = None
         self.first = True
         self.wbuf: memoryview | None = None
+        #: requests decoded and not answered yet (owned copies), answered before any recv
+        self.pending: list[rpc.Message] = []
+        #: bytes of ``wbuf`` counted in the master's reply budget
+        self.held = 0
         self.close_after = False
         self.deadline = 0.0
+        #: (monotonic) when the partial frame in the decoder began
+        self.frame_start = 0.0
+        #: (monotonic) when the unsent reply must be all sent
+        self.reply_end = 0.0
+        #: (monotonic) when it last began a request or finished some (meaningful while not idle)
+        self.busy_start = 0.0
+        self.events = 0
         self.what = "no request"
         self.done = trio.Event()
         self.handoff: Handoff | None = None
 
     @property
     def idle(self) -> bool:
-        return not self.decoder.buffered and self.wbuf is None
+        return not self.decoder.buffered and self.wbuf is None and not self.pending
+
+    def busy_for(self) -> float:
+        """Seconds since it last began a request or finished some while it is inside one
+        (0: idle): what the accept loop closes first at the cap, with none idle."""
+        return 0.0 if self.idle else time.monotonic() - self.busy_start
 
 
 def usable() -> bool:
@@ -215,22 +248,30 @@ class RpcThread:
         """Serve ``sock`` on a thread until it is done: None (closed, dropped), or a
         :class:`Handoff` for the loop path to go on with.
 
-        Cancelled, it asks the thread to let go of the connection and waits (shielded, a
-        bounded time) until it has: the socket is never closed under a thread using it."""
+        The thread works on a descriptor of its own (a ``dup`` of ``sock``'s), which only it
+        closes, once it has let go of the connection (:meth:`finish`); ``sock`` stays the
+        caller's. Cancelled, this asks the thread to let go and waits (shielded, a bounded
+        time) until it has; if the thread is late, ``sock`` may be closed meanwhile, and the
+        thread's descriptor still names the same connection, never a reused number."""
         import anyio
 
-        c = _Conn(sock, slot, decoder)
+        own = sock.dup()
+        own.setblocking(False)
+        c = _Conn(own, slot, decoder)
+        c.origin = sock
         c.authed = self.server.secret is None
         c.deadline = time.monotonic() + self.server.config.request_timeout
         w = self._workers[self._next % len(self._workers)]
         self._next += 1
         slot.idle_cb = lambda: c.idle
+        slot.busy_for_cb = c.busy_for
         w.queue.append((True, c))
         w.wake()
         try:
             await c.done.wait()
         finally:
             slot.idle_cb = None
+            slot.busy_for_cb = None
             if not c.done.is_set():
                 w.queue.append((False, c))
                 w.wake()
@@ -239,8 +280,11 @@ class RpcThread:
         return c.handoff
 
     def finish(self, c: _Conn, handoff: Handoff | None = None) -> None:
-        """(A thread) done with ``c``: its handler is woken; nothing touches ``c`` after."""
+        """(A thread) done with ``c``: its descriptor (the thread's own, out of its ``epoll``
+        set by now) is closed and its handler woken; nothing touches ``c`` after."""
         c.handoff = handoff
+        with contextlib.suppress(OSError):
+            c.sock.close()
         try:
             self._token.run_sync_soon(c.done.set)
         except Exception:  # the loop has finished: nobody waits any more
@@ -283,6 +327,11 @@ class _Worker:
         os.close(self.wake_w)
 
     def _finish(self, c: _Conn, handoff: Handoff | None = None) -> None:
+        if c.held:
+            self.server.replies.give(c.held)
+            c.held = 0
+        c.wbuf = None
+        c.pending = []
         if self.conns.get(c.fd) is c:
             del self.conns[c.fd]
             with contextlib.suppress(OSError, ValueError):
@@ -295,6 +344,7 @@ class _Worker:
             if attach:
                 self.conns[c.fd] = c
                 self.ep.register(c.fd, _IN)
+                c.events = _IN
             elif self.conns.get(c.fd) is c:
                 self._finish(c)
 
@@ -327,8 +377,11 @@ class _Worker:
             c = self.conns.get(fd)
             if c is None:
                 continue
+            idle = c.idle
             try:
                 self._step(c)
+                if idle and not c.idle:  # a request began
+                    c.busy_start = time.monotonic()
             except (ProtocolError, OSError) as e:
                 with self.owner.lock:
                     self.server.connections_dropped += 1
@@ -347,39 +400,48 @@ class _Worker:
         for c in [c for c in self.conns.values() if mono >= c.deadline]:
             with self.owner.lock:
                 self.server.connections_dropped += 1
-            timeout = self._timeout(c)[0]
-            log.info("master: closing a connection: %s for %g s", c.what, timeout)
+            log.info("master: closing a connection: %s", c.what)
             self._finish(c)
 
     def _timeout(self, c: _Conn) -> tuple[float, str]:
         cfg = self.server.config
         if c.wbuf is not None:
             return cfg.progress_timeout, "reply not read"
+        if c.pending:
+            return cfg.progress_timeout, "requests not answered"
         if c.decoder.buffered:
             return cfg.progress_timeout, "no progress inside a frame"
         if c.first:
             return cfg.request_timeout, "no request"
         return cfg.idle_timeout, "idle"
 
+    def _want(self, c: _Conn, events: int) -> None:
+        if c.events != events:
+            self.ep.modify(c.fd, events)
+            c.events = events
+
     def _step(self, c: _Conn) -> None:
-        sock = c.sock
+        """One pass over ``c``: send what waits, else answer what is pending, else read.
+
+        A connection is read only when it has nothing unsent and nothing pending, and it is
+        answered at most ``reply_batch`` bytes per pass: what a peer that never reads makes
+        the master hold is one batch, whatever it sent."""
         if c.wbuf is not None:
-            try:
-                n = sock.send(c.wbuf)
-            except (BlockingIOError, InterruptedError):
-                return
-            c.wbuf = c.wbuf[n:] if n < len(c.wbuf) else None
-            if c.wbuf is not None:  # progress: the deadline is for no byte at all
-                c.deadline = time.monotonic() + self.server.config.progress_timeout
+            if not self._send(c):
                 return
             if c.close_after:
                 self._finish(c)
                 return
-            self.ep.modify(c.fd, _IN)
-            self._rearm(c)
+            if not c.pending:
+                self._want(c, _IN)
+                self._rearm(c)
+                return
+        if c.pending:
+            msgs, c.pending = c.pending, []
+            self._answer(c, msgs, owned=True)
             return
         try:
-            n = sock.recv_into(self.scratch)
+            n = c.sock.recv_into(self.scratch)
         except (BlockingIOError, InterruptedError):
             return
         if not n:
@@ -389,54 +451,119 @@ class _Worker:
             with self.owner.lock:
                 server = self.server
                 server._connection_closed(
-                    sock, self.owner._clock.current_time() + server.clock_offset
+                    c.origin, self.owner._clock.current_time() + server.clock_offset
                 )
             self._finish(c)
             return
-        # the messages' raw params point into the scratch buffer: used before the next recv
+        fresh = not c.decoder.buffered
+        # the messages' raw params point into the scratch buffer: used (or copied) before
+        # the next recv
         msgs = c.decoder.feed_messages(self.scratch[:n])
+        if c.decoder.buffered and (fresh or msgs):  # a new frame began in this recv
+            c.frame_start = time.monotonic()
+        self._answer(c, msgs, owned=False)
+
+    def _send(self, c: _Conn) -> bool:
+        """Send what ``c`` has waiting: True once all of it is sent."""
+        assert c.wbuf is not None
+        try:
+            n = c.sock.send(c.wbuf)
+        except (BlockingIOError, InterruptedError):
+            return False
+        n = min(n, c.held)
+        self.server.replies.give(n)
+        c.held -= n
+        c.wbuf = c.wbuf[n:] if n < len(c.wbuf) else None
+        if c.wbuf is not None:  # progress: the deadline is for no byte at all
+            timeout = self.server.config.progress_timeout
+            c.deadline = min(time.monotonic() + timeout, c.reply_end)
+            return False
+        return True
+
+    def _answer(self, c: _Conn, msgs: list[rpc.Message], owned: bool) -> None:
         server = self.server
+        batch = server.config.reply_batch
         out: list[bytes] = []
+        size = 0
         handoff = None
+        rest: list[rpc.Message] = []
         with self.owner.lock:  # the state, only while answering (not around the I/O)
             now = self.owner._clock.current_time() + server.clock_offset
             for i, msg in enumerate(msgs):
+                if size >= batch:  # the rest waits until this batch is sent
+                    rest = msgs[i:] if owned else [_own(m) for m in msgs[i:]]
+                    break
                 c.first = False
                 if not isinstance(msg, rpc.Request):
                     raise ProtocolError("a client sent a response frame")
                 if not c.authed or msg.method in rpc.AUTH_METHODS:
                     reply, c.authed, c.nonces, close = server._auth_step(msg, c.authed, c.nonces)
                     out.append(reply)
+                    size += len(reply)
                     if close:
                         c.close_after = True
                         break
                     continue
                 if msg.method in SCAN_METHODS:
-                    handoff = Handoff(
-                        c.decoder, c.authed, c.nonces, [_own(m) for m in msgs[i:]], out
-                    )
+                    requests = msgs[i:] if owned else [_own(m) for m in msgs[i:]]
+                    handoff = Handoff(c.decoder, c.authed, c.nonces, requests, out)
                     break
-                out.append(server.execute(msg, now, sock=sock)[0])
+                reply = server.execute(msg, now, sock=c.origin)[0]
+                out.append(reply)
+                size += len(reply)
         if handoff is not None:
             self._finish(c, handoff)
             return
-        if out:
+        c.pending = rest
+        if out:  # requests done: the clock of "inside a request" restarts
+            c.busy_start = time.monotonic()
             data = b"".join(out) if len(out) > 1 else out[0]
             try:
-                sent = sock.send(data)
+                sent = c.sock.send(data)
             except (BlockingIOError, InterruptedError):
                 sent = 0
             if sent < len(data):
+                left = len(data) - sent
+                if not server.replies.take(left):
+                    with self.owner.lock:
+                        server.connections_dropped += 1
+                    log.warning(
+                        "master: closing a connection: %d bytes of answers not read, over "
+                        "the reply budget (%d bytes held for all connections)",
+                        left,
+                        server.replies.held,
+                    )
+                    self._finish(c)
+                    return
+                c.held = left
                 c.wbuf = memoryview(data)[sent:]
-                self.ep.modify(c.fd, _OUT)
-            elif c.close_after:
+                mono = time.monotonic()
+                cfg = server.config
+                c.reply_end = frame_deadline(mono, left, cfg.progress_timeout, cfg.min_rate)
+                self._want(c, _OUT)
+                self._rearm(c)
+                return
+            if c.close_after:
                 self._finish(c)
                 return
+        # the rest is answered in the next round (the socket is writable); else read again
+        self._want(c, _OUT if c.pending else _IN)
         self._rearm(c)
 
     def _rearm(self, c: _Conn) -> None:
         """Move ``c``'s deadline for what it waits for now."""
         timeout, c.what = self._timeout(c)
-        c.deadline = time.monotonic() + timeout
+        mono = time.monotonic()
+        c.deadline = mono + timeout
+        if c.wbuf is not None:
+            if c.reply_end < c.deadline:
+                c.deadline, c.what = c.reply_end, "reply not read within its bound"
+        elif not c.pending and c.decoder.buffered:
+            cfg = self.server.config
+            end = frame_deadline(
+                c.frame_start, c.decoder.pending_length + 4, cfg.progress_timeout, cfg.min_rate
+            )
+            if end < c.deadline:
+                c.deadline, c.what = end, "frame not done within its bound"
         if c.idle:
             c.slot.since = self.owner._clock.current_time()

@@ -6,34 +6,44 @@ handed out twice), the same policy order, queues, clients, tasks, ledgers, count
 state, so the same commands applied to both give the same answers and the same states.
 
 Layout: the bulk is columns, written as raw machine arrays (``array.array`` buffers, native
-byte order, so a snapshot is read on the same kind of machine that wrote it), not one pickle
+byte order, so a snapshot is read on the same kind of machine that wrote it), not one record
 per object:
 
 * the object table (:meth:`~mooncake._fast.ObjectTable.state`): every key, handle, sequence
   number and cold row, and the LRU/FIFO order when the policy lives in the table;
 * each mounted segment's allocator: its extents and free blocks as address/length arrays;
 * everything else (hot records, clients, tasks, deferred frees, queues, ledgers, counters, rng,
-  a policy other than the table's) in one pickle whose references to mounted segments are
-  indices (pickle's persistent ids), so shared records (a queued write and its object) stay
-  shared.
+  a policy other than the table's) as one graph in :mod:`~mooncake._core.master.safecodec`
+  form, whose references to mounted segments are indices, so shared records (a queued write
+  and its object) stay shared.
 
-Restoring is a few bulk copies plus the hot records: no work per cold object in Python. The
-data must come from a trusted store: it is unpickled.
+Format ``MCKSNAP3``: the magic, a u32 schema version (:data:`SCHEMA`), the u32 CRC-32 and u64
+length of the payload, then the payload: one msgpack map ``{"head": ..., "body": ...}``.
+Nothing in a snapshot is ever called or imported: a hostile or corrupt one (bad magic, an
+older format, a wrong checksum or length, a malformed graph, columns that do not agree) is
+refused with :class:`~mooncake.errors.InvalidArgumentError`. Write access to where snapshots
+are kept still means choosing the master's state (``docs/security.md``).
+
+Restoring is a few bulk copies plus the hot records: no work per cold object in Python.
 """
 
 from __future__ import annotations
 
 import gc
-import io
-import pickle
+import struct
+import zlib
 from array import array
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from mooncake._core.allocator import OffsetAllocator
+from mooncake._core.master import safecodec
 from mooncake._core.master.config import MasterConfig
 from mooncake._core.master.objmap import ObjectMap
 from mooncake._core.master.records import _Seg
 from mooncake._core.master.tablepolicy import TablePolicy, make_table_policy
+from mooncake._core.store_types import Segment
 from mooncake._fast import ObjectTable
 from mooncake.errors import InvalidArgumentError
 
@@ -42,30 +52,13 @@ if TYPE_CHECKING:
 
 __all__ = ["restore", "snapshot"]
 
-MAGIC = b"MCKSNAP2"
-_OLD_MAGIC = b"MCKSNAP1"
+MAGIC = b"MCKSNAP3"
+_OLD_MAGICS = (b"MCKSNAP1", b"MCKSNAP2")
+#: version of the payload's layout inside MCKSNAP3
+SCHEMA = 1
+_HEADER = struct.Struct("<IIQ")  # schema, crc32 of the payload, payload length
 _ENCODED = frozenset({"_objects", "_segments", "_seg_list", "policy"})
-"""State fields written as columns (or rebuilt); every other field goes into the pickle."""
-
-
-class _Pickler(pickle.Pickler):
-    def __init__(self, f: io.BytesIO, segs: dict[int, int]) -> None:
-        super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
-        self._segs = segs
-
-    def persistent_id(self, obj: Any) -> Any:
-        if type(obj) is _Seg:
-            return self._segs.get(id(obj))  # a mounted segment: by index (None: pickled whole)
-        return None
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, f: io.BytesIO, segs: list[_Seg]) -> None:
-        super().__init__(f)
-        self._segs = segs
-
-    def persistent_load(self, pid: Any) -> Any:
-        return self._segs[pid]
+"""State fields written as columns (or rebuilt); every other field goes into the graph."""
 
 
 def snapshot(state: MasterState) -> bytes:
@@ -89,26 +82,27 @@ def snapshot(state: MasterState) -> bytes:
     if isinstance(policy, TablePolicy):
         policy = ("table", policy.name, dict(policy._pins))
     rest = {k: v for k, v in vars(state).items() if k not in _ENCODED}
-    f = io.BytesIO()
-    f.write(MAGIC)
-    # Two pickles: the columns and segments (no references), then the records that refer to
+    # Two graphs: the columns and segments (no references), then the records that refer to
     # the segments (restored only once those exist).
-    pickle.dump(
+    head = safecodec.encode_tree(
         {
             "segs": [(s.segment, s.client_id, s.alloc.alignment, s.num) for s in state._seg_list],
             "allocs": allocs,
             "table": objects.table.state(),
             "writers": objects.writers,
             "fields": list(vars(state)),
-        },
-        f,
-        protocol=pickle.HIGHEST_PROTOCOL,
+        }
     )
-    _Pickler(f, seg_index).dump({"hot": objects.hot, "policy": policy, "rest": rest})
-    return f.getvalue()
+    body = safecodec.encode_tree(
+        {"hot": objects.hot, "policy": policy, "rest": rest}, persistent=seg_index
+    )
+    payload = msgspec.msgpack.encode({"head": head, "body": body})
+    return b"".join((MAGIC, _HEADER.pack(SCHEMA, zlib.crc32(payload), len(payload)), payload))
 
 
 def _col(typecode: str, data: bytes) -> array[Any]:
+    if type(data) is not bytes:
+        raise ValueError("a column is not bytes")
     a = array(typecode)
     a.frombytes(data)
     return a
@@ -117,30 +111,67 @@ def _col(typecode: str, data: bytes) -> array[Any]:
 def restore(cls: type[MasterState], data: bytes, config: MasterConfig | None) -> MasterState:
     """A state equal to the one :func:`snapshot` wrote; ``config`` (validated) replaces the
     saved one when given."""
-    if data.startswith(_OLD_MAGIC):
-        raise InvalidArgumentError(
-            "a master snapshot of an older format (MCKSNAP1): restart from the persisted "
-            "objects' holders instead (this version reads MCKSNAP2)"
-        )
+    for old in _OLD_MAGICS:
+        if data.startswith(old):
+            raise InvalidArgumentError(
+                f"a master snapshot of an older format ({old.decode()}): restart from the "
+                f"persisted objects' holders instead (this version reads {MAGIC.decode()})"
+            )
     if not data.startswith(MAGIC):
         raise InvalidArgumentError("not a master snapshot (bad magic)")
+    start = len(MAGIC) + _HEADER.size
+    if len(data) < start:
+        raise InvalidArgumentError("master snapshot cut short (no header)")
+    schema, crc, length = _HEADER.unpack_from(data, len(MAGIC))
+    if schema != SCHEMA:
+        raise InvalidArgumentError(
+            f"master snapshot schema {schema}: this version reads schema {SCHEMA}"
+        )
+    if len(data) - start != length:
+        raise InvalidArgumentError(
+            f"master snapshot of {len(data) - start} payload bytes, its header says {length}"
+        )
+    payload = memoryview(data)[start:]
+    if zlib.crc32(payload) != crc:
+        raise InvalidArgumentError("master snapshot checksum mismatch (corrupt data)")
     enabled = gc.isenabled()
     gc.disable()  # many new records, no cycles among them: collecting is pure cost
     try:
-        return _restore(cls, data, config)
+        return _restore(cls, payload, config)
+    except InvalidArgumentError:
+        raise
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        IndexError,
+        AttributeError,
+        OverflowError,
+        RecursionError,
+    ) as e:
+        raise InvalidArgumentError(f"malformed master snapshot: {type(e).__name__}: {e}") from None
+    except msgspec.MsgspecError as e:
+        raise InvalidArgumentError(f"malformed master snapshot: {e}") from None
     finally:
         if enabled:
             gc.enable()
 
 
-def _restore(cls: type[MasterState], data: bytes, config: MasterConfig | None) -> MasterState:
-    f = io.BytesIO(data)
-    f.seek(len(MAGIC))
-    head = pickle.load(f)
+def _restore(
+    cls: type[MasterState], payload: memoryview, config: MasterConfig | None
+) -> MasterState:
+    tree = msgspec.msgpack.decode(payload)
+    if type(tree) is not dict or set(tree) != {"head", "body"}:
+        raise ValueError("the payload is not a {head, body} map")
+    head = safecodec.decode_tree(tree["head"])
+    if type(head) is not dict:
+        raise ValueError("the head is not a map")
     segs: list[_Seg] = []
     for (segment, client_id, alignment, num), (aaddr, alen, fstart, flen, used) in zip(
         head["segs"], head["allocs"], strict=True
     ):
+        if not isinstance(segment, Segment):
+            raise ValueError("a segment record is not a Segment")
         alloc = OffsetAllocator.restore(
             segment.base,
             segment.size,
@@ -150,7 +181,9 @@ def _restore(cls: type[MasterState], data: bytes, config: MasterConfig | None) -
             used=used,
         )
         segs.append(_Seg(segment, client_id, alloc, num))
-    body = _Unpickler(f, segs).load()
+    body = safecodec.decode_tree(tree["body"], persistent=list(segs))
+    if type(body) is not dict or type(body.get("rest")) is not dict:
+        raise ValueError("the body is not a map of the state's fields")
     state = cls.__new__(cls)
     vars(state).update(body["rest"])
     state.config = config if config is not None else state.config

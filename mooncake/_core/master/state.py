@@ -177,8 +177,9 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
     @classmethod
     def restore(cls, data: bytes, config: MasterConfig | None = None) -> MasterState:
         """A state indistinguishable from the one :meth:`snapshot` serialized (allocators,
-        policy order, queues, rng included); ``config`` replaces the saved one when given. The
-        data must come from a trusted store (it is unpickled)."""
+        policy order, queues, rng included); ``config`` replaces the saved one when given.
+        Nothing in ``data`` is executed; bytes that are not a whole, intact snapshot of this
+        format raise :class:`~mooncake.errors.InvalidArgumentError`."""
         return snapshot.restore(cls, data, config)
 
     # -- replication ------------------------------------------------------------------------

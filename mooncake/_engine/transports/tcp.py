@@ -40,7 +40,8 @@ import errno
 import logging
 import os
 import socket
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -77,6 +78,25 @@ AUTH_OK = b"MCTAUTHK"
 # the v2 OK status frame at a stable address (sent from, never written after import)
 _STATUS_OK = _sockio.Scratch(tcpwire.STATUS_SIZE)
 ctypes.memmove(_STATUS_OK.addr, tcpwire.encode_status(tcpwire.Status.OK), tcpwire.STATUS_SIZE)
+
+
+def _busy_clock(conn: Any) -> Callable[[], float]:
+    """How long ``conn`` has been inside one request, for the accept loop at the cap: the
+    state machine runs on its own thread, so this samples what it publishes (idle, the
+    requests served and refused); the clock restarts whenever one of those moved."""
+    last = [0, 0]  # served, refused when the clock last restarted
+    since = [time.monotonic()]  # from accept until a request is done or it is seen idle
+
+    def busy_for() -> float:
+        now = time.monotonic()
+        done = [int(conn.served), int(conn.refused)]
+        if conn.idle or done != last:
+            last[:] = done
+            since[0] = now
+            return 0.0
+        return now - since[0]
+
+    return busy_for
 
 
 class _Lane:
@@ -253,6 +273,7 @@ class TcpTransport(Transport):
         conn = _fast.ServeConn(sock.fileno(), self._table, DRAIN_LIMIT)
         self._live[conn] = slot
         slot.idle_cb = lambda: bool(conn.idle)
+        slot.busy_for_cb = _busy_clock(conn)
         try:
             if self.serve_threads:
                 slot.evict_cb = conn.evict
