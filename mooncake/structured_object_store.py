@@ -154,7 +154,9 @@ def _new_group_id(config: Any) -> str | None:
         try:
             ids = list(raw)
         except TypeError as e:
-            raise InvalidArgumentError("structured object store config.group_ids must contain strings") from e
+            raise InvalidArgumentError(
+                "structured object store config.group_ids must contain strings"
+            ) from e
         if len(ids) > 1:
             raise InvalidArgumentError(
                 "structured object store config.group_ids must contain exactly one logical group "
@@ -235,7 +237,9 @@ class MooncakeBundleTransfer:
     ) -> RemoteBundleRef:
         """Store JSON metadata plus named members (tensors, ndarrays, bytes-like)."""
         check_policy(policy, max_inflight_put)
-        return self._structured.put(payload, partition=partition, chunk_bytes=chunk_bytes, config=config)
+        return self._structured.put(
+            payload, partition=partition, chunk_bytes=chunk_bytes, config=config
+        )
 
     def put_object(
         self,
@@ -253,7 +257,9 @@ class MooncakeBundleTransfer:
             payload = StructuredObjectPayload(
                 metadata={"__mooncake_wrapped_object__": True}, buffers={"value": obj}
             )
-        return self.put_structured_object(payload, partition, chunk_bytes, policy, max_inflight_put, config)
+        return self.put_structured_object(
+            payload, partition, chunk_bytes, policy, max_inflight_put, config
+        )
 
     def get_object(self, ref: RemoteBundleRef | Mapping[str, Any]) -> Any:
         """The object stored by put_object: the mapping of members, or the single value."""
@@ -296,7 +302,9 @@ class MooncakeBundleTransfer:
                 items: Any = value.values()
             elif hasattr(value, "batch") and hasattr(value, "non_tensor_batch"):
                 items = (value.batch, value.non_tensor_batch, getattr(value, "meta_info", None))
-            elif isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.dtype == object):
+            elif isinstance(value, (list, tuple)) or (
+                isinstance(value, np.ndarray) and value.dtype == object
+            ):
                 items = value.flat if isinstance(value, np.ndarray) else value
             else:
                 return
@@ -329,8 +337,15 @@ class MooncakeBundleTransfer:
         else:
             raise InvalidArgumentError(f"unsupported Mooncake payload type: {type!r}")
         return self._put_stage(
-            None, stage_data, namespace=namespace, partition=partition, stage=stage,
-            chunk_bytes=chunk_bytes, policy=policy, overwrite=False, config=config,
+            None,
+            stage_data,
+            namespace=namespace,
+            partition=partition,
+            stage=stage,
+            chunk_bytes=chunk_bytes,
+            policy=policy,
+            overwrite=False,
+            config=config,
             field_schemas=field_schemas,
         )
 
@@ -352,8 +367,15 @@ class MooncakeBundleTransfer:
             raise InvalidArgumentError(f"unsupported Mooncake payload type: {type!r}")
         flat = type == "dict"
         result = self._get(
-            ref, fields, batch_fields, non_tensor_fields, meta_info_keys,
-            dict if flat else data_cls, destinations, rows, flat,
+            ref,
+            fields,
+            batch_fields,
+            non_tensor_fields,
+            meta_info_keys,
+            dict if flat else data_cls,
+            destinations,
+            rows,
+            flat,
         )
         return envelope_to_flat_dict(result) if flat else result
 
@@ -371,8 +393,15 @@ class MooncakeBundleTransfer:
     ) -> MooncakeDataProtoRef:
         """Store a DataProto-like value as one stage (see put)."""
         return self.put(
-            data, type="dataproto", namespace=namespace, partition=partition, stage=stage,
-            chunk_bytes=chunk_bytes, policy=policy, field_schemas=field_schemas, config=config,
+            data,
+            type="dataproto",
+            namespace=namespace,
+            partition=partition,
+            stage=stage,
+            chunk_bytes=chunk_bytes,
+            policy=policy,
+            field_schemas=field_schemas,
+            config=config,
         )
 
     def append_dataproto_fields(
@@ -391,9 +420,16 @@ class MooncakeBundleTransfer:
         Existing fields are refused unless ``overwrite``, which replaces the whole stage."""
         old = resolve_dataproto_ref(ref)
         return self._put_stage(
-            old, data, namespace=old.namespace, partition=old.partition, stage=stage,
-            chunk_bytes=chunk_bytes, policy=policy, overwrite=overwrite,
-            field_schemas=field_schemas, config=config,
+            old,
+            data,
+            namespace=old.namespace,
+            partition=old.partition,
+            stage=stage,
+            chunk_bytes=chunk_bytes,
+            policy=policy,
+            overwrite=overwrite,
+            field_schemas=field_schemas,
+            config=config,
         )
 
     def dataproto_manifest_view(self, ref: DataProtoRefLike) -> dict[str, Any]:
@@ -415,19 +451,30 @@ class MooncakeBundleTransfer:
                     "metadata": enc.get("metadata"),
                     "payload_members": dict(enc["payload_members"]),
                     "payload_specs": {
-                        p: dict(specs.get(m, {"encoding": "bytes"})) for p, m in enc["payload_members"].items()
+                        p: dict(specs.get(m, {"encoding": "bytes"}))
+                        for p, m in enc["payload_members"].items()
                     },
                 }
-            fields[name] = {"section": loc.section, "stage": loc.stage, "member": loc.member, "spec": spec}
+            fields[name] = {
+                "section": loc.section,
+                "stage": loc.stage,
+                "member": loc.member,
+                "spec": spec,
+            }
         return {
             "namespace": ref.namespace,
             "partition": ref.partition,
             "batch_size": ref.batch_size,
             "batch_fields": {n: i for n, i in fields.items() if i["section"] == "batch"},
-            "non_tensor_fields": {n: i for n, i in fields.items() if i["section"] == "non_tensor_batch"},
+            "non_tensor_fields": {
+                n: i for n, i in fields.items() if i["section"] == "non_tensor_batch"
+            },
             "meta_info_keys": list(ref.meta_info),
             "stages": {
-                stage: {"manifest_key": sref.manifest_key, "dataproto": metas[stage].get("dataproto", {})}
+                stage: {
+                    "manifest_key": sref.manifest_key,
+                    "dataproto": metas[stage].get("dataproto", {}),
+                }
                 for stage, sref in ref.stage_refs.items()
             },
         }
@@ -446,7 +493,15 @@ class MooncakeBundleTransfer:
     ) -> Any:
         """Read selected DataProto fields (see get)."""
         return self._get(
-            ref, fields, batch_fields, non_tensor_fields, meta_info_keys, data_cls, destinations, rows, False
+            ref,
+            fields,
+            batch_fields,
+            non_tensor_fields,
+            meta_info_keys,
+            data_cls,
+            destinations,
+            rows,
+            False,
         )
 
     def cleanup_dataproto(self, ref: DataProtoRefLike) -> None:
@@ -458,7 +513,9 @@ class MooncakeBundleTransfer:
                 seen.add(sref.manifest_key)
                 self.remove_bundle(sref)
 
-    def cleanup_dataproto_append(self, previous: DataProtoRefLike, appended: DataProtoRefLike) -> None:
+    def cleanup_dataproto_append(
+        self, previous: DataProtoRefLike, appended: DataProtoRefLike
+    ) -> None:
         """Remove what an unpublished append added, leaving ``previous`` readable."""
         prev = resolve_dataproto_ref(previous)
         new = resolve_dataproto_ref(appended)
@@ -481,7 +538,9 @@ class MooncakeBundleTransfer:
             ids = {self._bundles.object_id_of(spec["key"]) for spec in added}
             keys = [c["key"] for c in manifest["meta"]["chunks"]]
             keys += [c["key"] for spec in added for c in spec["chunks"]]
-            keys += [k for k in manifest.get("cleanup_keys", []) if self._bundles.object_id_of(k) in ids]
+            keys += [
+                k for k in manifest.get("cleanup_keys", []) if self._bundles.object_id_of(k) in ids
+            ]
             remove_keys(self.store, keys, strict=True)
             remove_keys(self.store, [sref.manifest_key], strict=True)
 
@@ -513,7 +572,9 @@ class MooncakeBundleTransfer:
             )
         overlap = sorted(set(batch) & set(non_tensor))
         if overlap:
-            raise InvalidArgumentError(f"DataProto batch and non_tensor_batch fields overlap: {overlap}")
+            raise InvalidArgumentError(
+                f"DataProto batch and non_tensor_batch fields overlap: {overlap}"
+            )
         buffers: dict[str, Any] = {}
         updates: dict[str, StructuredFieldLocation] = {}
         encoded_updates: dict[str, Any] = {}
@@ -527,7 +588,13 @@ class MooncakeBundleTransfer:
             if schema is not None:
                 try:
                     col = codecs.encode_with_schema(member, value, schema)
-                except (TypeError, ValueError, RuntimeError, AttributeError, NotSupportedError) as e:
+                except (
+                    TypeError,
+                    ValueError,
+                    RuntimeError,
+                    AttributeError,
+                    NotSupportedError,
+                ) as e:
                     raise type(e)(
                         f"failed to encode non_tensor_batch field {name!r} with FieldSchema codec "
                         f"{schema.codec!r}: {e}"
@@ -543,20 +610,32 @@ class MooncakeBundleTransfer:
                 buffers[f"{member}.{pname}"] = pvalue
                 members[pname] = f"{member}.{pname}"
             encoded_updates[name] = {
-                "codec": col.codec, "rows": col.rows, "metadata": col.metadata, "payload_members": members,
+                "codec": col.codec,
+                "rows": col.rows,
+                "metadata": col.metadata,
+                "payload_members": members,
             }
         if not buffers:
             if ref is not None:
                 return MooncakeDataProtoRef(
-                    batch_size=ref.batch_size, stage_refs=dict(ref.stage_refs),
-                    field_index=dict(ref.field_index), meta_info={**ref.meta_info, **meta_info},
-                    namespace=ref.namespace, partition=ref.partition,
-                    global_indexes=ref.global_indexes, encoded_non_tensor=dict(ref.encoded_non_tensor),
+                    batch_size=ref.batch_size,
+                    stage_refs=dict(ref.stage_refs),
+                    field_index=dict(ref.field_index),
+                    meta_info={**ref.meta_info, **meta_info},
+                    namespace=ref.namespace,
+                    partition=ref.partition,
+                    global_indexes=ref.global_indexes,
+                    encoded_non_tensor=dict(ref.encoded_non_tensor),
                     _storage_group_id=ref._storage_group_id,
                 )
             return MooncakeDataProtoRef(
-                batch_size=size, stage_refs={}, field_index={}, meta_info=dict(meta_info),
-                namespace=namespace, partition=partition, encoded_non_tensor={},
+                batch_size=size,
+                stage_refs={},
+                field_index={},
+                meta_info=dict(meta_info),
+                namespace=namespace,
+                partition=partition,
+                encoded_non_tensor={},
                 _storage_group_id=_new_group_id(config),
             )
         if ref is not None:
@@ -565,7 +644,9 @@ class MooncakeBundleTransfer:
                 raise InvalidArgumentError(f"DataProto fields already exist: {dup}")
             if overwrite:
                 dangling = sorted(
-                    n for n, loc in ref.field_index.items() if loc.stage == stage and n not in updates
+                    n
+                    for n, loc in ref.field_index.items()
+                    if loc.stage == stage and n not in updates
                 )
                 if dangling:
                     raise InvalidArgumentError(
@@ -577,32 +658,49 @@ class MooncakeBundleTransfer:
             metadata={
                 "layout": "dataproto_stage",
                 "dataproto": {
-                    "version": 1, "namespace": namespace, "partition": partition,
-                    "stage": stage, "batch_size": size,
+                    "version": 1,
+                    "namespace": namespace,
+                    "partition": partition,
+                    "stage": stage,
+                    "batch_size": size,
                 },
             },
             buffers=buffers,
         )
         existing = ref.stage_refs.get(stage) if ref is not None else None
         stage_ref = self._structured.put(
-            payload, partition=partition, chunk_bytes=chunk_bytes, config=effective,
+            payload,
+            partition=partition,
+            chunk_bytes=chunk_bytes,
+            config=effective,
             merge_into=existing if existing is not None and not overwrite else None,
         )
         if existing is not None and overwrite and existing.manifest_key != stage_ref.manifest_key:
             self.remove_bundle(existing)
         if ref is None:
             return MooncakeDataProtoRef(
-                batch_size=size, stage_refs={stage: stage_ref}, field_index=dict(updates),
-                meta_info=dict(meta_info), namespace=namespace, partition=partition,
-                global_indexes=None, encoded_non_tensor=dict(encoded_updates), _storage_group_id=group,
+                batch_size=size,
+                stage_refs={stage: stage_ref},
+                field_index=dict(updates),
+                meta_info=dict(meta_info),
+                namespace=namespace,
+                partition=partition,
+                global_indexes=None,
+                encoded_non_tensor=dict(encoded_updates),
+                _storage_group_id=group,
             )
         encoded = {n: e for n, e in ref.encoded_non_tensor.items() if n not in updates}
         encoded.update(encoded_updates)
         return MooncakeDataProtoRef(
-            batch_size=size, stage_refs={**ref.stage_refs, stage: stage_ref},
-            field_index={**ref.field_index, **updates}, meta_info={**ref.meta_info, **meta_info},
-            namespace=namespace, partition=partition, global_indexes=ref.global_indexes,
-            encoded_non_tensor=encoded, _storage_group_id=group,
+            batch_size=size,
+            stage_refs={**ref.stage_refs, stage: stage_ref},
+            field_index={**ref.field_index, **updates},
+            meta_info={**ref.meta_info, **meta_info},
+            namespace=namespace,
+            partition=partition,
+            global_indexes=ref.global_indexes,
+            encoded_non_tensor=encoded,
+            _storage_group_id=group,
         )
 
     def _get(
@@ -649,7 +747,9 @@ class MooncakeBundleTransfer:
                 elif sel is not None and sel.indices is not None:
                     hi = max(sel.indices) + 1 if sel.indices else 0
                     spec = spec.slice_member(loc.member, 0, lo, hi)
-            result = self.materialize_into(spec.select_members(list(dict.fromkeys(members))), stage_dests)
+            result = self.materialize_into(
+                spec.select_members(list(dict.fromkeys(members))), stage_dests
+            )
             for name in names:
                 loc = ref.field_index[name]
                 enc = ref.encoded_non_tensor.get(name)
@@ -667,9 +767,11 @@ class MooncakeBundleTransfer:
                 elif sel is not None and sel.indices is not None:
                     column = [column[i] for i in sel.indices]
                 values[name] = column if flat else codecs.object_column(column)
-        meta = dict(ref.meta_info) if meta_info_keys is None else {
-            k: ref.meta_info[k] for k in meta_info_keys if k in ref.meta_info
-        }
+        meta = (
+            dict(ref.meta_info)
+            if meta_info_keys is None
+            else {k: ref.meta_info[k] for k in meta_info_keys if k in ref.meta_info}
+        )
         return build_result(
             {n: values[n] for n in batch_names}, {n: values[n] for n in nt_names}, meta, data_cls
         )

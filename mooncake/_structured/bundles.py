@@ -40,13 +40,11 @@ from mooncake._structured.model import (
     StructuredObjectResult,
     StructuredTypeError,
     TensorObjectBuffer,
+    optional_module,
 )
 from mooncake.errors import InvalidArgumentError, NotSupportedError
 
-try:
-    import torch as _torch
-except ImportError:  # pragma: no cover - torch is optional
-    _torch = None
+_torch: Any = optional_module("torch")
 
 __all__ = ["ManifestStore", "StructuredLayer", "check_policy", "normalize_key_prefix"]
 
@@ -73,7 +71,9 @@ def check_chunk_bytes(chunk_bytes: int) -> int:
     return chunk_bytes
 
 
-def check_policy(policy: BundleTransferPolicy | None, max_inflight_put: int | None = None) -> BundleTransferPolicy:
+def check_policy(
+    policy: BundleTransferPolicy | None, max_inflight_put: int | None = None
+) -> BundleTransferPolicy:
     """The policy to use (defaults filled in), validated as the published module does."""
     result = policy or BundleTransferPolicy()
     if max_inflight_put is not None:
@@ -110,7 +110,9 @@ def decode_json(payload: bytes, label: str) -> dict[str, Any]:
 class _Source:
     """A member's byte stream as parts, and the payload-spec extras it records."""
 
-    def __init__(self, parts: list[Part], extra: dict[str, Any] | None = None, chunked: bool = True) -> None:
+    def __init__(
+        self, parts: list[Part], extra: dict[str, Any] | None = None, chunked: bool = True
+    ) -> None:
         self.parts = parts
         self.extra = extra or {}
         self.chunked = chunked
@@ -137,7 +139,9 @@ def _tensor_helpers() -> tuple[Any, Any]:
 def encode_member(name: str, value: Any) -> tuple[dict[str, Any], _Source]:
     """The field spec and payload source of one structured member."""
     if isinstance(value, TensorObjectBuffer):
-        return {"encoding": "torch_tensor"}, _Source([Part(value.ptr, value.size, value.owner)], chunked=False)
+        return {"encoding": "torch_tensor"}, _Source(
+            [Part(value.ptr, value.size, value.owner)], chunked=False
+        )
     if _torch is not None and isinstance(value, _torch.Tensor):
         if value.is_nested:
             raise NotSupportedError(f"structured member {name}: nested tensors are not supported")
@@ -174,14 +178,20 @@ def encode_member(name: str, value: Any) -> tuple[dict[str, Any], _Source]:
             if n:
                 parts.append(Part(ptr, n, owner))
         if value.dtype is not None and value.shape is not None:
-            return {"encoding": "ndarray", "dtype": value.dtype, "shape": list(value.shape)}, _Source(parts)
+            return {
+                "encoding": "ndarray",
+                "dtype": value.dtype,
+                "shape": list(value.shape),
+            }, _Source(parts)
         return {"encoding": "bytes"}, _Source(parts)
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
             raise StructuredTypeError(f"{name} must be bytes-like, got an object ndarray")
         array = np.ascontiguousarray(value)
         spec = {"encoding": "ndarray", "dtype": array.dtype.str, "shape": list(array.shape)}
-        return spec, _Source([Part(int(array.ctypes.data), int(array.nbytes), array)] if array.nbytes else [])
+        return spec, _Source(
+            [Part(int(array.ctypes.data), int(array.nbytes), array)] if array.nbytes else []
+        )
     return {"encoding": "bytes"}, _bytes_source(value, name)
 
 
@@ -205,7 +215,9 @@ def _split(parts: Sequence[Part], chunk_bytes: int) -> list[list[Part]]:
     return groups
 
 
-def _scatter(chunks: Sequence[Mapping[str, Any]], parts: Sequence[Part]) -> list[tuple[str, list[Part]]]:
+def _scatter(
+    chunks: Sequence[Mapping[str, Any]], parts: Sequence[Part]
+) -> list[tuple[str, list[Part]]]:
     """The destination parts of each chunk key, cutting ``parts`` at the chunk boundaries."""
     sizes = [int(c["bytes"]) for c in chunks]
     out: list[tuple[str, list[Part]]] = []
@@ -286,7 +298,10 @@ class ManifestStore:
             spec = {
                 "key": key,
                 "bytes": total,
-                "chunks": [{"key": k, "bytes": sum(p.size for p in g)} for k, g in zip(keys, groups, strict=True)],
+                "chunks": [
+                    {"key": k, "bytes": sum(p.size for p in g)}
+                    for k, g in zip(keys, groups, strict=True)
+                ],
             }
             spec.update(src.extra)
             return spec
@@ -332,6 +347,7 @@ class ManifestStore:
 
     def resolve(self, ref: RemoteBundleRef | Mapping[str, Any]) -> dict[str, Any]:
         """The (validated) manifest of ``ref``, read from the store unless ``ref`` carries it."""
+        manifest: Any
         if isinstance(ref, RemoteBundleRef):
             manifest = ref.manifest or self._read_manifest(ref.manifest_key)
         else:
@@ -375,7 +391,9 @@ class ManifestStore:
             raise InvalidArgumentError("bundle manifest object_id must be a string")
         ids = manifest.get("buffer_object_ids", [object_id])
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-            raise InvalidArgumentError("bundle manifest buffer_object_ids must be a list of strings")
+            raise InvalidArgumentError(
+                "bundle manifest buffer_object_ids must be a list of strings"
+            )
         bases = [f"{self.key_prefix}/{i}" for i in ids]
         self._validate_spec(manifest.get("meta"), [f"{self.key_prefix}/{object_id}"])
         cleanup = manifest.get("cleanup_keys", [])
@@ -383,7 +401,9 @@ class ManifestStore:
             isinstance(k, str) and any(k == f"{b}/manifest" or k.startswith(f"{b}/") for b in bases)
             for k in cleanup
         ):
-            raise InvalidArgumentError("bundle manifest cleanup_keys are outside the bundle namespace")
+            raise InvalidArgumentError(
+                "bundle manifest cleanup_keys are outside the bundle namespace"
+            )
         buffers = manifest.get("buffers")
         if not isinstance(buffers, dict):
             raise InvalidArgumentError("bundle manifest buffers must be a dict")
@@ -419,9 +439,13 @@ class ManifestStore:
             seen.add(ck)
             total += n
         if total != expected:
-            raise InvalidArgumentError(f"bundle payload chunks total {total} bytes, expected {expected}")
+            raise InvalidArgumentError(
+                f"bundle payload chunks total {total} bytes, expected {expected}"
+            )
 
-    def manifest_key(self, ref: RemoteBundleRef | Mapping[str, Any], manifest: Mapping[str, Any]) -> str:
+    def manifest_key(
+        self, ref: RemoteBundleRef | Mapping[str, Any], manifest: Mapping[str, Any]
+    ) -> str:
         expected = f"{self.key_prefix}/{manifest['object_id']}/manifest"
         key = ref.manifest_key if isinstance(ref, RemoteBundleRef) else ref.get("manifest_key")
         if key is None:
@@ -432,7 +456,11 @@ class ManifestStore:
 
     @staticmethod
     def payload_keys(manifest: Mapping[str, Any]) -> list[str]:
-        return [c["key"] for spec in [manifest["meta"], *manifest["buffers"].values()] for c in spec["chunks"]]
+        return [
+            c["key"]
+            for spec in [manifest["meta"], *manifest["buffers"].values()]
+            for c in spec["chunks"]
+        ]
 
     def remove(self, ref: RemoteBundleRef | Mapping[str, Any]) -> None:
         """Remove the bundle's payloads, cleanup keys and manifest (a missing bundle is fine)."""
@@ -464,13 +492,6 @@ class ManifestStore:
 def _put(store: Any, key: str, value: bytes, config: Any) -> Any:
     cfg = grouped_config(config, 1)
     return store.put(key, value) if cfg is None else store.put(key, value, config=cfg)
-
-
-def _np_dtype_of_torch(dtype: Any) -> np.dtype[Any] | None:
-    try:
-        return np.dtype(_torch.empty(0, dtype=dtype).numpy().dtype)  # type: ignore[union-attr]
-    except (TypeError, RuntimeError):
-        return None
 
 
 def _torch_dtype(name: str) -> Any:
@@ -519,7 +540,9 @@ class StructuredLayer:
         if metadata is None:
             raise StructuredTypeError("structured metadata must be a mapping")
         if STRUCTURED_FIELD_SPECS_KEY in metadata:
-            raise InvalidArgumentError(f"structured metadata key {STRUCTURED_FIELD_SPECS_KEY!r} is reserved")
+            raise InvalidArgumentError(
+                f"structured metadata key {STRUCTURED_FIELD_SPECS_KEY!r} is reserved"
+            )
         if not isinstance(metadata.get("layout", "structured"), str):
             raise InvalidArgumentError("structured metadata layout must be a string")
         metadata.setdefault("layout", "structured")
@@ -534,7 +557,9 @@ class StructuredLayer:
             old_manifest = self.bundles.resolve(merge_into)
             old_meta = self.metadata(old_manifest)
             if old_meta.get("dataproto") != metadata.get("dataproto"):
-                raise InvalidArgumentError("DataProto stage metadata mismatch during manifest merge")
+                raise InvalidArgumentError(
+                    "DataProto stage metadata mismatch during manifest merge"
+                )
             old_specs = dict(old_meta.get(STRUCTURED_FIELD_SPECS_KEY, {}))
             collisions = sorted(set(old_specs) & set(specs))
             if collisions:
@@ -586,8 +611,12 @@ class StructuredLayer:
         finish: dict[str, Any] = {}
         for name in selected:
             finish[name] = self._plan(
-                name, buffers[name], field_specs.get(name, {"encoding": "bytes"}),
-                slices.get(name), dests.get(name), reads,
+                name,
+                buffers[name],
+                field_specs.get(name, {"encoding": "bytes"}),
+                slices.get(name),
+                dests.get(name),
+                reads,
             )
         self.bundles.io.get_many(reads)
         objects = {name: (f() if callable(f) else f) for name, f in finish.items()}
@@ -609,11 +638,17 @@ class StructuredLayer:
         chunks = pspec["chunks"]
         if encoding == "bytes":
             if mslice is not None:
-                raise InvalidArgumentError(f"structured bytes member {name} does not support slicing")
+                raise InvalidArgumentError(
+                    f"structured bytes member {name} does not support slicing"
+                )
             if dest is not None:
-                raise InvalidArgumentError(f"structured bytes member {name} does not support materialize_into")
+                raise InvalidArgumentError(
+                    f"structured bytes member {name} does not support materialize_into"
+                )
             out = np.empty(total, dtype=np.uint8)
-            reads.extend(_scatter(chunks, [Part(int(out.ctypes.data), total, out)] if total else []))
+            reads.extend(
+                _scatter(chunks, [Part(int(out.ctypes.data), total, out)] if total else [])
+            )
             return lambda: out
         if encoding == "ndarray":
             return self._plan_ndarray(name, pspec, fspec, mslice, dest, reads)
@@ -623,29 +658,37 @@ class StructuredLayer:
             raise NotSupportedError(f"structured member {name}: nested tensors are not supported")
         if pspec.get("format") == "torch_save":
             if dest is not None:
-                raise InvalidArgumentError(f"structured torch_save tensor member {name} does not support destinations")
-            value = _torch.load(io.BytesIO(self.bundles.read_bytes(pspec)), weights_only=True)  # type: ignore[union-attr]
+                raise InvalidArgumentError(
+                    f"structured torch_save tensor member {name} does not support destinations"
+                )
+            value = _torch.load(io.BytesIO(self.bundles.read_bytes(pspec)), weights_only=True)
             if mslice is None:
                 return value
             if mslice.axis != 0:
-                raise InvalidArgumentError("structured tensor slicing currently supports axis=0 only")
+                raise InvalidArgumentError(
+                    "structured tensor slicing currently supports axis=0 only"
+                )
             start, end, step = _norm_slice(mslice, len(value))
             return value[start:end:step]
-        header = int(pspec.get("metadata_bytes", _HEADER_BYTES if pspec.get("kind") == "tensor" else -1))
+        header = int(
+            pspec.get("metadata_bytes", _HEADER_BYTES if pspec.get("kind") == "tensor" else -1)
+        )
         shape = fspec.get("shape")
         dtype_name = fspec.get("dtype")
         if dest is not None:
             return self._plan_tensor_into(name, pspec, fspec, mslice, dest, header, reads)
         if header < 0 or not isinstance(shape, list) or not isinstance(dtype_name, str):
             if mslice is not None:
-                raise InvalidArgumentError(f"structured tensor field {name} is missing slice metadata")
+                raise InvalidArgumentError(
+                    f"structured tensor field {name} is missing slice metadata"
+                )
             _, deserialize = _tensor_helpers()
             raw = self.bundles.read_bytes(pspec)
             return deserialize(raw)
         dtype = _torch_dtype(dtype_name)
         shape_t = tuple(int(d) for d in shape)
         if mslice is None:
-            tensor = _torch.empty(shape_t, dtype=dtype)  # type: ignore[union-attr]
+            tensor = _torch.empty(shape_t, dtype=dtype)
             nbytes = tensor.numel() * tensor.element_size()
             if total != header + nbytes:
                 raise StructuredObjectError(
@@ -663,9 +706,11 @@ class StructuredLayer:
             raise InvalidArgumentError("structured tensor slicing requires at least one dimension")
         start, end, step = _norm_slice(mslice, shape_t[0])
         count = len(range(start, end, step))
-        row = int(np.prod(shape_t[1:], dtype=np.int64)) * _torch.empty(0, dtype=dtype).element_size()  # type: ignore[union-attr]
+        row = (
+            int(np.prod(shape_t[1:], dtype=np.int64)) * _torch.empty(0, dtype=dtype).element_size()
+        )
         cover = 0 if count == 0 else (count - 1) * step + 1
-        tensor = _torch.empty((cover, *shape_t[1:]), dtype=dtype)  # type: ignore[union-attr]
+        tensor = _torch.empty((cover, *shape_t[1:]), dtype=dtype)
         if cover and row:
             self.bundles.io.get_ranges(
                 fragments(chunks, header + start * row, cover * row),
@@ -691,7 +736,9 @@ class StructuredLayer:
         chunks = pspec["chunks"]
         if mslice is None:
             if dest.size < total:
-                raise InvalidArgumentError(f"tensor destination has {dest.size} bytes, expected at least {total}")
+                raise InvalidArgumentError(
+                    f"tensor destination has {dest.size} bytes, expected at least {total}"
+                )
             reads.extend(_scatter(chunks, [Part(dest.ptr, total, dest.owner)] if total else []))
             return dest
         shape = fspec.get("shape")
@@ -706,13 +753,18 @@ class StructuredLayer:
         row = element_size * int(np.prod(shape[1:], dtype=np.int64))
         length = max(end - start, 0) * row
         if dest.size < header + length:
-            raise InvalidArgumentError(f"tensor destination has {dest.size} bytes, expected at least {header + length}")
+            raise InvalidArgumentError(
+                f"tensor destination has {dest.size} bytes, expected at least {header + length}"
+            )
         head = np.empty(header, dtype=np.uint8)
-        self.bundles.io.get_ranges(fragments(chunks, 0, header), Part(int(head.ctypes.data), header, head))
+        self.bundles.io.get_ranges(
+            fragments(chunks, 0, header), Part(int(head.ctypes.data), header, head)
+        )
         patched = _patched_header(head.tobytes(), (max(end - start, 0), *shape[1:]), length)
         ctypes.memmove(dest.ptr, patched, header)
         self.bundles.io.get_ranges(
-            fragments(chunks, header + start * row, length, header), Part(dest.ptr, header + length, dest.owner)
+            fragments(chunks, header + start * row, length, header),
+            Part(dest.ptr, header + length, dest.owner),
         )
         return dest
 
@@ -749,21 +801,30 @@ class StructuredLayer:
         cover = (count - 1) * step + 1
         target = out if step == 1 else np.empty((cover, *full[1:]), dtype=dtype)
         self.bundles.io.get_ranges(
-            fragments(chunks, start * row, cover * row), Part(int(target.ctypes.data), cover * row, target)
+            fragments(chunks, start * row, cover * row),
+            Part(int(target.ctypes.data), cover * row, target),
         )
         if step != 1:
             out[...] = target[::step]
         return out
 
 
-def _ndarray_destination(name: str, dest: Any, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
+def _ndarray_destination(
+    name: str, dest: Any, dtype: np.dtype[Any], shape: tuple[int, ...]
+) -> np.ndarray:
     if dest is None:
         return np.empty(shape, dtype=dtype)
     if isinstance(dest, RawDestination):
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if dest.size < n:
-            raise InvalidArgumentError(f"raw destination has {dest.size} bytes, expected at least {n}")
-        return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(dest.ptr)).view(dtype).reshape(shape)
+            raise InvalidArgumentError(
+                f"raw destination has {dest.size} bytes, expected at least {n}"
+            )
+        return (
+            np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(dest.ptr))
+            .view(dtype)
+            .reshape(shape)
+        )
     if not isinstance(dest, np.ndarray):
         raise StructuredTypeError(
             f"structured ndarray field {name} destination must be a numpy.ndarray or raw_destination"
@@ -777,5 +838,7 @@ def _ndarray_destination(name: str, dest: Any, dtype: np.dtype[Any], shape: tupl
             f"structured ndarray field {name} destination shape mismatch: expected {shape}, got {tuple(dest.shape)}"
         )
     if not dest.flags["C_CONTIGUOUS"] or not dest.flags["WRITEABLE"]:
-        raise InvalidArgumentError(f"structured ndarray field {name} destination must be C-contiguous and writeable")
+        raise InvalidArgumentError(
+            f"structured ndarray field {name} destination must be C-contiguous and writeable"
+        )
     return dest

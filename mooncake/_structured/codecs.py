@@ -26,13 +26,10 @@ from typing import Any
 import numpy as np
 
 from mooncake._structured import msgpack_lite
-from mooncake._structured.model import FieldSchema, StructuredTypeError
+from mooncake._structured.model import FieldSchema, StructuredTypeError, optional_module
 from mooncake.errors import InvalidArgumentError, NotSupportedError
 
-try:
-    import torch as _torch
-except ImportError:  # pragma: no cover - torch is optional
-    _torch = None
+_torch: Any = optional_module("torch")
 
 __all__ = ["BytesParts", "EncodedColumn", "decode_column", "encode_column", "encode_with_schema"]
 
@@ -88,7 +85,9 @@ def _choose(values: Sequence[Any]) -> tuple[str, dict[str, Any]]:
         return "json_ragged", {"decision_reason": "all rows are null or missing"}
     if all(_is_tensor(v) for v in nn):
         if len({v.dtype for v in nn}) != 1:
-            raise InvalidArgumentError("unsupported structured non-tensor field: mixed tensor dtype")
+            raise InvalidArgumentError(
+                "unsupported structured non-tensor field: mixed tensor dtype"
+            )
         return "ragged_tensor", {"dtype": str(nn[0].dtype)}
     if all(isinstance(v, np.ndarray) for v in nn):
         if all(np.issubdtype(v.dtype, np.number) for v in nn):
@@ -119,7 +118,9 @@ def _choose(values: Sequence[Any]) -> tuple[str, dict[str, Any]]:
     except (TypeError, ValueError, OverflowError, RecursionError) as e:
         raise InvalidArgumentError(f"unsupported structured non-tensor field: {e}") from e
     if sampled > _MAX_SAMPLE_BYTES:
-        raise InvalidArgumentError("unsupported structured non-tensor field: sampled payload too large")
+        raise InvalidArgumentError(
+            "unsupported structured non-tensor field: sampled payload too large"
+        )
     return "json_ragged", {}
 
 
@@ -201,7 +202,12 @@ def _encode_ragged_tensor(values: Sequence[Any]) -> tuple[dict[str, Any], dict[s
         if v is None:
             arrays.append(None)
             continue
-        t = _torch.as_tensor(v.copy() if isinstance(v, np.ndarray) else v).detach().cpu().contiguous()
+        t = (
+            _torch.as_tensor(v.copy() if isinstance(v, np.ndarray) else v)
+            .detach()
+            .cpu()
+            .contiguous()
+        )
         if t.dtype == _torch.bfloat16:
             raise InvalidArgumentError("ragged tensor codec does not support torch.bfloat16")
         if tdtype is not None and t.dtype != tdtype:
@@ -244,7 +250,9 @@ def _encode(codec: str, values: list[Any], hint: dict[str, Any]) -> EncodedColum
             ) from e
         payload, metadata = _bytes_columns(packed), {}
     elif codec in _UNSUPPORTED:
-        raise NotSupportedError(f"structured non-tensor codec {codec!r} is not supported for writing")
+        raise NotSupportedError(
+            f"structured non-tensor codec {codec!r} is not supported for writing"
+        )
     else:
         raise InvalidArgumentError(f"unsupported schema codec: {codec!r}")
     return EncodedColumn(codec=codec, rows=len(values), payload=payload, metadata=metadata)
@@ -290,7 +298,9 @@ def encode_with_schema(path: str, value: Any, schema: FieldSchema) -> EncodedCol
         hint["dtype"] = str(np.dtype(str(dtype).removeprefix("torch.")))
     elif schema.codec == "typed_ragged" and dtype is not None:
         hint["dtype"] = str(np.dtype(str(dtype).removeprefix("torch.")))
-    elif schema.codec == "utf8_ragged" and any(v is not None and not isinstance(v, str) for v in values):
+    elif schema.codec == "utf8_ragged" and any(
+        v is not None and not isinstance(v, str) for v in values
+    ):
         raise StructuredTypeError("utf8_ragged codec requires str values")
     return _encode(schema.codec, values, hint)
 
@@ -313,7 +323,9 @@ def _decode_bytes(payload: Mapping[str, Any], rows: int) -> list[bytes | None]:
     return [None if nulls[r] else data[offsets[r] : offsets[r + 1]] for r in range(rows)]
 
 
-def _decode_typed_ragged(payload: Mapping[str, Any], rows: int, metadata: Mapping[str, Any]) -> list[Any]:
+def _decode_typed_ragged(
+    payload: Mapping[str, Any], rows: int, metadata: Mapping[str, Any]
+) -> list[Any]:
     dtype = np.dtype(metadata.get("dtype", "int64"))
     raw = payload["data"]
     if _is_tensor(raw):
@@ -351,7 +363,9 @@ def _decode_numeric(payload: Mapping[str, Any]) -> list[Any]:
     return list(values.tolist())
 
 
-def _decode_ragged_tensor(payload: Mapping[str, Any], rows: int, metadata: Mapping[str, Any]) -> list[Any]:
+def _decode_ragged_tensor(
+    payload: Mapping[str, Any], rows: int, metadata: Mapping[str, Any]
+) -> list[Any]:
     if _torch is None:
         raise NotSupportedError("torch is required to decode ragged tensor fields")
     name = str(metadata.get("dtype", "torch.float32")).removeprefix("torch.")
@@ -363,7 +377,11 @@ def _decode_ragged_tensor(payload: Mapping[str, Any], rows: int, metadata: Mappi
     return [
         None
         if v is None
-        else (_torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else _torch.as_tensor(v, dtype=tdtype)).to(tdtype)
+        else (
+            _torch.from_numpy(np.ascontiguousarray(v))
+            if isinstance(v, np.ndarray)
+            else _torch.as_tensor(v, dtype=tdtype)
+        ).to(tdtype)
         for v in _decode_typed_ragged(payload, rows, np_meta)
     ]
 
@@ -373,7 +391,9 @@ def decode_column(encoded: Mapping[str, Any], payload: Mapping[str, Any], rows: 
     codec = encoded.get("codec")
     metadata = encoded.get("metadata") or {}
     if codec in _UNSUPPORTED:
-        raise NotSupportedError(f"structured non-tensor codec {codec!r} is not supported for reading")
+        raise NotSupportedError(
+            f"structured non-tensor codec {codec!r} is not supported for reading"
+        )
     if codec == "ndarray":
         return _decode_numeric(payload)
     if codec == "typed_ragged":

@@ -15,13 +15,11 @@ from mooncake._structured.model import (
     StructuredKeyError,
     StructuredMemberSlice,
     StructuredTypeError,
+    optional_module,
 )
 from mooncake.errors import InvalidArgumentError
 
-try:
-    import torch as _torch
-except ImportError:  # pragma: no cover - torch is optional
-    _torch = None
+_torch: Any = optional_module("torch")
 
 SECTIONS = frozenset({"batch", "non_tensor_batch", "meta_info"})
 
@@ -73,7 +71,9 @@ def batch_size(batch: Mapping[str, Any], non_tensor: Mapping[str, Any]) -> int:
     if not sizes:
         return 0
     if len(sizes) != 1:
-        raise InvalidArgumentError(f"DataProto fields have inconsistent batch sizes: {sorted(sizes)}")
+        raise InvalidArgumentError(
+            f"DataProto fields have inconsistent batch sizes: {sorted(sizes)}"
+        )
     return sizes.pop()
 
 
@@ -88,7 +88,9 @@ def schema_section(name: str, schema: FieldSchema) -> str | None:
     return str(section)
 
 
-def schema_for(schemas: Mapping[str, FieldSchema] | None, name: str, section: str) -> FieldSchema | None:
+def schema_for(
+    schemas: Mapping[str, FieldSchema] | None, name: str, section: str
+) -> FieldSchema | None:
     if not schemas or name not in schemas:
         return None
     schema = schemas[name]
@@ -105,7 +107,11 @@ def check_schema_sections(
     if not schemas:
         return
     actual: dict[str, set[str]] = {}
-    for section, fields in (("batch", batch), ("non_tensor_batch", non_tensor), ("meta_info", meta_info)):
+    for section, fields in (
+        ("batch", batch),
+        ("non_tensor_batch", non_tensor),
+        ("meta_info", meta_info),
+    ):
         for name in fields:
             actual.setdefault(name, set()).add(section)
     for name, schema in schemas.items():
@@ -125,7 +131,7 @@ def _seq(value: Any) -> bool:
 
 def _dense(value: Any) -> bool:
     if _torch is not None and isinstance(value, _torch.Tensor):
-        return value.ndim > 0
+        return bool(value.ndim > 0)
     return isinstance(value, np.ndarray) and value.dtype != object and value.ndim > 0
 
 
@@ -134,11 +140,13 @@ def _schema_dtype(schema: FieldSchema | None) -> np.dtype[Any] | None:
     if name is None:
         return None
     try:
-        dtype = np.dtype(name)
+        dtype: np.dtype[Any] = np.dtype(name)
     except (TypeError, ValueError) as e:
         raise InvalidArgumentError(f"invalid FieldSchema metadata['dtype']: {name!r}") from e
     if dtype.kind not in "biufc":
-        raise InvalidArgumentError(f"FieldSchema metadata['dtype'] must be numeric or bool, got {dtype}")
+        raise InvalidArgumentError(
+            f"FieldSchema metadata['dtype'] must be numeric or bool, got {dtype}"
+        )
     return dtype
 
 
@@ -149,8 +157,11 @@ def _column(name: str, value: Any, rows: int, schema: FieldSchema | None) -> Any
                 f"flat dict non_tensor_batch field {name!r} has batch size {len(value)}, expected {rows}"
             )
         dtype = _schema_dtype(schema)
-        if schema is not None and schema.codec == "ndarray" and dtype is not None and (
-            value.dtype != object or all(v is not None for v in value)
+        if (
+            schema is not None
+            and schema.codec == "ndarray"
+            and dtype is not None
+            and (value.dtype != object or all(v is not None for v in value))
         ):
             return np.asarray(value, dtype=dtype)
         return value
@@ -162,7 +173,9 @@ def _column(name: str, value: Any, rows: int, schema: FieldSchema | None) -> Any
         out = np.empty(rows, dtype=object)
         out[:] = list(value)
         return out
-    raise StructuredTypeError(f"flat dict non_tensor_batch field {name!r} must be an ndarray or non-string sequence")
+    raise StructuredTypeError(
+        f"flat dict non_tensor_batch field {name!r} must be an ndarray or non-string sequence"
+    )
 
 
 def _len(name: str, value: Any) -> int:
@@ -175,7 +188,9 @@ def _len(name: str, value: Any) -> int:
 def _auto_rows(data: Mapping[str, Any], exclude: set[str]) -> int:
     dense = {len(v) for k, v in data.items() if k not in exclude and _dense(v)}
     if len(dense) > 1:
-        raise InvalidArgumentError(f"flat dict dense fields have ambiguous batch sizes: {sorted(dense)}")
+        raise InvalidArgumentError(
+            f"flat dict dense fields have ambiguous batch sizes: {sorted(dense)}"
+        )
     if dense:
         return dense.pop()
     sizes = {
@@ -205,7 +220,9 @@ def flat_dict_to_envelope(data: Any, schemas: Mapping[str, FieldSchema] | None) 
         if n in data and schema_section(n, s) in ("batch", "non_tensor_batch")
     }
     if len(pinned) > 1:
-        raise InvalidArgumentError(f"flat dict fields have inconsistent batch sizes: {sorted(pinned)}")
+        raise InvalidArgumentError(
+            f"flat dict fields have inconsistent batch sizes: {sorted(pinned)}"
+        )
     schema_rows = pinned.pop() if pinned else 0
     rows = schema_rows
     if rows == 0:
@@ -230,14 +247,22 @@ def flat_dict_to_envelope(data: Any, schemas: Mapping[str, FieldSchema] | None) 
 
 
 def envelope_to_flat_dict(data: Mapping[str, Any]) -> dict[str, Any]:
-    meta, batch, non_tensor = (mapping_to_dict(data.get(s)) for s in ("meta_info", "batch", "non_tensor_batch"))
-    overlap = (set(meta) & set(batch)) | (set(meta) & set(non_tensor)) | (set(batch) & set(non_tensor))
+    meta, batch, non_tensor = (
+        mapping_to_dict(data.get(s)) for s in ("meta_info", "batch", "non_tensor_batch")
+    )
+    overlap = (
+        (set(meta) & set(batch)) | (set(meta) & set(non_tensor)) | (set(batch) & set(non_tensor))
+    )
     if overlap:
-        raise InvalidArgumentError(f"Duplicate keys found across DataProto sections: {sorted(overlap)}")
+        raise InvalidArgumentError(
+            f"Duplicate keys found across DataProto sections: {sorted(overlap)}"
+        )
     result = dict(meta)
     result.update(batch)
     for name, value in non_tensor.items():
-        result[name] = value.tolist() if isinstance(value, np.ndarray) and value.dtype == object else value
+        result[name] = (
+            value.tolist() if isinstance(value, np.ndarray) and value.dtype == object else value
+        )
     return result
 
 
@@ -267,7 +292,9 @@ def select_fields(
 ) -> tuple[list[str], list[str]]:
     """The batch and non-tensor field names a read returns (KeyError for unknown ones)."""
     if fields is not None and (batch_fields is not None or non_tensor_fields is not None):
-        raise InvalidArgumentError("fields cannot be combined with batch_fields or non_tensor_fields")
+        raise InvalidArgumentError(
+            "fields cannot be combined with batch_fields or non_tensor_fields"
+        )
     index = ref.field_index
     if fields is not None:
         names = list(fields)
@@ -323,4 +350,6 @@ def select_rows(rows: Any, total: int) -> RowSelection | None:
                 raise IndexError(f"DataProto row index {i} out of range for {total} rows")
             out.append(j)
         return RowSelection(count=len(out), indices=tuple(out))
-    raise StructuredTypeError("DataProto rows must be a slice, StructuredMemberSlice, or row index sequence")
+    raise StructuredTypeError(
+        "DataProto rows must be a slice, StructuredMemberSlice, or row index sequence"
+    )

@@ -53,7 +53,9 @@ def buffer_address(value: Any) -> tuple[int, int, Any]:
     if not view.c_contiguous:
         data = np.frombuffer(view.tobytes(), dtype=np.uint8)
     else:
-        data = np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, np.uint8)
+        data = np.frombuffer(
+            view.cast("B") if view.format != "B" or view.ndim != 1 else view, np.uint8
+        )
     return (int(data.ctypes.data) if data.nbytes else 0), int(data.nbytes), data
 
 
@@ -146,7 +148,8 @@ class BatchIO:
     def zero_copy(self) -> bool:
         """Whether the store has the registered multi-buffer calls."""
         return all(
-            callable(f) for f in (self._put_parts, self._get_parts, self._register, self._unregister)
+            callable(f)
+            for f in (self._put_parts, self._get_parts, self._register, self._unregister)
         )
 
     # -- registration --------------------------------------------------------------------------
@@ -214,14 +217,20 @@ class BatchIO:
             sizes = [[p.size for p in k.parts] for k in keys]
             names = [k.key for k in keys]
             assert self._put_parts is not None
-            codes = _call(self._put_parts, names, ptrs, sizes, config=grouped_config(config, len(keys)))
+            codes = _call(
+                self._put_parts, names, ptrs, sizes, config=grouped_config(config, len(keys))
+            )
         finally:
             if buf_registered:
                 self._release([int(buf.ctypes.data)])
             self._release(registered)
         failed = [(n, c) for n, c in zip(names, codes, strict=True) if c not in (None, 0)]
         if len(codes) != len(names) or failed:
-            remove_keys(self.store, [n for n, c in zip(names, codes, strict=False) if c in (None, 0)], strict=False)
+            remove_keys(
+                self.store,
+                [n for n, c in zip(names, codes, strict=False) if c in (None, 0)],
+                strict=False,
+            )
             key, code = failed[0] if failed else (names[0], codes)
             raise StructuredObjectError(f"batch_put_from_multi_buffers failed for {key}: {code}")
 
@@ -335,7 +344,9 @@ def remove_keys(store: Any, keys: Sequence[str], *, strict: bool) -> None:
             results = []
         if len(results) == len(pending):
             pending = [
-                k for k, c in zip(pending, results, strict=True) if c not in (None, 0, MISSING_OBJECT_ERROR)
+                k
+                for k, c in zip(pending, results, strict=True)
+                if c not in (None, 0, MISSING_OBJECT_ERROR)
             ]
     errors = []
     for key in pending:

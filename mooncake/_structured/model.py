@@ -7,6 +7,7 @@ exported by either implementation imports in the other.
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +52,14 @@ STRUCTURED_FIELD_SPECS_KEY = "__mooncake_structured_fields__"
 DATAPROTO_REF_HANDLE_TYPE = "mooncake_dataproto_ref"
 DATAPROTO_REF_HANDLE_VERSION = 1
 STORAGE_GROUP_ID = "storage_group_id"
+
+
+def optional_module(name: str) -> Any:
+    """The module ``name`` if it can be imported, else None (torch and msgpack are optional)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 class StructuredObjectError(StoreError, RuntimeError):
@@ -308,30 +317,37 @@ def import_dataproto_ref(handle: Mapping[str, Any]) -> MooncakeDataProtoRef:
     if handle.get("kind") != "bundle_stages":
         raise InvalidArgumentError(f"unsupported DataProto ref handle kind: {handle.get('kind')!r}")
     stage_refs: dict[str, RemoteBundleRef] = {}
-    for stage, raw in _mapping(handle.get("stage_refs"), "stage_refs").items():
-        key = _mapping(raw, f"stage_refs[{stage!r}]").get("manifest_key")
-        if not _nonempty_str(stage) or not _nonempty_str(key):
+    for stage_name, raw in _mapping(handle.get("stage_refs"), "stage_refs").items():
+        key = _mapping(raw, f"stage_refs[{stage_name!r}]").get("manifest_key")
+        if not _nonempty_str(stage_name) or not _nonempty_str(key):
             raise InvalidArgumentError(
                 "DataProto ref handle stage refs must contain non-empty string names and "
                 "manifest_key values"
             )
-        stage_refs[stage] = RemoteBundleRef(manifest_key=key, manifest={})
+        stage_refs[stage_name] = RemoteBundleRef(manifest_key=str(key), manifest={})
     field_index: dict[str, StructuredFieldLocation] = {}
     for name, raw in _mapping(handle.get("field_index"), "field_index").items():
         loc = _mapping(raw, f"field_index[{name!r}]")
         section = loc.get("section")
         if section not in ("batch", "non_tensor_batch"):
             raise InvalidArgumentError(f"invalid DataProto field section: {section!r}")
-        stage, member = loc.get("stage"), loc.get("member")
+        stage: Any = loc.get("stage")
+        member: Any = loc.get("member")
         if not (_nonempty_str(name) and _nonempty_str(stage) and _nonempty_str(member)):
-            raise InvalidArgumentError("DataProto ref handle field locations must be non-empty strings")
+            raise InvalidArgumentError(
+                "DataProto ref handle field locations must be non-empty strings"
+            )
         if stage not in stage_refs:
             raise InvalidArgumentError(
                 f"DataProto ref handle field {name!r} references unknown stage {stage!r}"
             )
-        field_index[name] = StructuredFieldLocation(stage=stage, member=member, section=section)
+        field_index[name] = StructuredFieldLocation(
+            stage=str(stage), member=str(member), section=section
+        )
     group_id = handle.get(STORAGE_GROUP_ID)
-    if (version == 2 and group_id is None) or (group_id is not None and not _nonempty_str(group_id)):
+    if (version == 2 and group_id is None) or (
+        group_id is not None and not _nonempty_str(group_id)
+    ):
         raise InvalidArgumentError("DataProto ref handle has invalid storage_group_id")
     return MooncakeDataProtoRef(
         batch_size=int(handle["batch_size"]),
@@ -341,7 +357,9 @@ def import_dataproto_ref(handle: Mapping[str, Any]) -> MooncakeDataProtoRef:
         namespace=str(handle.get("namespace", "default")),
         partition=str(handle.get("partition", "default")),
         global_indexes=_global_indexes(handle.get("global_indexes")),
-        encoded_non_tensor=dict(_mapping(handle.get("encoded_non_tensor", {}), "encoded_non_tensor")),
+        encoded_non_tensor=dict(
+            _mapping(handle.get("encoded_non_tensor", {}), "encoded_non_tensor")
+        ),
         _storage_group_id=group_id,
     )
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+from mooncake._structured.model import optional_module
+
 __all__ = ["packb", "unpack_all"]
 
-try:  # pragma: no cover - depends on the environment
-    import msgpack as _msgpack
-except ImportError:  # pragma: no cover
-    _msgpack = None
+_msgpack: Any = optional_module("msgpack")
 
 
 def _pack(value: Any, out: bytearray) -> None:
@@ -106,7 +105,16 @@ def packb(value: Any) -> bytes:
     return bytes(out)
 
 
-_FIXED = {0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q", 0xD0: ">b", 0xD1: ">h", 0xD2: ">i", 0xD3: ">q"}
+_FIXED = {
+    0xCC: ">B",
+    0xCD: ">H",
+    0xCE: ">I",
+    0xCF: ">Q",
+    0xD0: ">b",
+    0xD1: ">h",
+    0xD2: ">i",
+    0xD3: ">q",
+}
 _FLOAT = {0xCA: ">f", 0xCB: ">d"}
 
 
