@@ -20,9 +20,15 @@ import numpy as np
 
 from mooncake._structured.model import MISSING_OBJECT_ERROR, StructuredObjectError
 
-__all__ = ["REGISTER_MIN_BYTES", "BatchIO", "Part", "buffer_address", "grouped_config"]
+__all__ = [
+    "READ_RETRIES",
+    "REGISTER_MIN_BYTES",
+    "SOLO_READ_BYTES", "BatchIO", "Part", "buffer_address", "grouped_config"]
 
 REGISTER_MIN_BYTES = 256 * 1024
+SOLO_READ_BYTES = 4 * 1024 * 1024
+READ_RETRIES = 3
+LEASE_EXPIRED = -707
 _ALIGN = 64
 
 
@@ -238,11 +244,46 @@ class BatchIO:
 
     def get_many(self, reads: Sequence[tuple[str, Sequence[Part]]]) -> None:
         """Scatter each key's value over its parts, in order; the value must fill them exactly
-        (:class:`StructuredObjectError` otherwise, naming the key)."""
+        (:class:`StructuredObjectError` otherwise, naming the key).
+
+        A read must finish within its key's read lease, which grows with the key's size; so
+        keys of at least :data:`SOLO_READ_BYTES` are read one per batch and smaller ones in
+        batches of at most that many bytes, and a key whose lease ran out is read again."""
         keys = [_Key(k, [p for p in parts if p.size]) for k, parts in reads]
         keys = [k for k in keys if k.parts]
         if not keys:
             return
+        if not self.zero_copy:
+            self._get_batch(keys)
+            return
+        batches: list[list[_Key]] = []
+        small: list[_Key] = []
+        small_bytes = 0
+        for k in keys:
+            if k.total >= SOLO_READ_BYTES:
+                batches.append([k])
+                continue
+            if small and small_bytes + k.total > SOLO_READ_BYTES:
+                batches.append(small)
+                small, small_bytes = [], 0
+            small.append(k)
+            small_bytes += k.total
+        if small:
+            batches.append(small)
+        for batch in batches:
+            expired = self._get_batch(batch)
+            for _attempt in range(READ_RETRIES):
+                if not expired:
+                    break
+                expired = [e for k in expired for e in self._get_batch([k])]
+            if expired:
+                raise StructuredObjectError(
+                    f"batch_get_into_multi_buffers failed for {expired[0].key}: its read lease "
+                    f"expired {READ_RETRIES + 1} times"
+                )
+
+    def _get_batch(self, keys: list[_Key]) -> list[_Key]:
+        """One batched read of ``keys``; answers the keys whose read lease expired."""
         if not self.zero_copy:
             for k in keys:
                 data = self.store.get(k.key)
@@ -256,7 +297,7 @@ class BatchIO:
                 for p in k.parts:
                     ctypes.memmove(p.ptr, int(src.ctypes.data) + offset, p.size)
                     offset += p.size
-            return
+            return []
         registered, staging = self._plan(keys)
         buf, buf_registered = self._staging_buffer(staging)
         try:
@@ -274,11 +315,15 @@ class BatchIO:
             if buf_registered:
                 self._release([int(buf.ctypes.data)])
             self._release(registered)
+        expired = []
         for k, n in zip(keys, got, strict=True):
-            if n != k.total:
+            if n == LEASE_EXPIRED:
+                expired.append(k)
+            elif n != k.total:
                 raise StructuredObjectError(
                     f"batch_get_into_multi_buffers failed for {k.key}: expected {k.total} bytes, got {n}"
                 )
+        return expired
 
     def get_ranges(self, fragments: Sequence[tuple[str, int, int, int]], dest: Part) -> None:
         """Copy ``(key, src_offset, dst_offset, size)`` fragments of stored values into ``dest``."""

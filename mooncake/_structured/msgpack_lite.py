@@ -14,9 +14,10 @@ from typing import Any
 
 from mooncake._structured.model import optional_module
 
-__all__ = ["packb", "unpack_all"]
+__all__ = ["NATIVE", "packb", "unpack_all"]
 
 _msgpack: Any = optional_module("msgpack")
+NATIVE: Any = _msgpack  # the compiled package, when installed
 
 
 def _pack(value: Any, out: bytearray) -> None:
