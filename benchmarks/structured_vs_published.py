@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-ANCHOR_VENV = Path(os.environ.get("MOONCAKE_ANCHOR_VENV", str(Path.home() / ".cache/mooncake-anchor-venv")))
+ANCHOR_VENV = Path(
+    os.environ.get("MOONCAKE_ANCHOR_VENV", str(Path.home() / ".cache/mooncake-anchor-venv"))
+)
 MIB = 1 << 20
 
 
@@ -86,7 +88,9 @@ def build(size: int) -> tuple[dict[str, Any], int]:
     }
     non_tensor = {
         "uid": np.array([f"uid-{i:08d}" for i in range(rows)], dtype=object),
-        "data_source": np.array(["openai/gsm8k" if i % 2 else "math" for i in range(rows)], dtype=object),
+        "data_source": np.array(
+            ["openai/gsm8k" if i % 2 else "math" for i in range(rows)], dtype=object
+        ),
         "reward_model": np.array(
             [{"style": "rule", "ground_truth": str(i * 7)} for i in range(rows)], dtype=object
         ),
@@ -106,7 +110,9 @@ def check(got: dict[str, Any], want: dict[str, Any]) -> None:
         assert torch.equal(got["batch"][k], v), f"batch field {k} differs"
     for k, v in want["non_tensor_batch"].items():
         a, b = list(got["non_tensor_batch"][k]), list(v)
-        assert [x.tolist() if hasattr(x, "tolist") else x for x in a] == b, f"non-tensor field {k} differs"
+        assert [x.tolist() if hasattr(x, "tolist") else x for x in a] == b, (
+            f"non-tensor field {k} differs"
+        )
     assert got["meta_info"] == want["meta_info"]
 
 
@@ -117,8 +123,13 @@ def side(args: argparse.Namespace) -> None:
         import mooncake
 
         binary = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
-        cmd = [binary, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}", "--metrics_host=127.0.0.1",
-               f"--metrics_port={free_port()}"]
+        cmd = [
+            binary,
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={rpc}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={free_port()}",
+        ]
     else:
         cmd = [sys.executable, "-m", "mooncake", "master", "--rpc-port", str(rpc), "--no-metrics"]
     master = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -136,7 +147,9 @@ def side(args: argparse.Namespace) -> None:
         from mooncake.structured_object_store import MooncakeBundleTransfer, export_ref, import_ref
 
         data, nbytes = build(args.size)
-        segment = int(nbytes * 2.3) + 64 * MIB  # removed objects may free their space lazily
+        segment = (
+            int(nbytes * 3.2) + 64 * MIB
+        )  # a removed object frees its space after its read fence
         local = int(nbytes * 1.1) + 64 * MIB
         store = MooncakeDistributedStore()
         rc = store.setup("127.0.0.1", "P2PHANDSHAKE", segment, local, "tcp", "", f"127.0.0.1:{rpc}")
@@ -176,7 +189,9 @@ def run_side(name: str, args: argparse.Namespace) -> dict[str, Any]:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env.update(MC_BENCH_PUBLISHED="1", MC_LOG_LEVEL="ERROR")
         cwd = "/"
-    res = subprocess.run([py, *argv], capture_output=True, text=True, env=env, cwd=cwd, timeout=1800)
+    res = subprocess.run(
+        [py, *argv], capture_output=True, text=True, env=env, cwd=cwd, timeout=1800
+    )
     if res.returncode:
         raise SystemExit(f"{name} side failed:\n{res.stderr[-3000:]}")
     out: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
@@ -184,7 +199,9 @@ def run_side(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--role", default="driver", choices=["driver", "side"])
     ap.add_argument("--size", type=parse_size, default=256 * MIB, help="bundle bytes (256M; 1G)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -206,17 +223,31 @@ def main() -> None:
             nbytes = out["bytes"]
             per[name]["put"].append(statistics.median(out["put_s"]))
             per[name]["get"].append(statistics.median(out["get_s"]))
-            log(f"round {r + 1} {name}: put {per[name]['put'][-1]:.3f}s get {per[name]['get'][-1]:.3f}s")
+            log(
+                f"round {r + 1} {name}: put {per[name]['put'][-1]:.3f}s get {per[name]['get'][-1]:.3f}s"
+            )
     load_after = os.getloadavg()
-    summary: dict[str, Any] = {"bytes": nbytes, "rounds": args.rounds, "iters": args.iters,
-                               "load_before": load_before, "load_after": load_after, "sides": {}}
-    print(f"bundle {nbytes / MIB:.0f} MiB, {args.rounds} rounds x {args.iters} iters, "
-          f"load {load_before[0]:.2f} -> {load_after[0]:.2f}")
+    summary: dict[str, Any] = {
+        "bytes": nbytes,
+        "rounds": args.rounds,
+        "iters": args.iters,
+        "load_before": load_before,
+        "load_after": load_after,
+        "sides": {},
+    }
+    print(
+        f"bundle {nbytes / MIB:.0f} MiB, {args.rounds} rounds x {args.iters} iters, "
+        f"load {load_before[0]:.2f} -> {load_after[0]:.2f}"
+    )
     print(f"{'side':<10} {'put GB/s':>9} {'get GB/s':>9} {'put s':>7} {'get s':>7}")
     for name in names:
         p, g = statistics.median(per[name]["put"]), statistics.median(per[name]["get"])
-        summary["sides"][name] = {"put_s": per[name]["put"], "get_s": per[name]["get"],
-                                  "put_gbps": nbytes / p / 1e9, "get_gbps": nbytes / g / 1e9}
+        summary["sides"][name] = {
+            "put_s": per[name]["put"],
+            "get_s": per[name]["get"],
+            "put_gbps": nbytes / p / 1e9,
+            "get_gbps": nbytes / g / 1e9,
+        }
         print(f"{name:<10} {nbytes / p / 1e9:9.2f} {nbytes / g / 1e9:9.2f} {p:7.3f} {g:7.3f}")
     if len(names) == 2:
         o, q = summary["sides"]["ours"], summary["sides"]["published"]

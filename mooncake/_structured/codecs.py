@@ -135,32 +135,30 @@ def _json_exact(values: Sequence[Any]) -> bool:
         text = json.dumps(values, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError, OverflowError, RecursionError):
         return False
-    back = json.loads(text)
-    return bool(back == list(values)) and _same_types(back, list(values))
+    # equality also tells tuples from lists and int keys from str keys; bool, int and float
+    # keep their JSON spellings
+    return bool(json.loads(text) == list(values))
 
 
-def _same_types(a: Any, b: Any) -> bool:
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, list):
-        return all(_same_types(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict):
-        return all(_same_types(a[k], b[k]) for k in a)
-    return True
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 def _json_bytes(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return _JSON.encode(value).encode("utf-8")
+
+
+_JOIN_BELOW = 256 * 1024  # rows smaller than this on average are joined into one buffer
 
 
 def _bytes_columns(values: Sequence[bytes | None]) -> dict[str, Any]:
+    lengths = np.fromiter(
+        (0 if v is None else len(v) for v in values), dtype=np.int64, count=len(values)
+    )
     offsets = np.zeros(len(values) + 1, dtype=np.int64)
-    parts = []
-    for i, v in enumerate(values):
-        n = 0 if v is None else len(v)
-        if n:
-            parts.append(v)
-        offsets[i + 1] = offsets[i] + n
+    np.cumsum(lengths, out=offsets[1:])
+    parts = [v for v in values if v]
+    if len(parts) > 1 and int(offsets[-1]) < _JOIN_BELOW * len(parts):
+        parts = [b"".join(parts)]
     return {
         "data": BytesParts(tuple(parts)),
         "offsets": offsets,
@@ -198,8 +196,10 @@ def _encode_typed_ragged(
         ndims[row] = a.ndim
         if a.ndim:
             shapes[row, : a.ndim] = a.shape
-    flats = tuple(a.reshape(-1) for a in arrays if a.size)
-    data = BytesParts(flats, dtype=dtype.str, shape=(int(offsets[-1]),))
+    flats = [a.reshape(-1) for a in arrays if a.size]
+    if len(flats) > 1 and int(offsets[-1]) * dtype.itemsize < _JOIN_BELOW * len(flats):
+        flats = [np.concatenate(flats)]
+    data = BytesParts(tuple(flats), dtype=dtype.str, shape=(int(offsets[-1]),))
     is_array = [v is not None and isinstance(v, np.ndarray) for v in values]
     if all(v is None or a for v, a in zip(values, is_array, strict=True)):
         row_format = "ndarray"

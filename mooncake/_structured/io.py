@@ -23,7 +23,12 @@ from mooncake._structured.model import MISSING_OBJECT_ERROR, StructuredObjectErr
 __all__ = [
     "READ_RETRIES",
     "REGISTER_MIN_BYTES",
-    "SOLO_READ_BYTES", "BatchIO", "Part", "buffer_address", "grouped_config"]
+    "SOLO_READ_BYTES",
+    "BatchIO",
+    "Part",
+    "buffer_address",
+    "grouped_config",
+]
 
 REGISTER_MIN_BYTES = 256 * 1024
 SOLO_READ_BYTES = 4 * 1024 * 1024
