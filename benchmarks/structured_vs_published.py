@@ -7,7 +7,8 @@ anchor venv's python and its ``mooncake_master``). The client builds the same Da
 bundle of ``--size`` bytes (tensors of mixed dtypes and shapes: int64 ids and positions, a bool
 mask, float32 log-probs and advantages, bfloat16 reference log-probs, float16 values; plus
 non-tensor columns: uid and data-source strings, reward-model dicts, ragged prompt-id lists,
-float scores, and ``meta_info``), then ``--iters`` times: ``put_dataproto`` (timed), export +
+float scores, and ``meta_info``), then ``--warmup`` (default 1, untimed: the first touch of
+fresh memory costs either side far more than the copy on a VM) plus ``--iters`` times: ``put_dataproto`` (timed), export +
 import of the handle, ``get_dataproto`` of every field (timed), ``cleanup_dataproto``. The first
 get is checked field by field against what was put.
 
@@ -156,7 +157,7 @@ def side(args: argparse.Namespace) -> None:
         assert rc == 0, f"setup rc={rc}"
         transfer = MooncakeBundleTransfer(store)
         puts, gets = [], []
-        for i in range(args.iters):
+        for i in range(args.warmup + args.iters):
             t0 = time.perf_counter()
             ref = transfer.put_dataproto(data)
             t1 = time.perf_counter()
@@ -168,8 +169,9 @@ def side(args: argparse.Namespace) -> None:
                 check(got, data)
             del got
             transfer.cleanup_dataproto(ref)
-            puts.append(t1 - t0)
-            gets.append(t3 - t2)
+            if i >= args.warmup:
+                puts.append(t1 - t0)
+                gets.append(t3 - t2)
         store.close()
         print(json.dumps({"bytes": nbytes, "put_s": puts, "get_s": gets}), flush=True)
     finally:
@@ -181,7 +183,17 @@ def side(args: argparse.Namespace) -> None:
 
 
 def run_side(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    argv = [__file__, "--role", "side", "--size", str(args.size), "--iters", str(args.iters)]
+    argv = [
+        __file__,
+        "--role",
+        "side",
+        "--size",
+        str(args.size),
+        "--iters",
+        str(args.iters),
+        "--warmup",
+        str(args.warmup),
+    ]
     if name == "ours":
         py, env, cwd = sys.executable, dict(os.environ, PYTHONPATH=str(ROOT)), str(ROOT)
     else:
@@ -206,6 +218,7 @@ def main() -> None:
     ap.add_argument("--size", type=parse_size, default=256 * MIB, help="bundle bytes (256M; 1G)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=3, help="put+get cycles per side per round")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed put+get cycles first")
     ap.add_argument("--only", choices=["ours", "published"])
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()

@@ -503,16 +503,22 @@ def _torch_dtype(name: str) -> Any:
     return dtype
 
 
+def host_buffer(nbytes: int) -> np.ndarray:
+    """``nbytes`` of uninitialized, writable host memory (uint8) for a read to land in.
+
+    numpy's allocator is used on purpose: it advises transparent huge pages for large
+    buffers and reuses freed, already-faulted memory, so filling the buffer runs near memcpy
+    speed, where a fresh ``torch.empty`` takes one fault per 4 KiB page during the copy."""
+    return np.empty(nbytes, dtype=np.uint8)
+
+
 def _empty_tensor(shape: tuple[int, ...], dtype: Any) -> Any:
-    """An uninitialized CPU tensor whose memory numpy allocated: the allocator then hands
-    back recently freed, already-faulted pages, which makes filling it several times faster
-    than filling a fresh ``torch.empty`` (its pages fault in one by one during the copy)."""
+    """An uninitialized CPU tensor over :func:`host_buffer` memory."""
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    item = _torch.empty(0, dtype=dtype).element_size()
-    raw = np.empty(numel * item, dtype=np.uint8)
     if numel == 0:
         return _torch.empty(shape, dtype=dtype)
-    return _torch.from_numpy(raw).view(dtype).reshape(shape)
+    item = _torch.empty(0, dtype=dtype).element_size()
+    return _torch.from_numpy(host_buffer(numel * item)).view(dtype).reshape(shape)
 
 
 def _norm_slice(s: StructuredMemberSlice, rows: int) -> tuple[int, int, int]:
@@ -657,7 +663,7 @@ class StructuredLayer:
                 raise InvalidArgumentError(
                     f"structured bytes member {name} does not support materialize_into"
                 )
-            out = np.empty(total, dtype=np.uint8)
+            out = host_buffer(total)
             reads.extend(
                 _scatter(chunks, [Part(int(out.ctypes.data), total, out)] if total else [])
             )
@@ -825,7 +831,8 @@ def _ndarray_destination(
     name: str, dest: Any, dtype: np.dtype[Any], shape: tuple[int, ...]
 ) -> np.ndarray:
     if dest is None:
-        return np.empty(shape, dtype=dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return host_buffer(n).view(dtype).reshape(shape) if n else np.empty(shape, dtype=dtype)
     if isinstance(dest, RawDestination):
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if dest.size < n:
