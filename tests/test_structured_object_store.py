@@ -230,6 +230,55 @@ def test_schemas_handles_and_policies(store: MooncakeDistributedStore) -> None:
     t.cleanup_dataproto(ref)
 
 
+def test_rollout_dict_with_schemas_as_miles_puts_it(store: MooncakeDistributedStore) -> None:
+    t = MooncakeBundleTransfer(store, key_prefix="miles-object-store")
+    value = {
+        "tokens": [
+            torch.tensor([1, 2, 3], dtype=torch.int32),
+            torch.tensor([4, 5], dtype=torch.int32),
+        ],
+        "rewards": [0.5, 1.0],
+        "response_lengths": [3, 2],
+        "prompt": [{"role": "user", "content": "hi"}, {"role": "user", "content": "yo"}],
+        "mm": [{"pixel_values": torch.ones(2, 3), "grid": torch.tensor([1, 2, 2])}, None],
+        "note": "run-7",
+    }
+    schemas = {
+        "tokens": FieldSchema(
+            "typed_ragged", nullable=False, metadata={"section": "non_tensor_batch"}
+        ),
+        "rewards": FieldSchema(
+            "ndarray", nullable=False, metadata={"section": "non_tensor_batch", "dtype": "float32"}
+        ),
+        "response_lengths": FieldSchema(
+            "ndarray", nullable=False, metadata={"section": "non_tensor_batch", "dtype": "int64"}
+        ),
+        "prompt": FieldSchema(
+            "msgpack_ragged", nullable=False, metadata={"section": "non_tensor_batch"}
+        ),
+        "mm": FieldSchema("ragged_tensor_dict", metadata={"section": "non_tensor_batch"}),
+    }
+    ref = t.put(value, type="dict", namespace="miles", stage="rollout", field_schemas=schemas)
+    assert ref.encoded_non_tensor["mm"]["codec"] == "ragged_tensor_dict"
+    got = t.get(import_ref(export_ref(ref)), type="dict")
+    assert got["tokens"] == [[1, 2, 3], [4, 5]]
+    assert got["rewards"] == [0.5, 1.0] and got["response_lengths"] == [3, 2]
+    assert got["prompt"] == value["prompt"] and got["note"] == "run-7"
+    assert got["mm"][1] is None and torch.equal(got["mm"][0]["pixel_values"], torch.ones(2, 3))
+    assert torch.equal(got["mm"][0]["grid"], torch.tensor([1, 2, 2]))
+    with pytest.raises(ValueError, match="not declared"):
+        t.put(
+            {"mm": value["mm"]},
+            type="dict",
+            field_schemas={
+                "mm": FieldSchema(
+                    "ragged_tensor_dict", metadata={"section": "non_tensor_batch", "keys": ["grid"]}
+                )
+            },
+        )
+    t.cleanup_dataproto(ref)
+
+
 class _FailingManifestPut:
     """A store whose plain ``put`` (the manifest write) fails; the rest is the real store."""
 

@@ -11,10 +11,11 @@ Codecs (the published names and layouts): ``ndarray`` (numeric scalars: ``data``
 int64, ``nulls``), ``msgpack_ragged`` (same members, values packed back to back, nulls
 skipped; chosen for dict and list rows when the compiled ``msgpack`` package is installed, else
 ``json_ragged`` is chosen for rows that JSON holds exactly), ``typed_ragged`` (numeric sequences: ``data``, ``offsets``, ``shapes``, ``ndims``,
-``nulls``) and ``ragged_tensor`` (a ``typed_ragged`` of tensors). Reading also understands what
-the published writer produces for these. Not handled here, and refused by name:
-``structured_recursive`` (columns of nested dicts holding tensors, arrays or bytes),
-``ragged_tensor_dict`` and ``media_list_ragged``.
+``nulls``) and ``ragged_tensor`` (a ``typed_ragged`` of tensors) and, by schema only,
+``ragged_tensor_dict`` (rows that map names to tensors: ``null_mask`` plus one
+``ragged_tensor`` per name, ``NAME.data`` ...). Reading also understands what the published
+writer produces for these. Not handled here, and refused by name: ``structured_recursive``
+(columns of nested dicts holding tensors, arrays or bytes) and ``media_list_ragged``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ _torch: Any = optional_module("torch")
 
 __all__ = ["BytesParts", "EncodedColumn", "decode_column", "encode_column", "encode_with_schema"]
 
-_UNSUPPORTED = ("structured_recursive", "ragged_tensor_dict", "media_list_ragged")
+_UNSUPPORTED = ("structured_recursive", "media_list_ragged")
 _MAX_SAMPLE_BYTES = 1 << 20
 _MAX_SAMPLE_ROWS = 128
 
@@ -246,9 +247,89 @@ def _encode_ragged_tensor(values: Sequence[Any]) -> tuple[dict[str, Any], dict[s
     return payload, meta
 
 
+def _dict_keys(keys: Any) -> list[str]:
+    out: list[str] = []
+    for key in keys.keys() if isinstance(keys, Mapping) else keys:
+        if not isinstance(key, str):
+            raise StructuredTypeError("ragged_tensor_dict keys must be strings")
+        if not key:
+            raise InvalidArgumentError("ragged_tensor_dict keys must not be empty")
+        if any(sep in key for sep in (".", "/", "\\")):
+            raise InvalidArgumentError("ragged_tensor_dict keys must not contain '.', '/', or '\\'")
+        if key in out:
+            raise InvalidArgumentError(f"ragged_tensor_dict keys contain duplicate key {key!r}")
+        out.append(key)
+    return out
+
+
+def _encode_ragged_tensor_dict(
+    values: list[Any], declared: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    keys = None if declared is None else _dict_keys(declared)
+    seen: set[str] = set()
+    for row, item in enumerate(values):
+        if item is None:
+            continue
+        if not isinstance(item, Mapping):
+            raise StructuredTypeError(
+                f"ragged_tensor_dict rows must be mappings or None; row {row} is {type(item).__name__}"
+            )
+        nulls = sorted(k for k, v in item.items() if v is None)
+        if nulls:
+            raise StructuredTypeError(
+                "ragged_tensor_dict rows cannot contain explicit None tensor values; "
+                f"row {row} has explicit None for {nulls}"
+            )
+        row_keys = _dict_keys(item.keys())
+        if keys is not None and set(row_keys) - set(keys):
+            extra = sorted(set(row_keys) - set(keys))
+            raise InvalidArgumentError(
+                "ragged_tensor_dict rows contain keys not declared in FieldSchema "
+                f"metadata['keys']; row {row} has keys not declared: {extra}"
+            )
+        seen.update(row_keys)
+    keys = keys if keys is not None else _dict_keys(sorted(seen))
+    if keys and _torch is None:
+        raise NotSupportedError("torch is required to encode ragged_tensor_dict fields")
+    payload: dict[str, Any] = {"null_mask": np.asarray([v is None for v in values], dtype=np.bool_)}
+    key_codecs: dict[str, Any] = {}
+    for key in keys:
+        try:
+            sub, sub_meta = _encode_ragged_tensor(
+                [None if v is None else v.get(key) for v in values]
+            )
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise InvalidArgumentError(
+                f"failed to encode ragged_tensor_dict key {key!r}: {e}"
+            ) from e
+        payload.update({f"{key}.{name}": value for name, value in sub.items()})
+        key_codecs[key] = sub_meta
+    return payload, {"keys": keys, "key_codecs": key_codecs}
+
+
+def _decode_ragged_tensor_dict(
+    payload: Mapping[str, Any], rows: int, metadata: Mapping[str, Any]
+) -> list[Any]:
+    null_mask = np.asarray(payload["null_mask"]).astype(bool).tolist()
+    keys = list(metadata.get("keys", []))
+    columns = {}
+    for key in keys:
+        prefix = f"{key}."
+        sub = {n[len(prefix) :]: v for n, v in payload.items() if n.startswith(prefix)}
+        columns[key] = _decode_ragged_tensor(
+            sub, rows, metadata.get("key_codecs", {}).get(key) or {}
+        )
+    return [
+        None if null_mask[r] else {k: columns[k][r] for k in keys if columns[k][r] is not None}
+        for r in range(rows)
+    ]
+
+
 def _encode(codec: str, values: list[Any], hint: dict[str, Any]) -> EncodedColumn:
     metadata: dict[str, Any]
-    if codec == "ndarray":
+    if codec == "ragged_tensor_dict":
+        payload, metadata = _encode_ragged_tensor_dict(values, hint.get("keys"))
+    elif codec == "ndarray":
         payload = _encode_numeric(values, np.dtype(hint["dtype"]))
         metadata = {"dtype": str(payload["data"].dtype), "shape": list(payload["data"].shape)}
     elif codec == "typed_ragged":
@@ -315,7 +396,7 @@ def encode_with_schema(path: str, value: Any, schema: FieldSchema) -> EncodedCol
         raise InvalidArgumentError(f"FieldSchema for {path!r} is not nullable")
     if schema.codec == "auto":
         return encode_column(path, column) if column.dtype == object else None
-    hint: dict[str, Any] = {}
+    hint: dict[str, Any] = {"keys": schema.metadata.get("keys")}
     dtype = schema.metadata.get("dtype")
     if schema.codec == "ndarray":
         if dtype is None:
@@ -421,6 +502,8 @@ def decode_column(encoded: Mapping[str, Any], payload: Mapping[str, Any], rows: 
         )
     if codec == "ndarray":
         return _decode_numeric(payload)
+    if codec == "ragged_tensor_dict":
+        return _decode_ragged_tensor_dict(payload, rows, metadata)
     if codec == "typed_ragged":
         return _decode_typed_ragged(payload, rows, metadata)
     if codec == "ragged_tensor":

@@ -52,9 +52,26 @@ def data() -> dict[str, Any]:
             "turns": np.array([list(range(i)) for i in range(N)], dtype=object),
             "raw": np.array([bytes([i]) * i if i % 3 else None for i in range(N)], dtype=object),
             "ints": np.arange(N, dtype=np.int32) * 3,
+            "mm": _column(
+                [
+                    None
+                    if i == 2
+                    else {
+                        "pixel_values": torch.randn(i + 1, 3, generator=g),
+                        "grid": torch.tensor([i, 2, 2]),
+                    }
+                    for i in range(N)
+                ]
+            ),
         },
         "meta_info": {"global_step": 12, "temperature": 0.7, "names": ["a", "b"]},
     }
+
+
+def _column(values: list[Any]) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
 
 
 def appended() -> dict[str, Any]:
@@ -63,6 +80,8 @@ def appended() -> dict[str, Any]:
 
 
 def _plain(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return {"t": str(v.dtype), "shape": list(v.shape), "v": v.tolist()}
     if isinstance(v, np.ndarray):
         return {"nd": str(v.dtype), "v": _plain(v.tolist())}
     if isinstance(v, (bytes, bytearray, memoryview)):
@@ -148,7 +167,12 @@ def reached_keys(store: Any, handle: dict[str, Any]) -> list[str]:
 def main() -> None:
     mode, folder = sys.argv[1], Path(sys.argv[2])
     from mooncake.store import MooncakeDistributedStore
-    from mooncake.structured_object_store import MooncakeBundleTransfer, export_ref, import_ref
+    from mooncake.structured_object_store import (
+        FieldSchema,
+        MooncakeBundleTransfer,
+        export_ref,
+        import_ref,
+    )
 
     master, address = start_master()
     try:
@@ -158,7 +182,9 @@ def main() -> None:
         transfer = MooncakeBundleTransfer(store, default_chunk_bytes=512)
         full = data()
         if mode == "write":
-            ref = transfer.put_dataproto(full)
+            ref = transfer.put_dataproto(
+                full, field_schemas={"mm": FieldSchema("ragged_tensor_dict")}
+            )
             ref = transfer.append_dataproto_fields(ref, appended(), stage="adv")
             handle = export_ref(ref)
             keys = reached_keys(store, handle)
