@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -34,13 +35,16 @@ def test_buffer_pool_checks_arguments_as_published(store: object) -> None:
     for bad in (3, 1000, 4, 12):
         with pytest.raises(RuntimeError, match=rf"alignment must be a power of two.*\(got {bad}\)"):
             BufferPool(store, alignment=bad)
-    for kw in ({"alignment": 0}, {"min_size_class": 0}):
+    kws: list[dict[str, Any]] = [{"alignment": 0}, {"min_size_class": 0}]
+    for kw in kws:
         with pytest.raises(RuntimeError, match="min_size_class and alignment must be positive"):
             BufferPool(store, **kw)
-    for kw in ({"alignment": -8}, {"max_bytes": -1}, {"min_size_class": -5}, {"prewarm_count": -1}):
+    kws = [{"alignment": -8}, {"max_bytes": -1}, {"min_size_class": -5}, {"prewarm_count": -1}]
+    for kw in kws:
         with pytest.raises(TypeError):
             BufferPool(store, **kw)
-    for kw in ({"max_regions": -1}, {"prewarm_size": -1, "prewarm_count": 1}):
+    kws = [{"max_regions": -1}, {"prewarm_size": -1, "prewarm_count": 1}]
+    for kw in kws:
         with pytest.raises(RuntimeError, match="non-negative"):
             BufferPool(store, **kw)
     pool = BufferPool(store, min_size_class=4096, alignment=8)
