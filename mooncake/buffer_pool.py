@@ -12,20 +12,57 @@ less than ``max_bytes`` (0: no limit) and fewer than ``max_regions``. When it is
 ``RuntimeError("buffer pool is exhausted")``; a wait that runs out raises
 ``RuntimeError("timed out waiting for buffer")``, as the published pool does.
 
-A lease has ``ptr``, ``size``, ``buffer`` (a writable ``memoryview`` of exactly ``size`` bytes),
-``release()`` and is a context manager. ``close()`` unregisters every region and fails while
-leases are out.
+A lease has ``ptr``, ``size``, ``buffer`` (a writable ``memoryview`` of exactly ``size`` bytes,
+exported by a :class:`BufferLeaseView`), ``release()`` and is a context manager; ``release()``
+raises ``RuntimeError`` while a view it handed out is still alive (release the memoryview
+first), and a released lease answers ``RuntimeError("buffer lease is closed")``. ``close()``
+unregisters every region and fails while leases are out.
+
+Arguments are checked as the published (C++) pool checks them: a negative size, count or byte
+limit is a ``TypeError``; ``min_size_class`` or ``alignment`` of 0 is
+``RuntimeError("min_size_class and alignment must be positive")``; an alignment that is not a
+power of two of at least 8 (``sizeof(void*)``) is a ``RuntimeError`` naming it;
+``acquire(0)`` hands out an empty lease. ``RegisteredBufferLease`` and
+``RegisteredBufferLeaseView`` are the same classes under their published aliases.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
 
-__all__ = ["BufferLease", "BufferPool", "RegisteredBufferPool"]
+__all__ = [
+    "BufferLease",
+    "BufferLeaseView",
+    "BufferPool",
+    "RegisteredBufferLease",
+    "RegisteredBufferLeaseView",
+    "RegisteredBufferPool",
+]
+
+_PTR_BYTES = 8  # sizeof(void*)
+
+
+class BufferLeaseView(np.ndarray):  # type: ignore[type-arg]
+    """The object behind a lease's ``buffer`` memoryview (made only by :class:`BufferLease`)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> BufferLeaseView:
+        raise TypeError("mooncake.store.BufferLeaseView: No constructor defined!")
+
+
+RegisteredBufferLeaseView = BufferLeaseView
+
+
+def _non_negative(name: str, value: Any) -> int:
+    """``value`` as an int; TypeError (as the published unsigned arguments) if it is not a
+    non-negative integer."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise TypeError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
 
 
 class BufferLease:
@@ -35,6 +72,7 @@ class BufferLease:
         self._pool: BufferPool | None = pool
         self._region = region
         self._size = size
+        self._views: list[weakref.ref[BufferLeaseView]] = []
 
     def _check(self) -> _Region:
         if self._pool is None:
@@ -53,10 +91,15 @@ class BufferLease:
     @property
     def buffer(self) -> memoryview:
         r = self._check()
-        return memoryview(r.array.data)[: self._size]
+        view = r.array[: self._size].view(BufferLeaseView)
+        self._views = [w for w in self._views if w() is not None]
+        self._views.append(weakref.ref(view))
+        return view.data
 
     def release(self) -> None:
-        """Give the buffer back (idempotent)."""
+        """Give the buffer back (idempotent); RuntimeError while one of its views is alive."""
+        if self._pool is not None and any(w() is not None for w in self._views):
+            raise RuntimeError("cannot release buffer while exported views exist")
         pool, self._pool = self._pool, None
         if pool is not None:
             pool._give_back(self._region)
@@ -105,8 +148,25 @@ class BufferPool:
     ) -> None:
         if store is None or not hasattr(store, "register_buffer"):
             raise RuntimeError("MooncakeDistributedStore is not initialized")
-        if min_size_class <= 0 or alignment < 0:
-            raise RuntimeError("min_size_class must be positive and alignment non-negative")
+        max_bytes = _non_negative("max_bytes", max_bytes)
+        min_size_class = _non_negative("min_size_class", min_size_class)
+        alignment = _non_negative("alignment", alignment)
+        prewarm_count = _non_negative("prewarm_count", prewarm_count)
+        for name, value in (
+            ("max_size_class", max_size_class),
+            ("max_regions", max_regions),
+            ("prewarm_size", prewarm_size),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0
+            ):
+                raise RuntimeError(f"{name} must be a non-negative integer or None, got {value!r}")
+        if min_size_class == 0 or alignment == 0:
+            raise RuntimeError("min_size_class and alignment must be positive")
+        if alignment & (alignment - 1) or alignment < _PTR_BYTES:
+            raise RuntimeError(
+                f"alignment must be a power of two and at least sizeof(void*) (got {alignment})"
+            )
         if max_size_class is not None and max_size_class < min_size_class:
             raise RuntimeError("max_size_class must be at least min_size_class")
         if default_timeout is not None and default_timeout < 0:
@@ -153,8 +213,7 @@ class BufferPool:
         self, size: int, block: bool | None = None, timeout: float | None = None
     ) -> BufferLease:
         """A lease of at least ``size`` registered bytes (see the module docstring)."""
-        if size <= 0:
-            raise RuntimeError("size must be positive")
+        size = _non_negative("size", size)
         timeout = self._timeout if timeout is None else timeout
         if timeout is not None and timeout < 0:
             raise RuntimeError("timeout must be non-negative")
@@ -193,7 +252,8 @@ class BufferPool:
 
     def prewarm(self, size: int, count: int) -> None:
         """Allocate and register ``count`` buffers of ``size``'s class now."""
-        c = self._class_of(size)
+        c = self._class_of(_non_negative("size", size))
+        count = _non_negative("count", count)
         with self._cond:
             for _ in range(count):
                 if not self._can_grow(c):
@@ -221,3 +281,4 @@ class BufferPool:
 
 
 RegisteredBufferPool = BufferPool
+RegisteredBufferLease = BufferLease

@@ -105,7 +105,18 @@ class MooncakeDistributedStore(
 
 def __getattr__(name: str) -> Any:
     # the published wheel's Python modules exported here, when they are installed
-    if name in ("BufferPool", "RegisteredBufferPool", "BufferLease", "RegisteredBufferLease"):
+    if name == "MooncakeDistributedNoFRegister":
+        from mooncake.store._nof import MooncakeDistributedNoFRegister
+
+        return MooncakeDistributedNoFRegister
+    if name in (
+        "BufferPool",
+        "RegisteredBufferPool",
+        "BufferLease",
+        "RegisteredBufferLease",
+        "BufferLeaseView",
+        "RegisteredBufferLeaseView",
+    ):
         try:
             mod = importlib.import_module("mooncake.buffer_pool")
         except ImportError:

@@ -1,0 +1,777 @@
+"""The published ``mooncake.structured_object_store``: DataProto-like bundles over a store.
+
+``MooncakeBundleTransfer(store, key_prefix="bundle", default_chunk_bytes=64 MiB,
+buffer_pool=None)`` stores structured objects (JSON metadata plus named tensor, array and bytes
+members) and DataProto-like values (``batch`` tensors, ``non_tensor_batch`` columns,
+``meta_info``) in a ``MooncakeDistributedStore``, and hands back refs that export to JSON
+(``export_ref``/``import_ref``) so another process can read them lazily: selected fields,
+slices or rows.
+
+The keys, manifests, tensor objects and column codecs are the published module's, so a
+published client reads what this one wrote and the other way round. Every payload of a put is
+written by one batched multi-buffer call straight from the tensors and arrays given; every
+member of a read lands by one batched call straight in the tensors and arrays returned.
+
+What is not here (raises ``NotSupportedError`` by name): nested (jagged) tensor members, and
+the ``structured_recursive`` and ``media_list_ragged`` column codecs.
+``BundleTransferPolicy`` is validated but the transfer is always one batch (``max_inflight_put``,
+``put_mode`` and ``copy_mode`` change nothing); ``buffer_pool`` is accepted and unused.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from mooncake._structured import codecs
+from mooncake._structured.bundles import (
+    ManifestStore,
+    StructuredLayer,
+    _bytes_source,
+    check_chunk_bytes,
+    check_policy,
+    normalize_key_prefix,
+)
+from mooncake._structured.dataproto import (
+    build_result,
+    check_schema_sections,
+    envelope_to_flat_dict,
+    flat_dict_to_envelope,
+    schema_for,
+    select_fields,
+    select_rows,
+    split_dataproto,
+)
+from mooncake._structured.io import Part, remove_keys
+from mooncake._structured.model import (
+    DATAPROTO_REF_HANDLE_TYPE,
+    DATAPROTO_REF_HANDLE_VERSION,
+    DEFAULT_BUNDLE_CHUNK_BYTES,
+    MISSING_OBJECT_ERROR,
+    STORAGE_GROUP_ID,
+    STRUCTURED_FIELD_SPECS_KEY,
+    BundleTransferPolicy,
+    DataProtoRefLike,
+    FieldSchema,
+    MooncakeDataProtoRef,
+    RemoteBundleRef,
+    StructuredFieldLocation,
+    StructuredMemberSlice,
+    StructuredObjectPayload,
+    StructuredObjectReadSpec,
+    StructuredObjectResult,
+    TensorObjectBuffer,
+    export_dataproto_ref,
+    import_dataproto_ref,
+    is_dataproto_ref_handle,
+    raw_destination,
+    resolve_dataproto_ref,
+    tensor_object_buffer,
+)
+from mooncake.errors import InvalidArgumentError, NotSupportedError
+
+__all__ = [
+    "DATAPROTO_REF_HANDLE_TYPE",
+    "DATAPROTO_REF_HANDLE_VERSION",
+    "DEFAULT_BUNDLE_CHUNK_BYTES",
+    "MISSING_OBJECT_ERROR",
+    "STORAGE_GROUP_ID",
+    "STRUCTURED_FIELD_SPECS_KEY",
+    "BundleStore",
+    "BundleTransferPolicy",
+    "DataProtoRefLike",
+    "FieldSchema",
+    "MooncakeBundleTransfer",
+    "MooncakeDataProtoRef",
+    "RemoteBundleRef",
+    "StructuredFieldLocation",
+    "StructuredMemberSlice",
+    "StructuredObjectPayload",
+    "StructuredObjectReadSpec",
+    "StructuredObjectResult",
+    "export_dataproto_ref",
+    "export_ref",
+    "import_dataproto_ref",
+    "import_ref",
+    "is_dataproto_ref_handle",
+    "raw_destination",
+    "tensor_object_buffer",
+]
+
+export_ref = export_dataproto_ref
+import_ref = import_dataproto_ref
+
+
+class BundleStore(Protocol):
+    """What a store must offer (``MooncakeDistributedStore`` offers it and the batch calls)."""
+
+    def put(self, key: str, value: Any, config: Any = None) -> int: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def remove(self, key: str, force: bool = False) -> int: ...
+
+    def is_exist(self, key: str) -> int: ...
+
+
+def _replicate_config() -> Any:
+    try:
+        from mooncake.store import ReplicateConfig
+
+        return ReplicateConfig()
+    except ImportError:  # pragma: no cover
+        return SimpleNamespace()
+
+
+def _config_with_group(config: Any, group_id: str) -> Any:
+    """``config`` (or a default ``ReplicateConfig``) whose ``group_ids`` is ``[group_id]``."""
+    ids = getattr(config, "group_ids", None) if config is not None else None
+    if isinstance(ids, str):
+        ids = [ids]
+    if ids and ids[0] and ids[0] != group_id:
+        raise InvalidArgumentError("config.group_ids conflicts with the DataProto storage group")
+    if config is None:
+        out = _replicate_config()
+    else:
+        from mooncake._structured.io import _copy_config
+
+        out = _copy_config(config)
+    out.group_ids = [group_id]
+    return out
+
+
+def _new_group_id(config: Any) -> str | None:
+    raw = getattr(config, "group_ids", None)
+    if raw is None:
+        group = None
+    elif isinstance(raw, str):
+        group = raw
+    else:
+        try:
+            ids = list(raw)
+        except TypeError as e:
+            raise InvalidArgumentError(
+                "structured object store config.group_ids must contain strings"
+            ) from e
+        if len(ids) > 1:
+            raise InvalidArgumentError(
+                "structured object store config.group_ids must contain exactly one logical group "
+                "id; it is expanded across internal Mooncake keys"
+            )
+        group = ids[0] if ids else None
+    if group is None:
+        return f"structured-{uuid.uuid4().hex}"
+    if not isinstance(group, str):
+        raise InvalidArgumentError("structured object store config.group_ids must contain strings")
+    return group or None
+
+
+def _take_rows(value: Any, indices: Sequence[int], offset: int) -> Any:
+    picks = [i - offset for i in indices]
+    if isinstance(value, np.ndarray):
+        return value[np.asarray(picks, dtype=np.int64)]
+    import torch
+
+    return value[torch.as_tensor(picks, dtype=torch.long)]
+
+
+class MooncakeBundleTransfer:
+    """Structured objects and DataProto-like bundles through Mooncake (see the module doc)."""
+
+    def __init__(
+        self,
+        store: BundleStore,
+        key_prefix: str = "bundle",
+        default_chunk_bytes: int = DEFAULT_BUNDLE_CHUNK_BYTES,
+        buffer_pool: Any = None,
+    ) -> None:
+        self.store = store
+        self.key_prefix = normalize_key_prefix(key_prefix)
+        self.default_chunk_bytes = check_chunk_bytes(default_chunk_bytes)
+        self.buffer_pool = buffer_pool
+        self._bundles = ManifestStore(store, self.key_prefix, self.default_chunk_bytes)
+        self._structured = StructuredLayer(self._bundles)
+
+    # -- bundles and structured objects ----------------------------------------------------------
+
+    def put_bundle(
+        self,
+        meta: bytes | bytearray | memoryview,
+        buffers: Mapping[str, Any],
+        partition: str = "default",
+        chunk_bytes: int | None = None,
+        policy: BundleTransferPolicy | None = None,
+        max_inflight_put: int | None = None,
+        config: Any = None,
+    ) -> RemoteBundleRef:
+        """Store raw ``meta`` bytes plus named bytes-like buffers as a low-level bundle."""
+        check_policy(policy, max_inflight_put)
+        sources = {}
+        for name, value in buffers.items():
+            if isinstance(value, TensorObjectBuffer):
+                sources[name] = _bytes_source(b"", name)
+                sources[name].parts = [Part(value.ptr, value.size, value.owner)]
+                sources[name].chunked = False
+            else:
+                sources[name] = _bytes_source(value, name)
+        return self._bundles.put_bundle(
+            meta, sources, partition=partition, chunk_bytes=chunk_bytes, config=config
+        )
+
+    def remove_bundle(self, ref: RemoteBundleRef | Mapping[str, Any]) -> None:
+        """Remove every Mooncake object of a stored bundle (a missing bundle is fine)."""
+        self._bundles.remove(ref)
+
+    def put_structured_object(
+        self,
+        payload: StructuredObjectPayload,
+        partition: str = "default",
+        chunk_bytes: int | None = None,
+        policy: BundleTransferPolicy | None = None,
+        max_inflight_put: int | None = None,
+        config: Any = None,
+    ) -> RemoteBundleRef:
+        """Store JSON metadata plus named members (tensors, ndarrays, bytes-like)."""
+        check_policy(policy, max_inflight_put)
+        return self._structured.put(
+            payload, partition=partition, chunk_bytes=chunk_bytes, config=config
+        )
+
+    def put_object(
+        self,
+        obj: Any,
+        partition: str = "default",
+        chunk_bytes: int | None = None,
+        policy: BundleTransferPolicy | None = None,
+        max_inflight_put: int | None = None,
+        config: Any = None,
+    ) -> RemoteBundleRef:
+        """Store a mapping of members, or one tensor/array value (read back by get_object)."""
+        if isinstance(obj, Mapping):
+            payload = StructuredObjectPayload(metadata={}, buffers=obj)
+        else:
+            payload = StructuredObjectPayload(
+                metadata={"__mooncake_wrapped_object__": True}, buffers={"value": obj}
+            )
+        return self.put_structured_object(
+            payload, partition, chunk_bytes, policy, max_inflight_put, config
+        )
+
+    def get_object(self, ref: RemoteBundleRef | Mapping[str, Any]) -> Any:
+        """The object stored by put_object: the mapping of members, or the single value."""
+        result = self.materialize(self.read_spec(ref))
+        if result.metadata.get("__mooncake_wrapped_object__"):
+            return result.objects["value"]
+        return result.objects
+
+    def read_spec(self, ref: RemoteBundleRef | Mapping[str, Any]) -> StructuredObjectReadSpec:
+        """A lazy read spec over every member of ``ref``."""
+        return StructuredObjectReadSpec(ref=ref)
+
+    def materialize(self, spec: StructuredObjectReadSpec) -> StructuredObjectResult:
+        """Read the members ``spec`` selects (with its slices)."""
+        return self._structured.materialize(spec)
+
+    def materialize_into(
+        self, spec: StructuredObjectReadSpec, destinations: Mapping[str, Any] | None
+    ) -> StructuredObjectResult:
+        """As materialize, reading members into caller destinations (ndarrays,
+        ``raw_destination`` or ``tensor_object_buffer``) where given."""
+        return self._structured.materialize(spec, destinations)
+
+    @staticmethod
+    def release_result(result: Any) -> None:
+        """Release pool-backed buffers in a result. Results here own plain memory (numpy
+        arrays and tensors), so this only releases objects carrying a pool owner."""
+        seen: set[int] = set()
+
+        def visit(value: Any) -> None:
+            owner = getattr(value, "_mooncake_pool_owner", None)
+            if owner is not None:
+                if id(owner) not in seen:
+                    seen.add(id(owner))
+                    owner.release()
+                return
+            if id(value) in seen:
+                return
+            if isinstance(value, Mapping):
+                items: Any = value.values()
+            elif hasattr(value, "batch") and hasattr(value, "non_tensor_batch"):
+                items = (value.batch, value.non_tensor_batch, getattr(value, "meta_info", None))
+            elif isinstance(value, (list, tuple)) or (
+                isinstance(value, np.ndarray) and value.dtype == object
+            ):
+                items = value.flat if isinstance(value, np.ndarray) else value
+            else:
+                return
+            seen.add(id(value))
+            for item in items:
+                visit(item)
+
+        visit(result)
+
+    # -- DataProto -------------------------------------------------------------------------------
+
+    def put(
+        self,
+        data: Any,
+        *,
+        type: Literal["dataproto", "dict"] = "dataproto",
+        namespace: str = "default",
+        partition: str = "default",
+        stage: str = "default",
+        chunk_bytes: int | None = None,
+        policy: BundleTransferPolicy | None = None,
+        config: Any = None,
+        field_schemas: Mapping[str, FieldSchema] | None = None,
+    ) -> MooncakeDataProtoRef:
+        """Store a DataProto-like value (``type="dataproto"``) or a flat dict as one stage."""
+        if type == "dataproto":
+            stage_data = data
+        elif type == "dict":
+            stage_data = flat_dict_to_envelope(data, field_schemas)
+        else:
+            raise InvalidArgumentError(f"unsupported Mooncake payload type: {type!r}")
+        return self._put_stage(
+            None,
+            stage_data,
+            namespace=namespace,
+            partition=partition,
+            stage=stage,
+            chunk_bytes=chunk_bytes,
+            policy=policy,
+            overwrite=False,
+            config=config,
+            field_schemas=field_schemas,
+        )
+
+    def get(
+        self,
+        ref: DataProtoRefLike,
+        *,
+        type: Literal["dataproto", "dict"] = "dataproto",
+        fields: Sequence[str] | None = None,
+        batch_fields: Sequence[str] | None = None,
+        non_tensor_fields: Sequence[str] | None = None,
+        meta_info_keys: Sequence[str] | None = None,
+        data_cls: Any = None,
+        destinations: Mapping[str, Any] | None = None,
+        rows: slice | StructuredMemberSlice | Sequence[int] | None = None,
+    ) -> Any:
+        """Read a DataProto-like value (an envelope dict, or ``data_cls``) or a flat dict."""
+        if type not in ("dataproto", "dict"):
+            raise InvalidArgumentError(f"unsupported Mooncake payload type: {type!r}")
+        flat = type == "dict"
+        result = self._get(
+            ref,
+            fields,
+            batch_fields,
+            non_tensor_fields,
+            meta_info_keys,
+            dict if flat else data_cls,
+            destinations,
+            rows,
+            flat,
+        )
+        return envelope_to_flat_dict(result) if flat else result
+
+    def put_dataproto(
+        self,
+        data: Any,
+        *,
+        namespace: str = "default",
+        partition: str = "default",
+        stage: str = "default",
+        chunk_bytes: int | None = None,
+        policy: BundleTransferPolicy | None = None,
+        field_schemas: Mapping[str, FieldSchema] | None = None,
+        config: Any = None,
+    ) -> MooncakeDataProtoRef:
+        """Store a DataProto-like value as one stage (see put)."""
+        return self.put(
+            data,
+            type="dataproto",
+            namespace=namespace,
+            partition=partition,
+            stage=stage,
+            chunk_bytes=chunk_bytes,
+            policy=policy,
+            field_schemas=field_schemas,
+            config=config,
+        )
+
+    def append_dataproto_fields(
+        self,
+        ref: DataProtoRefLike,
+        data: Any,
+        *,
+        stage: str,
+        overwrite: bool = False,
+        chunk_bytes: int | None = None,
+        policy: BundleTransferPolicy | None = None,
+        field_schemas: Mapping[str, FieldSchema] | None = None,
+        config: Any = None,
+    ) -> MooncakeDataProtoRef:
+        """A new ref with ``data``'s fields added in ``stage`` (the old ref stays readable).
+        Existing fields are refused unless ``overwrite``, which replaces the whole stage."""
+        old = resolve_dataproto_ref(ref)
+        return self._put_stage(
+            old,
+            data,
+            namespace=old.namespace,
+            partition=old.partition,
+            stage=stage,
+            chunk_bytes=chunk_bytes,
+            policy=policy,
+            overwrite=overwrite,
+            field_schemas=field_schemas,
+            config=config,
+        )
+
+    def dataproto_manifest_view(self, ref: DataProtoRefLike) -> dict[str, Any]:
+        """Fields, sections, member specs and stages of a DataProto ref, from its manifests."""
+        ref = resolve_dataproto_ref(ref)
+        metas = {
+            stage: self._structured.metadata(self._bundles.resolve(sref))
+            for stage, sref in ref.stage_refs.items()
+        }
+        fields: dict[str, dict[str, Any]] = {}
+        for name, loc in ref.field_index.items():
+            specs = metas[loc.stage].get(STRUCTURED_FIELD_SPECS_KEY, {})
+            spec = dict(specs.get(loc.member, {"encoding": "bytes"}))
+            enc = ref.encoded_non_tensor.get(name)
+            if enc is not None:
+                spec = {
+                    "encoding": "structured_non_tensor",
+                    "codec": enc["codec"],
+                    "metadata": enc.get("metadata"),
+                    "payload_members": dict(enc["payload_members"]),
+                    "payload_specs": {
+                        p: dict(specs.get(m, {"encoding": "bytes"}))
+                        for p, m in enc["payload_members"].items()
+                    },
+                }
+            fields[name] = {
+                "section": loc.section,
+                "stage": loc.stage,
+                "member": loc.member,
+                "spec": spec,
+            }
+        return {
+            "namespace": ref.namespace,
+            "partition": ref.partition,
+            "batch_size": ref.batch_size,
+            "batch_fields": {n: i for n, i in fields.items() if i["section"] == "batch"},
+            "non_tensor_fields": {
+                n: i for n, i in fields.items() if i["section"] == "non_tensor_batch"
+            },
+            "meta_info_keys": list(ref.meta_info),
+            "stages": {
+                stage: {
+                    "manifest_key": sref.manifest_key,
+                    "dataproto": metas[stage].get("dataproto", {}),
+                }
+                for stage, sref in ref.stage_refs.items()
+            },
+        }
+
+    def get_dataproto(
+        self,
+        ref: DataProtoRefLike,
+        *,
+        fields: Sequence[str] | None = None,
+        batch_fields: Sequence[str] | None = None,
+        non_tensor_fields: Sequence[str] | None = None,
+        meta_info_keys: Sequence[str] | None = None,
+        data_cls: Any = None,
+        destinations: Mapping[str, Any] | None = None,
+        rows: slice | StructuredMemberSlice | Sequence[int] | None = None,
+    ) -> Any:
+        """Read selected DataProto fields (see get)."""
+        return self._get(
+            ref,
+            fields,
+            batch_fields,
+            non_tensor_fields,
+            meta_info_keys,
+            data_cls,
+            destinations,
+            rows,
+            False,
+        )
+
+    def cleanup_dataproto(self, ref: DataProtoRefLike) -> None:
+        """Remove every stage object a DataProto ref points at."""
+        ref = resolve_dataproto_ref(ref)
+        seen: set[str] = set()
+        for sref in ref.stage_refs.values():
+            if sref.manifest_key not in seen:
+                seen.add(sref.manifest_key)
+                self.remove_bundle(sref)
+
+    def cleanup_dataproto_append(
+        self, previous: DataProtoRefLike, appended: DataProtoRefLike
+    ) -> None:
+        """Remove what an unpublished append added, leaving ``previous`` readable."""
+        prev = resolve_dataproto_ref(previous)
+        new = resolve_dataproto_ref(appended)
+        for stage, sref in new.stage_refs.items():
+            old = prev.stage_refs.get(stage)
+            if old is None:
+                self.remove_bundle(sref)
+                continue
+            if sref.manifest_key == old.manifest_key:
+                continue
+            is_exist = getattr(self.store, "is_exist", None)
+            if callable(is_exist) and is_exist(sref.manifest_key) == 0:
+                continue
+            manifest = self._bundles.resolve(sref)
+            old_names = {loc.member for loc in prev.field_index.values() if loc.stage == stage}
+            for name, enc in prev.encoded_non_tensor.items():
+                if prev.field_index[name].stage == stage:
+                    old_names.update(enc["payload_members"].values())
+            added = [spec for name, spec in manifest["buffers"].items() if name not in old_names]
+            ids = {self._bundles.object_id_of(spec["key"]) for spec in added}
+            keys = [c["key"] for c in manifest["meta"]["chunks"]]
+            keys += [c["key"] for spec in added for c in spec["chunks"]]
+            keys += [
+                k for k in manifest.get("cleanup_keys", []) if self._bundles.object_id_of(k) in ids
+            ]
+            remove_keys(self.store, keys, strict=True)
+            remove_keys(self.store, [sref.manifest_key], strict=True)
+
+    # -- DataProto internals -----------------------------------------------------------------------
+
+    def _put_stage(
+        self,
+        ref: MooncakeDataProtoRef | None,
+        data: Any,
+        *,
+        namespace: str,
+        partition: str,
+        stage: str,
+        chunk_bytes: int | None,
+        policy: BundleTransferPolicy | None,
+        overwrite: bool,
+        field_schemas: Mapping[str, FieldSchema] | None = None,
+        config: Any = None,
+    ) -> MooncakeDataProtoRef:
+        check_policy(policy)
+        batch, non_tensor, meta_info = split_dataproto(data)
+        check_schema_sections(batch, non_tensor, meta_info, field_schemas)
+        from mooncake._structured.dataproto import batch_size as _batch_size
+
+        size = _batch_size(batch, non_tensor)
+        if ref is not None and size != ref.batch_size:
+            raise InvalidArgumentError(
+                f"DataProto append batch size {size} does not match ref batch size {ref.batch_size}"
+            )
+        overlap = sorted(set(batch) & set(non_tensor))
+        if overlap:
+            raise InvalidArgumentError(
+                f"DataProto batch and non_tensor_batch fields overlap: {overlap}"
+            )
+        buffers: dict[str, Any] = {}
+        updates: dict[str, StructuredFieldLocation] = {}
+        encoded_updates: dict[str, Any] = {}
+        for name, value in batch.items():
+            buffers[f"batch.{name}"] = value
+            updates[name] = StructuredFieldLocation(stage, f"batch.{name}", "batch")
+        for name, value in non_tensor.items():
+            member = f"non_tensor_batch.{name}"
+            schema = schema_for(field_schemas, name, "non_tensor_batch")
+            col: codecs.EncodedColumn | None = None
+            if schema is not None:
+                try:
+                    col = codecs.encode_with_schema(member, value, schema)
+                except (
+                    TypeError,
+                    ValueError,
+                    RuntimeError,
+                    AttributeError,
+                    NotSupportedError,
+                ) as e:
+                    raise type(e)(
+                        f"failed to encode non_tensor_batch field {name!r} with FieldSchema codec "
+                        f"{schema.codec!r}: {e}"
+                    ) from e
+            elif isinstance(value, np.ndarray) and value.dtype == object:
+                col = codecs.encode_column(member, value)
+            updates[name] = StructuredFieldLocation(stage, member, "non_tensor_batch")
+            if col is None:
+                buffers[member] = value
+                continue
+            members: dict[str, str] = {}
+            for pname, pvalue in col.payload.items():
+                buffers[f"{member}.{pname}"] = pvalue
+                members[pname] = f"{member}.{pname}"
+            encoded_updates[name] = {
+                "codec": col.codec,
+                "rows": col.rows,
+                "metadata": col.metadata,
+                "payload_members": members,
+            }
+        if not buffers:
+            if ref is not None:
+                return MooncakeDataProtoRef(
+                    batch_size=ref.batch_size,
+                    stage_refs=dict(ref.stage_refs),
+                    field_index=dict(ref.field_index),
+                    meta_info={**ref.meta_info, **meta_info},
+                    namespace=ref.namespace,
+                    partition=ref.partition,
+                    global_indexes=ref.global_indexes,
+                    encoded_non_tensor=dict(ref.encoded_non_tensor),
+                    _storage_group_id=ref._storage_group_id,
+                )
+            return MooncakeDataProtoRef(
+                batch_size=size,
+                stage_refs={},
+                field_index={},
+                meta_info=dict(meta_info),
+                namespace=namespace,
+                partition=partition,
+                encoded_non_tensor={},
+                _storage_group_id=_new_group_id(config),
+            )
+        if ref is not None:
+            dup = sorted(set(ref.field_index) & set(updates))
+            if dup and not overwrite:
+                raise InvalidArgumentError(f"DataProto fields already exist: {dup}")
+            if overwrite:
+                dangling = sorted(
+                    n
+                    for n, loc in ref.field_index.items()
+                    if loc.stage == stage and n not in updates
+                )
+                if dangling:
+                    raise InvalidArgumentError(
+                        f"DataProto overwrite for stage {stage!r} must include existing fields: {dangling}"
+                    )
+        group = _new_group_id(config) if ref is None else ref._storage_group_id
+        effective = config if group is None else _config_with_group(config, group)
+        payload = StructuredObjectPayload(
+            metadata={
+                "layout": "dataproto_stage",
+                "dataproto": {
+                    "version": 1,
+                    "namespace": namespace,
+                    "partition": partition,
+                    "stage": stage,
+                    "batch_size": size,
+                },
+            },
+            buffers=buffers,
+        )
+        existing = ref.stage_refs.get(stage) if ref is not None else None
+        stage_ref = self._structured.put(
+            payload,
+            partition=partition,
+            chunk_bytes=chunk_bytes,
+            config=effective,
+            merge_into=existing if existing is not None and not overwrite else None,
+        )
+        if existing is not None and overwrite and existing.manifest_key != stage_ref.manifest_key:
+            self.remove_bundle(existing)
+        if ref is None:
+            return MooncakeDataProtoRef(
+                batch_size=size,
+                stage_refs={stage: stage_ref},
+                field_index=dict(updates),
+                meta_info=dict(meta_info),
+                namespace=namespace,
+                partition=partition,
+                global_indexes=None,
+                encoded_non_tensor=dict(encoded_updates),
+                _storage_group_id=group,
+            )
+        encoded = {n: e for n, e in ref.encoded_non_tensor.items() if n not in updates}
+        encoded.update(encoded_updates)
+        return MooncakeDataProtoRef(
+            batch_size=size,
+            stage_refs={**ref.stage_refs, stage: stage_ref},
+            field_index={**ref.field_index, **updates},
+            meta_info={**ref.meta_info, **meta_info},
+            namespace=namespace,
+            partition=partition,
+            global_indexes=ref.global_indexes,
+            encoded_non_tensor=encoded,
+            _storage_group_id=group,
+        )
+
+    def _get(
+        self,
+        ref_like: DataProtoRefLike,
+        fields: Sequence[str] | None,
+        batch_fields: Sequence[str] | None,
+        non_tensor_fields: Sequence[str] | None,
+        meta_info_keys: Sequence[str] | None,
+        data_cls: Any,
+        destinations: Mapping[str, Any] | None,
+        rows: Any,
+        flat: bool,
+    ) -> Any:
+        ref = resolve_dataproto_ref(ref_like)
+        sel = select_rows(rows, ref.batch_size)
+        batch_names, nt_names = select_fields(ref, fields, batch_fields, non_tensor_fields)
+        dests = dict(destinations or {})
+        if sel is not None and sel.indices is not None and dests:
+            raise NotSupportedError("destinations cannot be combined with row indices")
+        by_stage: dict[str, list[str]] = {}
+        for name in [*batch_names, *nt_names]:
+            by_stage.setdefault(ref.field_index[name].stage, []).append(name)
+        values: dict[str, Any] = {}
+        for stage, names in by_stage.items():
+            spec = self.read_spec(ref.stage_refs[stage])
+            members: list[str] = []
+            stage_dests: dict[str, Any] = {}
+            lo = 0
+            if sel is not None and sel.indices:
+                lo = min(sel.indices)
+            for name in names:
+                loc = ref.field_index[name]
+                enc = ref.encoded_non_tensor.get(name)
+                if enc is not None and loc.section == "non_tensor_batch":
+                    members.extend(enc["payload_members"].values())
+                    continue
+                members.append(loc.member)
+                if name in dests:
+                    stage_dests[loc.member] = dests[name]
+                if sel is not None and sel.member_slice is not None:
+                    s = sel.member_slice
+                    spec = spec.slice_member(loc.member, s.axis, s.start, s.end, s.step)
+                elif sel is not None and sel.indices is not None:
+                    hi = max(sel.indices) + 1 if sel.indices else 0
+                    spec = spec.slice_member(loc.member, 0, lo, hi)
+            result = self.materialize_into(
+                spec.select_members(list(dict.fromkeys(members))), stage_dests
+            )
+            for name in names:
+                loc = ref.field_index[name]
+                enc = ref.encoded_non_tensor.get(name)
+                if enc is None or loc.section != "non_tensor_batch":
+                    value = result.objects[loc.member]
+                    if sel is not None and sel.indices is not None:
+                        value = _take_rows(value, sel.indices, lo) if sel.indices else value[:0]
+                    values[name] = value
+                    continue
+                payload = {p: result.objects[m] for p, m in enc["payload_members"].items()}
+                column = codecs.decode_column(enc, payload, ref.batch_size)
+                if sel is not None and sel.member_slice is not None:
+                    s = sel.member_slice
+                    column = column[slice(*slice(s.start, s.end, s.step).indices(ref.batch_size))]
+                elif sel is not None and sel.indices is not None:
+                    column = [column[i] for i in sel.indices]
+                values[name] = column if flat else codecs.object_column(column)
+        meta = (
+            dict(ref.meta_info)
+            if meta_info_keys is None
+            else {k: ref.meta_info[k] for k in meta_info_keys if k in ref.meta_info}
+        )
+        return build_result(
+            {n: values[n] for n in batch_names}, {n: values[n] for n in nt_names}, meta, data_cls
+        )
