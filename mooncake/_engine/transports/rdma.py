@@ -35,7 +35,7 @@ import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -61,7 +61,7 @@ from mooncake._core.transfer import (
     TransferRequest,
     TransferResult,
 )
-from mooncake._engine.transports.base import PeerInfo, Transport
+from mooncake._engine.transports.base import EngineHost, PeerInfo, Transport
 from mooncake._engine.transports.rdma_run import BatchRun
 from mooncake._engine.transports.rdma_topology import discover
 from mooncake._fast import verbs
@@ -73,9 +73,6 @@ from mooncake.errors import (
     VerbsError,
     VerbsUnavailableError,
 )
-
-if TYPE_CHECKING:
-    from mooncake._engine.engine import Engine
 
 log = logging.getLogger("mooncake.rdma")
 
@@ -254,7 +251,7 @@ class RdmaTransport(Transport):
     priority = 20
     wire_protocol = "rdma"
 
-    def __init__(self, engine: Engine, config: RdmaConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, engine: EngineHost, config: RdmaConfig | None = None, **kwargs: Any) -> None:
         super().__init__(engine)
         self.cfg = config or RdmaConfig(**kwargs)
         self.nics: list[_Nic] = []
