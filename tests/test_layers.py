@@ -46,11 +46,20 @@ FLOORS: dict[str, int] = {
     "policies": 6,
     "allocator": 6,
     "mooncake_config": 6,
-    # 7: tools
+    "http_metadata_server": 6,
+    # 7: tools and layers over the sync store
     "_cli": 7,
     "async_store": 7,
+    "_structured": 7,
+    "structured_object_store": 7,
     # 8: entry points
     "__main__": 8,
+}
+
+#: Modules whose floor is not their room's: they sit in a lower room but are built on a facade.
+MODULE_FLOORS: dict[str, int] = {
+    # the Python half of the C ABI drives mooncake.engine.TransferEngine (floor 5)
+    "mooncake._engine.cabi": 6,
 }
 
 #: Import circles still to be cut, each as the set of its modules. Nothing else may form one.
@@ -184,6 +193,10 @@ def _room(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
+def _floor(module: str) -> int:
+    return MODULE_FLOORS.get(module) or FLOORS[_room(module)]
+
+
 def test_tarjan_finds_circles() -> None:
     g = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"e"}, "e": {"d"}, "f": {"a"}}
     assert circles(g) == {frozenset("abc"), frozenset("de")}
@@ -215,10 +228,10 @@ def test_no_import_goes_up_a_floor() -> None:
     rooms = {_room(m) for m in graph}
     assert rooms <= FLOORS.keys(), f"rooms without a floor: {sorted(rooms - FLOORS.keys())}"
     up = sorted(
-        f"{m} (floor {FLOORS[_room(m)]}) -> {t} (floor {FLOORS[_room(t)]})"
+        f"{m} (floor {_floor(m)}) -> {t} (floor {_floor(t)})"
         for m, targets in graph.items()
         for t in targets
-        if FLOORS[_room(t)] > FLOORS[_room(m)]
+        if _floor(t) > _floor(m)
     )
     assert not up, "imports going up a floor:\n" + "\n".join(up)
 
