@@ -14,7 +14,7 @@ import enum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mooncake._core.misses import Miss
+    from mooncake._miss import Miss
 
 
 class ErrorCode(enum.IntEnum):
@@ -225,7 +225,7 @@ class ObjectNotFoundError(StoreError):
 
     code = ErrorCode.OBJECT_NOT_FOUND
     miss: Miss | None = None
-    """Why, when the master said: reason, policy, tier (:class:`mooncake._core.misses.Miss`)."""
+    """Why, when the master said: reason, policy, tier (:class:`mooncake._miss.Miss`)."""
 
 
 class ObjectAlreadyExistsError(StoreError):

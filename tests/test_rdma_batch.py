@@ -166,7 +166,7 @@ if os.path.exists(v.soft_provider_path()) and not os.environ.get("MC_RDMA_TEST_D
         buf.numpy()[:] = pattern(78, 1 << 20)
         t = _t(engine)
         t.cfg.slice_size = 4096
-        t.pump_budget = 8  # every run stops after 8 WRs: the rest is posted from later runs
+        t.rails.pump_budget = 8  # every run stops after 8 WRs: the rest is posted from later runs
         reqs = [R.write(buf.addr + (i << 18), rpeer.addr + (i << 18), 1 << 18) for i in range(4)]
         res = await engine.transfer(rpeer.segment, reqs)
         assert all(r.ok for r in res)

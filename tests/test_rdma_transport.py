@@ -246,7 +246,7 @@ async def test_nic_down_pauses_its_rails_and_traffic_moves(
         for _ in range(3):
             await engine.write(rpeer.segment, buf.addr, rpeer.addr, 4 << 20)
         t = _t(engine)
-        paused = t.rails.paused_rails(anyio.current_time())
+        paused = t.rails.health.paused_rails(anyio.current_time())
         assert paused and all(li == 0 or path.endswith("@soft0") for li, path in paused), paused
         before = verbs.soft_wr_count("soft0")
         await engine.write(rpeer.segment, buf.addr, rpeer.addr, 4 << 20)
@@ -284,7 +284,7 @@ async def test_cancelled_transfer_leaves_nothing_in_flight(
     await engine.write(rpeer.segment, buf.addr, rpeer.addr, 4096)  # endpoints up
     t = _t(engine)
     (region,) = engine.registry.regions()
-    real_post = t._post
+    real_post = t.rails.post
     seen: dict[str, int] = {}
     scope = anyio.CancelScope()
 
@@ -296,9 +296,9 @@ async def test_cancelled_transfer_leaves_nothing_in_flight(
             seen["users"] = region.users
             scope.cancel()
 
-    monkeypatch.setattr(t, "_post", post_then_cancel)
+    monkeypatch.setattr(t.rails, "post", post_then_cancel)
     # a small budget per pump run: the first post leaves WRs in flight (and more to post)
-    monkeypatch.setattr(t, "pump_budget", 4)
+    monkeypatch.setattr(t.rails, "pump_budget", 4)
     posted0, reaped0 = t.stats["posted"], t.stats["completions"]
     with scope:
         await engine.transfer(rpeer.segment, [R.write(buf.addr, rpeer.addr, 4 << 20)])
@@ -312,7 +312,7 @@ async def test_cancelled_transfer_leaves_nothing_in_flight(
     assert not t._inflight
     assert all(mr.inflight == 0 for mr in region.meta["rdma_mrs"])
     assert region.users == 0
-    monkeypatch.setattr(t, "_post", real_post)
+    monkeypatch.setattr(t.rails, "post", real_post)
     await engine.write(rpeer.segment, buf.addr, rpeer.addr, 4 << 20)  # still usable
 
 
@@ -335,13 +335,13 @@ async def test_cancel_during_a_stalled_transfer_flushes_and_returns(
     await engine.write(rpeer.segment, buf.addr, rpeer.addr, 4096)  # endpoints up
     t = _t(engine)
     posted = anyio.Event()
-    real_post = t._post
+    real_post = t.rails.post
 
     def spy(*args: Any) -> None:
         real_post(*args)
         posted.set()
 
-    monkeypatch.setattr(t, "_post", spy)
+    monkeypatch.setattr(t.rails, "post", spy)
     for d in DEVICES:
         verbs.soft_set_stall(d, True)
     try:
@@ -377,7 +377,7 @@ async def test_refused_posts_move_to_a_fresh_endpoint(
     buf.numpy()[:] = pattern(41, 1 << 20)
     await engine.write(rpeer.segment, buf.addr, rpeer.addr, 4096)
     t = _t(engine)
-    for ep in list(t._active.values()):
+    for ep in list(t.rails.active.values()):
         for qp in ep.qps:
             qp.reset()  # behind the transport's back: the device refuses posts on these QPs
     connects = t.stats["connects"]

@@ -22,38 +22,18 @@ and gives the collector nothing to walk.
 
 from __future__ import annotations
 
-import enum
 import math
 import zlib
 from array import array
 from collections import Counter
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from mooncake._fast import ObjectTable
+from mooncake._miss import Miss, MissReason
 from mooncake.errors import InvalidArgumentError
 
 __all__ = ["Miss", "MissLedger", "MissReason"]
-
-
-class MissReason(enum.Enum):
-    """Why a key could not be read. Values are the metric label values."""
-
-    NEVER_STORED = "never_stored"
-    """No put of this key ever completed (or its record aged out before the filter existed)."""
-    EVICTED = "evicted"
-    """An eviction policy chose it (``policy``) to free space in a tier (``tier``)."""
-    REMOVED = "removed"
-    """Removed explicitly (remove, remove-by-regex, remove-all)."""
-    OWNER_DIED = "owner_died"
-    """The client holding its replicas stopped pinging or unmounted (``owner``)."""
-    LEASE_EXPIRED = "lease_expired"
-    """It existed, but the read outlived its lease and was failed closed."""
-    TRANSFER_FAILED = "transfer_failed"
-    """It existed, but moving the bytes failed."""
-    UNKNOWN = "unknown"
-    """It was lost long ago and the ledger has forgotten how (capacity)."""
 
 
 _LOSSES = (MissReason.EVICTED, MissReason.REMOVED, MissReason.OWNER_DIED)
@@ -65,23 +45,6 @@ def _code(key: Hashable) -> str:
     """The table key of ``key``: a ``str`` as itself, anything else by its ``repr`` (marked, so
     the two never collide)."""
     return "s" + key if type(key) is str else "r" + repr(key)
-
-
-@dataclass(frozen=True, slots=True)
-class Miss:
-    """The attribution of one miss: the reason and what the ledger knows about it."""
-
-    key: Hashable
-    reason: MissReason
-    policy: str = ""
-    """Eviction policy name (``EVICTED`` only)."""
-    tier: str = ""
-    """Tier the object was lost from or read from, when known."""
-    owner: str = ""
-    """Client whose death lost it (``OWNER_DIED``)."""
-    at: float | None = None
-    """Caller time of the loss (or of the failed read)."""
-    detail: str = ""
 
 
 class MissLedger:

@@ -344,7 +344,8 @@ class Engine:
         else:
             self.segment_name = self._given_name
         for name in self._transport_names:
-            t = make_transport(name, self)
+            options: dict[str, Any] = {"lanes": self._tcp_lanes} if name == "tcp" else {}
+            t = make_transport(name, self, **options)
             await t.start()
             self.transports.append(t)
         self.transports.sort(key=lambda t: -t.priority)
@@ -735,6 +736,14 @@ class Engine:
                 peer.descriptor = rec.descriptor
                 peer.rpc_host, peer.rpc_port = rec.rpc_host, rec.rpc_port
             return peer
+
+    def cached_peer(self, segment: str) -> PeerInfo | None:
+        """The cached :class:`PeerInfo` of ``segment``, or ``None``; never looks it up."""
+        return self._peers.get(segment)
+
+    def peers(self) -> list[PeerInfo]:
+        """A snapshot (a new list) of the cached peers."""
+        return list(self._peers.values())
 
     def forget(self, segment: str) -> None:
         """Drop the cached descriptor and connections of ``segment``."""

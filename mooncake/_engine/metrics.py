@@ -34,7 +34,7 @@ from mooncake._core.transfer import Opcode, TransferRequest, TransferResult
 from mooncake.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from mooncake._engine.engine import Engine
+    from mooncake._engine.transports.base import EngineHost
 
 #: Latency bucket upper bounds in seconds: 10 us .. 1 s, about three per decade.
 BUCKETS: tuple[float, ...] = (
@@ -105,7 +105,7 @@ class EngineMetrics(Collector):
     Increments are plain Python ints, not locked: batches recorded concurrently from several
     caller threads (the sync path) may, rarely, lose an increment."""
 
-    def __init__(self, engine: Engine | None = None) -> None:
+    def __init__(self, engine: EngineHost | None = None) -> None:
         self.engine = engine
         self.slots: dict[tuple[str, str, str], _Slot] = {}
         self.errors: dict[tuple[str, str, str], int] = {}  # (transport, kind, code)
@@ -220,7 +220,7 @@ class EngineMetrics(Collector):
             yield from _engine_gauges(eng)
 
 
-def _engine_gauges(eng: Engine) -> Iterator[Metric]:
+def _engine_gauges(eng: EngineHost) -> Iterator[Metric]:
     regions = list(eng.registry)
     yield GaugeMetricFamily(
         "mooncake_engine_registered_bytes",
@@ -237,7 +237,7 @@ def _engine_gauges(eng: Engine) -> Iterator[Metric]:
         "Known peers holding connection state of the transport",
         labels=["transport"],
     )
-    peers = list(eng._peers.values())
+    peers = eng.peers()
     for t in eng.transports:
         conns.add_metric([t.name], sum(1 for p in peers if p.state.get(t.name) is not None))
     yield conns

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -24,10 +24,33 @@ from prometheus_client.registry import Collector
 from mooncake._engine.metrics import LOG_MAX, Histogram, error_kind, histogram_family
 from mooncake.errors import MooncakeError
 
-if TYPE_CHECKING:
-    from mooncake._store.client import Store
-
 T = TypeVar("T")
+
+
+class _Stats(Protocol):
+    """A tier that reports counters and sizes (the SSD tier)."""
+
+    def stats(self) -> dict[str, int]: ...
+
+
+class _StoreView(Protocol):
+    """What :class:`StoreMetrics` reads of a store client at scrape time (and nothing more).
+
+    :class:`~mooncake._store.client.Store` satisfies it; typing on this view keeps the
+    collector below the client (the client imports this module, never the other way).
+    """
+
+    @property
+    def ssd(self) -> _Stats | None:
+        """The SSD tier, when the client has one."""
+
+    @property
+    def lease_fences(self) -> int:
+        """Reads refused because they finished after their read lease."""
+
+    def miss_stats(self) -> dict[tuple[str, str, str], int]:
+        """Failed reads counted by ``(reason, policy, tier)``."""
+
 
 # family -> (direction, how to count (items, bytes, failed items) from args and result)
 _Counter = Callable[[tuple[Any, ...], Any], tuple[int, int, int]]
@@ -119,7 +142,7 @@ FAST_FAMILIES: dict[str, tuple[str, str, _Counter]] = {
 class StoreMetrics(Collector):
     """The counters of one store client (a ``Collector``; see the module docstring)."""
 
-    def __init__(self, store: Store | None = None) -> None:
+    def __init__(self, store: _StoreView | None = None) -> None:
         self.store = store
         # (family, path) -> [calls, items, bytes, failed items]; path "loop" or "fast"
         self.calls: dict[tuple[str, str], list[int]] = {}

@@ -188,7 +188,7 @@ async def check_bad_descriptors(conn: str) -> None:
                 )
             else:
                 raise AssertionError(f"a descriptor with {needle!r} problem was accepted")
-            assert seg not in me._peers, "a bad descriptor was cached"
+            assert me.cached_peer(seg) is None, "a bad descriptor was cached"
             await kv.delete(layout.rpc_meta(seg))
         assert tried >= len(cases) - 1
         await kv.delete(layout.ram(seg))

@@ -48,7 +48,7 @@ from mooncake.errors import (
 )
 
 if TYPE_CHECKING:
-    from mooncake._engine.engine import Engine
+    from mooncake._engine.transports.base import EngineHost
 
 log = logging.getLogger("mooncake.metadata")
 
@@ -196,7 +196,7 @@ class KVMetadata(MetadataBackend):
     def __init__(self, kv: KVStore, layout: KeyLayout | None = None) -> None:
         self.kv = kv
         self.keys = layout or KeyLayout()
-        self.engine: Engine | None = None
+        self.engine: EngineHost | None = None
         self._lock = anyio.Lock()
         self._latest: tuple[str, bytes, str, int] | None = None
         self._written: bytes | None = None
@@ -315,7 +315,7 @@ class KVMetadata(MetadataBackend):
         segment = self.keys.segment_of_ram(key)
         if engine is None or segment is None or segment == engine.segment_name:
             return
-        peer = engine._peers.get(segment)
+        peer = engine.cached_peer(segment)
         if peer is None:
             return
         if value is None:

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from mooncake._engine.transports.base import PeerInfo, Transport
+from mooncake._engine.transports.base import EngineHost, PeerInfo, Transport
 from mooncake.errors import MooncakeError, NotSupportedError
-
-if TYPE_CHECKING:
-    from mooncake._engine.engine import Engine
 
 #: name -> "module:Class"; modules are imported only when the transport is used
 TRANSPORTS: dict[str, str] = {
@@ -21,16 +18,18 @@ TRANSPORTS: dict[str, str] = {
 }
 
 
-def make_transport(name: str, engine: Engine, **kwargs: Any) -> Transport:
-    """Instantiate transport ``name`` for ``engine``."""
+def make_transport(name: str, host: EngineHost, **options: Any) -> Transport:
+    """Instantiate transport ``name`` for the engine ``host``, passing it ``options`` (the
+    transport's own keyword arguments, e.g. ``lanes=`` for tcp) as given.
+
+    Raises :class:`~mooncake.errors.NotSupportedError` for a name not in :data:`TRANSPORTS`.
+    """
     spec = TRANSPORTS.get(name)
     if spec is None:
         raise NotSupportedError(f"unknown transport {name!r} (known: {sorted(TRANSPORTS)})")
     mod, cls = spec.split(":")
     klass = getattr(importlib.import_module(mod), cls)
-    if name == "tcp":
-        kwargs.setdefault("lanes", engine._tcp_lanes)
-    t = klass(engine, **kwargs)
+    t = klass(host, **options)
     assert isinstance(t, Transport)
     return t
 
@@ -81,4 +80,11 @@ def _rdma_present() -> bool:
         return False
 
 
-__all__ = ["TRANSPORTS", "PeerInfo", "Transport", "default_transports", "make_transport"]
+__all__ = [
+    "TRANSPORTS",
+    "EngineHost",
+    "PeerInfo",
+    "Transport",
+    "default_transports",
+    "make_transport",
+]

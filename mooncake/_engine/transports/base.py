@@ -14,6 +14,10 @@ not return, even when cancelled, while the transport or the peer may still touch
 memory of any request: a transport with posted work it cannot recall (RDMA WRs, CUDA copies)
 shields the wait for those completions. Failures of individual requests are results, not
 exceptions; an exception means the batch as a whole could not be attempted.
+
+:class:`EngineHost` is what a transport (and the metadata watcher, and the metrics collector)
+may ask of the engine that owns it. It lives here, in the leaf those modules import, so that
+none of them imports :class:`~mooncake._engine.engine.Engine`, which imports them.
 """
 
 from __future__ import annotations
@@ -21,14 +25,18 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from mooncake._core.descriptor import BufferDesc, SegmentDescriptor
-from mooncake._core.memory import Region
+from mooncake._core.memory import MemoryRegistry, Region
 from mooncake._core.transfer import TransferRequest, TransferResult
 
 if TYPE_CHECKING:
-    from mooncake._engine.engine import Engine
+    import anyio.abc
+
+    from mooncake._engine.cudaio import Completions, Stager
+    from mooncake._engine.handshake import HandshakeServer
+    from mooncake._fast.cuda import CudaRuntime
 
 
 @dataclass(eq=False)
@@ -47,6 +55,69 @@ class PeerInfo:
         return self.descriptor.tcp_data_host or self.rpc_host
 
 
+class EngineHost(Protocol):
+    """What the children of an engine (transports, metadata watch, metrics) may use of it.
+
+    :class:`~mooncake._engine.engine.Engine` implements it. Everything here is read-only for
+    the children: they start tasks in ``task_group``, read the registry and the peer cache,
+    and ask the engine to look a peer up (``peer``) or drop it (``forget``); they never
+    replace an attribute.
+    """
+
+    @property
+    def task_group(self) -> anyio.abc.TaskGroup:
+        """The engine's task group (valid between start and close)."""
+
+    @property
+    def registry(self) -> MemoryRegistry:
+        """The local registered regions."""
+
+    @property
+    def segment_name(self) -> str:
+        """This engine's segment name (set once started)."""
+
+    @property
+    def hostname(self) -> str:
+        """The host name peers reach this engine by."""
+
+    @property
+    def bind_host(self) -> str:
+        """The address the engine's servers bind."""
+
+    @property
+    def handshake(self) -> HandshakeServer:
+        """The handshake server transports add their frame handlers to."""
+
+    @property
+    def transports(self) -> Sequence[Transport]:
+        """The installed transports, highest priority first."""
+
+    @property
+    def cuda(self) -> CudaRuntime:
+        """The CUDA runtime (raises where there is none)."""
+
+    @property
+    def cuda_completions(self) -> Completions:
+        """The engine's CUDA completion waiter."""
+
+    @property
+    def staging(self) -> Stager:
+        """Pinned host buffers that device memory is staged through."""
+
+    async def peer(self, segment: str, *, refresh: bool = False) -> PeerInfo:
+        """The cached :class:`PeerInfo` of ``segment``, looked up in the metadata on a miss
+        (or always, with ``refresh``)."""
+
+    def cached_peer(self, segment: str) -> PeerInfo | None:
+        """The cached :class:`PeerInfo` of ``segment``, or ``None``; never looks it up."""
+
+    def peers(self) -> list[PeerInfo]:
+        """A snapshot of the cached peers."""
+
+    def forget(self, segment: str) -> None:
+        """Drop the cached peer ``segment`` and every transport's state for it."""
+
+
 class Transport(abc.ABC):
     """Base class of every transport. One instance per engine."""
 
@@ -60,7 +131,7 @@ class Transport(abc.ABC):
     #: memory through pinned host buffers for transports that do not (mooncake._engine.cudaio)
     device_memory: ClassVar[bool] = False
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineHost) -> None:
         self.engine = engine
 
     async def start(self) -> None:

@@ -5,7 +5,7 @@ each slice's rail from the tables given here, posts WR chains and counts complet
 side runs once per batch event, never per slice on the success path:
 
 * before the first post and whenever slices come back new: rail tables per (location class,
-  retry) from the topology matrices and rail health (:meth:`RdmaTransport._rail_options`),
+  retry) from the topology matrices and rail health (:meth:`~mooncake._engine.transports.rdma_rails.Rails.options`),
   endpoints for the rails the batch chose (handshakes), then one pump of each NIC used;
 * on an error event: classify each failed slice as today (a flushed WR is resent without
   counting a try, a remote access error refreshes the peer's descriptor once, any other error
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
@@ -33,6 +33,7 @@ from mooncake._core.transfer import (
     failed,
 )
 from mooncake._engine.transports.base import PeerInfo
+from mooncake._engine.transports.rdma_rails import Rails, _Endpoint
 from mooncake._fast import verbs
 from mooncake.errors import (
     MooncakeError,
@@ -45,9 +46,6 @@ from mooncake.errors import (
     TransferError,
     TransferTimeoutError,
 )
-
-if TYPE_CHECKING:
-    from mooncake._engine.transports.rdma import RdmaTransport, _Endpoint
 
 _ACCESS_STATUSES = frozenset(
     (
@@ -62,16 +60,20 @@ CANCEL_GRACE_S = 10.0
 
 
 class BatchRun:
-    """State of one ``execute`` that stays in Python: per-request errors, endpoints used."""
+    """State of one ``execute`` that stays in Python: per-request errors, endpoints used.
+
+    It works on the transport's :class:`~mooncake._engine.transports.rdma_rails.Rails` (the
+    NICs, endpoints, rail health and counters), through its public members only.
+    """
 
     def __init__(
         self,
-        t: RdmaTransport,
+        rails: Rails,
         peer: PeerInfo,
         seg: RdmaSegment | None,
         requests: Sequence[TransferRequest],
     ) -> None:
-        self.t = t
+        self.rails = rails
         self.peer = peer
         self.seg = seg
         self.requests = requests
@@ -109,9 +111,9 @@ class BatchRun:
         return out
 
     def _build(self) -> Any:
-        t, peer, seg = self.t, self.peer, self.seg
-        nnic = max(len(t.nics), 1)
-        regions = t.engine.registry.regions()  # sorted; includes regions being unregistered
+        rails, peer, seg = self.rails, self.peer, self.seg
+        nnic = max(len(rails.nics), 1)
+        regions = rails.host.registry.regions()  # sorted; includes regions being unregistered
         starts = [g.addr for g in regions]
         laddr: list[int] = []
         raddr: list[int] = []
@@ -163,9 +165,9 @@ class BatchRun:
                 lkeys.extend([0] * nnic)
                 rkeys.extend([-1] * self.npeer)
                 cls.append(0)
-        frag = t.cfg.slice_size // t.cfg.fragment_ratio
+        frag = rails.cfg.slice_size // rails.cfg.fragment_ratio
         return verbs.SliceBatch(
-            t.batches,
+            rails.batches,
             laddr,
             raddr,
             length,
@@ -176,15 +178,15 @@ class BatchRun:
             mrs,
             nnic,
             self.npeer,
-            t.cfg.slice_size,
+            rails.cfg.slice_size,
             frag,
-            t._rng.getrandbits(64),
+            rails.rng.getrandbits(64),
         )
 
     # -- the loop -------------------------------------------------------------------------
 
     async def execute(self) -> list[TransferResult]:
-        sb, t = self.sb, self.t
+        sb, rails = self.sb, self.rails
         try:
             while True:
                 self._classify()
@@ -197,8 +199,8 @@ class BatchRun:
                     continue
                 if sb.finished():
                     break
-                if t.cfg.slice_timeout > 0 and sb.outstanding:
-                    with anyio.move_on_after(t.cfg.slice_timeout) as waited:
+                if rails.cfg.slice_timeout > 0 and sb.outstanding:
+                    with anyio.move_on_after(rails.cfg.slice_timeout) as waited:
                         await self._wait()
                     if waited.cancelled_caught:
                         self._time_out()
@@ -237,28 +239,28 @@ class BatchRun:
         for ridx in self.sb.rail_successes():
             ep = self.eps.get(ridx)
             if ep is not None:
-                self.t.rails.record_success((ep.nic.index, ep.peer_path))
+                self.rails.health.record_success((ep.nic.index, ep.peer_path))
 
     # -- routing and posting --------------------------------------------------------------
 
     async def _dispatch(self) -> None:
-        sb, t, peer, seg = self.sb, self.t, self.peer, self.seg
+        sb, rails, peer, seg = self.sb, self.rails, self.peer, self.seg
         assert seg is not None
         now = anyio.current_time()
         sb.clear_tables()
         for c, retry in sb.needed_tables():
             loc, buf_loc = self.class_keys[c]
-            sb.set_table(c, retry, t._rail_options(loc, buf_loc, retry, peer, seg, now))
+            sb.set_table(c, retry, rails.options(loc, buf_loc, retry, peer, seg, now))
         touched = []
         for ridx in sb.choose():
             li, pi = divmod(ridx, self.npeer)
-            nic = t.nics[li]
+            nic = rails.nics[li]
             try:
-                ep = await t._endpoint(nic, peer, seg, pi)
+                ep = await rails.endpoint(nic, peer, seg, pi)
             except MooncakeError as e:
                 rail = (li, nic_path(peer.segment, seg.devices[pi].name))
-                t.rails.record_error(rail, anyio.current_time())
-                t.stats["connect_errors"] += 1
+                rails.health.record_error(rail, anyio.current_time())
+                rails.stats["connect_errors"] += 1
                 self.connect_errors[ridx] = (
                     e if isinstance(e, TransferError) else PeerUnreachableError(str(e))
                 )
@@ -274,23 +276,23 @@ class BatchRun:
             if nic not in touched:
                 touched.append(nic)
         for nic in touched:
-            t._post(nic)
+            rails.post(nic)
 
     # -- errors ---------------------------------------------------------------------------
 
     def _classify(self) -> None:
-        sb, t = self.sb, self.t
+        sb, rails = self.sb, self.rails
         errs = sb.take_errors()
         if not errs:
             return
         for i, kind, code, ridx in errs:
             if kind in (verbs.ERR_WC, verbs.ERR_WC_STALE):
                 name = verbs.wc_status_name(code)
-                t.stats[f"wc_{name}"] += 1
+                rails.stats[f"wc_{name}"] += 1
                 # a stale one came from an endpoint of this rail that was already retired
                 ep = self.eps.get(ridx) if kind == verbs.ERR_WC else None
                 if ep is not None:
-                    t._retire(ep)
+                    rails.retire(ep)
                 if sb.cancelled:
                     continue
                 req, off, n, _, _, _ = sb.slice_info(i)
@@ -298,7 +300,7 @@ class BatchRun:
                 li, pi = divmod(ridx, self.npeer)
                 assert self.seg is not None
                 path = nic_path(self.peer.segment, self.seg.devices[pi].name)
-                via = f"{t.nics[li].name} -> {path}"
+                via = f"{rails.nics[li].name} -> {path}"
                 what = (
                     f"{op} of [{self.requests[req].remote_addr + off:#x}, +{n}) via {via}: {name}"
                 )
@@ -313,8 +315,8 @@ class BatchRun:
                             i, RemoteAccessError(f"{what}: the peer refused the range or rkey")
                         )
                 else:
-                    if t.rails.record_error((li, path), anyio.current_time()):
-                        t._log_pause(t.nics[li].name, path)
+                    if rails.health.record_error((li, path), anyio.current_time()):
+                        rails.log_pause(rails.nics[li].name, path)
                     self._retry(i, PeerDiedError(what))
             elif sb.cancelled:
                 continue
@@ -322,8 +324,8 @@ class BatchRun:
                 ep = self.eps.get(ridx)
                 via = f"{ep.nic.name} -> {ep.peer_path}" if ep is not None else "?"
                 if ep is not None and not ep.broken:
-                    t._log_refused(ep, code)
-                    t._retire(ep)
+                    rails.log_refused(ep, code)
+                    rails.retire(ep)
                 self._retry(i, TransferError(f"{via}: ibv_post_send refused the WR (errno {code})"))
             elif kind == verbs.ERR_NO_RAIL:
                 self._fail(
@@ -353,10 +355,10 @@ class BatchRun:
 
     def _retry(self, i: int, error: MooncakeError, count: bool = True) -> None:
         req = self.sb.slice_info(i)[0]
-        if self.errors[req] is not None or not self.sb.retry(i, count, self.t.cfg.retry_cnt):
+        if self.errors[req] is not None or not self.sb.retry(i, count, self.rails.cfg.retry_cnt):
             self._fail(i, error)
         else:
-            self.t.stats["retries"] += 1
+            self.rails.stats["retries"] += 1
 
     def _fail(self, i: int, error: MooncakeError) -> None:
         req = self.sb.slice_info(i)[0]
@@ -368,11 +370,11 @@ class BatchRun:
 
     async def _refresh(self) -> None:
         """Re-read the peer's descriptor after a remote access error and re-aim the slices."""
-        sb, t = self.sb, self.t
+        sb, rails = self.sb, self.rails
         held = sb.held()
         try:
-            self.peer = await t.engine.peer(self.peer.segment, refresh=True)
-            seg = t._segment(self.peer)
+            self.peer = await rails.host.peer(self.peer.segment, refresh=True)
+            seg = rails.segment(self.peer)
             if seg is None or len(seg.devices) != self.npeer:
                 raise ProtocolError(f"{self.peer.segment} changed its RDMA devices")
         except MooncakeError as e:
@@ -400,38 +402,38 @@ class BatchRun:
     def _time_out(self) -> None:
         """No completion for ``MC_SLICE_TIMEOUT`` s: fail the requests with WRs in flight and
         flush their QPs (the flushed WRs then finish those requests instead of retrying)."""
-        t = self.t
+        rails = self.rails
         waiting = self.sb.posted_requests()
         for req in waiting:
             if self.errors[req] is None:
                 self.errors[req] = TransferTimeoutError(
-                    f"no completion within MC_SLICE_TIMEOUT={t.cfg.slice_timeout:g} s"
+                    f"no completion within MC_SLICE_TIMEOUT={rails.cfg.slice_timeout:g} s"
                 )
             self.timed_out.add(req)
         for ep in list(self.endpoints):
             if ep.inflight:
-                t._retire(ep)
+                rails.retire(ep)
                 ep.to_error()
-        t.stats["timeouts"] += len(waiting)
+        rails.stats["timeouts"] += len(waiting)
 
     async def _abandon(self) -> None:
         """Cancelled or failed mid-batch: flush what is posted and wait for it, shielded."""
-        sb, t = self.sb, self.t
+        sb, rails = self.sb, self.rails
         with anyio.CancelScope(shield=True):
             sb.cancel()
             for ep in self.endpoints:
                 if ep.inflight:
-                    t._retire(ep)
+                    rails.retire(ep)
                     ep.to_error()  # every WR still queued completes (flushed) right away
             with anyio.move_on_after(CANCEL_GRACE_S):
                 while sb.outstanding:
                     await self._wait()
             if sb.outstanding:
                 # the device never completed them: destroy the QPs, after which no DMA happens
-                t._log_never_completed(sb.outstanding)
+                rails.log_never_completed(sb.outstanding)
                 for ep in self.endpoints:
                     ep.close()  # settles the unreaped WRs of every batch using them (flushed)
-                    t._draining.discard(ep)
+                    rails.draining.discard(ep)
                 if sb.outstanding:  # their QPs were destroyed elsewhere (transport closing)
                     sb.forget_posted()
             self._classify()  # count the flushes
