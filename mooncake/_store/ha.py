@@ -71,6 +71,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
+import msgspec
+import msgspec.structs
 
 from mooncake._core import commands
 from mooncake._core.commands import Command, Durability
@@ -141,6 +143,34 @@ class _Gap(Exception):
 
 class _Deposed(Exception):
     pass
+
+
+def command_size(cmd: Command) -> int:
+    """An upper bound of the bytes ``cmd`` takes in an encoded log entry."""
+    keys = cmd.keys
+    return len(cmd.params) + len(cmd.method) + 64 + (sum(len(k) + 5 for k in keys) if keys else 0)
+
+
+def split_scan(cmd: Command, budget: int = MAX_ENTRY // 2) -> list[Command] | None:
+    """A key-scan command as several scans of at most ``budget`` bytes each (None: not a
+    scan, or one key alone is over the budget)."""
+    if cmd.kind != "scan" or not cmd.keys:
+        return None
+    base = command_size(msgspec.structs.replace(cmd, keys=[]))
+    parts: list[Command] = []
+    chunk: list[str] = []
+    size = base
+    for k in cmd.keys:
+        n = len(k) + 5
+        if base + n > budget:
+            return None
+        if size + n > budget and chunk:
+            parts.append(msgspec.structs.replace(cmd, keys=chunk))
+            chunk, size = [], base
+        chunk.append(k)
+        size += n
+    parts.append(msgspec.structs.replace(cmd, keys=chunk))
+    return parts
 
 
 def _is_mutating(cmd: Command) -> bool:
@@ -234,10 +264,31 @@ class HaNode:
         )
 
     def append(self, command: Command) -> int:
+        """Queue ``command`` (applied next by the caller) for the log; its ticket.
+
+        A command that would not fit one log entry (:data:`MAX_ENTRY`) is refused with
+        :class:`InvalidArgumentError` before anything is applied, except a lease-only key scan
+        (``GetReplicaListByRegex`` over many keys), which is logged as several scans of parts
+        of its keys: applying them one after the other is applying it once."""
         if self.role != "leader":
             raise MooncakeError("append on a master that is not the leader")
+        size = command_size(command)
+        if size > MAX_ENTRY:
+            parts = split_scan(command) if not _is_mutating(command) else None
+            if parts is None:
+                raise InvalidArgumentError(
+                    f"{command.method or command.kind} would log {size} bytes, more than the "
+                    f"{MAX_ENTRY} one replicated log entry holds; split the request "
+                    "(a narrower pattern, fewer keys)"
+                )
+            for part in parts:
+                self._queue(part, command_size(part))
+            return self._ticket
+        return self._queue(command, size)
+
+    def _queue(self, command: Command, size: int) -> int:
         self._pending.append(command)
-        self._pending_bytes += len(command.params) + 64 + 16 * len(command.keys or ())
+        self._pending_bytes += size
         self._ticket += 1
         if _is_mutating(command):
             self._barrier = self._ticket
@@ -567,9 +618,10 @@ class HaNode:
             # take at most MAX_ENTRY bytes of commands (the rest goes in the next entry)
             n, size = 0, 0
             for cmd in self._pending:
-                size += len(cmd.params) + 64 + 16 * len(cmd.keys or ())
-                if n and size > MAX_ENTRY:
+                more = command_size(cmd)
+                if n and size + more > MAX_ENTRY:
                     break
+                size += more
                 n += 1
             batch = self._pending[:n]
             del self._pending[:n]
@@ -589,9 +641,10 @@ class HaNode:
                     except Exception:
                         log.exception("master HA: serializing the state failed")
             if batch:
-                if not await self._append_entry(seq, commands.encode_commands(batch)):
+                refused = await self._append_entry(seq, commands.encode_commands(batch))
+                if refused is not None:
                     self._snap_busy = False
-                    self._step_down("a newer leader holds master_view (log append fenced)")
+                    self._step_down(refused)
                     return
                 self.applied_seq = self.latest_seq = seq
                 self.last_now = max(self.last_now, batch[-1].now)
@@ -614,9 +667,11 @@ class HaNode:
             }
         ]
 
-    async def _append_entry(self, seq: int, data: bytes) -> bool:
-        """Write ``log/<seq>`` fenced by the term; False when fenced (or unsure past the
-        lease: then a successor decides)."""
+    async def _append_entry(self, seq: int, data: bytes) -> str | None:
+        """Write ``log/<seq>`` fenced by the term: None once written, else why not (fenced;
+        unsure past the lease, then a successor decides; or etcd refused it for longer than
+        ``lease_ttl``: a leader that cannot append must not keep its lease and wedge the
+        cluster, so it steps down and a standby, or itself later, takes over)."""
         key = _b64(self.log_prefix + f"{seq:020d}")
         body = {
             "compare": [
@@ -629,26 +684,34 @@ class HaNode:
                 {"request_range": {"key": key}},
             ],
         }
+        fenced = "a newer leader holds master_view (log append fenced)"
+        first_failure: float | None = None
         while True:
-            if anyio.current_time() >= self.lease_deadline:
-                return False
+            now = anyio.current_time()
+            if now >= self.lease_deadline:
+                return "lease not renewed in time (log append unfinished)"
+            if first_failure is not None and now - first_failure > self.config.lease_ttl:
+                return f"log append {seq} failed for over {self.config.lease_ttl} s"
             try:
                 r = await self.etcd.call("/v3/kv/txn", body)
             except MetadataError as e:
                 log.warning("master HA: log append %d: %s; retrying", seq, e)
+                if first_failure is None:
+                    first_failure = now
                 await anyio.sleep(0.1)
                 continue
             if r.get("succeeded"):
-                return True
+                return None
             # an earlier attempt may have committed (its answer was lost)
             resp = r.get("responses") or []
             try:
                 view = resp[0]["response_range"].get("kvs") or []
                 entry = resp[1]["response_range"].get("kvs") or []
             except (IndexError, KeyError, AttributeError):
-                return False
+                return fenced
             mine = bool(view) and int(view[0].get("create_revision", 0)) == self.term
-            return mine and bool(entry) and _unb64(entry[0].get("value", "")) == data
+            written = mine and bool(entry) and _unb64(entry[0].get("value", "")) == data
+            return None if written else fenced
 
     async def _write_snapshot(self, seq: int, child: ForkedSnapshot, last_now: float) -> None:
         try:
