@@ -119,12 +119,22 @@ def _writer(address: str, prefix: str, acked: list[str], stop: threading.Event) 
             acked.append(key)
 
 
+def _wait_in_sync(leader: HaMaster, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while leader.ha()["in_sync"] < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert leader.ha()["in_sync"] == n, leader.ha()
+
+
+@pytest.mark.parametrize("ack", ["etcd", "replica"])
 def test_leader_sigkill_a_standby_leads_with_every_acknowledged_object(
-    etcd1: services.EtcdCluster, tmp_path: Path
+    etcd1: services.EtcdCluster, tmp_path: Path, ack: str
 ) -> None:
-    ms = _masters(etcd1.conn, 3, tmp_path)
+    ms = _masters(etcd1.conn, 3, tmp_path, "--ha-ack-mode", ack, cluster=f"kill-{ack}")
     try:
         leader = wait_leader(ms)
+        if ack == "replica":
+            _wait_in_sync(leader, 2)  # acknowledgements wait for both standbys, not etcd
         mount(leader.address, mib=256)
         acked: list[str] = []
         stop = threading.Event()
@@ -163,12 +173,15 @@ def test_leader_sigkill_a_standby_leads_with_every_acknowledged_object(
         _stop_all(ms)
 
 
+@pytest.mark.parametrize("ack", ["etcd", "replica"])
 def test_stopped_leader_is_fenced_and_steps_down_on_sigcont(
-    etcd1: services.EtcdCluster, tmp_path: Path
+    etcd1: services.EtcdCluster, tmp_path: Path, ack: str
 ) -> None:
-    ms = _masters(etcd1.conn, 2, tmp_path)
+    ms = _masters(etcd1.conn, 2, tmp_path, "--ha-ack-mode", ack, cluster=f"stop-{ack}")
     try:
         old = wait_leader(ms)
+        if ack == "replica":
+            _wait_in_sync(old, 1)
         mount(old.address)
         assert put(old.address, "before")
         host, port = old.address.rsplit(":", 1)
@@ -350,7 +363,11 @@ def _await_role(
 
 
 @pytest.mark.netns
-def test_partitioned_leader_acknowledges_nothing_after_its_lease(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ack", ["etcd", "replica"])
+def test_partitioned_leader_acknowledges_nothing_after_its_lease(tmp_path: Path, ack: str) -> None:
+    """The leader's namespace cut off from etcd, the standby and the clients (its veth
+    dropped): it acknowledges nothing past its lease, the standby (in the in-sync set with
+    ``replica`` acknowledgement) leads with every acknowledged object."""
     from tests.test_metadata_netns import lab
 
     lease = 5
@@ -366,6 +383,8 @@ def test_partitioned_leader_acknowledges_nothing_after_its_lease(tmp_path: Path)
                         addr,
                         "--metrics-host",
                         addr,
+                        "--ha-ack-mode",
+                        ack,
                         cluster="netns",
                         log=tmp_path / f"master{role}.log",
                         prefix=("ip", "netns", "exec", lb.ns[role]),

@@ -79,6 +79,7 @@ from mooncake._core.commands import Command, Durability
 from mooncake._core.leader_probe import PROBE_INTERVAL, DeathDetector, ProbeOutcome
 from mooncake._core.master import MasterState
 from mooncake._engine.metadata.etcd import EtcdKV, _b64, _unb64, prefix_end
+from mooncake._store.ha_stream import ReplicaLeader, follow_stream, read_isr
 from mooncake._store.snapshots import DirSnapshots, EtcdSnapshots, ForkedSnapshot, Snapshot
 from mooncake.errors import InvalidArgumentError, MetadataError, MooncakeError
 
@@ -123,6 +124,12 @@ class HaConfig:
     """Also keep snapshot copies in this local directory."""
     fast_failover: bool = True
     """Standbys revoke a dead leader's lease once its RPC port is refused (module docstring)."""
+    ack_mode: str = "etcd"
+    """``etcd``: a mutation is acknowledged once its log entry is in etcd; ``replica``: once
+    every in-sync standby holds it (:mod:`mooncake._store.ha_stream`), etcd written behind."""
+    sync_timeout: float = 1.0
+    """``replica``: a standby that has not acknowledged an entry this long leaves the in-sync
+    set (acknowledgements wait at most this long for a stopped standby)."""
 
     def validate(self) -> None:
         if not self.endpoints:
@@ -133,6 +140,10 @@ class HaConfig:
             raise InvalidArgumentError(f"HA lease TTL must be >= 2 s, got {self.lease_ttl}")
         if self.snapshot_retention < 1:
             raise InvalidArgumentError("snapshot retention must be >= 1")
+        if self.ack_mode not in ("etcd", "replica"):
+            raise InvalidArgumentError(
+                f"--ha_ack_mode must be etcd or replica, got {self.ack_mode!r}"
+            )
         if self.snapshot_interval <= 0 or self.snapshot_log_entries < 1:
             raise InvalidArgumentError("snapshot interval and log-length trigger must be > 0")
 
@@ -190,6 +201,14 @@ class HaNode:
         pre = f"mooncake-store/{config.cluster_id}/"
         self.view_key = view_key(config.cluster_id)
         self.log_prefix = pre + "log/"
+        self.stream_key = pre + "stream"
+        self.isr_key = pre + "isr"
+        self.replica: ReplicaLeader | None = None
+        self.held: dict[int, bytes] = {}
+        """``replica`` standby: entries streamed by the leader, not yet applied from etcd."""
+        self.held_term = 0
+        self._taken = 0
+        self._seq_ticket: dict[int, int] = {}
         self.snapshots = EtcdSnapshots(self.etcd, pre + "snapshot/", config.snapshot_retention)
         self.local = (
             DirSnapshots(config.snapshot_dir, config.cluster_id, config.snapshot_retention)
@@ -234,6 +253,8 @@ class HaNode:
         self.apply_errors = 0
         self.config_mismatch = False
         self.early_revokes = 0
+        self.adopted = 0
+        """Entries a new leader held from the stream beyond the etcd log and appended."""
 
     # -- what the server asks ------------------------------------------------------------
 
@@ -331,6 +352,8 @@ class HaNode:
                 tg.start_soon(self._watch, self.view_key, False)
                 if self.config.fast_failover:
                     tg.start_soon(self._probe_leader)
+                if self.config.ack_mode == "replica":
+                    tg.start_soon(follow_stream, self)
                 while True:
                     try:
                         await self._load()
@@ -471,6 +494,7 @@ class HaNode:
             self.last_now = max(self.last_now, cmd.now)
         self._last_now_local = anyio.current_time()
         self.applied_seq = seq
+        self.held.pop(seq, None)
         self.entries_applied += 1
 
     async def _follow(self) -> None:
@@ -493,6 +517,13 @@ class HaNode:
             self._wake = anyio.Event()
 
     async def _campaign(self) -> bool:
+        obj = await self.etcd.call("/v3/kv/range", {"key": _b64(self.isr_key)})
+        kvs = obj.get("kvs") or []
+        isr = read_isr(_unb64(kvs[0].get("value", ""))) if kvs else []
+        if isr and self.address not in isr:
+            # the last leader acknowledged entries that only its in-sync standbys hold
+            await anyio.sleep(0.2)
+            return False
         sent = anyio.current_time()  # the lease runs from no earlier than this
         obj = await self.etcd.call("/v3/lease/grant", {"TTL": self.config.lease_ttl})
         if "ID" not in obj:
@@ -525,7 +556,8 @@ class HaNode:
     async def _lead(self) -> None:
         self._deposed = anyio.Event()
         self._pending, self._pending_bytes = [], 0
-        self._ticket = self._durable = self._barrier = 0
+        self._ticket = self._durable = self._barrier = self._taken = 0
+        self._seq_ticket = {}
         self._epoch += 1
         self.role = "leader"
         self.serving = False
@@ -536,6 +568,8 @@ class HaNode:
                 await self._catch_up()  # the old leader is fenced: this is the whole log
             except (_Gap, MetadataError) as e:
                 self._step_down(f"cannot finish the log: {e}")
+            if self.role == "leader" and self.config.ack_mode == "replica":
+                await self._start_replica(tg)
             if self.role == "leader":
                 loop_now = anyio.current_time()
                 target = self.last_now
@@ -563,6 +597,88 @@ class HaNode:
                     )
             await self._deposed.wait()
             tg.cancel_scope.cancel()
+        self.replica = None
+
+    # -- replica acknowledgement (mooncake._store.ha_stream) ----------------------------------
+
+    def stream_term(self) -> int:
+        """The term whose replication stream this standby should hold (0: none)."""
+        if self.role != "standby" or not self.leader_addr or self.config.ack_mode != "replica":
+            return 0
+        return self._view_rev
+
+    async def _start_replica(self, tg: anyio.abc.TaskGroup) -> None:
+        """Append and apply the entries this master holds beyond the etcd log (every entry the
+        last leader acknowledged), then open the stream and name it with an empty in-sync
+        set."""
+        held, self.held = self.held, {}
+        first = seq = self.applied_seq + 1
+        while seq in held:
+            refused = await self.append_entries([(seq, held[seq])])
+            if refused is not None:
+                self._step_down(refused)
+                return
+            self._apply_entry(seq, held[seq])
+            self.latest_seq = seq
+            seq += 1
+        self.adopted += seq - first
+        if seq > first:
+            log.info("master HA: appended %d held entries (%d to %d)", seq - first, first, seq - 1)
+        rep = ReplicaLeader(self)
+        await tg.start(rep.serve, self.server.config.rpc_address)
+        host = self.address.rpartition(":")[0]
+        if not await self.write_replica_keys(frozenset(), f"{host}:{rep.port}"):
+            self._step_down("a newer leader holds master_view (stream key fenced)")
+            return
+        self.replica = rep
+        tg.start_soon(rep.write_etcd)
+        tg.start_soon(rep.keep_isr)
+
+    def replica_progress(self) -> None:
+        """Acknowledge every batch up to the replica's acknowledged seq."""
+        rep = self.replica
+        if rep is None:
+            return
+        ack = rep.ack_seq()
+        t = self._durable
+        pend = self._seq_ticket
+        while pend:
+            first = next(iter(pend))
+            if first > ack:
+                break
+            t = pend.pop(first)
+        if t > self._durable:
+            self._durable = t
+            ev, self._durable_changed = self._durable_changed, anyio.Event()
+            ev.set()
+
+    async def write_replica_keys(self, members: frozenset[str], stream: str | None) -> bool:
+        """Write the in-sync set (and the stream address), fenced by the term."""
+        import json
+
+        ops = [
+            {
+                "request_put": {
+                    "key": _b64(self.isr_key),
+                    "value": _b64(json.dumps({"term": self.term, "members": sorted(members)})),
+                }
+            }
+        ]
+        if stream is not None:
+            spec = json.dumps({"addr": stream, "term": self.term})
+            ops.append({"request_put": {"key": _b64(self.stream_key), "value": _b64(spec)}})
+        while self.role == "leader" and anyio.current_time() < self.lease_deadline:
+            try:
+                r = await self.etcd.call("/v3/kv/txn", {"compare": self._fence(), "success": ops})
+            except MetadataError as e:
+                log.warning("master HA: writing the in-sync set: %s; retrying", e)
+                await anyio.sleep(0.1)
+                continue
+            return bool(r.get("succeeded"))
+        return False
+
+    def step_down(self, why: str) -> None:
+        self._step_down(why)
 
     def _step_down(self, why: str) -> None:
         if self.role != "leader":
@@ -641,17 +757,24 @@ class HaNode:
                     except Exception:
                         log.exception("master HA: serializing the state failed")
             if batch:
-                refused = await self._append_entry(seq, commands.encode_commands(batch))
-                if refused is not None:
-                    self._snap_busy = False
-                    self._step_down(refused)
-                    return
+                data = commands.encode_commands(batch)
+                rep = self.replica
+                if rep is not None:  # acknowledged by the standbys or etcd (ha_stream)
+                    self._taken += len(batch)
+                    self._seq_ticket[seq] = self._taken
+                    rep.publish(seq, data)
+                else:
+                    refused = await self._append_entry(seq, data)
+                    if refused is not None:
+                        self._snap_busy = False
+                        self._step_down(refused)
+                        return
+                    self._durable += len(batch)
+                    ev, self._durable_changed = self._durable_changed, anyio.Event()
+                    ev.set()
                 self.applied_seq = self.latest_seq = seq
                 self.last_now = max(self.last_now, batch[-1].now)
                 self.batches += 1
-                self._durable += len(batch)
-                ev, self._durable_changed = self._durable_changed, anyio.Event()
-                ev.set()
             if self._pending:
                 self._flush_now.set()
             if snap is not None:
@@ -668,17 +791,28 @@ class HaNode:
         ]
 
     async def _append_entry(self, seq: int, data: bytes) -> str | None:
+        return await self.append_entries([(seq, data)])
+
+    async def append_entries(self, entries: list[tuple[int, bytes]]) -> str | None:
         """Write ``log/<seq>`` fenced by the term: None once written, else why not (fenced;
         unsure past the lease, then a successor decides; or etcd refused it for longer than
         ``lease_ttl``: a leader that cannot append must not keep its lease and wedge the
         cluster, so it steps down and a standby, or itself later, takes over)."""
-        key = _b64(self.log_prefix + f"{seq:020d}")
+        keys = [_b64(self.log_prefix + f"{s:020d}") for s, _ in entries]
+        seq, data = entries[0]
+        key = keys[0]
         body = {
             "compare": [
                 *self._fence(),
-                {"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"},
+                *(
+                    {"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+                    for k in keys
+                ),
             ],
-            "success": [{"request_put": {"key": key, "value": _b64(data)}}],
+            "success": [
+                {"request_put": {"key": k, "value": _b64(d)}}
+                for k, (_, d) in zip(keys, entries, strict=True)
+            ],
             "failure": [
                 {"request_range": {"key": _b64(self.view_key)}},
                 {"request_range": {"key": key}},
@@ -716,6 +850,10 @@ class HaNode:
     async def _write_snapshot(self, seq: int, child: ForkedSnapshot, last_now: float) -> None:
         try:
             snap = Snapshot(seq, await child.result(), last_now)
+            while self.replica is not None and self.replica.etcd_seq < seq:  # noqa: ASYNC110 (etcd progress: no event to wait on)
+                await anyio.sleep(0.01)
+            if self.role != "leader":
+                return
             if self.local is not None:
                 await self.local.write(snap)
             if not await self.snapshots.write(snap, self._fence()):
@@ -820,6 +958,10 @@ class HaNode:
             "config_mismatch": self.config_mismatch,
             "fast_failover": self.config.fast_failover,
             "early_revokes": self.early_revokes,
+            "ack_mode": self.config.ack_mode,
+            "in_sync": len(self.replica.isr) if self.replica is not None else 0,
+            "held": len(self.held),
+            "adopted": self.adopted,
         }
 
 
