@@ -37,6 +37,9 @@ def test_gflags_spellings_fill_the_ha_config() -> None:
     p = parse_gflags(["--enable_ha", "--ha_backend_connstring=etcd://h:1", "--etcd_endpoints=x:2"])
     assert p.server.ha is not None and p.server.ha.endpoints == ["http://h:1"]
     assert parse_gflags(["--cluster_id=x"]).server.ha is None  # HA off by default
+    assert ha.ack_mode == "etcd"  # acknowledged once in etcd unless asked otherwise
+    p = parse_gflags(["--enable_ha", "--etcd_endpoints=h:1", "--ha_ack_mode=replica"])
+    assert p.server.ha is not None and p.server.ha.ack_mode == "replica"
 
 
 @pytest.mark.parametrize(
@@ -49,6 +52,7 @@ def test_gflags_spellings_fill_the_ha_config() -> None:
         (["--enable_ha", "--etcd_endpoints=h:1", "--cluster_id=a/b"], "cluster id"),
         (["--enable_snapshot"], "--snapshot_backup_dir"),
         (["--snapshot_retention_count=0"], "retention"),
+        (["--enable_ha", "--etcd_endpoints=h:1", "--ha_ack_mode=quorum"], "ha_ack_mode"),
     ],
 )
 def test_bad_ha_flags_are_named(argv: list[str], needle: str) -> None:
@@ -261,3 +265,23 @@ def test_standby_flags_a_leader_with_other_settings(etcd_endpoint: str) -> None:
                 await n.etcd.aclose()
 
     trio.run(main)
+
+
+def test_command_sizes_and_split_scans() -> None:
+    """A scan over more key bytes than one entry holds splits into parts under the budget that
+    keep every key once and in order; a lone key over the budget cannot be split."""
+    from mooncake._core import commands
+    from mooncake._store.ha import MAX_ENTRY, command_size, split_scan
+
+    keys = [f"{i:06d}".ljust(300, "x") for i in range(6000)]
+    cmd = commands.ScanApply("GetReplicaListByRegex", b"p" * 20, keys, 1.5)
+    assert command_size(cmd) >= len(commands.encode_commands([cmd])) > MAX_ENTRY
+    parts = split_scan(cmd)
+    assert parts is not None and len(parts) > 1
+    assert [k for p in parts for k in p.keys or []] == keys
+    for p in parts:
+        assert (p.kind, p.method, p.params, p.now) == (cmd.kind, cmd.method, cmd.params, cmd.now)
+        assert len(commands.encode_commands([p])) <= command_size(p) <= MAX_ENTRY // 2
+    assert split_scan(commands.rpc_command("PutStart", b"x", 1.0)) is None
+    huge = commands.ScanApply("GetReplicaListByRegex", b"", ["k" * MAX_ENTRY], 1.0)
+    assert split_scan(huge) is None
