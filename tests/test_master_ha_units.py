@@ -285,3 +285,74 @@ def test_command_sizes_and_split_scans() -> None:
     assert split_scan(commands.rpc_command("PutStart", b"x", 1.0)) is None
     huge = commands.ScanApply("GetReplicaListByRegex", b"", ["k" * MAX_ENTRY], 1.0)
     assert split_scan(huge) is None
+
+
+@pytest.mark.etcd
+def test_a_lost_answer_to_the_election_txn_releases_the_lease(etcd_endpoint: str) -> None:
+    """The election txn commits but its answer is lost: the HA loop's release revokes the
+    lease, so the key naming this master goes at once (it would follow itself otherwise)."""
+    from mooncake._store.ha import HaConfig, HaNode
+    from mooncake._store.master import MasterServer, MasterServerConfig
+    from mooncake.errors import MetadataError
+
+    n = HaNode(
+        MasterServer(MasterServerConfig(rpc_port=0)),
+        HaConfig(endpoints=parse_endpoints(etcd_endpoint), cluster_id="lost-answer"),
+    )
+    real = n.etcd.call
+
+    async def lossy(path: str, body: dict[str, object]) -> dict[str, object]:
+        out: dict[str, object] = await real(path, body)
+        if path == "/v3/kv/txn":
+            raise MetadataError("etcd: the answer was lost")
+        return out
+
+    async def main() -> None:
+        try:
+            n.etcd.call = lossy  # type: ignore[method-assign]
+            with pytest.raises(MetadataError):
+                await n._campaign()
+            n.etcd.call = real  # type: ignore[method-assign]
+            assert await n.etcd.get(n.view_key) is not None  # it did win
+            await n._release_lease()  # what the HA loop does after the error
+            assert await n.etcd.get(n.view_key) is None
+        finally:
+            await n.etcd.aclose()
+
+    trio.run(main)
+
+
+@pytest.mark.etcd
+def test_an_undecodable_entry_makes_a_standby_reload_and_a_snapshot_past_it_heals(
+    etcd_endpoint: str,
+) -> None:
+    from mooncake._core import commands
+    from mooncake._store.ha import HaConfig, HaNode, _Gap
+    from mooncake._store.master import MasterServer, MasterServerConfig
+
+    def node() -> HaNode:
+        return HaNode(
+            MasterServer(MasterServerConfig(rpc_port=0)),
+            HaConfig(endpoints=parse_endpoints(etcd_endpoint), cluster_id="baddata"),
+        )
+
+    async def main() -> None:
+        a = node()
+        try:
+            good = commands.encode_commands([commands.Promote(1.0, 5, genesis=True)])
+            await a.etcd.put(f"{a.log_prefix}{1:020d}", good)
+            await a.etcd.put(f"{a.log_prefix}{2:020d}", b"\xc1 not msgpack")
+            with pytest.raises(_Gap, match="entry 2 does not decode"):
+                await a._load()
+            assert a.applied_seq == 1 and a.apply_errors > 0
+            # the leader's next snapshot past it; the log below compacted
+            snap = Snapshot(2, a.server.state.snapshot(), 1.0)
+            assert await a.snapshots.write(snap, fence=[])
+            for i in (1, 2):
+                await a.etcd.delete(f"{a.log_prefix}{i:020d}")
+            await a._load()
+            assert (a.snapshot_seq, a.applied_seq) == (2, 2)
+        finally:
+            await a.etcd.aclose()
+
+    trio.run(main)

@@ -391,7 +391,10 @@ class HaNode:
                     return
                 self.latest_seq = max(self.latest_seq, seq)
                 if seq == self.applied_seq + 1:
-                    self._apply_entry(seq, value)
+                    try:
+                        self._apply_entry(seq, value)
+                    except _Gap:
+                        pass  # the poll meets it too, and reloads
             if not is_log and value is None and self.role == "leader":
                 self._lease_check.set()  # our key gone? the keep-alive asks etcd now
             self._wake.set()
@@ -410,6 +413,7 @@ class HaNode:
     async def _load(self) -> None:
         """A fresh state: the newest snapshot (etcd, else the local copy) + the log after it."""
         cfg = self.server.config.state
+        last: _Gap | None = None
         for _ in range(5):
             snap: Snapshot | None = await self.snapshots.newest()
             if snap is None and self.local is not None:
@@ -434,9 +438,9 @@ class HaNode:
                     self.applied_seq,
                 )
                 return
-            except _Gap:
-                continue  # compacted meanwhile: a newer snapshot exists
-        raise _Gap("the log keeps being compacted past every snapshot read")
+            except _Gap as e:
+                last = e  # compacted meanwhile (a newer snapshot exists), or a bad entry
+        raise _Gap(f"no snapshot plus log could be loaded (last: {last})")
 
     async def _catch_up(self) -> None:
         end = prefix_end(self.log_prefix.encode())
@@ -466,10 +470,11 @@ class HaNode:
         try:
             batch = commands.decode_commands(data)
         except InvalidArgumentError as e:
-            # nothing after it can be applied safely; stay at this seq, loudly
+            # nothing after it can be applied safely: this master reloads (the newest snapshot,
+            # once the leader took one past the entry, skips it) and may not lead meanwhile
             self.apply_errors += 1
-            log.error("master HA: log entry %d does not decode: %s", seq, e)
-            return
+            log.error("master HA: log entry %d does not decode: %s; reloading", seq, e)
+            raise _Gap(f"log entry {seq} does not decode") from None
         state = self.server.state
         for cmd in batch:
             if cmd.kind == "promote" and cmd.config:
@@ -529,6 +534,9 @@ class HaNode:
         if "ID" not in obj:
             raise MetadataError(f"etcd lease grant refused: {obj}")
         lid = str(obj["ID"])
+        # held from here: if the txn's answer is lost (it may have won), the HA loop revokes
+        # the lease, so this master does not follow itself until the lease ends
+        self.lease_id = lid
         vk = _b64(self.view_key)
         r = await self.etcd.call(
             "/v3/kv/txn",
@@ -542,9 +550,9 @@ class HaNode:
             },
         )
         if not r.get("succeeded"):
+            self.lease_id = None
             await self._revoke(lid)
             return False
-        self.lease_id = lid
         self.term = int(r["header"]["revision"])
         self.lease_deadline = sent + self.config.lease_ttl - LEASE_MARGIN
         self.elections_won += 1
