@@ -33,14 +33,27 @@ def etcd1() -> Iterator[services.EtcdCluster]:
         yield cluster
 
 
+def _in_sync(leader: HaMaster, n: int) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    while leader.ha().get("in_sync", 0) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert leader.ha()["in_sync"] == n
+
+
+@pytest.mark.parametrize("ack", ["etcd", "replica"])
 @pytest.mark.parametrize("writers", [4])
 def test_leader_sigkill_under_load_loses_no_acknowledged_put(
-    etcd1: services.EtcdCluster, monkeypatch: pytest.MonkeyPatch, writers: int
+    etcd1: services.EtcdCluster, monkeypatch: pytest.MonkeyPatch, writers: int, ack: str
 ) -> None:
     monkeypatch.setenv("MC_STORE_CLUSTER_ID", CLUSTER)
-    masters = [HaMaster(etcd1.conn, "--ha-lease-ttl", "2", cluster=CLUSTER) for _ in range(2)]
+    flags = ("--ha-lease-ttl", "2", "--ha-ack-mode", ack)
+    masters = [HaMaster(etcd1.conn, *flags, cluster=CLUSTER) for _ in range(2)]
     try:
         leader = wait_leader(masters)
+        if ack == "replica":
+            _in_sync(leader, 1)
 
         async def main() -> None:
             async with mooncake.open_store(etcd1.conn, segment_size=32 << 20) as store:
@@ -123,8 +136,9 @@ def test_a_retry_at_the_new_leader_is_answered_from_the_replicated_ledger(
             m.stop()
 
 
+@pytest.mark.parametrize("ack", ["etcd", "replica"])
 def test_stopped_leader_does_not_hold_caller_thread_puts(
-    etcd1: services.EtcdCluster, monkeypatch: pytest.MonkeyPatch
+    etcd1: services.EtcdCluster, monkeypatch: pytest.MonkeyPatch, ack: str
 ) -> None:
     """The sync facade's caller-thread path (a blocking socket per thread) blocked in a call to
     a leader that is then SIGSTOPped: the leader change shuts that socket, the call resumes at
@@ -137,10 +151,13 @@ def test_stopped_leader_does_not_hold_caller_thread_puts(
 
     monkeypatch.setenv("MC_STORE_CLUSTER_ID", CLUSTER)
     monkeypatch.setattr(fastpath, "RPC_TIMEOUT_S", 3600.0)
-    masters = [HaMaster(etcd1.conn, "--ha-lease-ttl", "2", cluster=CLUSTER) for _ in range(2)]
+    flags = ("--ha-lease-ttl", "2", "--ha-ack-mode", ack)
+    masters = [HaMaster(etcd1.conn, *flags, cluster=CLUSTER) for _ in range(2)]
     store = MooncakeDistributedStore()
     try:
         leader = wait_leader(masters)
+        if ack == "replica":
+            _in_sync(leader, 1)
         assert (
             store.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", etcd1.conn) == 0
         )

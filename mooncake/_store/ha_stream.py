@@ -124,6 +124,8 @@ class ReplicaLeader:
         self.last_seq = node.applied_seq
         self.etcd_seq = node.applied_seq
         self.isr: frozenset[str] = frozenset()
+        self.joining: frozenset[str] = frozenset()
+        """Standbys being added to the set: acknowledgements wait for them already."""
         self.changed = anyio.Event()
         self.flush = anyio.Event()
 
@@ -140,9 +142,10 @@ class ReplicaLeader:
 
     def isr_seq(self) -> int:
         """Every entry up to this seq is held by every in-sync standby (0: the set is empty)."""
+        members = self.isr | self.joining
         if not self.isr:
             return 0
-        return min(self.acked.get(a, 0) for a in self.isr)
+        return min(self.acked.get(a, 0) for a in members)
 
     def ack_seq(self) -> int:
         return max(self.etcd_seq, self.isr_seq())
@@ -260,7 +263,9 @@ class ReplicaLeader:
             now = anyio.current_time()
             want = set(self.isr)
             for addr in self.peers:
-                if addr not in want and self.acked.get(addr, 0) >= self.last_seq:
+                # it holds every entry acknowledged so far (and from now on, acknowledgements
+                # wait for it too: ``joining``), so it may lead after the write
+                if addr not in want and self.acked.get(addr, 0) >= self.ack_seq():
                     want.add(addr)
             drop = set()
             for addr in self.isr:
@@ -277,8 +282,12 @@ class ReplicaLeader:
                 want -= drop
             if want != set(self.isr):
                 members = frozenset(want)
-                if not await self.node.write_replica_keys(members, None):
-                    return
+                self.joining = members - self.isr
+                try:
+                    if not await self.node.write_replica_keys(members, None):
+                        return
+                finally:
+                    self.joining = frozenset()
                 if drop:
                     log.warning("master HA: standbys %s left the in-sync set", sorted(drop))
                 self.isr = members
