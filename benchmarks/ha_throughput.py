@@ -72,7 +72,16 @@ def run_writers(address: str, op: str, n: int, seconds: float, segment_mib: int)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "--writer", address, op, str(seconds), str(w), str(segment_mib)],
+            [
+                sys.executable,
+                __file__,
+                "--writer",
+                address,
+                op,
+                str(seconds),
+                str(w),
+                str(segment_mib),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -166,8 +175,8 @@ def one_case(kind: str, conn: str, args: argparse.Namespace, op: str, tag: str) 
             print(f"  (leader: in_sync {ha.get('in_sync')}, batches {ha.get('batches')})")
         return rate
     finally:
-        for m in ms:
-            m.stop()
+        for hm in ms:
+            hm.stop()
 
 
 def main() -> int:
@@ -202,7 +211,10 @@ def main() -> int:
                     for kind in ("plain", "ha"):
                         tag = f"{members}-{op}-{r}"
                         rows[kind].append(one_case(kind, cluster.conn, args, op, tag))
-                        print(f"  {op:15s} {kind:5s} run {r}: {rows[kind][-1]:10.0f} keys/s", flush=True)
+                        print(
+                            f"  {op:15s} {kind:5s} run {r}: {rows[kind][-1]:10.0f} keys/s",
+                            flush=True,
+                        )
                 plain, ha = statistics.median(rows["plain"]), statistics.median(rows["ha"])
                 print(
                     f"etcd x{members} {op:15s} plain {plain:10.0f}  ha {ha:10.0f} keys/s"

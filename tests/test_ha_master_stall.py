@@ -92,9 +92,10 @@ def test_a_master_stopped_for_three_client_ttls_erases_nothing(
                 key = f"k{i}"
                 r = client.cmd("put", key=key, seed=i, size=4096)
                 with done:
-                    (acked if r.get("rc") == 0 else failed).append(
-                        key if r.get("rc") == 0 else (key, r)
-                    )
+                    if r.get("rc") == 0:
+                        acked.append(key)
+                    else:
+                        failed.append((key, r))
                     done.notify_all()
                 i += 1
 

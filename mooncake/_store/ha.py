@@ -26,6 +26,13 @@ lost or not renewed within ``lease_ttl - LEASE_MARGIN`` of the last keep-alive s
 leader **steps down** at once: it stops answering, closes every client connection (unanswered
 calls get no reply at all), revokes its lease, and rebuilds its state from etcd as a standby.
 
+With ``ack_mode="replica"`` (``--ha_ack_mode=replica``) the flusher sends each entry to the
+standbys' memory at once and appends to etcd behind; a mutation is answered once the in-sync
+standbys hold its entry (or it is in etcd): :mod:`mooncake._store.ha_stream`, which also says
+who may campaign then and what a winner appends first. A command larger than one entry is
+refused before it is applied (a lease-only key scan is logged in parts instead), and a leader
+whose append fails for longer than its lease steps down.
+
 Standby: loads the newest snapshot and the log after it, tails the log (a watch wakes it, a
 range read fetches; a poll every second covers a silent watch) and applies every entry through
 :func:`commands.apply`, so its state equals the leader's (allocators included). It answers
