@@ -397,9 +397,12 @@ class HaNode:
                 except ValueError:
                     return
                 self.latest_seq = max(self.latest_seq, seq)
+                if seq <= self.applied_seq:
+                    return
                 if seq == self.applied_seq + 1:
                     try:
                         self._apply_entry(seq, value)
+                        return  # in order: nothing for the follow loop to read again
                     except _Gap:
                         pass  # the poll meets it too, and reloads
             if not is_log and value is None and self.role == "leader":
