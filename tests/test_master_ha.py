@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,6 +107,13 @@ def test_standby_refuses_clients_naming_the_leader(
         assert "master_ha_is_leader 1.0" in text and "master_ha_applied_seq" in text
         with urllib.request.urlopen(f"http://{standby.metrics}/role", timeout=5) as resp:
             assert resp.read() == b"standby\n"
+        # the admin data pages show only a serving leader's state
+        for page in ("get_all_keys", "get_all_segments", "query_key?key=k"):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(f"http://{standby.metrics}/{page}", timeout=5)
+            assert err.value.code == 503 and b"not the leader" in err.value.read()
+            with urllib.request.urlopen(f"http://{leader.metrics}/get_all_keys", timeout=5) as r:
+                assert r.status == 200
     finally:
         _stop_all(ms)
 
