@@ -241,6 +241,8 @@ class Run:
         self.log_dir = Path(args.log_dir or f"/tmp/ha-failover-{os.getpid()}")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         extra = ["--ha-lease-ttl", str(args.ha_lease_ttl)] if args.ha_lease_ttl else []
+        if args.ha_ack_mode:
+            extra += ["--ha-ack-mode", args.ha_ack_mode]
         self.masters = [
             HaMasterProc(f"m{i}", self.etcd_hosts, self.cluster_id, self.log_dir, extra)
             for i in range(args.masters)
@@ -450,6 +452,7 @@ def main() -> int:
         default=0,
         help="the masters' leader lease in seconds (0: their default, the published 5 s)",
     )
+    p.add_argument("--ha-ack-mode", default="", help="the masters' --ha-ack-mode (etcd, replica)")
     p.add_argument("--log-dir", default="")
     p.add_argument("--json", default="")
     args = p.parse_args()

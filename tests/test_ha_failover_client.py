@@ -33,14 +33,27 @@ def etcd1() -> Iterator[services.EtcdCluster]:
         yield cluster
 
 
+def _in_sync(leader: HaMaster, n: int) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    while leader.ha().get("in_sync", 0) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert leader.ha()["in_sync"] == n
+
+
+@pytest.mark.parametrize("ack", ["etcd", "replica"])
 @pytest.mark.parametrize("writers", [4])
 def test_leader_sigkill_under_load_loses_no_acknowledged_put(
-    etcd1: services.EtcdCluster, monkeypatch: pytest.MonkeyPatch, writers: int
+    etcd1: services.EtcdCluster, monkeypatch: pytest.MonkeyPatch, writers: int, ack: str
 ) -> None:
     monkeypatch.setenv("MC_STORE_CLUSTER_ID", CLUSTER)
-    masters = [HaMaster(etcd1.conn, "--ha-lease-ttl", "2", cluster=CLUSTER) for _ in range(2)]
+    flags = ("--ha-lease-ttl", "2", "--ha-ack-mode", ack)
+    masters = [HaMaster(etcd1.conn, *flags, cluster=CLUSTER) for _ in range(2)]
     try:
         leader = wait_leader(masters)
+        if ack == "replica":
+            _in_sync(leader, 1)
 
         async def main() -> None:
             async with mooncake.open_store(etcd1.conn, segment_size=32 << 20) as store:
@@ -119,5 +132,76 @@ def test_a_retry_at_the_new_leader_is_answered_from_the_replicated_ledger(
 
         trio.run(main)
     finally:
+        for m in masters:
+            m.stop()
+
+
+@pytest.mark.parametrize("ack", ["etcd", "replica"])
+def test_stopped_leader_does_not_hold_caller_thread_puts(
+    etcd1: services.EtcdCluster, monkeypatch: pytest.MonkeyPatch, ack: str
+) -> None:
+    """The sync facade's caller-thread path (a blocking socket per thread) blocked in a call to
+    a leader that is then SIGSTOPped: the leader change shuts that socket, the call resumes at
+    the new leader, and every acknowledged put is readable there. The blocking socket's own
+    timeout is raised to an hour, so only the leader change can free the thread."""
+    import threading
+
+    from mooncake._store import fastpath
+    from mooncake.store import MooncakeDistributedStore
+
+    monkeypatch.setenv("MC_STORE_CLUSTER_ID", CLUSTER)
+    monkeypatch.setattr(fastpath, "RPC_TIMEOUT_S", 3600.0)
+    flags = ("--ha-lease-ttl", "2", "--ha-ack-mode", ack)
+    masters = [HaMaster(etcd1.conn, *flags, cluster=CLUSTER) for _ in range(2)]
+    store = MooncakeDistributedStore()
+    try:
+        leader = wait_leader(masters)
+        if ack == "replica":
+            _in_sync(leader, 1)
+        assert (
+            store.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", etcd1.conn) == 0
+        )
+        assert store._fast is not None
+        acked: list[str] = []
+        failed: list[int] = []
+        stop = threading.Event()
+        more = threading.Condition()
+
+        def writer() -> None:
+            i = 0
+            while not stop.is_set():
+                key = f"sync-{i}"
+                i += 1
+                rc = store.put(key, value(key))
+                with more:
+                    (acked.append(key) if rc == 0 else failed.append(rc))
+                    more.notify_all()
+
+        def wait_for(n: int) -> None:
+            with more:
+                assert more.wait_for(lambda: len(acked) >= n or failed, timeout=120), acked[-1:]
+            assert not failed
+
+        t = threading.Thread(target=writer, daemon=True)
+        t.start()
+        try:
+            wait_for(20)
+            hits = store._fast.hits
+            assert hits > 0  # the puts take the caller-thread path
+            leader.signal(signal.SIGSTOP)
+            at_stop = len(acked)
+            wait_for(at_stop + 20)  # resumed at the new leader (old code: held an hour)
+        finally:
+            stop.set()
+            t.join(120)
+        assert not t.is_alive()
+        live = [m for m in masters if m is not leader]
+        new = wait_leader(live)
+        assert store.get_hostname()
+        for key in acked:
+            assert store.get(key) == value(key), key
+        assert new.address != leader.address
+    finally:
+        store.close()
         for m in masters:
             m.stop()

@@ -37,6 +37,9 @@ def test_gflags_spellings_fill_the_ha_config() -> None:
     p = parse_gflags(["--enable_ha", "--ha_backend_connstring=etcd://h:1", "--etcd_endpoints=x:2"])
     assert p.server.ha is not None and p.server.ha.endpoints == ["http://h:1"]
     assert parse_gflags(["--cluster_id=x"]).server.ha is None  # HA off by default
+    assert ha.ack_mode == "etcd"  # acknowledged once in etcd unless asked otherwise
+    p = parse_gflags(["--enable_ha", "--etcd_endpoints=h:1", "--ha_ack_mode=replica"])
+    assert p.server.ha is not None and p.server.ha.ack_mode == "replica"
 
 
 @pytest.mark.parametrize(
@@ -49,6 +52,7 @@ def test_gflags_spellings_fill_the_ha_config() -> None:
         (["--enable_ha", "--etcd_endpoints=h:1", "--cluster_id=a/b"], "cluster id"),
         (["--enable_snapshot"], "--snapshot_backup_dir"),
         (["--snapshot_retention_count=0"], "retention"),
+        (["--enable_ha", "--etcd_endpoints=h:1", "--ha_ack_mode=quorum"], "ha_ack_mode"),
     ],
 )
 def test_bad_ha_flags_are_named(argv: list[str], needle: str) -> None:
@@ -259,5 +263,96 @@ def test_standby_flags_a_leader_with_other_settings(etcd_endpoint: str) -> None:
         finally:
             for n in (ok, bad):
                 await n.etcd.aclose()
+
+    trio.run(main)
+
+
+def test_command_sizes_and_split_scans() -> None:
+    """A scan over more key bytes than one entry holds splits into parts under the budget that
+    keep every key once and in order; a lone key over the budget cannot be split."""
+    from mooncake._core import commands
+    from mooncake._store.ha import MAX_ENTRY, command_size, split_scan
+
+    keys = [f"{i:06d}".ljust(300, "x") for i in range(6000)]
+    cmd = commands.ScanApply("GetReplicaListByRegex", b"p" * 20, keys, 1.5)
+    assert command_size(cmd) >= len(commands.encode_commands([cmd])) > MAX_ENTRY
+    parts = split_scan(cmd)
+    assert parts is not None and len(parts) > 1
+    assert [k for p in parts for k in p.keys or []] == keys
+    for p in parts:
+        assert (p.kind, p.method, p.params, p.now) == (cmd.kind, cmd.method, cmd.params, cmd.now)
+        assert len(commands.encode_commands([p])) <= command_size(p) <= MAX_ENTRY // 2
+    assert split_scan(commands.rpc_command("PutStart", b"x", 1.0)) is None
+    huge = commands.ScanApply("GetReplicaListByRegex", b"", ["k" * MAX_ENTRY], 1.0)
+    assert split_scan(huge) is None
+
+
+@pytest.mark.etcd
+def test_a_lost_answer_to_the_election_txn_releases_the_lease(etcd_endpoint: str) -> None:
+    """The election txn commits but its answer is lost: the HA loop's release revokes the
+    lease, so the key naming this master goes at once (it would follow itself otherwise)."""
+    from mooncake._store.ha import HaConfig, HaNode
+    from mooncake._store.master import MasterServer, MasterServerConfig
+    from mooncake.errors import MetadataError
+
+    n = HaNode(
+        MasterServer(MasterServerConfig(rpc_port=0)),
+        HaConfig(endpoints=parse_endpoints(etcd_endpoint), cluster_id="lost-answer"),
+    )
+    real = n.etcd.call
+
+    async def lossy(path: str, body: dict[str, object]) -> dict[str, object]:
+        out: dict[str, object] = await real(path, body)
+        if path == "/v3/kv/txn":
+            raise MetadataError("etcd: the answer was lost")
+        return out
+
+    async def main() -> None:
+        try:
+            n.etcd.call = lossy  # type: ignore[method-assign]
+            with pytest.raises(MetadataError):
+                await n._campaign()
+            n.etcd.call = real  # type: ignore[method-assign]
+            assert await n.etcd.get(n.view_key) is not None  # it did win
+            await n._release_lease()  # what the HA loop does after the error
+            assert await n.etcd.get(n.view_key) is None
+        finally:
+            await n.etcd.aclose()
+
+    trio.run(main)
+
+
+@pytest.mark.etcd
+def test_an_undecodable_entry_makes_a_standby_reload_and_a_snapshot_past_it_heals(
+    etcd_endpoint: str,
+) -> None:
+    from mooncake._core import commands
+    from mooncake._store.ha import HaConfig, HaNode, _Gap
+    from mooncake._store.master import MasterServer, MasterServerConfig
+
+    def node() -> HaNode:
+        return HaNode(
+            MasterServer(MasterServerConfig(rpc_port=0)),
+            HaConfig(endpoints=parse_endpoints(etcd_endpoint), cluster_id="baddata"),
+        )
+
+    async def main() -> None:
+        a = node()
+        try:
+            good = commands.encode_commands([commands.Promote(1.0, 5, genesis=True)])
+            await a.etcd.put(f"{a.log_prefix}{1:020d}", good)
+            await a.etcd.put(f"{a.log_prefix}{2:020d}", b"\xc1 not msgpack")
+            with pytest.raises(_Gap, match="entry 2 does not decode"):
+                await a._load()
+            assert a.applied_seq == 1 and a.apply_errors > 0
+            # the leader's next snapshot past it; the log below compacted
+            snap = Snapshot(2, a.server.state.snapshot(), 1.0)
+            assert await a.snapshots.write(snap, fence=[])
+            for i in (1, 2):
+                await a.etcd.delete(f"{a.log_prefix}{i:020d}")
+            await a._load()
+            assert (a.snapshot_seq, a.applied_seq) == (2, 2)
+        finally:
+            await a.etcd.aclose()
 
     trio.run(main)

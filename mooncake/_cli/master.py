@@ -141,6 +141,7 @@ _GFLAGS: dict[str, _Flag] = {
     "ha_advertise_address": _Flag("ha.ha_advertise_address", str),
     "ha_lease_ttl": _Flag("ha.ha_lease_ttl", int),
     "ha_fast_failover": _Flag("ha.ha_fast_failover", _bool, True),
+    "ha_ack_mode": _Flag("ha.ha_ack_mode", str),
     "enable_snapshot": _Flag("ha.enable_snapshot", _bool, True),
     "enable_snapshot_restore": _Flag("ha.enable_snapshot_restore", _bool, True),
     "snapshot_interval_seconds": _Flag(
@@ -173,6 +174,7 @@ class HaFlags:
     ha_advertise_address: str = ""
     ha_lease_ttl: int = 5
     ha_fast_failover: bool = True
+    ha_ack_mode: str = "etcd"
     enable_snapshot: bool = False
     enable_snapshot_restore: bool = False
     snapshot_interval_seconds: float = 600.0
@@ -214,6 +216,7 @@ def ha_settings(flags: HaFlags, server: MasterServerConfig) -> None:
             advertise=flags.ha_advertise_address,
             lease_ttl=flags.ha_lease_ttl,
             fast_failover=flags.ha_fast_failover,
+            ack_mode=flags.ha_ack_mode,
             snapshot_interval=flags.snapshot_interval_seconds,
             snapshot_log_entries=flags.snapshot_log_entries,
             snapshot_child_timeout=flags.snapshot_child_timeout_seconds,
@@ -581,6 +584,14 @@ def register(sub: Any) -> None:
         "leader's RPC port, which accepted before, refuses connections (the process is "
         "gone); timeouts and unreachable hosts still wait for the lease",
     )
+    h.add_argument(
+        "--ha-ack-mode",
+        default="etcd",
+        choices=["etcd", "replica"],
+        help="when a replicated leader acknowledges a mutation: etcd (default) once its log "
+        "entry is in etcd; replica once every in-sync standby holds it in memory (etcd "
+        "written behind; see docs/store.md for what each loses)",
+    )
     h.add_argument("--enable-snapshot", action="store_true", help="take periodic snapshots")
     h.add_argument(
         "--enable-snapshot-restore", action="store_true", help="start from the newest snapshot"
@@ -636,6 +647,7 @@ def _run_args(args: argparse.Namespace) -> int:
             ha_advertise_address=args.ha_advertise_address,
             ha_lease_ttl=args.ha_lease_ttl,
             ha_fast_failover=_bool(args.ha_fast_failover),
+            ha_ack_mode=args.ha_ack_mode,
             enable_snapshot=args.enable_snapshot,
             enable_snapshot_restore=args.enable_snapshot_restore,
             snapshot_interval_seconds=parse_duration(args.snapshot_interval_seconds, "s"),

@@ -86,17 +86,25 @@ class SyncMaster:
         self._dec = rpc.MessageDecoder()
         self._ids = itertools.count(1)
         self._rbuf = memoryview(bytearray(1 << 16))  # recv_into: no allocation per answer
+        self._epoch = 0
 
     def _connect(self) -> socket.socket:
         """A new connection to the master the async connection resolved, authenticated with
         the cluster secret when the store has one (as :meth:`MasterConnection.connect`)."""
         m = self._master
+        epoch = m.leader_epoch
         if not m.port:  # an HA address not resolved yet: let the loop do it
             raise OSError("the leader is not resolved yet")
         sock = socket.create_connection((m.host, m.port), timeout=RPC_TIMEOUT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
         self._dec = rpc.MessageDecoder()
+        # a leader change shuts the socket down at once (a stopped or partitioned leader
+        # would otherwise hold this thread for RPC_TIMEOUT_S), authentication included
+        if m.register_sync(sock) != epoch:
+            self.close()
+            raise OSError("the leader changed while connecting")
+        self._epoch = epoch
         if m.secret is not None:
             try:
                 self._authenticate(sock, m.secret)
@@ -144,6 +152,7 @@ class SyncMaster:
 
     def close(self) -> None:
         if self._sock is not None:
+            self._master.unregister_sync(self._sock)
             self._sock.close()
             self._sock = None
 
@@ -152,6 +161,8 @@ class SyncMaster:
         ``stamp`` as :meth:`MasterConnection.call` (``time.monotonic()``, the loop's clock)."""
         rid = self._master.next_rid() if method in rpc.MUTATING else None
         try:
+            if self._sock is not None and self._epoch != self._master.leader_epoch:
+                self.close()  # connected to a leader since replaced
             sock = self._sock or self._connect()
             if stamp is not None:
                 stamp[0] = time.monotonic()

@@ -26,6 +26,13 @@ lost or not renewed within ``lease_ttl - LEASE_MARGIN`` of the last keep-alive s
 leader **steps down** at once: it stops answering, closes every client connection (unanswered
 calls get no reply at all), revokes its lease, and rebuilds its state from etcd as a standby.
 
+With ``ack_mode="replica"`` (``--ha_ack_mode=replica``) the flusher sends each entry to the
+standbys' memory at once and appends to etcd behind; a mutation is answered once the in-sync
+standbys hold its entry (or it is in etcd): :mod:`mooncake._store.ha_stream`, which also says
+who may campaign then and what a winner appends first. A command larger than one entry is
+refused before it is applied (a lease-only key scan is logged in parts instead), and a leader
+whose append fails for longer than its lease steps down.
+
 Standby: loads the newest snapshot and the log after it, tails the log (a watch wakes it, a
 range read fetches; a poll every second covers a silent watch) and applies every entry through
 :func:`commands.apply`, so its state equals the leader's (allocators included). It answers
@@ -71,12 +78,15 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
+import msgspec
+import msgspec.structs
 
 from mooncake._core import commands
 from mooncake._core.commands import Command, Durability
 from mooncake._core.leader_probe import PROBE_INTERVAL, DeathDetector, ProbeOutcome
 from mooncake._core.master import MasterState
 from mooncake._engine.metadata.etcd import EtcdKV, _b64, _unb64, prefix_end
+from mooncake._store.ha_stream import ReplicaLeader, follow_stream, read_isr
 from mooncake._store.snapshots import DirSnapshots, EtcdSnapshots, ForkedSnapshot, Snapshot
 from mooncake.errors import InvalidArgumentError, MetadataError, MooncakeError
 
@@ -121,6 +131,12 @@ class HaConfig:
     """Also keep snapshot copies in this local directory."""
     fast_failover: bool = True
     """Standbys revoke a dead leader's lease once its RPC port is refused (module docstring)."""
+    ack_mode: str = "etcd"
+    """``etcd``: a mutation is acknowledged once its log entry is in etcd; ``replica``: once
+    every in-sync standby holds it (:mod:`mooncake._store.ha_stream`), etcd written behind."""
+    sync_timeout: float = 1.0
+    """``replica``: a standby that has not acknowledged an entry this long leaves the in-sync
+    set (acknowledgements wait at most this long for a stopped standby)."""
 
     def validate(self) -> None:
         if not self.endpoints:
@@ -131,6 +147,10 @@ class HaConfig:
             raise InvalidArgumentError(f"HA lease TTL must be >= 2 s, got {self.lease_ttl}")
         if self.snapshot_retention < 1:
             raise InvalidArgumentError("snapshot retention must be >= 1")
+        if self.ack_mode not in ("etcd", "replica"):
+            raise InvalidArgumentError(
+                f"--ha_ack_mode must be etcd or replica, got {self.ack_mode!r}"
+            )
         if self.snapshot_interval <= 0 or self.snapshot_log_entries < 1:
             raise InvalidArgumentError("snapshot interval and log-length trigger must be > 0")
 
@@ -141,6 +161,34 @@ class _Gap(Exception):
 
 class _Deposed(Exception):
     pass
+
+
+def command_size(cmd: Command) -> int:
+    """An upper bound of the bytes ``cmd`` takes in an encoded log entry."""
+    keys = cmd.keys
+    return len(cmd.params) + len(cmd.method) + 64 + (sum(len(k) + 5 for k in keys) if keys else 0)
+
+
+def split_scan(cmd: Command, budget: int = MAX_ENTRY // 2) -> list[Command] | None:
+    """A key-scan command as several scans of at most ``budget`` bytes each (None: not a
+    scan, or one key alone is over the budget)."""
+    if cmd.kind != "scan" or not cmd.keys:
+        return None
+    base = command_size(msgspec.structs.replace(cmd, keys=[]))
+    parts: list[Command] = []
+    chunk: list[str] = []
+    size = base
+    for k in cmd.keys:
+        n = len(k) + 5
+        if base + n > budget:
+            return None
+        if size + n > budget and chunk:
+            parts.append(msgspec.structs.replace(cmd, keys=chunk))
+            chunk, size = [], base
+        chunk.append(k)
+        size += n
+    parts.append(msgspec.structs.replace(cmd, keys=chunk))
+    return parts
 
 
 def _is_mutating(cmd: Command) -> bool:
@@ -160,6 +208,14 @@ class HaNode:
         pre = f"mooncake-store/{config.cluster_id}/"
         self.view_key = view_key(config.cluster_id)
         self.log_prefix = pre + "log/"
+        self.stream_key = pre + "stream"
+        self.isr_key = pre + "isr"
+        self.replica: ReplicaLeader | None = None
+        self.held: dict[int, bytes] = {}
+        """``replica`` standby: entries streamed by the leader, not yet applied from etcd."""
+        self.held_term = 0
+        self._taken = 0
+        self._seq_ticket: dict[int, int] = {}
         self.snapshots = EtcdSnapshots(self.etcd, pre + "snapshot/", config.snapshot_retention)
         self.local = (
             DirSnapshots(config.snapshot_dir, config.cluster_id, config.snapshot_retention)
@@ -204,6 +260,8 @@ class HaNode:
         self.apply_errors = 0
         self.config_mismatch = False
         self.early_revokes = 0
+        self.adopted = 0
+        """Entries a new leader held from the stream beyond the etcd log and appended."""
 
     # -- what the server asks ------------------------------------------------------------
 
@@ -234,10 +292,31 @@ class HaNode:
         )
 
     def append(self, command: Command) -> int:
+        """Queue ``command`` (applied next by the caller) for the log; its ticket.
+
+        A command that would not fit one log entry (:data:`MAX_ENTRY`) is refused with
+        :class:`InvalidArgumentError` before anything is applied, except a lease-only key scan
+        (``GetReplicaListByRegex`` over many keys), which is logged as several scans of parts
+        of its keys: applying them one after the other is applying it once."""
         if self.role != "leader":
             raise MooncakeError("append on a master that is not the leader")
+        size = command_size(command)
+        if size > MAX_ENTRY:
+            parts = split_scan(command) if not _is_mutating(command) else None
+            if parts is None:
+                raise InvalidArgumentError(
+                    f"{command.method or command.kind} would log {size} bytes, more than the "
+                    f"{MAX_ENTRY} one replicated log entry holds; split the request "
+                    "(a narrower pattern, fewer keys)"
+                )
+            for part in parts:
+                self._queue(part, command_size(part))
+            return self._ticket
+        return self._queue(command, size)
+
+    def _queue(self, command: Command, size: int) -> int:
         self._pending.append(command)
-        self._pending_bytes += len(command.params) + 64 + 16 * len(command.keys or ())
+        self._pending_bytes += size
         self._ticket += 1
         if _is_mutating(command):
             self._barrier = self._ticket
@@ -280,6 +359,8 @@ class HaNode:
                 tg.start_soon(self._watch, self.view_key, False)
                 if self.config.fast_failover:
                     tg.start_soon(self._probe_leader)
+                if self.config.ack_mode == "replica":
+                    tg.start_soon(follow_stream, self)
                 while True:
                     try:
                         await self._load()
@@ -316,8 +397,14 @@ class HaNode:
                 except ValueError:
                     return
                 self.latest_seq = max(self.latest_seq, seq)
+                if seq <= self.applied_seq:
+                    return
                 if seq == self.applied_seq + 1:
-                    self._apply_entry(seq, value)
+                    try:
+                        self._apply_entry(seq, value)
+                        return  # in order: nothing for the follow loop to read again
+                    except _Gap:
+                        pass  # the poll meets it too, and reloads
             if not is_log and value is None and self.role == "leader":
                 self._lease_check.set()  # our key gone? the keep-alive asks etcd now
             self._wake.set()
@@ -336,6 +423,7 @@ class HaNode:
     async def _load(self) -> None:
         """A fresh state: the newest snapshot (etcd, else the local copy) + the log after it."""
         cfg = self.server.config.state
+        last: _Gap | None = None
         for _ in range(5):
             snap: Snapshot | None = await self.snapshots.newest()
             if snap is None and self.local is not None:
@@ -360,9 +448,9 @@ class HaNode:
                     self.applied_seq,
                 )
                 return
-            except _Gap:
-                continue  # compacted meanwhile: a newer snapshot exists
-        raise _Gap("the log keeps being compacted past every snapshot read")
+            except _Gap as e:
+                last = e  # compacted meanwhile (a newer snapshot exists), or a bad entry
+        raise _Gap(f"no snapshot plus log could be loaded (last: {last})")
 
     async def _catch_up(self) -> None:
         end = prefix_end(self.log_prefix.encode())
@@ -392,10 +480,11 @@ class HaNode:
         try:
             batch = commands.decode_commands(data)
         except InvalidArgumentError as e:
-            # nothing after it can be applied safely; stay at this seq, loudly
+            # nothing after it can be applied safely: this master reloads (the newest snapshot,
+            # once the leader took one past the entry, skips it) and may not lead meanwhile
             self.apply_errors += 1
-            log.error("master HA: log entry %d does not decode: %s", seq, e)
-            return
+            log.error("master HA: log entry %d does not decode: %s; reloading", seq, e)
+            raise _Gap(f"log entry {seq} does not decode") from None
         state = self.server.state
         for cmd in batch:
             if cmd.kind == "promote" and cmd.config:
@@ -420,6 +509,7 @@ class HaNode:
             self.last_now = max(self.last_now, cmd.now)
         self._last_now_local = anyio.current_time()
         self.applied_seq = seq
+        self.held.pop(seq, None)
         self.entries_applied += 1
 
     async def _follow(self) -> None:
@@ -442,11 +532,21 @@ class HaNode:
             self._wake = anyio.Event()
 
     async def _campaign(self) -> bool:
+        obj = await self.etcd.call("/v3/kv/range", {"key": _b64(self.isr_key)})
+        kvs = obj.get("kvs") or []
+        isr = read_isr(_unb64(kvs[0].get("value", ""))) if kvs else []
+        if isr and self.address not in isr:
+            # the last leader acknowledged entries that only its in-sync standbys hold
+            await anyio.sleep(0.2)
+            return False
         sent = anyio.current_time()  # the lease runs from no earlier than this
         obj = await self.etcd.call("/v3/lease/grant", {"TTL": self.config.lease_ttl})
         if "ID" not in obj:
             raise MetadataError(f"etcd lease grant refused: {obj}")
         lid = str(obj["ID"])
+        # held from here: if the txn's answer is lost (it may have won), the HA loop revokes
+        # the lease, so this master does not follow itself until the lease ends
+        self.lease_id = lid
         vk = _b64(self.view_key)
         r = await self.etcd.call(
             "/v3/kv/txn",
@@ -460,9 +560,9 @@ class HaNode:
             },
         )
         if not r.get("succeeded"):
+            self.lease_id = None
             await self._revoke(lid)
             return False
-        self.lease_id = lid
         self.term = int(r["header"]["revision"])
         self.lease_deadline = sent + self.config.lease_ttl - LEASE_MARGIN
         self.elections_won += 1
@@ -474,7 +574,8 @@ class HaNode:
     async def _lead(self) -> None:
         self._deposed = anyio.Event()
         self._pending, self._pending_bytes = [], 0
-        self._ticket = self._durable = self._barrier = 0
+        self._ticket = self._durable = self._barrier = self._taken = 0
+        self._seq_ticket = {}
         self._epoch += 1
         self.role = "leader"
         self.serving = False
@@ -485,6 +586,8 @@ class HaNode:
                 await self._catch_up()  # the old leader is fenced: this is the whole log
             except (_Gap, MetadataError) as e:
                 self._step_down(f"cannot finish the log: {e}")
+            if self.role == "leader" and self.config.ack_mode == "replica":
+                await self._start_replica(tg)
             if self.role == "leader":
                 loop_now = anyio.current_time()
                 target = self.last_now
@@ -512,6 +615,88 @@ class HaNode:
                     )
             await self._deposed.wait()
             tg.cancel_scope.cancel()
+        self.replica = None
+
+    # -- replica acknowledgement (mooncake._store.ha_stream) ----------------------------------
+
+    def stream_term(self) -> int:
+        """The term whose replication stream this standby should hold (0: none)."""
+        if self.role != "standby" or not self.leader_addr or self.config.ack_mode != "replica":
+            return 0
+        return self._view_rev
+
+    async def _start_replica(self, tg: anyio.abc.TaskGroup) -> None:
+        """Append and apply the entries this master holds beyond the etcd log (every entry the
+        last leader acknowledged), then open the stream and name it with an empty in-sync
+        set."""
+        held, self.held = self.held, {}
+        first = seq = self.applied_seq + 1
+        while seq in held:
+            refused = await self.append_entries([(seq, held[seq])])
+            if refused is not None:
+                self._step_down(refused)
+                return
+            self._apply_entry(seq, held[seq])
+            self.latest_seq = seq
+            seq += 1
+        self.adopted += seq - first
+        if seq > first:
+            log.info("master HA: appended %d held entries (%d to %d)", seq - first, first, seq - 1)
+        rep = ReplicaLeader(self)
+        await tg.start(rep.serve, self.server.config.rpc_address)
+        host = self.address.rpartition(":")[0]
+        if not await self.write_replica_keys(frozenset(), f"{host}:{rep.port}"):
+            self._step_down("a newer leader holds master_view (stream key fenced)")
+            return
+        self.replica = rep
+        tg.start_soon(rep.write_etcd)
+        tg.start_soon(rep.keep_isr)
+
+    def replica_progress(self) -> None:
+        """Acknowledge every batch up to the replica's acknowledged seq."""
+        rep = self.replica
+        if rep is None:
+            return
+        ack = rep.ack_seq()
+        t = self._durable
+        pend = self._seq_ticket
+        while pend:
+            first = next(iter(pend))
+            if first > ack:
+                break
+            t = pend.pop(first)
+        if t > self._durable:
+            self._durable = t
+            ev, self._durable_changed = self._durable_changed, anyio.Event()
+            ev.set()
+
+    async def write_replica_keys(self, members: frozenset[str], stream: str | None) -> bool:
+        """Write the in-sync set (and the stream address), fenced by the term."""
+        import json
+
+        ops = [
+            {
+                "request_put": {
+                    "key": _b64(self.isr_key),
+                    "value": _b64(json.dumps({"term": self.term, "members": sorted(members)})),
+                }
+            }
+        ]
+        if stream is not None:
+            spec = json.dumps({"addr": stream, "term": self.term})
+            ops.append({"request_put": {"key": _b64(self.stream_key), "value": _b64(spec)}})
+        while self.role == "leader" and anyio.current_time() < self.lease_deadline:
+            try:
+                r = await self.etcd.call("/v3/kv/txn", {"compare": self._fence(), "success": ops})
+            except MetadataError as e:
+                log.warning("master HA: writing the in-sync set: %s; retrying", e)
+                await anyio.sleep(0.1)
+                continue
+            return bool(r.get("succeeded"))
+        return False
+
+    def step_down(self, why: str) -> None:
+        self._step_down(why)
 
     def _step_down(self, why: str) -> None:
         if self.role != "leader":
@@ -567,9 +752,10 @@ class HaNode:
             # take at most MAX_ENTRY bytes of commands (the rest goes in the next entry)
             n, size = 0, 0
             for cmd in self._pending:
-                size += len(cmd.params) + 64 + 16 * len(cmd.keys or ())
-                if n and size > MAX_ENTRY:
+                more = command_size(cmd)
+                if n and size + more > MAX_ENTRY:
                     break
+                size += more
                 n += 1
             batch = self._pending[:n]
             del self._pending[:n]
@@ -589,16 +775,24 @@ class HaNode:
                     except Exception:
                         log.exception("master HA: serializing the state failed")
             if batch:
-                if not await self._append_entry(seq, commands.encode_commands(batch)):
-                    self._snap_busy = False
-                    self._step_down("a newer leader holds master_view (log append fenced)")
-                    return
+                data = commands.encode_commands(batch)
+                rep = self.replica
+                if rep is not None:  # acknowledged by the standbys or etcd (ha_stream)
+                    self._taken += len(batch)
+                    self._seq_ticket[seq] = self._taken
+                    rep.publish(seq, data)
+                else:
+                    refused = await self._append_entry(seq, data)
+                    if refused is not None:
+                        self._snap_busy = False
+                        self._step_down(refused)
+                        return
+                    self._durable += len(batch)
+                    ev, self._durable_changed = self._durable_changed, anyio.Event()
+                    ev.set()
                 self.applied_seq = self.latest_seq = seq
                 self.last_now = max(self.last_now, batch[-1].now)
                 self.batches += 1
-                self._durable += len(batch)
-                ev, self._durable_changed = self._durable_changed, anyio.Event()
-                ev.set()
             if self._pending:
                 self._flush_now.set()
             if snap is not None:
@@ -614,45 +808,70 @@ class HaNode:
             }
         ]
 
-    async def _append_entry(self, seq: int, data: bytes) -> bool:
-        """Write ``log/<seq>`` fenced by the term; False when fenced (or unsure past the
-        lease: then a successor decides)."""
-        key = _b64(self.log_prefix + f"{seq:020d}")
+    async def _append_entry(self, seq: int, data: bytes) -> str | None:
+        return await self.append_entries([(seq, data)])
+
+    async def append_entries(self, entries: list[tuple[int, bytes]]) -> str | None:
+        """Write ``log/<seq>`` fenced by the term: None once written, else why not (fenced;
+        unsure past the lease, then a successor decides; or etcd refused it for longer than
+        ``lease_ttl``: a leader that cannot append must not keep its lease and wedge the
+        cluster, so it steps down and a standby, or itself later, takes over)."""
+        keys = [_b64(self.log_prefix + f"{s:020d}") for s, _ in entries]
+        seq, data = entries[0]
+        key = keys[0]
         body = {
             "compare": [
                 *self._fence(),
-                {"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"},
+                *(
+                    {"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+                    for k in keys
+                ),
             ],
-            "success": [{"request_put": {"key": key, "value": _b64(data)}}],
+            "success": [
+                {"request_put": {"key": k, "value": _b64(d)}}
+                for k, (_, d) in zip(keys, entries, strict=True)
+            ],
             "failure": [
                 {"request_range": {"key": _b64(self.view_key)}},
                 {"request_range": {"key": key}},
             ],
         }
+        fenced = "a newer leader holds master_view (log append fenced)"
+        first_failure: float | None = None
         while True:
-            if anyio.current_time() >= self.lease_deadline:
-                return False
+            now = anyio.current_time()
+            if now >= self.lease_deadline:
+                return "lease not renewed in time (log append unfinished)"
+            if first_failure is not None and now - first_failure > self.config.lease_ttl:
+                return f"log append {seq} failed for over {self.config.lease_ttl} s"
             try:
                 r = await self.etcd.call("/v3/kv/txn", body)
             except MetadataError as e:
                 log.warning("master HA: log append %d: %s; retrying", seq, e)
+                if first_failure is None:
+                    first_failure = now
                 await anyio.sleep(0.1)
                 continue
             if r.get("succeeded"):
-                return True
+                return None
             # an earlier attempt may have committed (its answer was lost)
             resp = r.get("responses") or []
             try:
                 view = resp[0]["response_range"].get("kvs") or []
                 entry = resp[1]["response_range"].get("kvs") or []
             except (IndexError, KeyError, AttributeError):
-                return False
+                return fenced
             mine = bool(view) and int(view[0].get("create_revision", 0)) == self.term
-            return mine and bool(entry) and _unb64(entry[0].get("value", "")) == data
+            written = mine and bool(entry) and _unb64(entry[0].get("value", "")) == data
+            return None if written else fenced
 
     async def _write_snapshot(self, seq: int, child: ForkedSnapshot, last_now: float) -> None:
         try:
             snap = Snapshot(seq, await child.result(), last_now)
+            while self.replica is not None and self.replica.etcd_seq < seq:  # noqa: ASYNC110 (etcd progress: no event to wait on)
+                await anyio.sleep(0.01)
+            if self.role != "leader":
+                return
             if self.local is not None:
                 await self.local.write(snap)
             if not await self.snapshots.write(snap, self._fence()):
@@ -757,6 +976,10 @@ class HaNode:
             "config_mismatch": self.config_mismatch,
             "fast_failover": self.config.fast_failover,
             "early_revokes": self.early_revokes,
+            "ack_mode": self.config.ack_mode,
+            "in_sync": len(self.replica.isr) if self.replica is not None else 0,
+            "held": len(self.held),
+            "adopted": self.adopted,
         }
 
 

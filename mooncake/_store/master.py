@@ -706,6 +706,10 @@ class MasterServer:
             return 200, "text/plain", role.encode() + b"\n"
         if url.path == "/ha_status":
             return 200, "application/json", msgspec.json.encode(self.ha_status())
+        if url.path in ("/query_key", "/get_all_keys", "/get_all_segments") and self.ha:
+            refusal = self.ha.refusal()  # a standby's (or a deposed leader's) state may lag
+            if refusal is not None:
+                return 503, "text/plain", refusal.encode() + b"\n"
         if url.path == "/query_key":
             key = parse_qs(url.query).get("key", [""])[0]
             try:

@@ -28,7 +28,10 @@ fails with :class:`~mooncake.errors.MasterUnreachableError`, and it is retried:
   re-sent there with the same ``rid``. Every call in flight
   during a failover is retried this way, none is dropped; past the timeout it raises
   :class:`~mooncake.errors.MasterUnreachableError` naming the cluster and the last error. A
-  leader change seen by :meth:`follow` closes the connection to the old leader at once.
+  leader change seen by :meth:`follow` (the key deleted, or naming another master) closes the
+  connection to the old leader at once, and shuts every blocking socket registered with
+  :meth:`register_sync` (the caller-thread path, :class:`mooncake._store.fastpath.SyncMaster`),
+  so a call blocked on a stopped or partitioned leader fails at once and is resumed here.
 
 The master's error answers raise the matching :mod:`mooncake.errors` class
 (:func:`~mooncake._core.rpc.decode_result`) and are not retried. A silent master is bounded by TCP
@@ -51,6 +54,7 @@ import itertools
 import logging
 import os
 import socket
+import threading
 from typing import Any
 
 import anyio
@@ -145,6 +149,11 @@ class MasterConnection:
         self._broken: MooncakeError | None = None
         self._scratch = _sockio.Scratch(_RECV)
         self.calls = 0
+        self._sync_socks: set[socket.socket] = set()
+        self._sync_lock = threading.Lock()
+        self.leader_epoch = 0
+        """Bumped on every leader change :meth:`follow` sees (a blocking socket connected
+        before the change must not be used after it)."""
 
     @property
     def connected(self) -> bool:
@@ -245,9 +254,32 @@ class MasterConnection:
             return
         await self.resolver.watch(self._leader_changed)
 
+    def register_sync(self, sock: socket.socket) -> int:
+        """Track a blocking socket to the current leader (any thread): it is shut down at
+        the next leader change. Returns :attr:`leader_epoch` as of registering: if it differs
+        from the epoch read before the socket was connected, the leader changed meanwhile."""
+        with self._sync_lock:
+            self._sync_socks.add(sock)
+            return self.leader_epoch
+
+    def unregister_sync(self, sock: socket.socket) -> None:
+        with self._sync_lock:
+            self._sync_socks.discard(sock)
+
+    def _shut_sync(self) -> None:
+        with self._sync_lock:
+            self.leader_epoch += 1
+            socks = list(self._sync_socks)
+        for sock in socks:  # wakes a thread blocked in recv on it (EOF), which resumes here
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def _leader_changed(self, addr: str | None) -> None:
-        if addr != self.leader and self._sock is not None:
+        if addr != self.leader and (self._sock is not None or self._sync_socks):
             log.warning("master leader changed from %s to %s", self.leader, addr or "(none)")
+            self._shut_sync()
             self.close()
         if addr is not None:
             self.leader_changes += 1
