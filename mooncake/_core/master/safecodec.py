@@ -9,9 +9,9 @@ msgpack (via ``msgspec``) and rebuilds it from a closed list of types only:
 * builtins: ``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``, ``bytearray``, ``list``, ``tuple``,
   ``dict``, ``set``, ``frozenset``, ``OrderedDict``, ``Counter``, ``deque``, ``array.array``,
   ``random.Random`` (through its ``getstate``/``setstate``);
-* classes of ``mooncake._core`` (and the ``_fast`` twins) that do not define ``__del__``: a
-  record is made with ``cls.__new__(cls)`` and its attributes set (no ``__init__``, no
-  ``__setstate__``), an enum by value, a ``msgspec.Struct`` through its own constructor;
+* classes of ``mooncake._core`` (and the ``_fast`` twins, and the leaf ``mooncake._miss``) that
+  do not define ``__del__``: a record is made with ``cls.__new__(cls)`` and its attributes set
+  (no ``__init__``, no ``__setstate__``), an enum by value, a ``msgspec.Struct`` through its own constructor;
 * the ``_fast`` containers (``ObjectTable``, ``IntMap``) as their columns, rebuilt by the
   functions in :data:`_REBUILDERS`, which validate what they get.
 
@@ -35,6 +35,12 @@ import msgspec
 __all__ = ["decode", "decode_tree", "encode", "encode_tree"]
 
 _ALLOWED_PREFIXES = ("mooncake._core.", "mooncake._fast.")
+#: leaf modules outside those packages whose records the state holds (``Miss``, ``MissReason``)
+_ALLOWED_MODULES = frozenset({"mooncake._miss"})
+
+
+def _module_allowed(name: str) -> bool:
+    return name.startswith(_ALLOWED_PREFIXES) or name in _ALLOWED_MODULES
 
 
 def _impls(name: str) -> tuple[type, ...]:
@@ -84,7 +90,7 @@ def _class_name(cls: type) -> str:
 def _allowed(cls: type) -> bool:
     return (
         isinstance(cls, type)
-        and cls.__module__.startswith(_ALLOWED_PREFIXES)
+        and _module_allowed(cls.__module__)
         and "__del__" not in dir(cls)
         and not issubclass(cls, BaseException)
     )
@@ -95,7 +101,7 @@ def _lookup_class(name: Any) -> type:
         raise ValueError(f"bad class name {name!r}")
     mod_name, _, qual = name.partition(":")
     mod = sys.modules.get(mod_name)  # never imports: only what this process already has
-    if mod is None or not mod_name.startswith(_ALLOWED_PREFIXES):
+    if mod is None or not _module_allowed(mod_name):
         raise ValueError(f"class {name!r} is not one a snapshot may hold")
     obj: Any = mod
     for part in qual.split("."):
