@@ -347,10 +347,9 @@ def _load(mutant: Mutant) -> type:
 
 
 def _child(mutant: Mutant) -> tuple[str, str]:
-    from mooncake.testing import policy
-    from mooncake.testing.policy import ORACLES, check_policy
+    from mooncake.testing.policy import ORACLES, _schedule, check_policy
 
-    policy._SHRINK = False  # same verdict, without minimising the counter-example
+    _schedule._SHRINK = False  # same verdict, without minimising the counter-example
 
     try:
         cls = _load(mutant)
