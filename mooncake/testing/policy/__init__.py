@@ -29,9 +29,15 @@ Two searches run, in order:
    a subset of the key pool, a size regime (unit, small, wide, zeros), how often inserts are
    chained to their prefix parent, and how often state is built in bulk (a burst of inserts,
    a whole chain at once); eviction rounds are biased to states with pins and busy keys and
-   ask for boundary byte counts (1, one key's size, every evictable byte, one more). A
-   violation is shrunk (steps removed, arguments simplified, same failure kept) and reported
-   as hypothesis-style ``state.insert(...)`` steps plus a script to paste;
+   ask for boundary byte counts (1, one key's size, every evictable byte, one more). Then
+   ``schedule // 4`` *shape* sequences reach the rarer states shortcuts break in: 10 to 64
+   keys tracked (:data:`WIDE_KEYS`), often all of one size (uniform pages of 2, 4, 16 or 64
+   bytes) or all above 8 bytes; rounds asking for exactly the sizes of the first ``k >= 2``
+   unpinned evictable keys in an LRU, FIFO, LFU or random order, or one byte more or less;
+   and re-evictions (a round, a lease or pin change, the same round at once). Then
+   ``schedule // 6`` sequences that add refused inputs. A violation is shrunk (steps
+   removed, arguments simplified, same failure kept) and reported as hypothesis-style
+   ``state.insert(...)`` steps plus a script to paste;
 2. hypothesis' stateful search (``max_examples`` random sequences of up to
    ``stateful_step_count`` steps; ``derandomize`` and ``settings_`` as in hypothesis), which
    shrinks its own counter-examples.
@@ -47,7 +53,7 @@ from mooncake.testing.policy._check_policy import check_policy
 from mooncake.testing.policy._contract import check_victims
 from mooncake.testing.policy._driver import IntLike, Op
 from mooncake.testing.policy._machine import PolicyMachine
-from mooncake.testing.policy._model import KEYS, ModelEntry, Oracle, PolicyModel
+from mooncake.testing.policy._model import KEYS, WIDE_KEYS, ModelEntry, Oracle, PolicyModel
 from mooncake.testing.policy._oracles import (
     ORACLES,
     fifo_oracle,
@@ -63,6 +69,7 @@ __all__ = [
     "DEFAULT_SCHEDULE",
     "KEYS",
     "ORACLES",
+    "WIDE_KEYS",
     "IntLike",
     "ModelEntry",
     "Op",

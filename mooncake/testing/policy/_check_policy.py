@@ -41,6 +41,10 @@ def check_policy(
         raise RuntimeError("check_policy needs assertions enabled (do not run python -O)")
     if schedule:
         _run_schedule(policy_factory, oracle, schedule, 60)
+        # The rarer shapes: k-object sums, uniform sizes, re-evictions at 10-64 keys.
+        _run_schedule(
+            policy_factory, oracle, max(1, schedule // 4), 32, shapes=True, first_seed=2 * 10**6
+        )
         # Input checks after the contract: a contract bug is reported before a missing
         # size check.
         _run_schedule(

@@ -9,7 +9,7 @@ from typing import Any
 from mooncake._core.policies.base import EvictionPolicy, Pin
 from mooncake.errors import InvalidArgumentError
 from mooncake.testing.policy._contract import check_victims
-from mooncake.testing.policy._model import KEYS, ModelEntry, PolicyModel, _parent_of
+from mooncake.testing.policy._model import WIDE_KEYS, ModelEntry, PolicyModel, _parent_of
 
 Op = tuple[Any, ...]
 """One step of a sequence: ``(rule, *args)``, the rules of :class:`PolicyMachine`."""
@@ -48,6 +48,10 @@ class _Driver:
         self.oracle = oracle
         self.model = PolicyModel(prefix_closed=bool(getattr(policy, "prefix_closed", False)))
         self.model.policy = policy
+        self.last_nbytes = 1
+        """``nbytes`` of the last eviction round (the shape schedule asks it again)."""
+        self.last_victims: list[Hashable] = []
+        """What the last eviction round proposed."""
 
     def apply(self, op: Op) -> None:
         getattr(self, op[0])(*op[1:])
@@ -150,6 +154,7 @@ class _Driver:
         strays = [k for k in asked if k not in model.entries]
         assert not strays, f"can_evict asked about untracked keys {strays!r}"
         check_victims(model, nbytes, victims, self.oracle)
+        self.last_nbytes, self.last_victims = nbytes, list(victims)
         model.log.append(("victims", nbytes, frozenset(model.busy)))
         chosen = victims if evict == "all" else victims[:1] if evict == "first" else []
         for key in chosen:
@@ -161,7 +166,7 @@ class _Driver:
         policy, model = self.policy, self.model
         entries = model.entries
         assert len(policy) == len(entries), f"len(policy) = {len(policy)}, model {len(entries)}"
-        for key in KEYS:
+        for key in WIDE_KEYS:
             assert (key in policy) == (key in entries), f"membership of {key!r} disagrees"
         total = sum(e.size for e in entries.values())
         assert policy.total_bytes == total, f"total_bytes {policy.total_bytes}, model {total}"

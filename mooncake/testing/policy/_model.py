@@ -46,6 +46,12 @@ KEYS: tuple[str, ...] = (
 keys than S3-FIFO's ghost queue keeps); a key's parent is the key without its last segment."""
 
 
+WIDE_KEYS: tuple[str, ...] = KEYS + tuple(
+    f"{root}{tail}" for root in "jklmnopq" for tail in ("", "/a", "/a/a", "/b")
+)
+"""The shape schedule's wider pool: :data:`KEYS` and eight more small trees, 64 keys."""
+
+
 def _parent_of(key: str) -> str | None:
     head, sep, _ = key.rpartition("/")
     return head if sep else None
@@ -86,6 +92,11 @@ class PolicyModel:
     """The policy under test, for oracles that also compare its counters (SIEVE's ``laps``)."""
     refs: dict[str, tuple[Any, int]] = field(default_factory=dict, repr=False, compare=False)
     """Reference models the oracles keep up to date with ``log`` (name -> model, events fed)."""
+    _kids: tuple[int, dict[Key, list[Key]]] = field(
+        default=(-1, {}), init=False, repr=False, compare=False
+    )
+    """Children by parent, valid while ``len(log)`` is the first item (every change of
+    ``entries`` is logged)."""
 
     def tick(self) -> int:
         self.clock += 1
@@ -98,7 +109,14 @@ class PolicyModel:
         """Tracked keys whose parent is ``key`` (empty unless prefix-closed)."""
         if not self.prefix_closed:
             return []
-        return [k for k, e in self.entries.items() if e.parent == key]
+        version, kids = self._kids
+        if version != len(self.log):
+            kids = {}
+            for k, e in self.entries.items():
+                if e.parent is not None:
+                    kids.setdefault(e.parent, []).append(k)
+            self._kids = (len(self.log), kids)
+        return list(kids.get(key, ()))
 
     def descendants(self, key: Key) -> list[Key]:
         out: list[Key] = []

@@ -7,10 +7,19 @@ import random
 
 from mooncake._core.policies.base import Key, Pin
 from mooncake.testing.policy._driver import IntLike, Op
-from mooncake.testing.policy._model import KEYS, PolicyModel, _parent_of
+from mooncake.testing.policy._model import KEYS, WIDE_KEYS, PolicyModel, _parent_of
 
 DEFAULT_SCHEDULE = 300
 """Sequences of the fixed schedule :func:`check_policy` runs before hypothesis' search."""
+
+_NBYTES = -2
+"""An eviction round's ``nbytes`` placeholder: drawn once the steps before it ran."""
+_SAME_NBYTES = -3
+"""Placeholder: the ``nbytes`` of the eviction round just before (a re-eviction)."""
+_VICTIM = "<victim>"
+"""Key placeholder: one of the keys the eviction round just before proposed."""
+_BUSY = "<busy>"
+"""Key placeholder: a tracked key ``can_evict`` refuses now (a lease that can expire)."""
 
 _BAD_SIZES: tuple[object, ...] = (-1, 1.5, True, -64, IntLike(-2), "3")
 _BAD_PINS: tuple[object, ...] = (7, -1, "HARD")
@@ -132,5 +141,97 @@ class _Swarm:
             elif self.weights[self.kinds.index("set_busy")]:
                 out.append(("set_busy", target, True))
         evict = rng.choice(("all", "all", "none", "first"))
-        out.append(("victims", -2, evict))  # nbytes drawn once the steps before it ran
+        out.append(("victims", _NBYTES, evict))
         return out
+
+    def resolve(self, op: Op, model: PolicyModel, last_nbytes: int, last: list[Key]) -> Op:
+        """Fill in ``op``'s placeholders from the state the steps before it left."""
+        if op[0] == "victims" and op[1] == _NBYTES:
+            return ("victims", self._nbytes(model), op[2])
+        return op
+
+
+class _ShapeSwarm(_Swarm):
+    """The shape schedule's generator: the rarer states a policy's shortcuts break in.
+
+    Each sequence tracks 10 to 64 keys of :data:`WIDE_KEYS` from its first step (a bulk
+    insert), often all of one size (uniform KV pages of 2, 4, 16 or 64 bytes) or of sizes
+    above 8 bytes; eviction rounds ask, half the time, for exactly the sizes of the first
+    ``k >= 2`` unpinned evictable keys in an LRU, FIFO, LFU or random order, or one byte more
+    or less; and *re-evictions* ask an eviction round, change a lease or pin (of a proposed
+    victim, or a lease ending) and ask the same round again at once.
+    """
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        n = rng.choice((10, 16, 24, 32, 48, 64))
+        picked = set(rng.sample(range(len(WIDE_KEYS)), n))
+        self.pool = [k for i, k in enumerate(WIDE_KEYS) if i in picked]
+        self.bad_sizes = False
+        weights = {**_WEIGHTS, "recheck": 2.5}
+        for kind in ("access", "remove", "set_pin", "set_busy"):
+            weights[kind] = 0.0 if rng.random() < 0.3 else weights[kind] * rng.uniform(0.3, 2)
+        self.kinds = list(weights)
+        self.weights = list(weights.values())
+        self.sizes = rng.choice(
+            ((2, 2), (4, 4), (16, 16), (64, 64), (2, 2), (16, 16), (9, 64), (0, 64), (1, 1))
+        )
+        self.p_chain = rng.choice((0.0, 0.6, 1.0))
+        self.p_burst = rng.choice((0.3, 0.5))
+        self.p_bias = rng.choice((0.3, 0.6))
+        self.started = False
+
+    def _nbytes(self, model: PolicyModel) -> int:
+        rng = self.rng
+        if rng.random() >= 0.5:
+            return super()._nbytes(model)
+        evictable = model.evictable()
+        entries = model.entries
+        keys = [k for k in entries if k in evictable and not model.soft(k)]
+        order = rng.randrange(4)
+        if order == 0:
+            keys.sort(key=lambda k: entries[k].last_use)
+        elif order == 1:
+            keys.sort(key=lambda k: entries[k].inserted)
+        elif order == 2:
+            keys.sort(key=lambda k: (entries[k].uses, entries[k].last_use))
+        else:
+            rng.shuffle(keys)
+        k = rng.randint(2, min(8, len(keys))) if len(keys) >= 2 else 1
+        exact = sum(entries[key].size for key in keys[:k])
+        return max(1, exact + rng.choice((-1, 0, 0, 1)))
+
+    def steps(self, model: PolicyModel) -> list[Op]:
+        rng = self.rng
+        if not self.started or len(model.entries) < 10:
+            self.started = True
+            keys = rng.sample(self.pool, rng.randint(10, len(self.pool)))
+            return [self._insert(k) for k in keys]
+        kind = rng.choices(self.kinds, self.weights)[0]
+        if kind != "recheck":
+            return super().steps(model)
+        change = rng.randrange(5)
+        if change == 0:
+            step: Op = ("set_busy", _VICTIM, True)  # a lease granted on a proposed victim
+        elif change == 1:
+            step = ("set_busy", _BUSY, False)  # a lease expires
+        elif change == 2:
+            step = ("set_pin", _VICTIM, rng.choice((Pin.SOFT, Pin.HARD)))
+        elif change == 3:
+            pinned = [k for k, e in model.entries.items() if e.pin is not Pin.NONE]
+            step = ("set_pin", rng.choice(pinned) if pinned else _VICTIM, Pin.NONE)
+        else:
+            step = ("set_busy", self._key(model), True)
+        evict = rng.choice(("all", "none", "first"))
+        return [("victims", _NBYTES, "none"), step, ("victims", _SAME_NBYTES, evict)]
+
+    def resolve(self, op: Op, model: PolicyModel, last_nbytes: int, last: list[Key]) -> Op:
+        if op[0] == "victims" and op[1] == _SAME_NBYTES:
+            return ("victims", last_nbytes, op[2])
+        if op[1] == _VICTIM:
+            pool = last or list(model.entries)
+            return (op[0], self.rng.choice(pool), *op[2:])
+        if op[1] == _BUSY:
+            busy = [k for k in model.entries if k in model.busy]
+            return (op[0], self.rng.choice(busy) if busy else self._key(model), *op[2:])
+        return super().resolve(op, model, last_nbytes, last)
