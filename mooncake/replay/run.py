@@ -231,7 +231,7 @@ def replay(
     times faster than interleaving them request by request: one cache's working set stays in
     the CPU caches). ``factories`` maps policy names to factories (default: the production
     registry, :func:`mooncake._core.policies.make_policy`). ``progress(done, total)`` is called
-    now and then with simulator-request steps done so far.
+    now and then with simulator-request steps done so far (Belady's runs included).
     """
     cfg = config if config is not None else ReplayConfig()
     names = {*cfg.policies, *cfg.local_policies, cfg.schedule_policy}
@@ -289,7 +289,8 @@ def replay(
         *schedules,
         *tiers,
     ]
-    total = len(sims) * len(reqs)
+    belady = [BeladySim(c, kv=kv, model=model) for c in cfg.capacities] if cfg.belady else []
+    total = (len(sims) + len(belady)) * len(reqs)
     done = 0
     step = 2048
     for sim in sims:
@@ -302,11 +303,13 @@ def replay(
         done += len(reqs)
         if not isinstance(sim, MaxHitSim):
             sim.release()  # a policy object of a big cache holds ~100 B per block
-    belady = [BeladySim(c, kv=kv, model=model) for c in cfg.capacities] if cfg.belady else []
     if belady:
         nexts = next_references([r.hash_ids for r in reqs])
         for b in belady:
             b.run(reqs, nexts)
+            done += len(reqs)
+            if progress is not None:
+                progress(done, total)
     trace.unique_blocks = max_hit.unique_blocks
     meta = [
         (r.index, r.line_no, r.timestamp_ms, r.input_length, r.output_length, len(r.hash_ids))
