@@ -3,7 +3,7 @@ eviction policies and the scheduling strategies, on a virtual clock.
 
 Streams the trace once (progress bar on stderr), then prints: trace shape, theoretical maximum
 hit, hit rate per policy and capacity (block- and token-weighted; global pool and ``N`` local
-caches) beside Belady's offline optimum and each policy's gap to it, estimated prefill GPU seconds per request, KV bytes moved, and TTFT per routing strategy.
+caches) beside Belady's offline optimum and each policy's gap to it, estimated prefill GPU seconds per request, KV bytes moved, TTFT per routing strategy, and with ``--admissions`` hit rates and SSD writes of a DRAM + SSD pair per admission rule.
 ``--json`` prints the report as JSON instead; ``--csv`` writes the per-request outcome table;
 ``--plots DIR`` writes the PNG figures. Tables are rich on a terminal (widened to fit) and
 plain aligned text when stdout is a pipe or file: no number is ever cut. Exit status: 0, or 2 for a bad trace or bad arguments.
