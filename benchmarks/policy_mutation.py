@@ -7,7 +7,8 @@ settings on each, one forked child per mutant, and prints per policy: mutants, e
 ``_mutation.OUT_OF_REACH``), killed, survived, the score, the CPU
 seconds of the run, and every survivor.
 
-    python benchmarks/policy_mutation.py                 # every policy
+    python benchmarks/policy_mutation.py                 # every policy and the planted bugs
+    python benchmarks/policy_mutation.py planted -v      # the hand-written rare-condition bugs
     python benchmarks/policy_mutation.py sieve lfu -v    # some, with each kill's message
 """
 
@@ -30,7 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("policies", nargs="*", default=list(_mutation.TARGETS))
+    ap.add_argument(
+        "policies",
+        nargs="*",
+        default=[*_mutation.TARGETS, "planted"],
+        help="policies to mutate, and 'planted' for the hand-written bugs (default: all)",
+    )
     ap.add_argument("-v", "--verbose", action="store_true", help="print every mutant's outcome")
     ap.add_argument(
         "--cpu", type=int, default=15, help="CPU seconds before a mutant counts as hung"
@@ -40,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     survivors = []
     for name in args.policies:
         cpu0, t0 = _cpu_children(), time.monotonic()
-        outcomes = [_mutation.run_mutant(m, cpu=args.cpu) for m in _mutation.mutants(name)]
+        ms = _mutation.planted() if name == "planted" else _mutation.mutants(name)
+        outcomes = [_mutation.run_mutant(m, cpu=args.cpu) for m in ms]
         cpu, wall = _cpu_children() - cpu0, time.monotonic() - t0
         killed, counted, sc = _mutation.score(outcomes)
         eq = sum(o.status in ("equivalent", "out-of-reach") for o in outcomes)

@@ -3,7 +3,7 @@ eviction policies and the scheduling strategies, on a virtual clock.
 
 Streams the trace once (progress bar on stderr), then prints: trace shape, theoretical maximum
 hit, hit rate per policy and capacity (block- and token-weighted; global pool and ``N`` local
-caches) beside Belady's offline optimum and each policy's gap to it, estimated prefill GPU seconds per request, KV bytes moved, and TTFT per routing strategy.
+caches) beside Belady's offline optimum and each policy's gap to it, estimated prefill GPU seconds per request, KV bytes moved, TTFT per routing strategy, and with ``--admissions`` hit rates and SSD writes of a DRAM + SSD pair per admission rule.
 ``--json`` prints the report as JSON instead; ``--csv`` writes the per-request outcome table;
 ``--plots DIR`` writes the PNG figures. Tables are rich on a terminal (widened to fit) and
 plain aligned text when stdout is a pipe or file: no number is ever cut. Exit status: 0, or 2 for a bad trace or bad arguments.
@@ -43,6 +43,12 @@ def _policies(names: tuple[str, ...] | None, every: list[str]) -> tuple[str, ...
     if names == ("none",):
         return ()
     return names
+
+
+def _admissions(names: tuple[str, ...]) -> tuple[str, ...]:
+    from mooncake.replay.tiers import ADMISSIONS
+
+    return ADMISSIONS if names == ("all",) else names
 
 
 def register(subparsers: Any) -> None:
@@ -143,6 +149,17 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="skip Belady's offline optimum (run by default at every capacity)",
     )
+    p.add_argument(
+        "--admissions",
+        type=_name_list,
+        default=(),
+        help="comma-separated tier admission modes to compare on a DRAM cache of each capacity "
+        "over an SSD of --ssd-ratio times it (write-through, always, tinylfu, tinylfu-dram, "
+        "freq:N; 'all' for the default set): hit rates and SSD writes",
+    )
+    p.add_argument(
+        "--ssd-ratio", type=int, default=4, help="SSD capacity / DRAM capacity (default 4)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -236,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
             balance_threshold=args.balance_threshold,
             seed=args.seed,
             belady=not args.no_belady,
+            admissions=_admissions(args.admissions),
+            ssd_ratio=args.ssd_ratio,
             kv=KVModel(
                 bytes_per_token=args.kv_bytes_per_token,
                 block_tokens=args.block_tokens,
@@ -451,6 +470,7 @@ def _print_report(doc: dict[str, Any]) -> None:
                 _tib(c["kv_bytes_written"]),
             )
         out.table(tab)
+    _print_tiers(out, doc.get("tiers", []))
     gaps = _belady_gaps(doc)
     if gaps:
         policies = sorted(
@@ -515,6 +535,46 @@ def _print_report(doc: dict[str, Any]) -> None:
                 _tib(s["kv_bytes_transferred"]),
             )
         out.table(tab)
+
+
+def _print_tiers(out: _Out, tiers: list[dict[str, Any]]) -> None:
+    """The tier admission table: hit rates and SSD writes, writes relative to write-through."""
+    if not tiers:
+        return
+    base = {
+        t["dram_capacity_blocks"]: t["ssd_writes"]
+        for t in tiers
+        if t["admission"] == "write-through"
+    }
+    tab = _Table(
+        "Tier admission: DRAM LRU over an SSD LRU (blocks), SSD writes",
+        [
+            "DRAM",
+            "SSD",
+            "admission",
+            "block hit",
+            "DRAM hit",
+            "SSD hit",
+            "SSD writes",
+            "SSD TiB written",
+            "writes vs write-through",
+        ],
+        left=("admission",),
+    )
+    for t in tiers:
+        ref = base.get(t["dram_capacity_blocks"])
+        tab.add_row(
+            str(t["dram_capacity_blocks"]),
+            str(t["ssd_capacity_blocks"]),
+            t["admission"],
+            _pct(t["block_hit_rate"]),
+            _pct(t["dram_hit_rate"]),
+            _pct(t["ssd_hit_rate"]),
+            str(t["ssd_writes"]),
+            _tib(t["ssd_write_bytes"]),
+            f"{100 * t['ssd_writes'] / ref:.1f}%" if ref else "-",
+        )
+    out.table(tab)
 
 
 def _belady_gaps(doc: dict[str, Any]) -> list[tuple[int, str, float, float]]:

@@ -25,7 +25,10 @@ checksum, so a missing, truncated or corrupted file is detected and never yields
 :class:`SsdIndex` is the tier's bookkeeping: committed entries, in-flight reservations, bytes
 used against the capacity, readers in flight (whose objects are not evicted), and its own
 eviction policy (:mod:`mooncake._core.policies`). :class:`Admission` rules decide whether an
-SSD hit is promoted back to DRAM. :class:`TierCounters` are the per-tier metrics.
+SSD hit is promoted back to DRAM and (``admit_dram``, ``admit_ssd``) whether an object enters
+DRAM in place of a victim, or is written to the SSD on demotion: :class:`TinyLFUAdmission` and
+:class:`FrequencyAdmission` count accesses in a :class:`FrequencySketch` for that.
+:class:`TierCounters` are the per-tier metrics.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ __all__ = [
     "TIERS",
     "Admission",
     "AlwaysAdmit",
+    "FrequencyAdmission",
+    "FrequencySketch",
     "HitCountAdmission",
     "NeverAdmit",
     "Reservation",
@@ -53,6 +58,7 @@ __all__ = [
     "SsdHeader",
     "SsdIndex",
     "TierCounters",
+    "TinyLFUAdmission",
     "decode_header",
     "encode_header",
     "file_length",
@@ -314,6 +320,16 @@ class SsdIndex:
             return None
         return self._forget(key)
 
+    def next_victim(self, key: str, size: int) -> str | None:
+        """The object :meth:`reserve` would evict first to make room for ``key`` (``size``
+        payload bytes), or ``None`` if it fits now (or nothing is evictable). Evicts nothing."""
+        short = self.used + file_length(len(key.encode()), size) - self.capacity
+        if short <= 0:
+            return None
+        readers, reserved = self._readers, self._reserved
+        keys = self.policy.victims(short, lambda k: k not in readers and k not in reserved)
+        return str(keys[0]) if keys else None
+
     def evict(self, nbytes: int) -> list[SsdEntry]:
         """Evict by policy until ``nbytes`` are freed (or nothing evictable is left)."""
         readers, reserved = self._readers, self._reserved
@@ -357,7 +373,15 @@ class SsdIndex:
 
 
 class Admission(ABC):
-    """Decides, on each hit of an object served from a lower tier, whether to promote it."""
+    """Admission at the tier boundaries.
+
+    ``admit(key)``: on each hit of an object served from a lower tier, count it and say
+    whether to promote it now. ``admit_dram(key, victim)``: may ``key`` take DRAM room from
+    ``victim`` (the object DRAM's policy would evict for it; ``None`` when there is room)?
+    ``admit_ssd(key, victim)``: on demotion, may ``key`` be written to the SSD (``victim``:
+    the SSD's next eviction, or ``None``)? ``record(key)`` counts an access for rules that
+    keep frequencies. The defaults admit everything and count nothing (write-through).
+    """
 
     name: str = ""
 
@@ -367,6 +391,17 @@ class Admission(ABC):
 
     def forget(self, key: Hashable) -> None:
         """``key`` left the lower tier (its history may be dropped)."""
+
+    def record(self, key: Hashable) -> None:
+        """Count one access of ``key`` (a no-op for rules without frequencies)."""
+
+    def admit_dram(self, key: Hashable, victim: Hashable | None) -> bool:
+        """Whether ``key`` may enter DRAM, evicting ``victim`` if it is not ``None``."""
+        return True
+
+    def admit_ssd(self, key: Hashable, victim: Hashable | None) -> bool:
+        """Whether ``key`` may be written to the SSD on demotion (evicting ``victim``)."""
+        return True
 
 
 class AlwaysAdmit(Admission):
@@ -432,8 +467,136 @@ class HitCountAdmission(Admission):
         return min(row[i] for row, i in zip(self._rows, slots, strict=True)) >= self.threshold
 
 
+_MIX = 0x9E3779B97F4A7C15
+_M64 = (1 << 64) - 1
+
+
+class FrequencySketch:
+    """TinyLFU's frequency estimate (Einziger et al., TOS 2017) in bounded memory.
+
+    A doorkeeper (a bit per hashed key, ``width * 8`` bits) absorbs each key's first access;
+    later ones go to a count-min sketch of ``depth`` rows of ``width`` saturating 8-bit
+    counters. After ``window`` accesses (default ``8 * width``) every counter is halved and
+    the doorkeeper cleared, so old popularity ages out. ``estimate(key)`` is the doorkeeper
+    bit plus the sketch's minimum: never below the true count since the last reset, over it
+    only on collisions. Keys are hashed with ``hash()``: stable for ints, per process for str.
+    """
+
+    __slots__ = ("_door", "_mask", "_rows", "_seen", "window")
+
+    def __init__(self, width: int = 1 << 16, depth: int = 4, window: int | None = None) -> None:
+        if not 8 <= width <= 1 << 16 or width & (width - 1) or not 1 <= depth <= 4:
+            raise InvalidArgumentError(
+                f"bad sketch shape width={width!r} (power of two in 8..65536) "
+                f"depth={depth!r} (1..4)"
+            )
+        self._mask = width - 1
+        self._rows = [bytearray(width) for _ in range(depth)]
+        self._door = bytearray(width)
+        self.window = window if window is not None else 8 * width
+        if self.window < 1:
+            raise InvalidArgumentError(f"window must be >= 1, got {window!r}")
+        self._seen = 0
+
+    def add(self, key: Hashable) -> None:
+        """Count one access of ``key``."""
+        h = (hash(key) * _MIX) & _M64
+        mask = self._mask
+        door, bit = self._door, 1 << ((h >> 61) & 7)
+        i = h & mask
+        if not door[i] & bit:
+            door[i] |= bit
+        else:
+            for row in self._rows:
+                j = h & mask
+                if row[j] < 255:
+                    row[j] += 1
+                h >>= 16
+        self._seen += 1
+        if self._seen >= self.window:
+            self._seen = 0
+            for row in self._rows:
+                row[:] = bytes(v >> 1 for v in row)
+            self._door[:] = bytes(len(self._door))
+
+    def estimate(self, key: Hashable) -> int:
+        """Accesses of ``key`` since the last halving (an upper bound; see the class doc)."""
+        h = (hash(key) * _MIX) & _M64
+        mask = self._mask
+        if not self._door[h & mask] & (1 << ((h >> 61) & 7)):
+            return 0
+        least = 255
+        for row in self._rows:
+            v = row[h & mask]
+            if v < least:
+                least = v
+            h >>= 16
+        return least + 1
+
+
+class TinyLFUAdmission(Admission):
+    """TinyLFU admission: a candidate enters a full tier only if it is more popular than the
+    victim it would displace (the frequency filter of Dynamo KVBM's offload path).
+
+    SSD (demotion): written only once seen before (``estimate >= 2``) and, when the SSD is
+    full, ``estimate(key) > estimate(victim)`` (ties keep the resident: a write saved).
+    DRAM (with ``dram=True``, rule ``"tinylfu-dram"``): a new block displaces DRAM's victim only
+    when ``estimate(key) >= estimate(victim)`` (ties favour the newer block); by default DRAM
+    admits every block (a recency window in front of the filter, as W-TinyLFU's). Promotion of
+    an SSD hit: when ``estimate >= 2``. Accesses are counted by :meth:`record` (and by
+    :meth:`admit`, for hits served from the lower tier).
+    """
+
+    def __init__(self, sketch: FrequencySketch | None = None, *, dram: bool = False) -> None:
+        self.sketch = sketch if sketch is not None else FrequencySketch()
+        self.dram = dram
+        self.name = "tinylfu-dram" if dram else "tinylfu"
+
+    def record(self, key: Hashable) -> None:
+        self.sketch.add(key)
+
+    def admit(self, key: Hashable) -> bool:
+        self.sketch.add(key)
+        return self.sketch.estimate(key) >= 2
+
+    def admit_dram(self, key: Hashable, victim: Hashable | None) -> bool:
+        if victim is None or not self.dram:
+            return True
+        est = self.sketch.estimate
+        return est(key) >= est(victim)
+
+    def admit_ssd(self, key: Hashable, victim: Hashable | None) -> bool:
+        est = self.sketch.estimate
+        mine = est(key)
+        return mine >= 2 and (victim is None or mine > est(victim))
+
+
+class FrequencyAdmission(Admission):
+    """Frequency threshold: write to the SSD on demotion (and promote an SSD hit) only once a
+    key has been accessed ``threshold`` times (in the sketch's window); DRAM admits all."""
+
+    name = "freq"
+
+    def __init__(self, threshold: int = 2, sketch: FrequencySketch | None = None) -> None:
+        if threshold < 1:
+            raise InvalidArgumentError(f"threshold must be >= 1, got {threshold!r}")
+        self.threshold = threshold
+        self.sketch = sketch if sketch is not None else FrequencySketch()
+
+    def record(self, key: Hashable) -> None:
+        self.sketch.add(key)
+
+    def admit(self, key: Hashable) -> bool:
+        self.sketch.add(key)
+        return self.sketch.estimate(key) >= self.threshold
+
+    def admit_ssd(self, key: Hashable, victim: Hashable | None) -> bool:
+        return self.sketch.estimate(key) >= self.threshold
+
+
 def make_admission(rule: str | Admission) -> Admission:
-    """``"always"``, ``"never"``, ``"hits"`` (threshold 2) or ``"hits:N"``; or an instance."""
+    """``"always"``, ``"never"``, ``"hits"`` (threshold 2) or ``"hits:N"``, ``"tinylfu"``,
+    ``"tinylfu-dram"``, ``"freq"`` (threshold 2) or ``"freq:N"``; or an instance."""
     if isinstance(rule, Admission):
         return rule
     if not isinstance(rule, str):
@@ -449,8 +612,17 @@ def make_admission(rule: str | Admission) -> Admission:
         except ValueError:
             raise InvalidArgumentError(f"bad hit threshold in admission rule {rule!r}") from None
         return HitCountAdmission(threshold)
+    if name in ("tinylfu", "tinylfu-dram") and not arg:
+        return TinyLFUAdmission(dram=name == "tinylfu-dram")
+    if name == "freq":
+        try:
+            threshold = int(arg) if arg else 2
+        except ValueError:
+            raise InvalidArgumentError(f"bad threshold in admission rule {rule!r}") from None
+        return FrequencyAdmission(threshold)
     raise InvalidArgumentError(
-        f"unknown admission rule {rule!r}: use 'always', 'never', 'hits' or 'hits:N'"
+        f"unknown admission rule {rule!r}: use 'always', 'never', 'hits', 'hits:N', "
+        "'tinylfu', 'tinylfu-dram', 'freq' or 'freq:N'"
     )
 
 

@@ -57,6 +57,7 @@ import anyio
 from mooncake._core.policies import EvictionPolicy
 from mooncake._core.tiers import (
     BLOCK,
+    Admission,
     Reservation,
     SsdEntry,
     SsdHeader,
@@ -66,12 +67,14 @@ from mooncake._core.tiers import (
     encode_header,
     file_name,
     header_length,
+    make_admission,
     round_up,
 )
 from mooncake.errors import (
     BufferOverflowError,
     ClosedError,
     InvalidArgumentError,
+    NoAvailableHandleError,
     NotSupportedError,
     ObjectNotFoundError,
     TierDataError,
@@ -459,6 +462,8 @@ class SsdTier:
         self._inflight = 0
         self._idle: anyio.Event | None = None
         self._closed = False
+        self.admission: Admission | None = None
+        """Demotion admission (``admit_ssd``): ``None`` writes every object put (write-through)."""
 
     @property
     def path(self) -> str:
@@ -551,7 +556,10 @@ class SsdTier:
         """Store ``data`` (any contiguous buffer) as ``key``, replacing an older version.
 
         Returns when the object is durable (see the module docstring) and readable. Evicts by
-        the tier's policy to make room; objects being read or written are not evicted.
+        the tier's policy to make room; objects being read or written are not evicted. With an
+        :attr:`admission` rule, the put counts as an access of ``key`` and, if the rule's
+        ``admit_ssd(key, victim)`` refuses it (``victim``: what the write would evict first),
+        raises :class:`NoAvailableHandleError` without writing (counted as ``refused``).
         """
         self._check_open()
         if not isinstance(key, str) or not key:
@@ -566,6 +574,15 @@ class SsdTier:
                 while key in self._unlinking:
                     await self._unlinking[key].wait()
                 self._check_open()
+                adm = self.admission
+                if adm is not None:
+                    adm.record(key)
+                    if not adm.admit_ssd(key, self.index.next_victim(key, len(mv))):
+                        extra = self.counters.extra
+                        extra["refused"] = extra.get("refused", 0) + 1
+                        raise NoAvailableHandleError(
+                            f"the SSD tier's admission rule {adm.name!r} refused {key!r}"
+                        )
                 res = self.index.reserve(key, len(mv))
                 await self._delete(res.victims, "evicted")
                 try:
@@ -606,6 +623,8 @@ class SsdTier:
         self._check_open()
         for _ in range(8):  # retried only when a newer version was committed mid-read
             entry = self.index.begin_read(key)
+            if self.admission is not None:
+                self.admission.record(key)
             if entry is None:
                 self.counters.misses += 1
                 raise ObjectNotFoundError(f"{key!r} is not on the SSD tier")
@@ -689,6 +708,7 @@ async def open_ssd_tier(
     chunk: int = DEFAULT_CHUNK,
     io_threads: int = 4,
     on_drop: OnDrop | None = None,
+    admission: Admission | str | None = None,
 ) -> AsyncIterator[SsdTier]:
     """Open (creating if needed) the SSD tier in directory ``path``; recover what it holds.
 
@@ -698,7 +718,9 @@ async def open_ssd_tier(
     (:class:`NotSupportedError` otherwise), ``False`` uses buffered I/O. ``verify="full"``
     checks every payload checksum at open (reads everything); ``"header"`` only headers and
     lengths (payloads are always checked when read). ``on_drop`` is told of every entry that
-    leaves the tier (evicted, removed, corrupt), for miss accounting.
+    leaves the tier (evicted, removed, corrupt), for miss accounting. ``admission`` (a rule
+    or its name, :func:`~mooncake._core.tiers.make_admission`: ``"tinylfu"``, ``"freq:2"``...)
+    filters the writes (:attr:`SsdTier.admission`); ``None`` writes every put.
     """
     if chunk < BLOCK or chunk % BLOCK:
         raise InvalidArgumentError(f"chunk must be a positive multiple of {BLOCK}, got {chunk!r}")
@@ -715,6 +737,7 @@ async def open_ssd_tier(
             raise NotSupportedError(f"O_DIRECT is not supported by the file system of {root!r}")
         io = _Io(root, supported if direct_io is None else bool(direct_io), sync, chunk)
         tier = SsdTier(io, index, io_threads=io_threads, on_drop=on_drop)
+        tier.admission = None if admission is None else make_admission(admission)
         headers, bad = await anyio.to_thread.run_sync(io.scan, verify == "full")
         extra = [
             (io.path(file_name(h.key)), "does not fit the capacity") for h in index.recover(headers)

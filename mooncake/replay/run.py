@@ -3,7 +3,8 @@
 :func:`replay` takes an iterable of :class:`~mooncake.replay.trace.TraceRequest` (streamed, never
 materialised) and feeds each request, in order, to: the infinite cache (theoretical maximum), a
 global pool per (policy, capacity), ``instances`` local caches per (local policy, capacity),
-and one :class:`~mooncake.replay.sim.ScheduleSim` per strategy. The
+one :class:`~mooncake.replay.sim.ScheduleSim` per strategy, and one two-tier
+:class:`~mooncake.replay.tiers.TierSim` per (admission, capacity). The
 :class:`ReplayReport` holds trace statistics, every simulator's summary and the per-request
 outcome columns (:meth:`ReplayReport.request_rows`).
 """
@@ -20,6 +21,7 @@ from mooncake.replay.belady import BeladySim, next_references
 from mooncake.replay.cache import PolicyFactory
 from mooncake.replay.model import KVModel, PrefillModel
 from mooncake.replay.sim import STRATEGIES, HitRateSim, MaxHitSim, Router, ScheduleSim, Scope
+from mooncake.replay.tiers import TierSim
 from mooncake.replay.trace import TraceRequest
 
 #: Capacity sweep (blocks) of the paper's Fig. 9 form; 5,859 blocks = 3M tokens, 58,590 = 10 x
@@ -59,7 +61,9 @@ class ReplayConfig:
     ``instances`` prefill instances of ``instance_capacity`` blocks each, with the
     ``schedule_policy`` eviction policy. ``belady``: also run Belady's offline optimum
     (:mod:`mooncake.replay.belady`) at every capacity, the reference the policies are
-    measured against.
+    measured against. ``admissions``: also run a DRAM cache of each capacity over an SSD
+    of ``ssd_ratio`` times it, per admission mode (:mod:`mooncake.replay.tiers`: SSD
+    writes beside hit rates).
     """
 
     policies: tuple[str, ...] = ("lru",)
@@ -73,6 +77,8 @@ class ReplayConfig:
     balance_threshold: float = 1.0
     seed: int = 0
     belady: bool = True
+    admissions: tuple[str, ...] = ()
+    ssd_ratio: int = 4
     kv: KVModel = field(default_factory=KVModel)
     model: PrefillModel = field(default_factory=PrefillModel)
 
@@ -82,6 +88,8 @@ class ReplayConfig:
         for c in (*self.capacities, self.instance_capacity):
             if c < 0:
                 raise InvalidArgumentError(f"capacities must be >= 0 blocks, got {c}")
+        if self.ssd_ratio < 0:
+            raise InvalidArgumentError(f"ssd_ratio must be >= 0, got {self.ssd_ratio}")
         for s in self.strategies:
             if s not in STRATEGIES:
                 raise InvalidArgumentError(
@@ -138,6 +146,8 @@ class ReplayReport:
     requests: list[tuple[int, int, float, int, int, int]]
     #: Belady's optimum per capacity (empty if the config turned it off)
     belady: list[BeladySim] = field(default_factory=list)
+    #: DRAM + SSD runs per (admission, capacity) (empty unless the config asked for them)
+    tiers: list[TierSim] = field(default_factory=list)
 
     def cache(self, scope: str, policy: str, capacity: int) -> HitRateSim:
         """The hit-rate simulator of ``(scope, policy, capacity)``; ``KeyError`` if not run."""
@@ -200,6 +210,7 @@ class ReplayReport:
             "caches": [sim.summary() for sim in self.caches],
             "schedules": [sim.summary() for sim in self.schedules],
             "belady": [sim.summary() for sim in self.belady],
+            "tiers": [sim.summary() for sim in self.tiers],
         }
         if requests:
             out["requests"] = {"columns": self.columns(), "rows": list(self.request_rows())}
@@ -220,7 +231,7 @@ def replay(
     times faster than interleaving them request by request: one cache's working set stays in
     the CPU caches). ``factories`` maps policy names to factories (default: the production
     registry, :func:`mooncake._core.policies.make_policy`). ``progress(done, total)`` is called
-    now and then with simulator-request steps done so far.
+    now and then with simulator-request steps done so far (Belady's runs included).
     """
     cfg = config if config is not None else ReplayConfig()
     names = {*cfg.policies, *cfg.local_policies, cfg.schedule_policy}
@@ -267,8 +278,19 @@ def replay(
         )
         for strategy in cfg.strategies
     ]
-    sims: list[MaxHitSim | HitRateSim | ScheduleSim] = [max_hit, *caches, *schedules]
-    total = len(sims) * len(reqs)
+    tiers = [
+        TierSim(a, c, c * cfg.ssd_ratio, kv=kv, model=model)
+        for a in cfg.admissions
+        for c in cfg.capacities
+    ]
+    sims: list[MaxHitSim | HitRateSim | ScheduleSim | TierSim] = [
+        max_hit,
+        *caches,
+        *schedules,
+        *tiers,
+    ]
+    belady = [BeladySim(c, kv=kv, model=model) for c in cfg.capacities] if cfg.belady else []
+    total = (len(sims) + len(belady)) * len(reqs)
     done = 0
     step = 2048
     for sim in sims:
@@ -281,14 +303,16 @@ def replay(
         done += len(reqs)
         if not isinstance(sim, MaxHitSim):
             sim.release()  # a policy object of a big cache holds ~100 B per block
-    belady = [BeladySim(c, kv=kv, model=model) for c in cfg.capacities] if cfg.belady else []
     if belady:
         nexts = next_references([r.hash_ids for r in reqs])
         for b in belady:
             b.run(reqs, nexts)
+            done += len(reqs)
+            if progress is not None:
+                progress(done, total)
     trace.unique_blocks = max_hit.unique_blocks
     meta = [
         (r.index, r.line_no, r.timestamp_ms, r.input_length, r.output_length, len(r.hash_ids))
         for r in reqs
     ]
-    return ReplayReport(cfg, trace, max_hit, caches, schedules, meta, belady)
+    return ReplayReport(cfg, trace, max_hit, caches, schedules, meta, belady, tiers)

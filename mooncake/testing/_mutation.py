@@ -20,7 +20,10 @@ found with the reason, and they are left out of the score rather than counted as
 Each mutant runs in a forked child (a mutant may loop forever or eat memory): killed (the
 harness raised), survived, hung (killed after ``timeout`` seconds; a hang fails a test
 suite too, so it counts as killed) or invalid (the mutated module does not load; not
-counted). ``python benchmarks/policy_mutation.py`` prints the score per policy.
+counted). :func:`planted` adds the hand-written bugs of :mod:`mooncake.testing._planted`
+(rare-condition shortcuts: uniform-size fast paths, exact k-object sums, cached answers that
+miss a lease or pin change), run the same way. ``python benchmarks/policy_mutation.py`` prints
+the score per policy.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ __all__ = [
     "Mutant",
     "Outcome",
     "mutants",
+    "planted",
     "run_mutant",
     "score",
 ]
@@ -329,8 +333,23 @@ def mutants(policy: str) -> list[Mutant]:
     return unique
 
 
+def planted() -> list[Mutant]:
+    """The hand-written bugs of :mod:`mooncake.testing._planted` as mutants (operator
+    ``planted``, ``func`` the bug's name): rare-condition shortcuts of an LRU policy."""
+    from mooncake.testing._planted import PLANTED
+
+    return [
+        Mutant("lru", "_planted", name, 0, "planted", "LRUPolicy", name, source="")
+        for name in PLANTED
+    ]
+
+
 def _load(mutant: Mutant) -> type:
     """Build the policy class with ``mutant`` applied (in this process: call in a child)."""
+    if mutant.operator == "planted":
+        from mooncake.testing._planted import PLANTED
+
+        return PLANTED[mutant.func]
     cls_name, module, files = TARGETS[mutant.policy]
     pin = Pin  # the harness's Pin: the mutated modules must share its enum class
     for file, _ in files:
@@ -347,10 +366,9 @@ def _load(mutant: Mutant) -> type:
 
 
 def _child(mutant: Mutant) -> tuple[str, str]:
-    from mooncake.testing import policy
-    from mooncake.testing.policy import ORACLES, check_policy
+    from mooncake.testing.policy import ORACLES, _schedule, check_policy
 
-    policy._SHRINK = False  # same verdict, without minimising the counter-example
+    _schedule._SHRINK = False  # same verdict, without minimising the counter-example
 
     try:
         cls = _load(mutant)
