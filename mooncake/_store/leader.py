@@ -37,6 +37,14 @@ _POLL_S = 0.1
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
+def parse_address(address: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) -> (host, port); raises InvalidArgumentError."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise InvalidArgumentError(f"master address must be host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
 def is_ha_address(address: str) -> bool:
     """True for ``etcd://...``; NotSupportedError for another ``scheme://`` form."""
     m = _SCHEME.match(address.strip())
@@ -115,7 +123,6 @@ class LeaderResolver:
         Never returns without an answer; callers bound it (``anyio.move_on_after``). A value
         that is not ``host:port`` is logged and waited out like an absent one.
         """
-        from mooncake._store.master_conn import parse_address
 
         while True:
             try:

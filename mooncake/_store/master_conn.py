@@ -64,7 +64,12 @@ import msgspec
 from mooncake._core import auth, rpc
 from mooncake._core import store_types as st
 from mooncake._engine import _sockio
-from mooncake._store.leader import LeaderResolver, failover_timeout_from_env, is_ha_address
+from mooncake._store.leader import (
+    LeaderResolver,
+    failover_timeout_from_env,
+    is_ha_address,
+    parse_address,
+)
 from mooncake.errors import (
     AuthError,
     MasterUnreachableError,
@@ -88,16 +93,6 @@ class _Waiter:
         self.event = anyio.Event()
         self.response: rpc.Response | None = None
         self.take_over = False
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port`` too) -> (host, port); raises InvalidArgumentError."""
-    from mooncake.errors import InvalidArgumentError
-
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise InvalidArgumentError(f"master address must be host:port, got {address!r}")
-    return host.strip("[]"), int(port)
 
 
 class MasterConnection:

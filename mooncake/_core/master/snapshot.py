@@ -33,7 +33,7 @@ import gc
 import struct
 import zlib
 from array import array
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar, cast
 
 import msgspec
 
@@ -47,8 +47,9 @@ from mooncake._core.store_types import Segment
 from mooncake._fast import ObjectTable
 from mooncake.errors import InvalidArgumentError
 
-if TYPE_CHECKING:
-    from mooncake._core.master.state import MasterState
+#: the state class (:class:`~mooncake._core.master.state.MasterState`, which calls this
+#: module: typed generically so that the two do not import each other)
+_S = TypeVar("_S")
 
 __all__ = ["restore", "snapshot"]
 
@@ -61,7 +62,7 @@ _ENCODED = frozenset({"_objects", "_segments", "_seg_list", "policy"})
 """State fields written as columns (or rebuilt); every other field goes into the graph."""
 
 
-def snapshot(state: MasterState) -> bytes:
+def snapshot(state: Any) -> bytes:
     """The whole of ``state`` as bytes (see the module docstring for the layout)."""
     seg_index = {id(s): i for i, s in enumerate(state._seg_list)}
     objects = state._objects
@@ -108,7 +109,7 @@ def _col(typecode: str, data: bytes) -> array[Any]:
     return a
 
 
-def restore(cls: type[MasterState], data: bytes, config: MasterConfig | None) -> MasterState:
+def restore(cls: type[_S], data: bytes, config: MasterConfig | None) -> _S:
     """A state equal to the one :func:`snapshot` wrote; ``config`` (validated) replaces the
     saved one when given."""
     for old in _OLD_MAGICS:
@@ -157,9 +158,7 @@ def restore(cls: type[MasterState], data: bytes, config: MasterConfig | None) ->
             gc.enable()
 
 
-def _restore(
-    cls: type[MasterState], payload: memoryview, config: MasterConfig | None
-) -> MasterState:
+def _restore(cls: type[_S], payload: memoryview, config: MasterConfig | None) -> _S:
     tree = msgspec.msgpack.decode(payload)
     if type(tree) is not dict or set(tree) != {"head", "body"}:
         raise ValueError("the payload is not a {head, body} map")
@@ -184,7 +183,7 @@ def _restore(
     body = safecodec.decode_tree(tree["body"], persistent=list(segs))
     if type(body) is not dict or type(body.get("rest")) is not dict:
         raise ValueError("the body is not a map of the state's fields")
-    state = cls.__new__(cls)
+    state: Any = cls.__new__(cls)
     vars(state).update(body["rest"])
     state.config = config if config is not None else state.config
     state.config.validate()
@@ -208,4 +207,4 @@ def _restore(
     order = {k: fields[k] for k in head["fields"] if k in fields}
     fields.clear()
     fields.update(order)
-    return state
+    return cast(_S, state)
