@@ -55,13 +55,9 @@ fi
 .venv/bin/python -c "import Cython, numpy, setuptools" 2>/dev/null \
   || quiet "${PIP[@]}" "setuptools>=77" wheel "cython>=3.0" "numpy>=1.26"
 
-# the compiled hot path, in place and in parallel; an extension whose sources did not change
-# since its .so was built is skipped, so a second run costs a few seconds
-log "build_ext --inplace"
-.venv/bin/python setup.py -q build_ext --inplace -j "$(nproc)" 2>&1 \
-  | { grep -vE "^\[[0-9]+/[0-9]+\] Cythonizing|skipping .* up-to-date|is ignored" || true; }
-
-# the package (editable) and its dependencies: again only when their declarations changed
+# the package (editable, which builds the compiled hot path in place) and its dependencies:
+# only when their declarations changed; otherwise only the extensions whose sources changed
+# since their .so was built are rebuilt, in parallel (a few seconds when none did)
 stamp=".venv/.mooncake-py-deps-$(cat pyproject.toml setup.py | sha256sum | cut -c1-16)"
 if [ ! -e "$stamp" ]; then
   log "pip install -e .[dev]"
@@ -69,7 +65,9 @@ if [ ! -e "$stamp" ]; then
   rm -f .venv/.mooncake-py-deps-*
   touch "$stamp"
 else
-  log "dependencies present (pyproject.toml and setup.py unchanged)"
+  log "dependencies present (pyproject.toml and setup.py unchanged); build_ext --inplace"
+  .venv/bin/python setup.py -q build_ext --inplace -j "$(nproc)" 2>&1 \
+    | { grep -vE "^\[[0-9]+/[0-9]+\] Cythonizing|skipping .* up-to-date|is ignored" || true; }
 fi
 .venv/bin/python -c "import mooncake, mooncake._fast as f; print('[setup] mooncake', mooncake.__version__, 'compiled hot path:', f.COMPILED)"
 
