@@ -1,7 +1,9 @@
-"""Shared fixtures: the anyio backend (trio is the reference), peer processes, the anchor venv."""
+"""Shared fixtures: the anyio backend (trio is the reference), peer processes, the anchor venv;
+the suite's Hypothesis profile and the ``exclusive`` marker (see docs/testing.md)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -11,8 +13,40 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# No per-example deadline and no "too slow" health check: a loaded machine (parallel workers, a
+# CPU hog beside the suite) must not fail a property that holds. Explicit ``@settings`` keep
+# their example counts and inherit these. HYPOTHESIS_PROFILE=thorough runs 10x more examples
+# where a test does not pin its own count.
+settings.register_profile(
+    "mooncake", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+settings.register_profile("thorough", parent=settings.get_profile("mooncake"), max_examples=1000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "mooncake"))
+
+
+@pytest.fixture(autouse=True)
+def _machine_share(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """Under pytest-xdist, a test marked ``exclusive`` runs while no other worker runs a test:
+    it takes an exclusive lock on a file shared by the session's workers, every other test a
+    shared one. Without xdist this does nothing."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        yield
+        return
+    lock_path = tmp_path_factory.getbasetemp().parent / "machine.lock"
+    exclusive = request.node.get_closest_marker("exclusive") is not None
+    with open(lock_path, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @pytest.fixture

@@ -25,7 +25,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-READY_S = 30.0
+#: how long a service may take to answer after its start: generous, since a loaded machine
+#: (parallel workers, a CPU hog) can take many seconds; waiting ends as soon as it answers
+READY_S = 120.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Any
 
 import anyio
+import anyio.abc
 import pytest
 import trio
 
@@ -46,51 +48,61 @@ def test_catastrophic_regex_neither_stalls_the_master_nor_expires_a_live_client(
             regex_budget=2.0,
             state=MasterConfig(seed=0, client_ttl=1.0),
         )
-        async with anyio.create_task_group() as tg:
-            server = await tg.start(serve_master, cfg)
-            streams = [await anyio.connect_tcp("127.0.0.1", server.rpc_port) for _ in range(3)]
-            live, evil, other = (Client(s) for s in streams)
-            await live.call("MountSegment", rpc.MountSegmentParams(client_id="L", segment=seg(0)))
-            await _put(live, "L", "live-object", 0)
-            await _put(live, "L", LONG_KEY, 0)
-            tg.start_soon(_pinger, live, "L", 0.1)
-
-            answered = 0
-            scan_done = anyio.Event()
-            outcome: list[BaseException] = []
-
-            async def scan() -> None:
-                try:
-                    await evil.call("RemoveByRegex", rpc.RegexParams(regex=EVIL, force=True))
-                except InvalidArgumentError as e:
-                    outcome.append(e)
-                scan_done.set()
-
-            tg.start_soon(scan)
-            while not scan_done.is_set():  # other RPCs are answered while the scan runs
-                assert await other.call("ExistKey", rpc.KeyParams(key="live-object")) is True
-                answered += 1
-                await anyio.sleep(0.02)
-            assert len(outcome) == 1 and "did not finish" in str(outcome[0])
-            assert answered >= 3
-            assert server.scanner.timeouts == 1
-            assert server.state.has_client("L")
-            assert server.state.stats.clients_expired == 0
-            keys = await other.call("GetAllKeys", rpc.Empty())
-            assert sorted(keys) == sorted(
-                ["live-object", LONG_KEY]
-            )  # the refused scan removed nothing
-            # a benign pattern goes through the same path and works
-            got = await other.call("GetReplicaListByRegex", rpc.RegexParams(regex="^live-"))
-            assert list(got) == ["live-object"]
-            assert await other.call("RemoveByRegex", rpc.RegexParams(regex="!$", force=True)) == 1
-            with pytest.raises(InvalidKeyError):
-                await other.call("RemoveByRegex", rpc.RegexParams(regex="(unclosed"))
+        streams: list[anyio.abc.SocketStream] = []
+        try:
+            async with anyio.create_task_group() as tg:
+                server = await tg.start(serve_master, cfg)
+                for _ in range(3):
+                    streams.append(await anyio.connect_tcp("127.0.0.1", server.rpc_port))
+                await _regex_scenario(tg, server, streams)
+                tg.cancel_scope.cancel()
+        finally:
+            # closed once the pinger is cancelled: closing its stream under it (it may be in a
+            # call at any moment) would fail it with ClosedResourceError
             for s in streams:
                 await s.aclose()
-            tg.cancel_scope.cancel()
 
     trio.run(main)
+
+
+async def _regex_scenario(
+    tg: anyio.abc.TaskGroup, server: Any, streams: list[anyio.abc.SocketStream]
+) -> None:
+    live, evil, other = (Client(s) for s in streams)
+    await live.call("MountSegment", rpc.MountSegmentParams(client_id="L", segment=seg(0)))
+    await _put(live, "L", "live-object", 0)
+    await _put(live, "L", LONG_KEY, 0)
+    tg.start_soon(_pinger, live, "L", 0.1)
+
+    answered = 0
+    scan_done = anyio.Event()
+    outcome: list[BaseException] = []
+
+    async def scan() -> None:
+        try:
+            await evil.call("RemoveByRegex", rpc.RegexParams(regex=EVIL, force=True))
+        except InvalidArgumentError as e:
+            outcome.append(e)
+        scan_done.set()
+
+    tg.start_soon(scan)
+    while not scan_done.is_set():  # other RPCs are answered while the scan runs
+        assert await other.call("ExistKey", rpc.KeyParams(key="live-object")) is True
+        answered += 1
+        await anyio.sleep(0.02)
+    assert len(outcome) == 1 and "did not finish" in str(outcome[0])
+    assert answered >= 3
+    assert server.scanner.timeouts == 1
+    assert server.state.has_client("L")
+    assert server.state.stats.clients_expired == 0
+    keys = await other.call("GetAllKeys", rpc.Empty())
+    assert sorted(keys) == sorted(["live-object", LONG_KEY])  # the refused scan removed nothing
+    # a benign pattern goes through the same path and works
+    got = await other.call("GetReplicaListByRegex", rpc.RegexParams(regex="^live-"))
+    assert list(got) == ["live-object"]
+    assert await other.call("RemoveByRegex", rpc.RegexParams(regex="!$", force=True)) == 1
+    with pytest.raises(InvalidKeyError):
+        await other.call("RemoveByRegex", rpc.RegexParams(regex="(unclosed"))
 
 
 @pytest.mark.timeout(120)

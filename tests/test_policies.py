@@ -35,6 +35,9 @@ from mooncake.testing import (
     prefix_lru_oracle,
 )
 
+# runs no code that has a compiled twin: the pure-Python pass leaves it out (docs/testing.md)
+pytestmark = pytest.mark.twin_independent
+
 ROOT = Path(__file__).resolve().parents[1]
 
 ORACLES = {

@@ -18,23 +18,31 @@ from mooncake.testing import _mutation
 pytestmark = pytest.mark.slow
 
 
-def test_mutants_are_generated_for_every_operator_family() -> None:
-    seen = {m.operator for name in _mutation.TARGETS for m in _mutation.mutants(name)}
+@pytest.fixture(scope="module")
+def every_mutant() -> dict[str, list[_mutation.Mutant]]:
+    """The mutants of every target, generated once for the tests of this file (tens of s)."""
+    return {name: _mutation.mutants(name) for name in _mutation.TARGETS}
+
+
+def test_mutants_are_generated_for_every_operator_family(
+    every_mutant: dict[str, list[_mutation.Mutant]],
+) -> None:
+    seen = {m.operator for ms in every_mutant.values() for m in ms}
     assert seen == set(_mutation.OPERATORS)
 
 
-def test_every_equivalent_mutant_exists() -> None:
+def test_every_equivalent_mutant_exists(every_mutant: dict[str, list[_mutation.Mutant]]) -> None:
     """A stale entry (the source changed under it) must not hide a survivor silently."""
-    idents = {m.ident for name in _mutation.TARGETS for m in _mutation.mutants(name)}
+    idents = {m.ident for ms in every_mutant.values() for m in ms}
     stale = (set(_mutation.EQUIVALENT) | set(_mutation.OUT_OF_REACH)) - idents
     assert not stale, stale
 
 
-def test_a_mutant_changes_the_policy() -> None:
+def test_a_mutant_changes_the_policy(every_mutant: dict[str, list[_mutation.Mutant]]) -> None:
     """The mutator really rebuilds the class from mutated source (not the shipped one)."""
     m = next(
         m
-        for m in _mutation.mutants("lru")
+        for m in every_mutant["lru"]
         if m.func == "select_victims" and m.operator == "pin" and "HARD" in m.original
     )
     out = _mutation.run_mutant(m, timeout=120)

@@ -20,6 +20,9 @@ from mooncake.replay.run import ReplayConfig, replay
 from mooncake.replay.sim import HitRateSim, ScheduleSim
 from mooncake.replay.trace import TraceRequest, TraceStats, iter_trace
 
+# runs no code that has a compiled twin: the pure-Python pass leaves it out (docs/testing.md)
+pytestmark = pytest.mark.twin_independent
+
 
 def _line(ts: float, n: int, ids: list[int], out: int = 10) -> str:
     return json.dumps({"timestamp": ts, "input_length": n, "output_length": out, "hash_ids": ids})

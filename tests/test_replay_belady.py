@@ -17,6 +17,9 @@ from mooncake.replay.cache import BlockCache, InfiniteCache
 from mooncake.replay.model import KVModel, PrefillModel
 from mooncake.replay.trace import TraceRequest
 
+# runs no code that has a compiled twin: the pure-Python pass leaves it out (docs/testing.md)
+pytestmark = pytest.mark.twin_independent
+
 
 @st.composite
 def prefix_traces(draw: st.DrawFn, max_nodes: int = 7, max_requests: int = 7) -> list[list[int]]:

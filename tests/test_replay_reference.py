@@ -214,6 +214,7 @@ def test_synthetic_trace_figures(synthetic: Run) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # CPU-bound: 120 s beside other tests, over 300 s beside a CPU hog
 def test_cli_end_to_end_on_both_traces(capsys: pytest.CaptureFixture[str]) -> None:
     """``mooncake replay --json`` with every policy: the numbers the docs quote (~45 s CPU)."""
     import json

@@ -13,11 +13,15 @@ was hit. Prefix traces in which most blocks are never read again never get there
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import given, settings
 
 from mooncake._core.policies import LFUPolicy, SIEVEPolicy
 from mooncake.replay.cache import BlockCache
 from tests.test_replay_belady import prefix_traces
+
+# runs no code that has a compiled twin: the pure-Python pass leaves it out (docs/testing.md)
+pytestmark = pytest.mark.twin_independent
 
 flat_traces = st.lists(
     st.lists(st.integers(0, 30), min_size=1, max_size=6, unique=True), min_size=1, max_size=60

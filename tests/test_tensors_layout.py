@@ -175,13 +175,6 @@ def test_serialized_header_bytes_equal_the_published_ones() -> None:
     torch = pytest.importorskip("torch")
     from mooncake._store.tensor_support import _serialize_tensor, _tensor_metadata_size
 
-    probe = subprocess.run(
-        [str(ANCHOR), "-c", "import torch"], capture_output=True, env=anchor_env(), cwd="/"
-    )
-    if probe.returncode != 0:
-        pytest.skip(
-            "torch is not installed in the published wheel's venv (scripts/setup-anchor.sh)"
-        )
     cases = [
         [d.torch_name, list(shape)]
         for d in tl.TensorDtype
@@ -196,6 +189,10 @@ def test_serialized_header_bytes_equal_the_published_ones() -> None:
         cwd="/",
         timeout=120,
     )
+    if res.returncode != 0 and "No module named 'torch'" in res.stderr:  # one start, not two
+        pytest.skip(
+            "torch is not installed in the published wheel's venv (scripts/setup-anchor.sh)"
+        )
     assert res.returncode == 0, res.stderr[-2000:]
     published = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(published) == len(cases)

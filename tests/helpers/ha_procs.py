@@ -25,7 +25,7 @@ import msgspec
 
 from mooncake._core import rpc
 from mooncake._core.store_types import Segment
-from tests.helpers.store_procs import _env, _readline
+from tests.helpers.store_procs import STARTUP_S, _env, _readline
 
 MiB = 1 << 20
 
@@ -63,7 +63,7 @@ class HaMaster:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=_env())
         if log:
             err.close()  # type: ignore[union-attr]
-        line = _readline(self.proc, 30)
+        line = _readline(self.proc, STARTUP_S)
         self.address = line.split("rpc=", 1)[1].split()[0]
         self.metrics = line.split("metrics=", 1)[1].split()[0]
 

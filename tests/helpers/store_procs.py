@@ -18,6 +18,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("store_client_driver.py")
+#: how long a child may take to print its ready line (a loaded machine starts Python slowly)
+STARTUP_S = 120.0
 
 
 def _env() -> dict[str, str]:
@@ -52,7 +54,7 @@ class Master:
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env()
         )
-        line = _readline(self.proc, 30)
+        line = _readline(self.proc, STARTUP_S)
         # "mooncake master: rpc=HOST:PORT metrics=... metadata=..."
         self.address = line.split("rpc=", 1)[1].split()[0]
 
@@ -84,7 +86,7 @@ class Client:
             text=True,
             env=_env(),
         )
-        hello = json.loads(_readline(self.proc, 60))
+        hello = json.loads(_readline(self.proc, STARTUP_S))
         if "error" in hello:
             raise RuntimeError(hello["error"])
         self.hostname: str = hello["hostname"]

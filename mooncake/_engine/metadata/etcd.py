@@ -21,13 +21,18 @@ No gRPC stack: etcd serves every v3 RPC as ``POST /v3/<service>/<method>`` with 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import anyio.abc
 import httpx
+from anyio.streams.memory import MemoryObjectSendStream
 
 from mooncake._engine.metadata.kv import KVStore, WatchCallback, lease_ttl_from_env
 from mooncake.errors import InvalidArgumentError, MetadataError
@@ -93,6 +98,65 @@ def parse_endpoints(rest: str) -> list[str]:
     return out
 
 
+class _Body(httpx.AsyncByteStream):
+    """A request body of one chunk whose iterator is a plain object, not an async generator.
+
+    httpx's own body stream is an async generator. A cancellation between its one chunk and the
+    end of the send (trio checkpoints inside every send) leaves that generator suspended; the GC
+    finalizes it later and trio reports it as a ``ResourceWarning``. This iterator holds
+    nothing that needs finalizing, and each ``__aiter__`` starts over (a resend sends it again).
+    """
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return _OneChunk(self._data)
+
+
+class _OneChunk:
+    def __init__(self, data: bytes) -> None:
+        self._data: bytes | None = data
+
+    def __aiter__(self) -> _OneChunk:
+        return self
+
+    async def __anext__(self) -> bytes:
+        data, self._data = self._data, None
+        if data is None:
+            raise StopAsyncIteration
+        return data
+
+
+@dataclass
+class _WatchState:
+    """What one :meth:`EtcdKV.watch` keeps across the streams it opens."""
+
+    task_status: anyio.abc.TaskStatus[None]
+    next_rev: int | None = None
+    started: bool = False
+
+
+async def _pump_lines(
+    resp: httpx.Response, send: MemoryObjectSendStream[str], errors: list[Exception]
+) -> None:
+    """Put every line of ``resp`` into ``send`` until the stream ends or fails (the error is
+    appended to ``errors``); closes ``send``.
+
+    The loop body neither awaits nor leaves the loop, so the chain of async generators behind
+    ``aiter_lines`` ends only with the stream or with an exception raised at its innermost read
+    (a cancellation of this task included): none is left suspended for the GC to finalize.
+    Lines that arrive after the reader has gone are dropped until the cancellation comes.
+    """
+    with send:
+        try:
+            async for line in resp.aiter_lines():
+                with contextlib.suppress(anyio.BrokenResourceError):
+                    send.send_nowait(line)
+        except Exception as e:  # handed to the reader, which raises it
+            errors.append(e)
+
+
 class EtcdKV(KVStore):
     leases = True
     watches = True
@@ -122,6 +186,22 @@ class EtcdKV(KVStore):
             )
         return self._client
 
+    def _request(
+        self, url: str, body: dict[str, Any], timeout: httpx.Timeout | None = None
+    ) -> httpx.Request:
+        """A JSON POST whose body is a :class:`_Body` (see there why not httpx's own)."""
+        data = json.dumps(body, separators=(",", ":")).encode()
+        client = self._c()
+        req = client.build_request(
+            "POST",
+            url,
+            content=data,
+            headers={"Content-Type": "application/json"},
+            timeout=client.timeout if timeout is None else timeout,
+        )
+        req.stream = _Body(data)
+        return req
+
     def _rotate(self, failed: int) -> None:
         if self._cur == failed and len(self.endpoints) > 1:
             self._cur = (failed + 1) % len(self.endpoints)
@@ -137,7 +217,7 @@ class EtcdKV(KVStore):
             idx = self._cur
             ep = self.endpoints[idx]
             try:
-                resp = await self._c().post(ep + path, json=body)
+                resp = await self._c().send(self._request(ep + path, body))
             except httpx.HTTPError as e:
                 errors.append(f"{ep}: {type(e).__name__}: {e}")
                 self._rotate(idx)
@@ -245,60 +325,94 @@ class EtcdKV(KVStore):
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
         p = prefix.encode()
-        next_rev: int | None = None
-        started = False
+        state = _WatchState(task_status)
         failures = 0
         while True:
             idx = self._cur
             ep = self.endpoints[idx]
             create: dict[str, Any] = {"key": _b64(p), "range_end": _b64(prefix_end(p))}
-            if next_rev is not None:
-                create["start_revision"] = next_rev
+            if state.next_rev is not None:
+                create["start_revision"] = state.next_rev
             try:
-                async with self._c().stream(
-                    "POST",
+                req = self._request(
                     ep + "/v3/watch",
-                    json={"create_request": create},
+                    {"create_request": create},
                     timeout=httpx.Timeout(None, connect=CONNECT_S),
-                ) as resp:
+                )
+                resp = await self._c().send(req, stream=True)
+                try:
                     if resp.status_code != 200:
                         raise MetadataError(f"watch on {ep}: HTTP {resp.status_code}")
-                    async for line in resp.aiter_lines():
-                        if not line.strip():
-                            continue
-                        msg = json.loads(line)
-                        result = msg.get("result") or {}
-                        if msg.get("error"):
-                            raise MetadataError(f"watch on {ep}: {msg['error']}")
-                        rev = int((result.get("header") or {}).get("revision", 0) or 0)
-                        if result.get("created") and not started:
-                            started = True
-                            task_status.started()
-                        if result.get("canceled"):
-                            compact = int(result.get("compact_revision", 0) or 0)
-                            log.warning(
-                                "etcd watch canceled (compacted at %s); restarting", compact
-                            )
-                            next_rev = None
-                            break
-                        for ev in result.get("events") or []:
-                            kv = ev.get("kv") or {}
-                            key = _unb64(kv.get("key", "")).decode("utf-8", "replace")
-                            mod = int(kv.get("mod_revision", 0) or 0)
-                            value = (
-                                None if ev.get("type") == "DELETE" else _unb64(kv.get("value", ""))
-                            )
-                            next_rev = max(next_rev or 0, mod + 1)
-                            await callback(key, value)
-                        if rev and next_rev is None:
-                            next_rev = rev + 1
+                    await self._follow_stream(ep, resp, callback, state)
+                finally:
+                    await resp.aclose()
             except (httpx.HTTPError, MetadataError, ValueError) as e:
                 failures += 1
-                if not started and failures >= 2 * len(self.endpoints):
+                if not state.started and failures >= 2 * len(self.endpoints):
                     raise MetadataError(f"{self.describe()}: cannot start a watch: {e}") from None
                 log.warning("etcd watch on %s broke: %s", ep, e)
                 self._rotate(idx)
                 await anyio.sleep(0.2)
+
+    async def _follow_stream(
+        self, ep: str, resp: httpx.Response, callback: WatchCallback, state: _WatchState
+    ) -> None:
+        """Apply the events of one watch stream until it ends, is canceled by etcd (compaction:
+        ``state.next_rev`` is reset) or fails (the error is raised here).
+
+        The stream's lines are read by a task of their own (:func:`_pump_lines`), so that
+        leaving early (a cancellation inside ``callback``, an error line) never abandons the
+        response's async generators half-way: they end at a read, where the pump is cancelled.
+        """
+        send, recv = anyio.create_memory_object_stream[str](math.inf)
+        read_errors: list[Exception] = []
+        failure: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_pump_lines, resp, send, read_errors)
+            with recv:
+                try:
+                    async for line in recv:
+                        if not line.strip():
+                            continue
+                        if not await self._apply_watch_line(ep, line, callback, state):
+                            break
+                except Exception as e:  # raised below, outside the task group (unwrapped)
+                    failure = e
+                finally:
+                    tg.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        if read_errors:
+            raise read_errors[0]
+
+    @staticmethod
+    async def _apply_watch_line(
+        ep: str, line: str, callback: WatchCallback, state: _WatchState
+    ) -> bool:
+        """One message of the watch stream; False when etcd canceled the watch."""
+        msg = json.loads(line)
+        result = msg.get("result") or {}
+        if msg.get("error"):
+            raise MetadataError(f"watch on {ep}: {msg['error']}")
+        rev = int((result.get("header") or {}).get("revision", 0) or 0)
+        if result.get("created") and not state.started:
+            state.started = True
+            state.task_status.started()
+        if result.get("canceled"):
+            compact = int(result.get("compact_revision", 0) or 0)
+            log.warning("etcd watch canceled (compacted at %s); restarting", compact)
+            state.next_rev = None
+            return False
+        for ev in result.get("events") or []:
+            kv = ev.get("kv") or {}
+            key = _unb64(kv.get("key", "")).decode("utf-8", "replace")
+            mod = int(kv.get("mod_revision", 0) or 0)
+            value = None if ev.get("type") == "DELETE" else _unb64(kv.get("value", ""))
+            state.next_rev = max(state.next_rev or 0, mod + 1)
+            await callback(key, value)
+        if rev and state.next_rev is None:
+            state.next_rev = rev + 1
+        return True
 
     async def aclose(self) -> None:
         lid, self.lease_id = self.lease_id, None
