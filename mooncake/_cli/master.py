@@ -444,6 +444,12 @@ _OWN_FLAGS: dict[str, tuple[str, str, str]] = {
         "a standby takes over once the leader's RPC port refuses connections",
     ),
     "snapshot_log_entries": ("int32", "10000", "HA: also snapshot after this many log batches"),
+    "ha_ack_mode": (
+        "string",
+        "etcd",
+        "HA: when a mutation is acknowledged: etcd (its log entry is in etcd) or replica (held"
+        " by every in-sync standby, etcd written behind; docs/store.md)",
+    ),
     "version": ("bool", "false", "show the version and exit"),
     "help": ("bool", "false", "show this help and exit"),
     "helpfull": ("bool", "false", "show this help and exit"),
