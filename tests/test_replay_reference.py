@@ -215,33 +215,33 @@ def test_synthetic_trace_figures(synthetic: Run) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # CPU-bound: 120 s beside other tests, over 300 s beside a CPU hog
-def test_cli_end_to_end_on_both_traces(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("name", ["conversation", "synthetic"])  # one per worker under xdist
+def test_cli_end_to_end_on_both_traces(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     """``mooncake replay --json`` with every policy: the numbers the docs quote (~45 s CPU)."""
     import json
 
     from mooncake._cli import main
 
     assert TRACES is not None
-    for name in ("conversation", "synthetic"):
-        assert main(["replay", _trace(name), "--json"]) == 0
-        doc = json.loads(capsys.readouterr().out)
-        best = doc["max"]
-        for c in doc["caches"]:
-            assert c["hit_blocks"] <= best["hit_blocks"], c["name"]
-            assert c["token_hit_rate"] <= best["token_hit_rate"], c["name"]
-        lru = {
-            c["capacity_blocks"]: c["block_hit_rate"]
-            for c in doc["caches"]
-            if c["scope"] == "global" and c["policy"] == "lru"
-        }
-        assert list(lru.values()) == sorted(lru.values())  # grows with capacity
-        ttft = {s["strategy"]: s["ttft_mean_s"] for s in doc["schedules"]}
-        assert ttft["global_cache_aware"] < ttft["local_cache_aware"] < ttft["load_balance"]
-        assert ttft["load_balance"] < ttft["random"]
-        if name == "conversation":
-            assert [round(100 * lru[c], 2) for c in LRU_SWEEP] == [
-                4.45, 5.37, 11.04, 21.12, 28.75, 35.46,
-            ]  # fmt: skip
+    assert main(["replay", _trace(name), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    best = doc["max"]
+    for c in doc["caches"]:
+        assert c["hit_blocks"] <= best["hit_blocks"], c["name"]
+        assert c["token_hit_rate"] <= best["token_hit_rate"], c["name"]
+    lru = {
+        c["capacity_blocks"]: c["block_hit_rate"]
+        for c in doc["caches"]
+        if c["scope"] == "global" and c["policy"] == "lru"
+    }
+    assert list(lru.values()) == sorted(lru.values())  # grows with capacity
+    ttft = {s["strategy"]: s["ttft_mean_s"] for s in doc["schedules"]}
+    assert ttft["global_cache_aware"] < ttft["local_cache_aware"] < ttft["load_balance"]
+    assert ttft["load_balance"] < ttft["random"]
+    if name == "conversation":
+        assert [round(100 * lru[c], 2) for c in LRU_SWEEP] == [
+            4.45, 5.37, 11.04, 21.12, 28.75, 35.46,
+        ]  # fmt: skip
 
 
 @pytest.mark.slow
