@@ -15,8 +15,8 @@ import pytest
 import trio
 
 from mooncake._core import auth, rpc
-from mooncake._core.master import MasterConfig
-from mooncake._core.store_types import Segment
+from mooncake._core.master import MasterConfig, MasterState
+from mooncake._core.store_types import ReplicateConfig, Segment
 from mooncake._store.master import MasterServer, MasterServerConfig, serve_master
 from mooncake.errors import ObjectNotFoundError
 
@@ -332,5 +332,32 @@ def test_at_the_connection_cap_an_idle_connection_gives_way(threaded: bool) -> N
                             await a.receive()  # the longest idle: closed
                     assert await call(b, 2, "ServiceReady", rpc.Empty()) == rpc.VERSION
             assert server.slots.evicted == 1
+
+    trio.run(main)
+
+
+def test_a_restored_master_sweeps_on_its_restored_clock(tmp_path: Any) -> None:
+    """A master restored from a snapshot goes on from the snapshot's clock: its sweeper expires
+    clients by that clock, not by the loop's raw one (trio's starts at a random 10^4-2*10^5 s,
+    so a client restored with 600 s left was dropped at the first sweep whenever that raw time
+    lay past its deadline, taking every key with it)."""
+    from mooncake._store.snapshots import DirSnapshots, Snapshot, SnapshotConfig
+
+    cfg = MasterConfig(seed=0, client_ttl=600.0)
+    state = MasterState(cfg)
+    state.mount_segment("a", seg(), 1.0)
+    state.put_start("a", "k", 64, ReplicateConfig(), 1.0)
+    state.put_end("a", "k", 1.0)
+    state.settle()
+    DirSnapshots(tmp_path, "mooncake_cluster", 2).write_sync(Snapshot(1, state.snapshot(), 1.0))
+
+    async def main() -> None:
+        assert anyio.current_time() > 1.0 + 600.0  # the raw clock is past the client's deadline
+        snap = SnapshotConfig(directory=str(tmp_path), restore=True, interval=3600.0)
+        async with master(False, snapshot=snap) as server:
+            assert server.state.readable_keys() == ["k"]
+            await anyio.sleep(20 * server.config.sweep_interval)  # several sweeps
+            assert server.state.readable_keys() == ["k"]
+            assert "a" in server.state._clients
 
     trio.run(main)

@@ -679,7 +679,8 @@ class MasterServer:
                 if ha is None:
                     if stalled > 0:
                         self.state.credit_stall(stalled + interval)
-                    self.state.sweep(now)
+                    # the state's clock (a restored master goes on from its snapshot's)
+                    self.state.sweep(self.now())
                 elif ha.refusal() is None:  # a replicated master sweeps only as the leader
                     now = self.now()
                     if stalled > 0:
