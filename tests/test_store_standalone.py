@@ -247,3 +247,44 @@ def test_hostile_dummies_cannot_crash_the_standalone_client(
     assert d.setup_dummy(0, 1 * MIB, address) == 0
     assert d.put("after", b"ok") == 0 and d.get("after") == b"ok"
     d.close()
+
+
+def test_tensor_calls_through_a_dummy_client(standalone: tuple[str, str]) -> None:
+    """The tensor methods work through a dummy (their staging memory is shared with the
+    standalone client): plain, batch, upsert, ``_from``/``_into``, TP and parallelism forms."""
+    torch = pytest.importorskip("torch")
+    from mooncake._store.facade_tensors import ParallelAxis, ReadTarget, TensorParallelism
+
+    address, _ = standalone
+    d = MooncakeDistributedStore()
+    assert d.setup_dummy(16 * MIB, 4 * MIB, address) == 0
+    try:
+        t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+        assert d.put_tensor("t", t) == 0
+        got = d.get_tensor("t")
+        assert got is not None and torch.equal(got, t)
+        n = d.get_size("t")
+        p = d.alloc_from_mem_pool(n)
+        assert n > 0 and p != 0 and d.register_buffer(p, n) == 0
+        into = d.get_tensor_into("t", p, n)
+        assert into is not None and torch.equal(into, t)
+        assert d.put_tensor_from("t_from", p, n) == 0
+        assert torch.equal(d.get_tensor("t_from"), t)
+        assert list(d.batch_put_tensor(["b0", "b1"], [t, t + 1])) == [0, 0]
+        b = d.batch_get_tensor(["b0", "b1"])
+        assert torch.equal(b[0], t) and torch.equal(b[1], t + 1)
+        assert d.upsert_tensor("t", t * 2) == 0 and torch.equal(d.get_tensor("t"), t * 2)
+        assert d.put_tensor_with_tp("tp", t, tp_rank=0, tp_size=2, split_dim=1) == 0
+        assert torch.equal(d.get_tensor_with_tp("tp", tp_rank=1, tp_size=2), t[:, 2:])
+        big = torch.arange(3 * MIB // 4, dtype=torch.float32)  # grows the staging buffer
+        assert d.put_tensor("big", big) == 0 and torch.equal(d.get_tensor("big"), big)
+        a = ParallelAxis()
+        a.kind, a.rank, a.size, a.split_dim = "tp", 0, 1, 0
+        par = TensorParallelism()
+        par.axes = [a]
+        assert d.put_tensor_with_parallelism("par", t, par) == 0
+        rt = ReadTarget()
+        rt.mode, rt.parallelism = "shard", par
+        assert torch.equal(d.get_tensor_with_parallelism("par", rt), t)
+    finally:
+        assert d.close() == 0

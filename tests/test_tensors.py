@@ -343,3 +343,67 @@ def test_without_torch_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch
         s.get_tensor("k")
     with pytest.raises(ImportError):
         s.batch_get_tensor(["k"])
+
+
+def _mode_par(mode: str, rank: int, size: int, split_dim: int) -> Any:
+    """The request shapes the published tests build for each parallelism mode."""
+    tp = axis("tp", rank, size, split_dim)
+    if mode == "tp":
+        return par(tp)
+    if mode == "dp_tp":
+        return par(axis("dp", 0, 2), tp)
+    if mode == "pp_tp":
+        return par(axis("pp", 0, 2, stage_id=7), tp)
+    assert mode == "ep_tp"
+    return par(axis("ep", 0, 2, expert_id=11), tp)
+
+
+@pytest.mark.parametrize(
+    ("index", "shape", "split_dim", "put_tp", "get_tp", "mode"),
+    [
+        (0, (8, 12, 6), 0, 4, 2, "tp"),
+        (1, (8, 12, 6), 1, 4, 2, "dp_tp"),
+        (2, (8, 12, 6), 2, 2, 4, "pp_tp"),
+        (3, (8, 12, 6), 1, 2, 4, "ep_tp"),
+        (4, (12, 8, 6), 0, 2, 2, "tp"),
+        (5, (12, 8, 8), 2, 4, 4, "dp_tp"),
+        (6, (8, 12, 6), 0, 2, 4, "tp"),
+        (7, (8, 12, 6), 2, 2, 4, "tp"),
+    ],
+)
+def test_shard_reads_resplit_to_the_requested_tp_size(
+    store: Store,
+    buf: Any,
+    index: int,
+    shape: tuple[int, ...],
+    split_dim: int,
+    put_tp: int,
+    get_tp: int,
+    mode: str,
+) -> None:
+    """Written with ``put_tp`` writers, a shard read for ``get_tp`` ranks is rank's chunk of
+    the full tensor (``tensor.chunk(get_tp, split_dim)[rank]``), direct and into a buffer; a
+    TP size that does not divide the dimension reads None."""
+    full = torch.arange(int(np.prod(shape)), dtype=torch.float32).reshape(shape)
+    key = f"resplit_{index}"
+    for r in range(put_tp):
+        value = full.chunk(put_tp, split_dim)[r].contiguous() if mode == "tp" else full
+        assert (
+            store.put_tensor_with_parallelism(key, value, _mode_par(mode, r, put_tp, split_dim))
+            == 0
+        )
+    if shape[split_dim] % get_tp:
+        req = target("shard", _mode_par(mode, 0, get_tp, split_dim))
+        assert store.get_tensor_with_parallelism(key, req) is None
+        return
+    for r in range(get_tp):
+        expected = full.chunk(get_tp, split_dim)[r].contiguous()
+        req = target("shard", _mode_par(mode, r, get_tp, split_dim))
+        got = store.get_tensor_with_parallelism(key, req)
+        assert got is not None and torch.equal(got, expected), (mode, r)
+        into = store.get_tensor_with_parallelism_into(key, buf.ctypes.data, buf.nbytes, req)
+        assert into is not None and torch.equal(into, expected), (mode, r)
+    whole = store.get_tensor_with_parallelism(
+        key, target("full", _mode_par(mode, 0, get_tp, split_dim))
+    )
+    assert whole is not None and torch.equal(whole, full)

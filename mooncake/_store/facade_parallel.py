@@ -14,7 +14,10 @@ Write routes, as the published binding takes them:
 Reads take a ``ReadTarget``: ``as_stored`` (no parallelism) is ``get_tensor``; ``shard`` reads
 the request's shard (checking its header matches the request), else a writer-partition shard
 with the same TP split, else cuts it from the reconstructed full tensor; ``full`` concatenates
-all shards along the split dimension (writer shards when no parallelism is given). A manifest
+all shards along the split dimension (writer shards when no parallelism is given). Reconstruction
+uses the shards as written (their count from the parallelism manifest, else the ``key_tp_0``
+header), so a reader may ask for another TP size than the writers used: rank ``r`` of ``n``
+gets ``full.chunk(n, split_dim)[r]``, and None when ``n`` does not divide the dimension. A manifest
 write that finds the manifest already there (another rank wrote it) counts as success.
 """
 
@@ -302,7 +305,7 @@ class ParallelTensorMethods:
             if axes is not None:  # a lone TP axis: its shards, else writer shards
                 a = axes[0]
                 assert a.split_dim is not None
-                r = self._tp_concat([tl.tp_key(key, i) for i in range(a.size)], a.split_dim)
+                r = self._tp_concat(self._tp_stored_keys(key, axes, 0), a.split_dim)
                 if r is not None:
                     return r
             man_raw = self._tm_read_raw(tl.writer_manifest_key(key))
@@ -325,14 +328,35 @@ class ParallelTensorMethods:
         if ti is None:
             log.error("full reconstruction requires a TP axis")
             return None
+        return self._tp_concat(self._tp_stored_keys(key, axes, ti), axes[ti].split_dim or 0)
+
+    def _tp_stored_keys(self, key: str, axes: Sequence[tl.AxisSpec], ti: int) -> list[str]:
+        """Keys of the shards of ``key`` as they were *written*, for a request whose TP axis is
+        ``axes[ti]``: the writers' shard count comes from the parallelism manifest, else (a
+        lone TP axis) from the ``key_tp_0`` header, else it is the request's TP size. The
+        request may then re-split the tensor with another TP size."""
         tp = axes[ti]
-        assert tp.split_dim is not None
+        count = tp.size
+        man_raw = self._tm_read_raw(tl.parallelism_manifest_key(key))
+        if man_raw is not None:
+            m = tl.parse_manifest(man_raw)
+            if m.split_dim != tp.split_dim:
+                raise InvalidArgumentError(
+                    f"split_dim {tp.split_dim} does not match the stored {m.split_dim}"
+                )
+            count = m.shard_count
+        elif len(axes) == 1:
+            first = self._tm_read([tl.tp_key(key, 0)])[0]
+            if first is not None:
+                stored = tl.axes_from_metadata(first[0])
+                if len(stored) == 1 and stored[0].split_dim == tp.split_dim:
+                    count = stored[0].size
         keys = []
-        for rank in range(tp.size):
+        for rank in range(count):
             req = list(axes)
-            req[ti] = tl.AxisSpec(tp.kind, rank, tp.size, tp.split_dim, tp.expert_id, tp.stage_id)
+            req[ti] = tl.AxisSpec(tp.kind, rank, count, tp.split_dim, tp.expert_id, tp.stage_id)
             keys.append(tl.parallelism_key(key, req))
-        return self._tp_concat(keys, tp.split_dim)
+        return keys
 
     def _tm_read_raw(self, key: str) -> Any:
         hs = self.batch_get_buffer([key])  # type: ignore[attr-defined]

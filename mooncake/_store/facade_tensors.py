@@ -84,6 +84,7 @@ class _Staging:
         self.buf: np.ndarray[Any, Any] | None = None
         self.addr = 0
         self.owner: object = None  # the client the buffer is registered with
+        self.free: Callable[[int], int] | None = None  # frees buf's memory (a dummy's)
         self.slot = _MIN_STAGING  # bytes per key in batch reads (the largest object seen)
 
 
@@ -131,20 +132,37 @@ class TensorMethods(ParallelTensorMethods):
         return st
 
     def _tm_reserve(self, st: _Staging, nbytes: int) -> int:
-        """Address of >= ``nbytes`` registered staging bytes (call with ``st.lock`` held)."""
-        owner = getattr(self, "_store", None)
+        """Address of >= ``nbytes`` registered staging bytes (call with ``st.lock`` held).
+        On a dummy client the buffer is shared memory, which its ``register_buffer`` shares
+        with the standalone client (plain memory it refuses)."""
+        dummy = getattr(self, "_dummy", None)
+        owner = dummy if dummy is not None else getattr(self, "_store", None)
         if st.buf is not None and st.owner is owner and st.buf.nbytes >= nbytes:
             return st.addr
         if st.buf is not None and st.owner is owner:
             self.unregister_buffer(st.addr)
+        old_free, old_addr = st.free, st.addr
+        st.buf, st.addr, st.owner, st.free = None, 0, None, None
+        if old_free is not None:
+            old_free(old_addr)
         size = max(_MIN_STAGING, 1 << max(nbytes - 1, 1).bit_length())
-        buf = np.empty(size, dtype=np.uint8)
+        free: Callable[[int], int] | None = None
+        if dummy is not None:  # a dummy registers only memory its standalone client can map
+            addr = int(dummy.overflow.alloc(size))  # shared (memfd) host memory
+            free = dummy.overflow.free
+            if addr == 0:
+                raise MooncakeError(f"could not allocate a {size}-byte shared staging buffer")
+            buf = np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(addr))
+        else:
+            buf = np.empty(size, dtype=np.uint8)
+            addr = int(buf.ctypes.data)
         buf.fill(0)  # pre-fault: first touch of fresh pages is slow
-        addr = int(buf.ctypes.data)
         rc = self.register_buffer(addr, size)
         if rc != 0:
+            if free is not None:
+                free(addr)
             raise MooncakeError(f"could not register a {size}-byte tensor staging buffer ({rc})")
-        st.buf, st.addr, st.owner = buf, addr, owner
+        st.buf, st.addr, st.owner, st.free = buf, addr, owner, free
         return addr
 
     def _tm_direct(self) -> tuple[FastPath, Store] | None:
