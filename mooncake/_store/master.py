@@ -676,13 +676,12 @@ class MasterServer:
             stalled, last = now - last - 2 * interval, now
             try:
                 ha = self.ha
+                now = self.now()  # the state's clock (a restored master goes on from its own)
                 if ha is None:
                     if stalled > 0:
                         self.state.credit_stall(stalled + interval)
-                    # the state's clock (a restored master goes on from its snapshot's)
-                    self.state.sweep(self.now())
+                    self.state.sweep(now)
                 elif ha.refusal() is None:  # a replicated master sweeps only as the leader
-                    now = self.now()
                     if stalled > 0:
                         self.run_command(commands.CreditStall(stalled + interval, now))
                     self.run_command(commands.Sweep(now))
