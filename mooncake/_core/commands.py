@@ -32,7 +32,7 @@ from typing import Any
 
 import msgspec
 
-from mooncake._core import rpc
+from mooncake._core import rpc, tenantscope
 from mooncake._core.dedup import StaleRequestError
 from mooncake._core.master import MasterState
 from mooncake._core.misses import Miss
@@ -246,6 +246,7 @@ SCAN_APPLY: dict[str, Callable[[MasterState, Any, list[str], float], Any]] = {
     "GetReplicaListByRegex": lambda s, p, keys, now: s.replica_lists_of(keys, now),
     "RemoveByRegex": lambda s, p, keys, now: s.remove_keys(keys, p.force, now),
 }
+tenantscope.wrap(HANDLERS, SCAN_APPLY)  # keys scoped by the caller's tenant
 
 
 def decode(method: str, params: bytes | msgspec.Raw) -> Any:

@@ -72,7 +72,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mooncake._core import auth, commands, rpc
+from mooncake._core import auth, commands, rpc, tenantscope
 from mooncake._core.master import MasterConfig, MasterState
 from mooncake._engine import _accept
 from mooncake._store.keyscan import DEFAULT_BUDGET_S, SCAN_METHODS, KeyScanner
@@ -368,7 +368,9 @@ class MasterServer:
         try:
             params = rpc.decode_params(req)
             assert isinstance(params, rpc.RegexParams)
-            keys = await self.scanner.matching(self.state.readable_keys(), params.regex)
+            keys = await self.scanner.matching(
+                tenantscope.scan_keys(self.state, params.tenant), params.regex
+            )
         except MooncakeError as e:
             self.requests[req.method] += 1
             self.failures[req.method] += 1
