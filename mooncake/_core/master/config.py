@@ -198,8 +198,9 @@ def format_miss(miss: Miss) -> str:
 _MISS_RE = re.compile(r"\[miss ((?:\w+=[^\s\]]*\s?)+)\]")
 
 
-def parse_miss(key: str, message: str) -> Miss | None:
-    """The :class:`Miss` in an ``OBJECT_NOT_FOUND`` message, or None if it carries none."""
+def parse_miss(key: str, message: str, tenant: str = "") -> Miss | None:
+    """The :class:`Miss` in an ``OBJECT_NOT_FOUND`` message, or None if it carries none;
+    ``tenant``: the caller's (the message's ``tenant=`` field wins)."""
     m = _MISS_RE.search(message)
     if m is None:
         return None
@@ -214,5 +215,5 @@ def parse_miss(key: str, message: str) -> Miss | None:
         policy=fields.get("policy", ""),
         tier=fields.get("tier", ""),
         owner=fields.get("owner", ""),
-        tenant=fields.get("tenant", ""),
+        tenant=fields.get("tenant", tenant),
     )
