@@ -78,7 +78,12 @@ from mooncake._engine import _accept
 from mooncake._store.keyscan import DEFAULT_BUDGET_S, SCAN_METHODS, KeyScanner
 from mooncake._store.rpc_thread import Handoff, RpcThread, usable
 from mooncake._store.serving import ReplyBudget, frame_deadline
-from mooncake._store.tenancy import TenantBindings, tenant_quotas_http
+from mooncake._store.tenancy import (
+    TenantBindings,
+    tenant_metrics,
+    tenant_quotas_http,
+    tenant_status,
+)
 from mooncake.errors import (
     ErrorCode,
     InvalidArgumentError,
@@ -792,6 +797,7 @@ class MasterServer:
             "tiers": tiers,
             "segment_list": segments,
             "client_list": [{"client_id": k, **v} for k, v in sorted(clients.items())],
+            "tenants": tenant_status(s.tenants),
             "counters": {
                 "gets": st.gets,
                 "get_misses": st.get_misses,
@@ -889,6 +895,7 @@ class _MasterCollector(Collector):
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(name, doc, value=value)
 
+        yield from tenant_metrics(s.tenants)
         yield gauge("master_key_count", "Objects with a readable version", s.object_count)
         yield gauge("master_allocated_bytes", "Bytes allocated in mounted segments", s.used_bytes)
         yield gauge(

@@ -20,7 +20,10 @@ from mooncake._core.master.tenants import check_tenant
 from mooncake._core.tenantscope import TENANT_SCOPED
 from mooncake.errors import IllegalClientError, InvalidArgumentError
 
-__all__ = ["TenantBindings"]
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+__all__ = ["TenantBindings", "tenant_metrics", "tenant_quotas_http", "tenant_status"]
 
 
 class TenantBindings:
@@ -130,3 +133,36 @@ def tenant_quotas_http(server: Any, method: str, query: str) -> tuple[int, str, 
         return answer(200, {"success": True, "data": _snapshot(ledger, tenant)})
     except InvalidArgumentError as e:
         return answer(400, {"success": False, "error_code": int(e.code), "message": str(e)})
+
+
+def tenant_metrics(ledger: Any) -> Iterator[Metric]:
+    """The per-tenant Prometheus families (label ``tenant``; named tenants only)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    fams = {
+        "bytes": GaugeMetricFamily(
+            "master_tenant_bytes", "Logical bytes a tenant holds (quota charge)", labels=["tenant"]
+        ),
+        "objects": GaugeMetricFamily(
+            "master_tenant_objects", "Objects a tenant holds", labels=["tenant"]
+        ),
+        "quota_bytes": GaugeMetricFamily(
+            "master_tenant_quota_bytes", "A tenant's byte quota (0: none)", labels=["tenant"]
+        ),
+        "quota_objects": GaugeMetricFamily(
+            "master_tenant_quota_objects", "A tenant's object quota (0: none)", labels=["tenant"]
+        ),
+        "refused": CounterMetricFamily(
+            "master_tenant_quota_refusals", "Writes refused for quota", labels=["tenant"]
+        ),
+    }
+    for t in ledger.tenants():
+        u = ledger.usage(t)
+        for k, fam in fams.items():
+            fam.add_metric([t], u[k])
+    yield from fams.values()
+
+
+def tenant_status(ledger: Any) -> list[dict[str, Any]]:
+    """The ``tenants`` rows of the master's ``/status`` (``mooncake top``)."""
+    return [_snapshot(ledger, t) for t in ledger.tenants()]
