@@ -28,6 +28,7 @@ import os
 
 SECRET_ENV = "MOONCAKE_CLUSTER_SECRET"
 TENANT_SECRET_ENV = "MOONCAKE_TENANT_SECRET"
+TENANT_AUTH_SECRET_ENV = "MOONCAKE_TENANT_AUTH_SECRET"
 NONCE_BYTES = 32
 PROOF_BYTES = 32
 _TAG = b"mooncake-auth-v1"
@@ -36,6 +37,7 @@ __all__ = [
     "NONCE_BYTES",
     "PROOF_BYTES",
     "SECRET_ENV",
+    "TENANT_AUTH_SECRET_ENV",
     "TENANT_SECRET_ENV",
     "check_hex",
     "client_proof",
@@ -77,13 +79,14 @@ def client_proof(
 
 
 def tenant_key(secret: bytes, tenant: str) -> bytes:
-    """The key of ``tenant`` derived from the cluster ``secret`` (hex text, as bytes)::
+    """The key of ``tenant`` derived from ``secret`` (the master's tenant secret
+    ``MOONCAKE_TENANT_AUTH_SECRET``, else the cluster secret; hex text, as bytes)::
 
         tenant_key = hex(HMAC-SHA256(secret, "mooncake-tenant-v1" 0x00 tenant))
 
     A client given only this key (``MOONCAKE_TENANT_SECRET``) authenticates to the master as
     ``tenant`` (``AuthHello`` names it; both proofs use this key instead of the secret) and the
-    master binds the connection to it: it cannot derive another tenant's key, nor the secret.
+    master binds the connection to it: it cannot derive another tenant's key, nor ``secret``.
     """
     msg = _TAG.replace(b"auth", b"tenant") + b"\0" + tenant.encode()
     return hmac.new(secret, msg, hashlib.sha256).hexdigest().encode()

@@ -641,7 +641,7 @@ class MasterServer:
                 True,
             )
 
-        if self.secret is None:
+        if self.secret is None and self.tenant_bindings.secret is None:
             text = "no cluster secret is configured on this master"
             return (
                 rpc.encode_error(req.id, ErrorCode.NOT_SUPPORTED, text, max_frame=mf),
@@ -649,17 +649,17 @@ class MasterServer:
                 None,
                 False,
             )
-        if authed:
+        try:
+            params = rpc.decode_params(req)
+        except MooncakeError:
+            params = None
+        if authed and not self.tenant_bindings.binding_hello(params, nonces):
             return (
                 rpc.encode_error(req.id, ErrorCode.RPC_FAIL, "already authenticated", max_frame=mf),
                 True,
                 None,
                 False,
             )
-        try:
-            params = rpc.decode_params(req)
-        except MooncakeError:
-            params = None
         if req.method == "AuthHello" and isinstance(params, rpc.AuthHelloParams) and nonces is None:
             if len(params.nonce) != auth.NONCE_BYTES:
                 return refuse("bad client nonce")

@@ -1,18 +1,25 @@
 """Connections bound to a tenant by its derived key (the master's side of tenant binding).
 
-With the cluster secret set, a client may authenticate with its tenant's key instead
-(:func:`mooncake._core.auth.tenant_key`): its ``AuthHello`` names the tenant, both proofs use
-that tenant's key, and on success the master binds the connection to the tenant. Every
-tenant-scoped call (:data:`~mooncake._core.tenantscope.TENANT_SCOPED`) on a bound connection
-must name that tenant, else it is refused with ``ILLEGAL_CLIENT`` and nothing is applied. A
-connection authenticated with the cluster secret itself is not bound (it may name any tenant:
-operators, trusted services).
+Tenant keys (:func:`mooncake._core.auth.tenant_key`) are derived from the master's *tenant
+secret* ``MOONCAKE_TENANT_AUTH_SECRET`` (held by the master alone), or, without one, from the
+cluster secret. A client given its tenant's key (``MOONCAKE_TENANT_SECRET``) authenticates its
+master connections with it: ``AuthHello`` names the tenant, both proofs use that tenant's key,
+and on success the master binds the connection to the tenant. Every tenant-scoped call
+(:data:`~mooncake._core.tenantscope.TENANT_SCOPED`) on a bound connection must name that
+tenant, else it is refused with ``ILLEGAL_CLIENT`` and nothing is applied.
+
+With a tenant secret the binding is *required*: a call naming a tenant on a connection not
+bound to it is refused, so knowing the cluster secret (which the data plane needs) does not let
+a client act as a tenant; only the holder of that tenant's key can. Without one, binding is
+voluntary: a connection authenticated with the cluster secret itself may name any tenant.
 """
 
 from __future__ import annotations
 
+import os
 import socket
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 from mooncake._core import auth
@@ -29,27 +36,50 @@ __all__ = ["TenantBindings", "tenant_metrics", "tenant_quotas_http", "tenant_sta
 class TenantBindings:
     """Which connections are bound to which tenant (keys: the served sockets)."""
 
-    __slots__ = ("_bound", "_pending")
+    __slots__ = ("_bound", "_pending", "secret")
 
-    def __init__(self) -> None:
+    def __init__(self, secret: bytes | None = None) -> None:
+        self.secret = (
+            secret
+            if secret is not None
+            else auth.load_secret(os.environ.get(auth.TENANT_AUTH_SECRET_ENV, ""))
+        )
+        """The tenant secret (``MOONCAKE_TENANT_AUTH_SECRET``): binding required when set."""
         self._bound: dict[socket.socket, str] = {}
         self._pending: dict[socket.socket, str] = {}
 
-    def hello_key(self, secret: bytes, sock: socket.socket | None, tenant: str) -> bytes:
-        """The key an ``AuthHello`` naming ``tenant`` (``""``: none) is answered with;
-        ``InvalidArgumentError`` for a bad tenant name or no connection to bind."""
+    def binding_hello(self, params: Any, nonces: Any) -> bool:
+        """Whether an authenticated connection's request is an ``AuthHello`` that binds it
+        to a tenant (allowed once, with a tenant secret)."""
+        return (
+            self.secret is not None
+            and nonces is None
+            and type(params).__name__ == "AuthHelloParams"
+            and bool(getattr(params, "tenant", ""))
+        )
+
+    def hello_key(self, secret: bytes | None, sock: socket.socket | None, tenant: str) -> bytes:
+        """The key an ``AuthHello`` naming ``tenant`` (``""``: none) is answered with
+        (``secret``: the cluster secret); ``InvalidArgumentError`` for a bad tenant name, no
+        connection to bind, or nothing to authenticate with."""
         if not tenant:
+            if secret is None:
+                raise InvalidArgumentError("this master takes tenant keys only: name a tenant")
             return secret
         name = check_tenant(tenant)
-        if not name or sock is None:
+        base = self.secret if self.secret is not None else secret
+        if not name or sock is None or base is None:
             raise InvalidArgumentError(f"cannot bind a connection to tenant {tenant!r}")
         self._pending[sock] = name
-        return auth.tenant_key(secret, name)
+        return auth.tenant_key(base, name)
 
-    def prove_key(self, secret: bytes, sock: socket.socket | None) -> tuple[bytes, str]:
+    def prove_key(self, secret: bytes | None, sock: socket.socket | None) -> tuple[bytes, str]:
         """The key the ``AuthProve`` is checked with, and the tenant it binds (``""``)."""
         name = self._pending.pop(sock, "") if sock is not None else ""
-        return (auth.tenant_key(secret, name) if name else secret), name
+        base = self.secret if self.secret is not None and name else secret
+        if base is None:
+            return b"", ""  # no proof can match: refused
+        return (auth.tenant_key(base, name) if name else base), name
 
     def bind(self, sock: socket.socket | None, tenant: str) -> None:
         if sock is not None and tenant:
@@ -62,10 +92,18 @@ class TenantBindings:
 
     def check(self, sock: socket.socket | None, method: str, params: Any) -> None:
         """Refuse a call on a bound connection that names another tenant."""
-        if sock is None or not self._bound:
+        if sock is None or (not self._bound and self.secret is None):
+            return
+        if method not in TENANT_SCOPED:
             return
         bound = self._bound.get(sock)
-        if bound is None or method not in TENANT_SCOPED:
+        if bound is None:
+            named = getattr(params, "tenant", "")
+            if self.secret is not None and named:
+                raise IllegalClientError(
+                    f"{method}: tenant {named!r} must authenticate with its tenant key "
+                    "(MOONCAKE_TENANT_SECRET) to act as that tenant"
+                )
             return
         if getattr(params, "tenant", "") != bound:
             raise IllegalClientError(

@@ -4,6 +4,9 @@
 
 * ``write PREFIX N SIZE``: put ``N`` objects ``PREFIX{i}`` of ``SIZE`` bytes (each filled with
   the tenant's name), stopping at the first refusal; prints ``{"stored": [...], "codes": [...]}``.
+* ``hold``: mounts its segment (``TENANT_CLIENT_SEGMENT`` bytes, default 4 MiB, as every
+  mode) and keeps it until stdin closes (other clients run with ``TENANT_CLIENT_SEGMENT=0``,
+  so what they store outlives them).
 * ``read KEY...``: prints ``{"values": {key: bytes as latin-1 or null}, "exist": [...]}``.
 * ``remove KEY...``: prints ``{"codes": [...]}``; ``remove_all``: ``{"removed": n, ...}``.
 """
@@ -11,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -19,12 +23,16 @@ def main() -> None:
     from mooncake.store import MooncakeDistributedStore
 
     s = MooncakeDistributedStore()
-    rc = s.setup("127.0.0.1", "P2PHANDSHAKE", 4 << 20, 4 << 20, "tcp", "", master, tenant_id=tenant)
+    segment = int(os.environ.get("TENANT_CLIENT_SEGMENT", str(4 << 20)))
+    rc = s.setup("127.0.0.1", "P2PHANDSHAKE", segment, 4 << 20, "tcp", "", master, tenant_id=tenant)
     if rc != 0:
         print(json.dumps({"setup": rc}), flush=True)
         sys.exit(1)
     out: dict[str, object] = {}
-    if mode == "write":
+    if mode == "hold":  # contributes its segment until stdin closes
+        print(json.dumps({"ready": True}), flush=True)
+        sys.stdin.read()
+    elif mode == "write":
         prefix, n, size = rest[0], int(rest[1]), int(rest[2])
         stored, codes = [], []
         fill = (tenant.encode() * size)[:size]
