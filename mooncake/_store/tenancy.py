@@ -177,7 +177,7 @@ def tenant_metrics(ledger: Any) -> Iterator[Metric]:
     """The per-tenant Prometheus families (label ``tenant``; named tenants only)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    fams = {
+    fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
         "bytes": GaugeMetricFamily(
             "master_tenant_bytes", "Logical bytes a tenant holds (quota charge)", labels=["tenant"]
         ),
