@@ -198,8 +198,10 @@ class TenantLedger:
         if new_object:
             self._held_objects[tenant] = self._held_objects.get(tenant, 0) + 1
 
-    def settle(self, deltas: Iterable[tuple[str, int, int]]) -> None:
+    def settle(self, deltas: list[tuple[str, int, int]]) -> None:
         """Apply the command's ``(tenant, bytes, objects)`` changes; drop what it held."""
+        if not deltas and not self._held_bytes:
+            return
         b, o = self.bytes, self.objects
         for tenant, db, do in deltas:
             nb = b.get(tenant, 0) + db
@@ -233,7 +235,7 @@ class TenantLedger:
 
     def check(self, actual: dict[str, tuple[int, int]]) -> None:
         """Raise ``AssertionError`` unless the settled usage equals ``actual`` (tenant ->
-        (bytes, objects), recomputed from the objects) and no tenant is over its quota."""
+        (bytes, objects), recomputed from the objects) and nothing held is left unsettled."""
         got = {t: (self.bytes.get(t, 0), self.objects.get(t, 0)) for t in self.tenants()}
         want = {t: v for t, v in actual.items() if v != (0, 0)}
         got = {t: v for t, v in got.items() if v != (0, 0)}
