@@ -168,6 +168,8 @@ def tenant_quotas_http(server: Any, method: str, query: str) -> tuple[int, str, 
                 raise InvalidArgumentError(f"quota_objects must be an integer, got {objs!r}")
             qo = int(objs)
         server.run_command(commands.SetTenantQuota(tenant, qb, qo, server.now()))
+        if ha is not None:
+            ha.mark_mutated()  # a later read waits until the change is durable
         return answer(200, {"success": True, "data": _snapshot(ledger, tenant)})
     except InvalidArgumentError as e:
         return answer(400, {"success": False, "error_code": int(e.code), "message": str(e)})
