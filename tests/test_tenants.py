@@ -401,3 +401,39 @@ def test_bound_connection_refuses_another_tenants_call() -> None:
     with pytest.raises(IllegalClientError, match="tenant key"):
         strict.check(sock, "GetAllKeys", rpc.Empty(tenant="tb"))
     strict.check(sock, "GetAllKeys", rpc.Empty())  # the default tenant needs no key
+
+
+@pytest.mark.anyio
+async def test_a_tenants_objects_demoted_to_ssd_are_read_and_promoted(tmp_path: Any) -> None:
+    from mooncake._store.client import open_store
+    from tests.test_store_tiers import (
+        MiB,
+        eventually,
+        fill_and_demote,
+        running_master,
+        ssd_keys,
+        value,
+    )
+
+    async with (
+        running_master() as addr,
+        open_store(
+            addr,
+            segment_size=MiB,
+            ssd_path=str(tmp_path),
+            ssd_capacity=64 * MiB,
+            promotion="always",
+            tenant="ta",
+        ) as s,
+    ):
+        keys = await fill_and_demote(s, 40)  # 2.5 MiB into a 1 MiB segment
+        on_ssd = await ssd_keys(s, keys)
+        assert len(on_ssd) >= 20
+        for i, k in enumerate(keys):
+            assert await s.get(k) == value(i), k
+
+        async def promoted() -> bool:
+            return len(await ssd_keys(s, on_ssd)) < len(on_ssd)
+
+        await eventually(promoted, "a promotion of a tenant's object")
+        assert sorted(await s.master.call("GetAllKeys", rpc.Empty())) == sorted(keys)
