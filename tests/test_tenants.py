@@ -437,3 +437,56 @@ async def test_a_tenants_objects_demoted_to_ssd_are_read_and_promoted(tmp_path: 
 
         await eventually(promoted, "a promotion of a tenant's object")
         assert sorted(await s.master.call("GetAllKeys", rpc.Empty())) == sorted(keys)
+
+
+def test_a_standby_replaying_the_log_applies_the_same_tenants() -> None:
+    """The tenant is in each command's params (and the quota change is a command), so a
+    replica applying the leader's log reaches the very same state."""
+    leader, log = state(), []
+
+    def run(cmd: commands.Command) -> None:
+        log.append(cmd)
+        try:
+            commands.apply(leader, cmd)
+        except MooncakeError:
+            pass
+
+    seg = Segment(id="s0", name="h:1", base=1 << 30, size=1 << 20)
+    log.append(
+        commands.rpc_command(
+            "MountSegment", _enc.encode(rpc.MountSegmentParams(client_id="c", segment=seg)), 1.0
+        )
+    )
+    run(commands.SetTenantQuota("a", 300, 0, 1.0))
+    for t, k, n in (("a", "k", 200), ("b", "k", 50), ("", "k", 10), ("a", "j", 200)):
+        p = rpc.PutStartParams(client_id="c", key=k, size=n, tenant=t)
+        run(commands.rpc_command("PutStart", _enc.encode(p), 2.0))
+        e = rpc.KeyClientParams(client_id="c", key=k, tenant=t)
+        run(commands.rpc_command("PutEnd", _enc.encode(e), 2.0))
+    regex = rpc.RegexParams(regex="k", force=True, tenant="b")
+    run(commands.ScanApply("RemoveByRegex", _enc.encode(regex), ["k"], 3.0))
+    standby = MasterState(MasterConfig(seed=7))
+    for cmd in commands.decode_commands(commands.encode_commands(log)):
+        try:
+            commands.apply(standby, cmd)
+        except MooncakeError:
+            pass
+    assert commands.digest(standby) == commands.digest(leader)
+    assert standby.tenants.usage("a")["bytes"] == 200  # "j" was refused there too
+    assert call(standby, "GetAllKeys", rpc.Empty(tenant="b")) == []
+    assert call(standby, "GetAllKeys", rpc.Empty(tenant="a")) == ["k"]
+
+
+@pytest.mark.anyio
+async def test_a_tenant_clients_miss_names_its_tenant() -> None:
+    from mooncake._store.client import open_store
+    from tests.test_store_tiers import running_master
+
+    async with running_master() as addr, open_store(addr, segment_size=1 << 20, tenant="ta") as s:
+        await s.put("k", b"x" * 64)
+        async with open_store(addr, segment_size=0, tenant="tb") as other:
+            with pytest.raises(ObjectNotFoundError) as e:
+                await other.get("k")
+        assert e.value.miss is not None and e.value.miss.tenant == "tb"
+        assert e.value.miss.reason.value == "never_stored"
+        assert await s.get("k") == b"x" * 64
