@@ -360,6 +360,24 @@ def test_tenants_cannot_see_each_others_objects_across_processes(
     assert httpx.get(f"{http}/query_key?key=k0", timeout=10).status_code == 404
     metrics = httpx.get(f"{http}/metrics", timeout=10).text
     assert 'master_tenant_objects{tenant="ta"} 2.0' in metrics
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    top = [sys.executable, "-m", "mooncake", "top", http, "--once", "--interval", "0"]
+    doc = json.loads(
+        subprocess.run(
+            [*top, "--json"],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=120,
+            check=True,
+        ).stdout
+    )
+    assert [(t["tenant_id"], t["objects"]) for t in doc["tenants"]] == [("ta", 2)]
+    shown = subprocess.run(
+        top, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120, check=True
+    ).stdout
+    assert "tenants" in shown and "ta" in shown
 
 
 @pytest.mark.parametrize("master_proc", [["--tenant-secret"]], indirect=True)

@@ -596,6 +596,11 @@ def register(sub: Any) -> None:
         help="lru (default), lfu, fifo, sieve, s3fifo, prefix_lru",
     )
     p.add_argument(
+        "--tenant-quota",
+        default="",
+        help="per-tenant quotas NAME=BYTES[/OBJECTS],... (docs/store.md, Tenants)",
+    )
+    p.add_argument(
         "--allocation-strategy", default=d.allocation_strategy, choices=ALLOCATION_STRATEGIES
     )
     p.add_argument("--put-start-discard-timeout-sec", default=str(d.put_start_discard_timeout))
@@ -690,6 +695,7 @@ def _run_args(args: argparse.Namespace) -> int:
             eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
             eviction_ratio=args.eviction_ratio,
             eviction_policy=args.eviction_policy,
+            tenant_quotas=args.tenant_quota,
             client_ttl=parse_duration(args.client_ttl, "s"),
             put_start_discard_timeout=parse_duration(args.put_start_discard_timeout_sec, "s"),
             put_start_release_timeout=parse_duration(args.put_start_release_timeout_sec, "s"),
