@@ -508,3 +508,52 @@ async def test_a_tenant_clients_miss_names_its_tenant() -> None:
         assert e.value.miss is not None and e.value.miss.tenant == "tb"
         assert e.value.miss.reason.value == "never_stored"
         assert await s.get("k") == b"x" * 64
+
+
+_WRITERS = hst.lists(
+    hst.tuples(
+        hst.integers(0, 7),  # writer
+        hst.sampled_from(["start", "upsert", "end", "revoke", "remove", "batch"]),
+        hst.integers(0, 3),  # key
+        hst.integers(1, 400),  # size
+    ),
+    min_size=1,
+    max_size=80,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_WRITERS)
+def test_eight_interleaved_writers_never_exceed_the_quota(
+    steps: list[tuple[int, str, int, int]],
+) -> None:
+    """8 writers (clients) of one tenant, their PutStart/UpsertStart/End/Revoke/Remove calls
+    interleaved in any order: after every call the tenant holds at most its quota, counting
+    writes in flight, and exactly what its objects hold."""
+    s = state("q=1000/6", size=1 << 16)
+    for w in range(8):
+        seg = Segment(id=f"w{w}", name=f"h:w{w}", base=(w + 2) << 32, size=1 << 16)
+        call(s, "MountSegment", rpc.MountSegmentParams(client_id=f"w{w}", segment=seg))
+    for w, op, k, size in steps:
+        cid, key = f"w{w}", f"k{k}"
+        try:
+            if op in ("start", "upsert"):
+                m = "PutStart" if op == "start" else "UpsertStart"
+                call(s, m, rpc.PutStartParams(client_id=cid, key=key, size=size, tenant="q"))
+            elif op in ("end", "revoke"):
+                m = "PutEnd" if op == "end" else "PutRevoke"
+                call(s, m, rpc.KeyClientParams(client_id=cid, key=key, tenant="q"))
+            elif op == "remove":
+                call(s, "Remove", rpc.RemoveParams(key=key, force=True, tenant="q"))
+            else:
+                keys = [f"b{w}-{j}" for j in range(3)]
+                call(
+                    s,
+                    "BatchPutStart",
+                    rpc.BatchPutStartParams(client_id=cid, keys=keys, sizes=[size] * 3, tenant="q"),
+                )
+        except MooncakeError:
+            pass
+        s.check_invariants()
+        u = s.tenants.usage("q")
+        assert u["bytes"] <= 1000 and u["objects"] <= 6, u
