@@ -26,13 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "helpers"))
+from sidemaster import start_master
 
 ROOT = Path(__file__).resolve().parents[1]
 ANCHOR_VENV = Path(
@@ -51,14 +53,6 @@ def parse_size(text: str) -> int:
     if text and text[-1] in units:
         return int(float(text[:-1]) * units[text[-1]])
     return int(text)
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = int(s.getsockname()[1])
-    s.close()
-    return p
 
 
 # -- one side (runs in that side's interpreter) ------------------------------------------------
@@ -119,31 +113,8 @@ def check(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 def side(args: argparse.Namespace) -> None:
     published = os.environ.get("MC_BENCH_PUBLISHED") == "1"
-    rpc = free_port()
-    if published:
-        import mooncake
-
-        binary = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
-        cmd = [
-            binary,
-            "--rpc_address=127.0.0.1",
-            f"--rpc_port={rpc}",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={free_port()}",
-        ]
-    else:
-        cmd = [sys.executable, "-m", "mooncake", "master", "--rpc-port", str(rpc), "--no-metrics"]
-    master = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    master, rpc = start_master(published)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", rpc), 0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("master did not start") from None
-                time.sleep(0.1)
         from mooncake.store import MooncakeDistributedStore
         from mooncake.structured_object_store import MooncakeBundleTransfer, export_ref, import_ref
 

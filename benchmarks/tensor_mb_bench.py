@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,46 +29,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "helpers"))
+from sidemaster import start_master
+
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 VENVS = [
     Path(os.environ.get("MOONCAKE_ANCHOR_VENV", Path.home() / ".cache/mooncake-anchor-venv")),
     Path("/opt/anchor-venv"),
 ]
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port: int = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def start_master(published: bool) -> tuple[subprocess.Popen[bytes], int]:
-    rpc = free_port()
-    if published:
-        import mooncake
-
-        binary = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
-        cmd = [
-            binary,
-            "--rpc_address=127.0.0.1",
-            f"--rpc_port={rpc}",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={free_port()}",
-        ]
-    else:
-        cmd = [sys.executable, "-m", "mooncake", "master", "--rpc-port", str(rpc), "--no-metrics"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", rpc), 0.2).close()
-            return proc, rpc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("master did not start")
 
 
 def timed(fn: Any, nbytes: int, seconds: float, warm: int = 0) -> float:

@@ -172,8 +172,11 @@ def test_with_a_cluster_secret_the_name_cannot_be_squatted_ahead(
 
 
 def test_allowed_uids_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MC_STORE_SHM_ALLOWED_UIDS", raising=False)
     monkeypatch.setenv(shm.ALLOWED_UIDS_ENV, "1000, 1001")
-    assert shm.allowed_uids() == {os.getuid(), 1000, 1001}
+    assert shm._unix.allowed_uids() == {os.geteuid(), 1000, 1001}
+    monkeypatch.setenv("MC_STORE_SHM_ALLOWED_UIDS", "1002")  # the earlier spelling still counts
+    assert shm._unix.allowed_uids() == {os.geteuid(), 1000, 1001, 1002}
     monkeypatch.setenv(shm.ALLOWED_UIDS_ENV, "nobody")
     with pytest.raises(mooncake.errors.InvalidArgumentError, match="nobody"):
-        shm.allowed_uids()
+        shm._unix.allowed_uids()

@@ -53,7 +53,7 @@ from mooncake import _fast
 from mooncake._core.gpu import device_of
 from mooncake._core.memory import Region
 from mooncake._core.transfer import Opcode, TransferRequest, TransferResult
-from mooncake._engine import _sockio
+from mooncake._engine import _sockio, _unix
 from mooncake._engine.metrics import LOG_MAX
 from mooncake._engine.transports import shm as shm_mod
 from mooncake._engine.transports import tcp as tcp_mod
@@ -426,7 +426,7 @@ class SyncPath:
         lens: Sequence[int],
     ) -> list[TransferResult] | None:
         s = peer.state.get(transport.name)
-        if not isinstance(s, shm_mod._Session) or s.closed or not _alive(s.sock):
+        if not isinstance(s, shm_mod._Session) or s.closed or not _unix.peer_alive(s.sock):
             return None  # not connected yet, or the peer went away: the loop path decides
         entries: list[shm_mod._Entry] = []
         plan: list[shm_mod._Entry] = []
@@ -493,16 +493,6 @@ class SyncPath:
             e.users -= 1
             if e.dead or e.idle is not None:  # a revoke or an unmap may wait for this pin
                 _on_loop(self.loop, _settle_entry, e)
-
-
-def _alive(sock: socket.socket) -> bool:
-    """Whether the shm server still holds its end (a non-blocking peek, as the loop path does)."""
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-    except (BlockingIOError, InterruptedError):
-        return True
-    except OSError:
-        return False
 
 
 def _on_loop(loop: LoopThread, fn: Any, arg: Any) -> None:

@@ -11,7 +11,7 @@ through the kernel. If the socket does not exist the peer is remote and the engi
 is used (the negative answer is remembered for ``NEGATIVE_TTL_S``).
 
 Trust: both ends check the other's credentials (``SO_PEERCRED``). The owner hands its memfd
-only to a connecting process whose uid is its own or listed in ``MC_STORE_SHM_ALLOWED_UIDS``
+only to a connecting process whose uid is its own or listed in ``MOONCAKE_SHM_ALLOW_UIDS``
 (comma-separated uids); anyone else is disconnected without it. The connecting side accepts a
 listener only under the same rule, and only if the hello's ``pid`` is the listener's pid, so a
 process of another user that bound the name first (abstract names carry no permissions) is
@@ -40,7 +40,6 @@ import logging
 import mmap
 import os
 import socket
-import struct
 import threading
 import time
 from typing import Any
@@ -52,6 +51,7 @@ import numpy as np
 from mooncake import _fast
 from mooncake._core.auth import load_secret
 from mooncake._core.hostmem import check_backable
+from mooncake._engine import _unix
 from mooncake.errors import InvalidArgumentError, PeerDiedError
 
 log = logging.getLogger("mooncake.store.shm")
@@ -60,8 +60,7 @@ NEGATIVE_TTL_S = 5.0
 MAX_PEERS = 1024
 HELLO_MAX = 4096
 _PREFIX = "mooncake-store/"
-_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
-ALLOWED_UIDS_ENV = "MC_STORE_SHM_ALLOWED_UIDS"
+ALLOWED_UIDS_ENV = _unix.ALLOW_UIDS_ENV
 # Guards MappedPeer.users/closing: the sync facade's fast path copies from its caller's thread
 # while the loop thread may drop a dead peer.
 _MAP_LOCK = threading.Lock()
@@ -77,27 +76,6 @@ def socket_name(segment_name: str) -> str:
         tag = hmac.new(secret, b"store-shm:" + segment_name.encode(), hashlib.sha256)
         return "\0" + _PREFIX + "h/" + tag.hexdigest()[:40]
     return "\0" + _PREFIX + segment_name
-
-
-def allowed_uids() -> frozenset[int]:
-    """The uids this process shares segments with: its own and ``MC_STORE_SHM_ALLOWED_UIDS``."""
-    uids = {os.getuid()}
-    for part in os.environ.get(ALLOWED_UIDS_ENV, "").replace(",", " ").split():
-        try:
-            uids.add(int(part))
-        except ValueError:
-            raise InvalidArgumentError(
-                f"{ALLOWED_UIDS_ENV} must list uids (integers), got {part!r}"
-            ) from None
-    return frozenset(uids)
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """``(pid, uid, gid)`` of the process at the other end of a connected Unix socket."""
-    pid, uid, gid = _CREDS.unpack(
-        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
-    )
-    return pid, uid, gid
 
 
 class SharedSegment:
@@ -142,7 +120,7 @@ class ShmServer:
         self.segment_name = segment_name
         self._sock: socket.socket | None = None
         self._limit = anyio.CapacityLimiter(MAX_PEERS)
-        self._uids = allowed_uids()
+        self._uids = _unix.allowed_uids()
         self.served = 0
         self.refused = 0
         """Connections turned away because their uid is not allowed."""
@@ -197,7 +175,7 @@ class ShmServer:
             if self._limit.available_tokens == 0:
                 return
             try:
-                pid, uid, _ = peer_credentials(conn)
+                pid, uid, _ = _unix.peer_credentials(conn)
             except OSError as e:
                 log.debug("shm: no credentials for a connection: %s", e)
                 return
@@ -255,13 +233,7 @@ class MappedPeer:
         """Whether the owner still holds its end (a non-blocking peek; no loop involved)."""
         if self.dead:
             return False
-        try:
-            data = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return True
-        except OSError:
-            data = b""
-        if not data:  # EOF: the owner exited or closed its segment
+        if not _unix.peer_alive(self.sock):  # EOF: the owner exited or closed its segment
             self.dead = True
         return not self.dead
 
@@ -311,7 +283,7 @@ class ShmPeers:
         self._remote: dict[str, float] = {}
         self._locks: dict[str, anyio.Lock] = {}
         self.enabled = os.environ.get("MC_STORE_MEMCPY", "1") not in ("0", "false", "False")
-        self._uids = allowed_uids()
+        self._uids = _unix.allowed_uids()
         self.refused = 0
         """Listeners refused: the name was served by an untrusted uid or a lying hello."""
 
@@ -369,7 +341,7 @@ class ShmPeers:
             _close(sock)
             return None
         try:
-            pid, uid, _ = peer_credentials(sock)
+            pid, uid, _ = _unix.peer_credentials(sock)
             if uid not in self._uids:
                 raise PermissionError(
                     f"its listener is pid {pid} of uid {uid}, not one of uids {sorted(self._uids)}"

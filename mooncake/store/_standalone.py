@@ -46,6 +46,7 @@ import msgspec
 
 from mooncake._core import store_types as st
 from mooncake._core.store_types import ObjectDataType, SoftPinAction
+from mooncake._engine import _unix
 from mooncake._store.config import ReplicaDescriptor, ReplicateConfig
 from mooncake.errors import InvalidArgumentError
 from mooncake.store._bytes import BufferHandle
@@ -222,8 +223,7 @@ def check_shared_fd(fd: int, size: int) -> str | None:
 
 def peer_uid(sock: socket.socket) -> int:
     """The uid of the process at the other end of a Unix socket."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return int(struct.unpack("3i", creds)[1])
+    return _unix.peer_credentials(sock)[1]
 
 
 # -- values -------------------------------------------------------------------------------

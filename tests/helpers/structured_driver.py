@@ -19,15 +19,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sidemaster
 
 PUBLISHED = os.environ.get("MC_STRUCTURED_PUBLISHED") == "1"
 N = 6
@@ -118,39 +119,9 @@ def select(dp: dict[str, Any], rows: Any, fields: list[str]) -> dict[str, Any]:
     return {"batch": b, "non_tensor_batch": nt, "meta_info": dp["meta_info"]}
 
 
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = int(s.getsockname()[1])
-    s.close()
-    return p
-
-
 def start_master() -> tuple[subprocess.Popen[bytes], str]:
-    rpc = free_port()
-    if PUBLISHED:
-        import mooncake
-
-        binary = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
-        cmd = [
-            binary,
-            "--rpc_address=127.0.0.1",
-            f"--rpc_port={rpc}",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={free_port()}",
-        ]
-    else:
-        cmd = [sys.executable, "-m", "mooncake", "master", "--rpc-port", str(rpc), "--no-metrics"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", rpc), 0.2).close()
-            return proc, f"127.0.0.1:{rpc}"
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("master did not start")
+    proc, rpc = sidemaster.start_master(PUBLISHED)
+    return proc, f"127.0.0.1:{rpc}"
 
 
 def reached_keys(store: Any, handle: dict[str, Any]) -> list[str]:

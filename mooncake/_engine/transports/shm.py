@@ -61,7 +61,6 @@ import mmap
 import os
 import secrets
 import socket
-import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -71,7 +70,7 @@ from mooncake import _fast
 from mooncake._core import auth
 from mooncake._core.memory import Region
 from mooncake._core.transfer import Opcode, TransferRequest, TransferResult, completed, failed
-from mooncake._engine import _sockio
+from mooncake._engine import _sockio, _unix
 from mooncake._engine._copier import Copier
 from mooncake._engine.transports.base import PeerInfo, Transport
 from mooncake.errors import (
@@ -95,7 +94,6 @@ FDS_PER_MSG = 64
 MAX_CLIENTS = 256
 MAX_BUFFERS = 1 << 16  # entries one listing may announce (each mapping costs a VMA)
 VM_CHUNK = 16 << 20  # process_vm bytes per call on a worker thread (a revoke waits for one)
-_CREDS = struct.Struct("3i")
 _U64 = 1 << 64
 AUTH_S = 5.0  # the whole challenge-response of one connection
 
@@ -154,27 +152,6 @@ async def _server_auth(sock: socket.socket, secret: bytes) -> bool:
             return True
     except (TimeoutError, ValueError, MooncakeError):
         return False
-
-
-def allowed_uids() -> frozenset[int]:
-    """Our effective uid plus those in ``MOONCAKE_SHM_ALLOW_UIDS`` (``1001,1002``)."""
-    out = {os.geteuid()}
-    for part in os.environ.get("MOONCAKE_SHM_ALLOW_UIDS", "").split(","):
-        part = part.strip()
-        if part:
-            try:
-                out.add(int(part))
-            except ValueError:
-                log.warning("MOONCAKE_SHM_ALLOW_UIDS: ignoring %r (not a uid)", part)
-    return frozenset(out)
-
-
-def peer_creds(sock: socket.socket) -> tuple[int, int, int]:
-    """``(pid, uid, gid)`` of the other end (the listener, seen from a connected client)."""
-    pid, uid, gid = _CREDS.unpack(
-        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
-    )
-    return pid, uid, gid
 
 
 def _int(v: Any, what: str, lo: int = 0, hi: int = _U64) -> int:
@@ -471,12 +448,7 @@ class _Session:
         Without it a copy into a dead peer's memfd mapping would "succeed": the pages live on
         in our mapping until the reader task notices the end of the connection.
         """
-        try:
-            if self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-                self.close()
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
+        if not _unix.peer_alive(self.sock):
             self.close()
         if self.closed:
             raise PeerDiedError("shm: the peer closed its connection (exited or died)")
@@ -533,7 +505,7 @@ class ShmTransport(Transport):
         self._warned_vm = False
         self._warned_trust = False
         self._copier: Copier | None = None
-        self._uids = allowed_uids()
+        self._uids = _unix.allowed_uids()
         #: the cluster secret clients must prove before anything else (None: no exchange)
         self.secret = auth.load_secret()
         self.auth_failures = 0
@@ -579,7 +551,7 @@ class ShmTransport(Transport):
         pid = -1
         client = _Client(sock)
         try:
-            pid, uid, _ = peer_creds(sock)
+            pid, uid, _ = _unix.peer_credentials(sock)
             if uid not in self._uids:
                 # another user: not even the buffer list (MOONCAKE_SHM_ALLOW_UIDS widens this)
                 log.info("shm: refusing a client of uid %d (pid %d)", uid, pid)
@@ -702,7 +674,7 @@ class ShmTransport(Transport):
             sock.close()
             raise PeerDiedError(f"shm: cannot connect to {peer.segment} ({e})") from None
         try:
-            pid, uid, _ = peer_creds(sock)
+            pid, uid, _ = _unix.peer_credentials(sock)
         except OSError as e:
             sock.close()
             raise PeerDiedError(f"shm: no credentials from {peer.segment} ({e})") from None

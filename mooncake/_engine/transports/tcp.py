@@ -51,7 +51,7 @@ from mooncake._core import auth, tcpwire
 from mooncake._core.gpu import device_of
 from mooncake._core.memory import Region
 from mooncake._core.transfer import Opcode, TransferRequest, TransferResult, completed, failed
-from mooncake._engine import _accept, _sockio
+from mooncake._engine import _accept, _sockio, _unix
 from mooncake._engine.transports.base import PeerInfo, Transport
 from mooncake.errors import (
     AuthError,
@@ -468,7 +468,7 @@ class TcpTransport(Transport):
                 lane = None
                 while pl.idle and lane is None:
                     lane = pl.idle.pop()
-                    if not _open(lane.sock):  # closed by the server while idle
+                    if not _unix.peer_alive(lane.sock):  # closed by the server while idle
                         lane.close()
                         lane = None
                 reused = lane is not None
@@ -597,16 +597,6 @@ class TcpTransport(Transport):
         if self._listener is not None:  # never started serving
             _sockio.close(self._listener)
             self._listener = None
-
-
-def _open(sock: socket.socket) -> bool:
-    """Whether an idle connection is still open (no EOF or error waiting on it)."""
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-    except (BlockingIOError, InterruptedError):
-        return True
-    except OSError:
-        return False
 
 
 def client_auth_blocking(sock: socket.socket, secret: bytes) -> None:
