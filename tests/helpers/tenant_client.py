@@ -52,7 +52,7 @@ def main() -> None:
     elif mode == "remove":
         out = {"codes": [s.remove(k) for k in rest]}
     elif mode == "remove_all":
-        out = {"removed": s.remove_all(), "by_regex": s.remove_by_regex(".*")}
+        out = {"removed": s.remove_all(force=True), "by_regex": s.remove_by_regex(".*", force=True)}
     print(json.dumps(out), flush=True)
     s.close()
 
