@@ -48,3 +48,6 @@ class Miss:
     at: float | None = None
     """Caller time of the loss (or of the failed read)."""
     detail: str = ""
+    """Free-form detail (what failed, the ledger's note)."""
+    tenant: str = ""
+    """The key's tenant (``""``: the default tenant)."""

@@ -50,6 +50,7 @@ class ErrorCode(enum.IntEnum):
     UNAVAILABLE_IN_CURRENT_STATUS = -1010
     UNAVAILABLE_IN_CURRENT_MODE = -1011
     NOT_SUPPORTED = -1012
+    TENANT_QUOTA_EXCEEDED = -1700
 
 
 class MooncakeError(Exception):
@@ -270,6 +271,13 @@ class NoAvailableHandleError(StoreError):
     code = ErrorCode.NO_AVAILABLE_HANDLE
 
 
+class TenantQuotaExceededError(StoreError):
+    """A write would take its tenant over its quota of bytes or objects (refused before
+    anything is allocated or evicted; upstream's ``TENANT_QUOTA_EXCEEDED``, -1700)."""
+
+    code = ErrorCode.TENANT_QUOTA_EXCEEDED
+
+
 class InvalidKeyError(StoreError, ValueError):
     """The key is not acceptable (empty, or a malformed regular expression)."""
 
@@ -360,6 +368,7 @@ _BY_CODE: dict[int, type[MooncakeError]] = {
         ReplicaNotReadyError,
         ReplicaNotFoundError,
         NoAvailableHandleError,
+        TenantQuotaExceededError,
         InvalidKeyError,
         IllegalClientError,
         InvalidWriteError,
@@ -448,6 +457,7 @@ __all__ = [
     "SegmentExistsError",
     "SegmentNotFoundError",
     "StoreError",
+    "TenantQuotaExceededError",
     "TierDataError",
     "TraceFormatError",
     "TransferError",

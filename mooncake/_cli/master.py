@@ -36,6 +36,7 @@ from typing import Any
 from mooncake._cli._published_flags import FRAMEWORK_FLAGS, PUBLISHED_FLAGS
 from mooncake._cli._quiet import port_arg, run_server
 from mooncake._core.master import ALLOCATION_STRATEGIES, MasterConfig
+from mooncake._core.master.config import parse_tenant_quotas
 from mooncake._store.master import (
     DEFAULT_METRICS_PORT,
     DEFAULT_RPC_PORT,
@@ -101,6 +102,55 @@ class _Flag:
     is_bool: bool = False
 
 
+def _tenant_quotas(text: str) -> str:
+    parse_tenant_quotas(text)  # the error names the bad entry
+    return text
+
+
+def _tenant_connector(text: str) -> str:
+    if text != "file":
+        raise InvalidArgumentError(f"only the file connector is supported, got {text!r}")
+    return text
+
+
+def _tenant_quota_file(path: str) -> str:
+    """Upstream's tenant quota policy YAML (``version: 1``, ``tenants:`` of ``name``/``quota``,
+    plus ``objects`` of ours) as a ``--tenant_quota`` list."""
+    if not path:
+        return ""
+    try:
+        text = open(path, encoding="utf-8").read()  # noqa: SIM115
+    except OSError as e:
+        raise InvalidArgumentError(f"cannot read {path}: {e.strerror}") from None
+    entries: list[dict[str, str]] = []
+    version = ""
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].rstrip()
+        if not line.strip() or line.strip() == "tenants:":
+            continue
+        item = line.strip()
+        if item.startswith("- "):
+            entries.append({})
+            item = item[2:].strip()
+        k, colon, v = item.partition(":")
+        if not colon:
+            raise InvalidArgumentError(f"{path}: cannot read line {raw!r}")
+        k, v = k.strip(), v.strip().strip("\"'")
+        if k == "version" and not entries:
+            version = v
+        elif entries and k in ("name", "quota", "objects"):
+            entries[-1][k] = v
+        else:
+            raise InvalidArgumentError(f"{path}: unexpected key {k!r}")
+    if version != "1":
+        raise InvalidArgumentError(f"{path}: the policy must have version: 1")
+    out = ",".join(
+        f"{e.get('name', '')}={e.get('quota', '0')}/{e.get('objects', '0')}" for e in entries
+    )
+    parse_tenant_quotas(out)
+    return out
+
+
 # published gflags name -> where it goes
 _GFLAGS: dict[str, _Flag] = {
     "rpc_address": _Flag("server.rpc_address", str),
@@ -133,6 +183,9 @@ _GFLAGS: dict[str, _Flag] = {
     "offload_on_evict": _Flag("state.offload_on_evict", _bool, True),
     "demote_timeout_sec": _Flag("state.demote_timeout", lambda t: parse_duration(t, "s")),
     "memory_allocator": _Flag("memory_allocator", str),
+    "tenant_quota": _Flag("state.tenant_quotas", _tenant_quotas),
+    "tenant_quota_connector_type": _Flag("tenant_connector", _tenant_connector),
+    "tenant_quota_connector_uri": _Flag("state.tenant_quotas", _tenant_quota_file),
     "enable_ha": _Flag("ha.enable_ha", _bool, True),
     "ha_backend_type": _Flag("ha.ha_backend_type", str),
     "ha_backend_connstring": _Flag("ha.ha_backend_connstring", str),
@@ -253,6 +306,7 @@ class _Parsed:
     help: bool = False
     verbosity: int = 0
     log_level: str = "INFO"
+    tenant_connector: str = "file"
 
 
 def parse_gflags(argv: Sequence[str], *, warn: Callable[[str], None] | None = None) -> _Parsed:
@@ -438,6 +492,12 @@ _OWN_FLAGS: dict[str, tuple[str, str, str]] = {
         "host:port clients reach this master at (default: rpc_address:rpc_port)",
     ),
     "ha_lease_ttl": ("int32", "5", "seconds of the leader's etcd lease"),
+    "tenant_quota": (
+        "string",
+        "",
+        "per-tenant quotas NAME=BYTES[/OBJECTS],... (B/KB/MB/GB/TB; 0 = unlimited;"
+        " docs/store.md, Tenants)",
+    ),
     "ha_fast_failover": (
         "bool",
         "true",
@@ -536,6 +596,11 @@ def register(sub: Any) -> None:
         help="lru (default), lfu, fifo, sieve, s3fifo, prefix_lru",
     )
     p.add_argument(
+        "--tenant-quota",
+        default="",
+        help="per-tenant quotas NAME=BYTES[/OBJECTS],... (docs/store.md, Tenants)",
+    )
+    p.add_argument(
         "--allocation-strategy", default=d.allocation_strategy, choices=ALLOCATION_STRATEGIES
     )
     p.add_argument("--put-start-discard-timeout-sec", default=str(d.put_start_discard_timeout))
@@ -630,6 +695,7 @@ def _run_args(args: argparse.Namespace) -> int:
             eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
             eviction_ratio=args.eviction_ratio,
             eviction_policy=args.eviction_policy,
+            tenant_quotas=args.tenant_quota,
             client_ttl=parse_duration(args.client_ttl, "s"),
             put_start_discard_timeout=parse_duration(args.put_start_discard_timeout_sec, "s"),
             put_start_release_timeout=parse_duration(args.put_start_release_timeout_sec, "s"),

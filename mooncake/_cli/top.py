@@ -121,6 +121,7 @@ def view(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         },
         "segments": s["segment_list"],
         "master_clients": s["client_list"],
+        "tenants": s.get("tenants", []),
         "clients": clients,
         "interval_s": dt,
     }
@@ -162,6 +163,20 @@ def render(v: dict[str, Any]) -> Any:
             sg["name"], sg["tier"], _mib(sg["used"]), _mib(sg["capacity"]), sg["client_id"][:8]
         )
     parts: list[Any] = [head, tiers, segs]
+    if v.get("tenants"):
+        tn = Table(title="tenants")
+        for col in ("tenant", "objects", "bytes", "quota bytes", "quota objects", "refused"):
+            tn.add_column(col)
+        for t in v["tenants"]:
+            tn.add_row(
+                t["tenant_id"],
+                str(t["objects"]),
+                _mib(t["charged_bytes"]),
+                _mib(t["quota_bytes"]) if t["quota_bytes"] else "-",
+                str(t["quota_objects"] or "-"),
+                str(t["refused"]),
+            )
+        parts.append(tn)
     if v["clients"]:
         cl = Table(title="clients")
         for col in ("exporter", "read/s", "write/s", "engine/s", "reads", "failed reads"):

@@ -27,6 +27,8 @@ import hmac
 import os
 
 SECRET_ENV = "MOONCAKE_CLUSTER_SECRET"
+TENANT_SECRET_ENV = "MOONCAKE_TENANT_SECRET"
+TENANT_AUTH_SECRET_ENV = "MOONCAKE_TENANT_AUTH_SECRET"
 NONCE_BYTES = 32
 PROOF_BYTES = 32
 _TAG = b"mooncake-auth-v1"
@@ -35,11 +37,14 @@ __all__ = [
     "NONCE_BYTES",
     "PROOF_BYTES",
     "SECRET_ENV",
+    "TENANT_AUTH_SECRET_ENV",
+    "TENANT_SECRET_ENV",
     "check_hex",
     "client_proof",
     "load_secret",
     "new_nonce",
     "server_proof",
+    "tenant_key",
     "verify",
 ]
 
@@ -71,6 +76,20 @@ def client_proof(
     secret: bytes, channel: str, client_nonce: bytes, server_nonce: bytes, bound: bytes = b""
 ) -> bytes:
     return _mac(secret, b"client", channel, client_nonce, server_nonce, bound)
+
+
+def tenant_key(secret: bytes, tenant: str) -> bytes:
+    """The key of ``tenant`` derived from ``secret`` (the master's tenant secret
+    ``MOONCAKE_TENANT_AUTH_SECRET``, else the cluster secret; hex text, as bytes)::
+
+        tenant_key = hex(HMAC-SHA256(secret, "mooncake-tenant-v1" 0x00 tenant))
+
+    A client given only this key (``MOONCAKE_TENANT_SECRET``) authenticates to the master as
+    ``tenant`` (``AuthHello`` names it; both proofs use this key instead of the secret) and the
+    master binds the connection to it: it cannot derive another tenant's key, nor ``secret``.
+    """
+    msg = _TAG.replace(b"auth", b"tenant") + b"\0" + tenant.encode()
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest().encode()
 
 
 def verify(expected: bytes, got: bytes) -> bool:

@@ -14,6 +14,7 @@ A :class:`Command` is either an RPC call (``kind == "rpc"``: ``method`` and the 
 * :func:`ConnectionLost` ``(client_id, now)``: the client's heartbeat connection closed;
 * :func:`ScanApply` ``(method, params, keys, now)``: a regex method applied to the keys the
   leader matched beforehand (off its loop), so replicas never run the pattern;
+* :func:`SetTenantQuota` ``(tenant, bytes, objects, now)``: a tenant's quota changed;
 * :func:`Promote` ``(now, seed, genesis)``: a leader took over: leases and client deadlines
   extended (:meth:`MasterState.promote`) and the rng re-seeded from ``seed`` (so the state's
   randomness is fixed by the log, whatever seed each process started with); the cluster's
@@ -32,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from mooncake._core import rpc
+from mooncake._core import rpc, tenantscope
 from mooncake._core.dedup import StaleRequestError
 from mooncake._core.master import MasterState
 from mooncake._core.misses import Miss
@@ -50,6 +51,7 @@ __all__ = [
     "Durability",
     "Promote",
     "ScanApply",
+    "SetTenantQuota",
     "Sweep",
     "apply",
     "config_fingerprint",
@@ -102,6 +104,11 @@ def ScanApply(
     method: str, params: bytes, keys: list[str], now: float, rid: bytes | None = None
 ) -> Command:
     return Command("scan", now, method, bytes(params), rid, keys=list(keys))
+
+
+def SetTenantQuota(tenant: str, quota_bytes: int, quota_objects: int, now: float) -> Command:
+    """Set ``tenant``'s quota (both 0: none), as ``PUT /api/v1/tenant_quotas`` asks."""
+    return Command("quota", now, method=tenant, params=_enc.encode([quota_bytes, quota_objects]))
 
 
 def Promote(now: float, seed: int, *, genesis: bool = False, config: str = "") -> Command:
@@ -246,6 +253,7 @@ SCAN_APPLY: dict[str, Callable[[MasterState, Any, list[str], float], Any]] = {
     "GetReplicaListByRegex": lambda s, p, keys, now: s.replica_lists_of(keys, now),
     "RemoveByRegex": lambda s, p, keys, now: s.remove_keys(keys, p.force, now),
 }
+tenantscope.wrap(HANDLERS, SCAN_APPLY)  # keys scoped by the caller's tenant
 
 
 def decode(method: str, params: bytes | msgspec.Raw) -> Any:
@@ -329,6 +337,10 @@ def apply(
         return None
     if kind == "lost":
         state.connection_lost(command.method, command.now)
+        return None
+    if kind == "quota":
+        qb, qo = msgspec.msgpack.decode(command.params, type=tuple[int, int])
+        state.tenants.set_quota(command.method, qb, qo)
         return None
     if kind == "promote":
         state.rng.seed(command.seed)

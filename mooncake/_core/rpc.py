@@ -140,7 +140,10 @@ T = TypeVar("T")
 
 
 class _Params(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
-    pass
+    tenant: str = ""
+    """The caller's tenant (``""``: the default tenant, never sent); it scopes the keys of
+    the calls in :data:`TENANT_SCOPED` (:mod:`mooncake._core.tenantscope`). On ``AuthHello``:
+    the tenant whose derived key the connection authenticates with (binding it)."""
 
 
 class Empty(_Params):

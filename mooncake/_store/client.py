@@ -53,6 +53,7 @@ returning; cancelling a read leaves no side effect but the lease it was granted.
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -60,16 +61,18 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from mooncake._core import rpc
+from mooncake._core import auth, rpc
 from mooncake._core import store_types as st
 from mooncake._core.gpu import device_of
 from mooncake._core.hostmem import check_backable
+from mooncake._core.master.tenants import check_tenant
 from mooncake._core.policies import EvictionPolicy
 from mooncake._core.staging import RangeAllocator
 from mooncake._core.tiers import Admission, make_admission
 from mooncake._engine.engine import DeviceMemory, Engine, open_engine
 from mooncake._groups import unwrapped
 from mooncake._store.admin import _Admin
+from mooncake._store.master_conn import MasterConnection
 from mooncake._store.metrics import StoreMetrics, instrument
 from mooncake._store.moves import HEARTBEAT_S
 from mooncake._store.shm import SharedSegment, ShmPeers, ShmServer
@@ -249,6 +252,8 @@ async def open_store(
     segment_location: str = "cpu:0",
     cuda_runtime: CudaRuntime | None = None,
     metrics_port: int | None = None,
+    tenant: str = "default",
+    tenant_secret: str | None = None,
 ) -> AsyncIterator[Store]:
     """Connect to the master at ``master``, mount a segment and yield a :class:`Store`.
 
@@ -278,6 +283,13 @@ async def open_store(
 
     ``metrics_port`` (default ``MC_METRICS_PORT``; ignored with ``engine``) serves
     :attr:`Store.metrics_registry` over HTTP on loopback (docs/metrics.md).
+
+    ``tenant`` (``setup(tenant_id=...)``): the tenant whose keys this client reads and writes;
+    another tenant's objects of the same key are other objects (docs/store.md, "Tenants").
+    ``tenant_secret`` (default ``MOONCAKE_TENANT_SECRET``): this tenant's key derived from the
+    cluster secret (:func:`mooncake._core.auth.tenant_key`), used instead of the cluster secret:
+    the master then binds every connection of this client to ``tenant``, so it cannot act as
+    another tenant (docs/security.md).
     """
     if protocol not in ("tcp", "rdma", ""):
         raise InvalidArgumentError(f"protocol {protocol!r} is not supported (use 'tcp' or 'rdma')")
@@ -293,6 +305,7 @@ async def open_store(
         segment_location=segment_location,
     )
     store.admission = make_admission(promotion)
+    bind_tenant(store.master, tenant, tenant_secret)
     async with AsyncExitStack() as stack:
         if ssd_path is not None:
             store.ssd = await stack.enter_async_context(
@@ -309,6 +322,21 @@ async def open_store(
             store, engine, hostname, metadata, cuda_runtime, metrics_port
         ) as opened:
             yield opened
+
+
+def bind_tenant(master: MasterConnection, tenant: str, tenant_secret: str | None) -> None:
+    """Set ``master``'s tenant and, with a tenant key, authenticate it as that tenant."""
+    name = check_tenant(tenant)
+    master.tenant = name
+    key = tenant_secret if tenant_secret is not None else os.environ.get(auth.TENANT_SECRET_ENV)
+    if key:
+        if not name:
+            raise InvalidArgumentError(
+                f"{auth.TENANT_SECRET_ENV} is set but tenant_id is the default tenant: a tenant "
+                "key authenticates a named tenant only"
+            )
+        master.secret = key.encode()
+        master.auth_tenant = name
 
 
 @asynccontextmanager

@@ -120,7 +120,7 @@ class SyncMaster:
         cn = auth.new_nonce()
         try:
             ch: rpc.AuthChallenge = self._roundtrip(
-                sock, "AuthHello", rpc.AuthHelloParams(nonce=cn)
+                sock, "AuthHello", rpc.AuthHelloParams(nonce=cn, tenant=self._master.auth_tenant)
             )
         except NotSupportedError:
             raise AuthError(f"the master at {where} takes no cluster secret") from None
@@ -138,6 +138,7 @@ class SyncMaster:
         """Send one request on ``sock`` and decode its answer (skipping late answers of
         interrupted calls); the master's errors raise their class."""
         req_id = next(self._ids)
+        params = self._master.scoped(method, params)
         sock.sendall(rpc.encode_request(req_id, method, params, rid=rid))
         while True:
             msg = self._dec.next_message()
@@ -294,7 +295,7 @@ class FastPath:
                 "GetReplicaList", rpc.KeyParams(key=key), stamp
             )
         except ObjectNotFoundError as e:
-            e.miss = parse_miss(key, str(e))
+            e.miss = parse_miss(key, str(e), self.store.master.tenant)
             raise
         return check_replica_list(key, resp), stamp[0] + (
             resp.read_ttl_ms or resp.lease_ttl_ms

@@ -194,7 +194,7 @@ def split_scan(cmd: Command, budget: int = MAX_ENTRY // 2) -> list[Command] | No
 def _is_mutating(cmd: Command) -> bool:
     if cmd.kind == "rpc":
         return commands.durability(cmd.method) is Durability.MUTATING
-    return cmd.kind == "scan" and cmd.method == "RemoveByRegex"
+    return (cmd.kind == "scan" and cmd.method == "RemoveByRegex") or cmd.kind == "quota"
 
 
 class HaNode:

@@ -72,12 +72,18 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mooncake._core import auth, commands, rpc
+from mooncake._core import auth, commands, rpc, tenantscope
 from mooncake._core.master import MasterConfig, MasterState
 from mooncake._engine import _accept
 from mooncake._store.keyscan import DEFAULT_BUDGET_S, SCAN_METHODS, KeyScanner
 from mooncake._store.rpc_thread import Handoff, RpcThread, usable
 from mooncake._store.serving import ReplyBudget, frame_deadline
+from mooncake._store.tenancy import (
+    TenantBindings,
+    tenant_metrics,
+    tenant_quotas_http,
+    tenant_status,
+)
 from mooncake.errors import (
     ErrorCode,
     InvalidArgumentError,
@@ -219,6 +225,8 @@ class MasterServer:
         self.clock_offset = 0.0
         self._socks: set[socket.socket] = set()
         self._heartbeats: dict[socket.socket, tuple[str, int]] = {}
+        self.tenant_bindings = TenantBindings()
+        """Connections bound to a tenant by its key (:mod:`mooncake._store.tenancy`)."""
         """Connection -> (the client id its last ``Ping``/mount carried, how many it carried).
         One that carried two or more is that client's *heartbeat connection* (a tool's
         one-call connection is not): the last of those closing is the sign the client is
@@ -263,6 +271,7 @@ class MasterServer:
         try:
             params = rpc.decode_params(req)
             self.requests[name] += 1
+            self.tenant_bindings.check(sock, name, params)
             if sock is not None and name in _HEARTBEATS:
                 cid = getattr(params, "client_id", "")
                 seen = self._heartbeats.get(sock)
@@ -362,13 +371,17 @@ class MasterServer:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
-    async def handle_scan(self, req: rpc.Request) -> tuple[bytes, int]:
+    async def handle_scan(
+        self, req: rpc.Request, sock: socket.socket | None = None
+    ) -> tuple[bytes, int]:
         """Answer a regex request: match in a worker thread, then apply on the loop
         ((reply, ticket) as :meth:`execute`)."""
         try:
             params = rpc.decode_params(req)
             assert isinstance(params, rpc.RegexParams)
-            keys = await self.scanner.matching(self.state.readable_keys(), params.regex)
+            keys = await self.scanner.matching(
+                tenantscope.scan_keys(self.state, params.tenant), params.regex
+            )
         except MooncakeError as e:
             self.requests[req.method] += 1
             self.failures[req.method] += 1
@@ -382,7 +395,7 @@ class MasterServer:
                 f"{type(e).__name__}: {e}",
                 max_frame=self.config.max_frame,
             ), 0
-        return self.execute(req, self.now(), matched=keys)
+        return self.execute(req, self.now(), matched=keys, sock=sock)
 
     async def serve_connection(self, sock: socket.socket, slot: _accept.Slot) -> None:
         """Serve one RPC connection (a connected non-blocking socket, closed by the accept
@@ -414,6 +427,7 @@ class MasterServer:
             raise
         finally:
             self._socks.discard(sock)
+            self.tenant_bindings.forget(sock)
             if stopping:
                 self._heartbeats.pop(sock, None)
             else:
@@ -517,7 +531,7 @@ class MasterServer:
                     if not isinstance(msg, rpc.Request):
                         raise ProtocolError("a client sent a response frame")
                     if not authed or msg.method in rpc.AUTH_METHODS:
-                        reply, authed, nonces, close = self._auth_step(msg, authed, nonces)
+                        reply, authed, nonces, close = self._auth_step(msg, authed, nonces, sock)
                         out.append(reply)
                         if close:
                             scope.deadline = math.inf
@@ -526,7 +540,7 @@ class MasterServer:
                     elif msg.method in SCAN_METHODS:
                         slot.busy()
                         scope.deadline = math.inf
-                        reply, t = await self.handle_scan(msg)
+                        reply, t = await self.handle_scan(msg, sock)
                         out.append(reply)
                         ticket = max(ticket, t)
                     else:
@@ -607,7 +621,11 @@ class MasterServer:
             self.replies.give(left)
 
     def _auth_step(
-        self, req: rpc.Request, authed: bool, nonces: tuple[bytes, bytes] | None
+        self,
+        req: rpc.Request,
+        authed: bool,
+        nonces: tuple[bytes, bytes] | None,
+        sock: socket.socket | None = None,
     ) -> tuple[bytes, bool, tuple[bytes, bytes] | None, bool]:
         """One request of a connection not yet authenticated (or an auth method):
         (reply, authenticated now, pending nonces, close the connection after the reply)."""
@@ -623,7 +641,7 @@ class MasterServer:
                 True,
             )
 
-        if self.secret is None:
+        if self.secret is None and self.tenant_bindings.secret is None:
             text = "no cluster secret is configured on this master"
             return (
                 rpc.encode_error(req.id, ErrorCode.NOT_SUPPORTED, text, max_frame=mf),
@@ -631,30 +649,36 @@ class MasterServer:
                 None,
                 False,
             )
-        if authed:
+        try:
+            params = rpc.decode_params(req)
+        except MooncakeError:
+            params = None
+        if authed and not self.tenant_bindings.binding_hello(params, nonces):
             return (
                 rpc.encode_error(req.id, ErrorCode.RPC_FAIL, "already authenticated", max_frame=mf),
                 True,
                 None,
                 False,
             )
-        try:
-            params = rpc.decode_params(req)
-        except MooncakeError:
-            params = None
         if req.method == "AuthHello" and isinstance(params, rpc.AuthHelloParams) and nonces is None:
             if len(params.nonce) != auth.NONCE_BYTES:
                 return refuse("bad client nonce")
+            try:  # a tenant's key instead of the secret: the connection is bound to it
+                key = self.tenant_bindings.hello_key(self.secret, sock, params.tenant)
+            except MooncakeError as e:
+                return refuse(str(e))
             sn = auth.new_nonce()
-            proof = auth.server_proof(self.secret, "rpc", params.nonce, sn)
+            proof = auth.server_proof(key, "rpc", params.nonce, sn)
             reply = rpc.encode_result(
                 req.id, rpc.AuthChallenge(nonce=sn, proof=proof), max_frame=mf
             )
             return reply, False, (params.nonce, sn), False
         if req.method == "AuthProve" and isinstance(params, rpc.AuthProveParams) and nonces:
-            expected = auth.client_proof(self.secret, "rpc", nonces[0], nonces[1])
+            key, tenant = self.tenant_bindings.prove_key(self.secret, sock)
+            expected = auth.client_proof(key, "rpc", nonces[0], nonces[1])
             if not auth.verify(expected, params.proof):
                 return refuse("authentication failed: wrong cluster secret")
+            self.tenant_bindings.bind(sock, tenant)
             return rpc.encode_result(req.id, None, max_frame=mf), True, None, False
         return refuse(AUTH_REQUIRED)
 
@@ -693,6 +717,8 @@ class MasterServer:
     def http_response(self, method: str, target: str) -> tuple[int, str, bytes]:
         """(status, content type, body) for one admin HTTP request."""
         url = urlsplit(target)
+        if url.path == "/api/v1/tenant_quotas":
+            return tenant_quotas_http(self, method, url.query)
         if method not in ("GET", "HEAD"):
             return 405, "text/plain", b"method not allowed\n"
         if url.path == "/metrics":
@@ -711,16 +737,24 @@ class MasterServer:
             if refusal is not None:
                 return 503, "text/plain", refusal.encode() + b"\n"
         if url.path == "/query_key":
-            key = parse_qs(url.query).get("key", [""])[0]
-            try:
-                info = self.state.query_key(key)
+            query = parse_qs(url.query)
+            key = query.get("key", [""])[0]
+            try:  # ?tenant=NAME: that tenant's key (default: the default tenant's)
+                info = commands.HANDLERS["QueryKey"](
+                    self.state, rpc.KeyParams(key=key, tenant=query.get("tenant", [""])[0]), 0.0
+                )
             except MooncakeError as e:
                 body = msgspec.json.encode({"success": False, "error_code": int(e.code)})
                 return 404, "application/json", body
             body = msgspec.json.encode({"success": True, "data": info})
             return 200, "application/json", body
         if url.path == "/get_all_keys":
-            return 200, "application/json", msgspec.json.encode(self.state.all_keys())
+            tenant = parse_qs(url.query).get("tenant", [""])[0]
+            try:
+                keys = commands.HANDLERS["GetAllKeys"](self.state, rpc.Empty(tenant=tenant), 0.0)
+            except MooncakeError as e:
+                return 400, "text/plain", f"{e}\n".encode()
+            return 200, "application/json", msgspec.json.encode(keys)
         if url.path == "/get_all_segments":
             return 200, "application/json", msgspec.json.encode(self.state.all_segments())
         return 404, "text/plain", b"not found\n"
@@ -763,6 +797,7 @@ class MasterServer:
             "tiers": tiers,
             "segment_list": segments,
             "client_list": [{"client_id": k, **v} for k, v in sorted(clients.items())],
+            "tenants": tenant_status(s.tenants),
             "counters": {
                 "gets": st.gets,
                 "get_misses": st.get_misses,
@@ -860,6 +895,7 @@ class _MasterCollector(Collector):
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(name, doc, value=value)
 
+        yield from tenant_metrics(s.tenants)
         yield gauge("master_key_count", "Objects with a readable version", s.object_count)
         yield gauge("master_allocated_bytes", "Bytes allocated in mounted segments", s.used_bytes)
         yield gauge(

@@ -63,6 +63,7 @@ import msgspec
 
 from mooncake._core import auth, rpc
 from mooncake._core import store_types as st
+from mooncake._core.tenantscope import TENANT_SCOPED
 from mooncake._engine import _sockio
 from mooncake._store.leader import (
     LeaderResolver,
@@ -146,9 +147,21 @@ class MasterConnection:
         self.calls = 0
         self._sync_socks: set[socket.socket] = set()
         self._sync_lock = threading.Lock()
+        self.tenant = ""
+        """This client's tenant (``""``: the default): sent in the params of every call of
+        :data:`~mooncake._core.tenantscope.TENANT_SCOPED` (:meth:`scoped`)."""
+        self.auth_tenant = ""
+        """With a tenant key as ``secret`` (:func:`mooncake._core.auth.tenant_key`): the tenant
+        ``AuthHello`` names, so the master checks the tenant key and binds the connection."""
         self.leader_epoch = 0
         """Bumped on every leader change :meth:`follow` sees (a blocking socket connected
         before the change must not be used after it)."""
+
+    def scoped(self, method: str, params: msgspec.Struct) -> msgspec.Struct:
+        """``params`` with this client's tenant, when ``method`` is scoped by tenant."""
+        if self.tenant and method in TENANT_SCOPED:
+            return msgspec.structs.replace(params, tenant=self.tenant)
+        return params
 
     @property
     def connected(self) -> bool:
@@ -210,7 +223,9 @@ class MasterConnection:
     async def _authenticate(self, key: bytes) -> None:
         cn = auth.new_nonce()
         try:
-            ch: rpc.AuthChallenge = await self.call("AuthHello", rpc.AuthHelloParams(nonce=cn))
+            ch: rpc.AuthChallenge = await self.call(
+                "AuthHello", rpc.AuthHelloParams(nonce=cn, tenant=self.auth_tenant)
+            )
         except NotSupportedError:
             raise AuthError(f"the master at {self.leader} takes no cluster secret") from None
         if not auth.verify(auth.server_proof(key, "rpc", cn, ch.nonce), ch.proof):
@@ -369,7 +384,7 @@ class MasterConnection:
         if sock is None:
             raise MasterUnreachableError(f"connection to the master at {self.leader} closed")
         req_id = next(self._ids)
-        frame = rpc.encode_request(req_id, method, params, rid=rid)
+        frame = rpc.encode_request(req_id, method, self.scoped(method, params), rid=rid)
         w = _Waiter(method)
         self._waiters[req_id] = w
         self.calls += 1

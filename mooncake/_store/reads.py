@@ -60,7 +60,7 @@ class _Reads(_Writes):
                 "GetReplicaList", rpc.KeyParams(key=_check_key(key), for_read=for_read)
             )
         except ObjectNotFoundError as e:
-            e.miss = parse_miss(key, str(e))
+            e.miss = parse_miss(key, str(e), self.master.tenant)
             raise
         return check_replica_list(key, resp), t0 + _read_ttl(resp)
 

@@ -497,7 +497,9 @@ class _Worker:
                 if not isinstance(msg, rpc.Request):
                     raise ProtocolError("a client sent a response frame")
                 if not c.authed or msg.method in rpc.AUTH_METHODS:
-                    reply, c.authed, c.nonces, close = server._auth_step(msg, c.authed, c.nonces)
+                    reply, c.authed, c.nonces, close = server._auth_step(
+                        msg, c.authed, c.nonces, c.origin
+                    )
                     out.append(reply)
                     size += len(reply)
                     if close:

@@ -15,6 +15,7 @@ import anyio
 
 from mooncake._core import rpc
 from mooncake._core import store_types as st
+from mooncake._core.master.tenants import internal_key
 from mooncake._core.misses import Miss, MissReason
 from mooncake._core.tiers import SsdEntry
 from mooncake._store.moves import TIER_POLL_S, _Mover, _Op, _value_addr
@@ -191,7 +192,9 @@ class _Tiered(_Mover):
             await self._report_disk_evictions()
 
     async def _read_ssd(self, key: str, resp: st.GetReplicaListResponse) -> bytes:
-        """The bytes of an object the master lists only on SSD copies (ours, if any)."""
+        """The bytes of an object the master lists only on SSD copies (ours, if any). The
+        SSD tier and the tier calls name the master's internal key (a tenant's key scoped)."""
+        key = internal_key(self.master.tenant, key)
         tier = self.ssd
         lost = self._disk_evictions.get(key)
         if lost is not None and lost[0] == resp.vid and self.client_id in resp.disk_clients:

@@ -189,6 +189,9 @@ def open_store_options(cfg: dict[str, Any]) -> dict[str, Any]:
             os.environ.get("MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES", str(2 << 40)),
             "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES",
         )
+    tenant = cfg.get("tenant_id")
+    if tenant not in (None, "", "default"):
+        opts["tenant"] = str(tenant)
     if _flag(cfg.get("enable_client_http_server", False)):
         log.warning(
             "setup: enable_client_http_server is accepted but this client serves no HTTP "

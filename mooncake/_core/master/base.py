@@ -27,6 +27,7 @@ from mooncake._core.master.records import (
     _Task,
     _Version,
 )
+from mooncake._core.master.tenants import TenantLedger
 from mooncake._core.misses import MissLedger
 from mooncake._core.policies import EvictionPolicy
 from mooncake._core.quarantine import Quarantine
@@ -43,6 +44,7 @@ class _StateBase:
     stats: MasterStats
     view_version_id: int
     misses: MissLedger
+    tenants: TenantLedger
     tiers: dict[str, TierCounters]
     quarantine: Quarantine
     _objects: ObjectMap

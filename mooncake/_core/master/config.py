@@ -61,6 +61,9 @@ class MasterConfig:
     after the report (an earlier one may have been sent before it died)."""
     quarantine_refute_hold: float = 10.0
     """A reporter whose report a heartbeat refuted is not heard on that segment for this long."""
+    tenant_quotas: str = ""
+    """Initial per-tenant quotas, ``name=BYTES[/OBJECTS],...`` (``--tenant_quota``; bytes with
+    an optional B/KB/MB/GB/TB unit, 0 = unlimited; :mod:`mooncake._core.master.tenants`)."""
 
     def validate(self) -> None:
         """Raise :class:`InvalidArgumentError` naming the first bad setting."""
@@ -99,10 +102,32 @@ class MasterConfig:
             raise InvalidArgumentError(
                 f"eviction_round_objects must be >= 1, got {self.eviction_round_objects}"
             )
+        parse_tenant_quotas(self.tenant_quotas)
         if self.put_start_release_timeout < self.put_start_discard_timeout:
             raise InvalidArgumentError(
                 "put_start_release_timeout must be >= put_start_discard_timeout"
             )
+
+
+def parse_tenant_quotas(text: str) -> dict[str, tuple[int, int]]:
+    """``name=BYTES[/OBJECTS],...`` as tenant -> (bytes, objects); ``InvalidArgumentError``
+    naming the bad entry."""
+    from mooncake._core.master.tenants import check_tenant, parse_quota
+
+    out: dict[str, tuple[int, int]] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, spec = part.partition("=")
+        if not eq:
+            raise InvalidArgumentError(f"tenant quota {part!r}: want NAME=BYTES[/OBJECTS]")
+        tenant = check_tenant(name.strip())
+        if not tenant:
+            raise InvalidArgumentError("tenant quota: the default tenant is unlimited")
+        b, _, o = spec.partition("/")
+        objs = o.strip()
+        if objs and not objs.isdigit():
+            raise InvalidArgumentError(f"tenant quota {part!r}: objects must be an integer")
+        out[tenant] = (parse_quota(b) if b.strip() else 0, int(objs) if objs else 0)
+    return out
 
 
 @dataclass
@@ -163,7 +188,7 @@ def _compile(regex: str) -> re.Pattern[str]:
 def format_miss(miss: Miss) -> str:
     """The attribution suffix of an ``OBJECT_NOT_FOUND`` message (parsed by :func:`parse_miss`)."""
     parts = [f"reason={miss.reason.value}"]
-    for name in ("policy", "tier", "owner"):
+    for name in ("policy", "tier", "owner", "tenant"):
         value = getattr(miss, name)
         if value:
             parts.append(f"{name}={value}")
@@ -173,8 +198,9 @@ def format_miss(miss: Miss) -> str:
 _MISS_RE = re.compile(r"\[miss ((?:\w+=[^\s\]]*\s?)+)\]")
 
 
-def parse_miss(key: str, message: str) -> Miss | None:
-    """The :class:`Miss` in an ``OBJECT_NOT_FOUND`` message, or None if it carries none."""
+def parse_miss(key: str, message: str, tenant: str = "") -> Miss | None:
+    """The :class:`Miss` in an ``OBJECT_NOT_FOUND`` message, or None if it carries none;
+    ``tenant``: the caller's (the message's ``tenant=`` field wins)."""
     m = _MISS_RE.search(message)
     if m is None:
         return None
@@ -189,4 +215,5 @@ def parse_miss(key: str, message: str) -> Miss | None:
         policy=fields.get("policy", ""),
         tier=fields.get("tier", ""),
         owner=fields.get("owner", ""),
+        tenant=fields.get("tenant", tenant),
     )

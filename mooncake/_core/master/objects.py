@@ -15,6 +15,7 @@ from mooncake._core.master.config import (
     _compile,
 )
 from mooncake._core.master.records import _Object, _Pending, _Version
+from mooncake._core.master.tenants import tenant_of
 from mooncake._core.policies import Pin
 from mooncake._core.rpc import Item
 from mooncake._core.store_types import (
@@ -129,6 +130,13 @@ class _Objects(_StateBase):
         now: float,
         obj: _Object | None,
     ) -> list[ReplicaDescriptor]:
+        tenant = tenant_of(key)
+        if tenant:  # the tenant's quota first: nothing is evicted for a write it cannot hold
+            try:
+                self.tenants.admit(tenant, size, obj is None)
+            except MooncakeError:
+                self._forget_if_empty(key, obj)
+                raise
         # Objects are not striped: one larger than every segment can never fit, and evicting
         # for it would only empty the cache.
         if not any(seg.alloc.size >= size for seg in self._seg_list):

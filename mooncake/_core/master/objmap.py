@@ -16,6 +16,11 @@ their keys were added (the table's ``seq``), whatever their representation.
 
 Every object has an integer handle (``_Object.h``), stable for its life; the eviction policy
 tracks handles, not keys.
+
+Tenants (:mod:`mooncake._core.master.tenants`): the map notes, for each object of a named
+tenant that a command touches (hands out, adds or removes), what it was charged before;
+:meth:`tenant_deltas` turns those notes into the command's per-tenant changes when it settles.
+Default-tenant keys are never noted.
 """
 
 from __future__ import annotations
@@ -24,13 +29,23 @@ from collections.abc import Iterator
 from typing import Any
 
 from mooncake._core.master.records import _Object, _Replica, _Seg, _Version
+from mooncake._core.master.tenants import PREFIX, tenant_of
 from mooncake._fast import ObjectTable
+
+
+def charge(obj: _Object) -> int:
+    """The bytes a tenant's quota counts for ``obj``: its readable version's size plus the
+    size of the version being written, if any."""
+    n = obj.readable.size if obj.readable is not None else 0
+    if obj.pending is not None:
+        n += obj.pending.version.size
+    return n
 
 
 class ObjectMap:
     """Keys to objects, cold rows or hot records (see the module docstring)."""
 
-    __slots__ = ("_dirty", "_writer_num", "hot", "segs", "table", "writers")
+    __slots__ = ("_dirty", "_gone", "_touched", "_writer_num", "hot", "segs", "table", "writers")
 
     def __init__(self, table: ObjectTable | None = None) -> None:
         self.table = table if table is not None else ObjectTable()
@@ -42,6 +57,10 @@ class ObjectMap:
         """Writer client ids by number (a cold row's ``writer``); grows by distinct writers."""
         self._writer_num: dict[str, int] = {}
         self._dirty: list[int] = []
+        # tenant objects touched by the command in progress: handle -> (tenant, charge
+        # before, existed before); and those it removed: (tenant, charge before)
+        self._touched: dict[int, tuple[str, int, bool]] = {}
+        self._gone: list[tuple[str, int]] = []
 
     # -- the dict the rules see ------------------------------------------------------------
 
@@ -52,8 +71,11 @@ class ObjectMap:
             return None
         obj = self.hot.get(h)
         if obj is None:
-            return self._inflate(h, key)
-        self._dirty.append(h)  # the caller may change it into the common shape
+            obj = self._inflate(h, key)
+        else:
+            self._dirty.append(h)  # the caller may change it into the common shape
+        if key[:1] == PREFIX and h not in self._touched:
+            self._touched[h] = (tenant_of(key), charge(obj), True)
         return obj
 
     def __getitem__(self, key: str) -> _Object:
@@ -68,18 +90,59 @@ class ObjectMap:
         obj.h = h
         self.hot[h] = obj
         self._dirty.append(h)
+        if key[:1] == PREFIX:
+            self._touched[h] = (tenant_of(key), 0, False)
 
     def __delitem__(self, key: str) -> None:
         h = self.table.find(key)
         if h < 0:
             raise KeyError(key)
+        if key[:1] == PREFIX:
+            self._note_gone(h, key)
         self.hot.pop(h, None)
         self.table.remove(h)
 
     def remove_handle(self, h: int) -> None:
         """``del`` by handle (``KeyError`` if ``h`` is not live)."""
+        key = self.table.key(h)
+        if key[:1] == PREFIX:
+            self._note_gone(h, key)
         self.hot.pop(h, None)
         self.table.remove(h)
+
+    def _note_gone(self, h: int, key: str) -> None:
+        note = self._touched.pop(h, None)
+        if note is None:
+            obj = self.hot.get(h)
+            before = charge(obj) if obj is not None else self.table.cold_row(h)[2]
+            self._gone.append((tenant_of(key), before))
+        elif note[2]:
+            self._gone.append((note[0], note[1]))
+
+    def tenant_deltas(self) -> list[tuple[str, int, int]]:
+        """The per-tenant ``(tenant, bytes, objects)`` changes of what was touched since the
+        last call (call it between commands, before :meth:`settle`); forgets the notes."""
+        if not self._touched and not self._gone:
+            return []
+        out = [(t, -before, -1) for t, before in self._gone]
+        hot = self.hot
+        for h, (t, before, existed) in self._touched.items():
+            obj = hot.get(h)
+            after = charge(obj) if obj is not None else self.table.cold_row(h)[2]
+            out.append((t, after - before, 0 if existed else 1))
+        self._touched = {}
+        self._gone = []
+        return out
+
+    def tenant_usage(self) -> dict[str, tuple[int, int]]:
+        """Every named tenant's (bytes, objects), recomputed from the objects (tests)."""
+        out: dict[str, tuple[int, int]] = {}
+        for obj in self.values():
+            if obj.key[:1] == PREFIX:
+                t = tenant_of(obj.key)
+                b, n = out.get(t, (0, 0))
+                out[t] = (b + charge(obj), n + 1)
+        return out
 
     def __contains__(self, key: object) -> bool:
         return type(key) is str and self.table.find(key) >= 0
@@ -100,8 +163,12 @@ class ObjectMap:
         """The record of handle ``h`` (inflated if cold; ``KeyError`` if ``h`` is not live)."""
         obj = self.hot.get(h)
         if obj is None:
-            return self._inflate(h, self.table.key(h))
-        self._dirty.append(h)
+            obj = self._inflate(h, self.table.key(h))
+        else:
+            self._dirty.append(h)
+        key = obj.key
+        if key[:1] == PREFIX and h not in self._touched:
+            self._touched[h] = (tenant_of(key), charge(obj), True)
         return obj
 
     def cold_lease(self, h: int) -> float:

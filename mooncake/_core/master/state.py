@@ -9,7 +9,7 @@ from collections import OrderedDict, deque
 
 from mooncake._core.dedup import DedupLedger
 from mooncake._core.master import snapshot
-from mooncake._core.master.config import MasterConfig, MasterStats
+from mooncake._core.master.config import MasterConfig, MasterStats, parse_tenant_quotas
 from mooncake._core.master.leases import _Leases
 from mooncake._core.master.objects import _Objects
 from mooncake._core.master.objmap import ObjectMap
@@ -27,6 +27,7 @@ from mooncake._core.master.records import (
 from mooncake._core.master.segments import _Segments
 from mooncake._core.master.tablepolicy import TABLE_POLICIES, make_table_policy
 from mooncake._core.master.tasks import _Tasks
+from mooncake._core.master.tenants import TenantLedger
 from mooncake._core.master.tiers import _Tiers
 from mooncake._core.misses import MissLedger
 from mooncake._core.policies import EvictionPolicy, make_policy
@@ -92,6 +93,10 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         self.tiers = {"dram": TierCounters(), "ssd": TierCounters()}
         """Per-tier counters as the master sees them (SSD reads themselves are counted by the
         owning client)."""
+        self.tenants = TenantLedger()
+        """Per-tenant usage and quotas (:mod:`mooncake._core.master.tenants`)."""
+        for name, (qb, qo) in parse_tenant_quotas(self.config.tenant_quotas).items():
+            self.tenants.set_quota(name, qb, qo)
         self.quarantine = Quarantine(
             self.config.quarantine_grace, self.config.quarantine_refute_hold
         )
@@ -159,12 +164,13 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
             > self.config.eviction_high_watermark_ratio * self._capacity
         ):
             self.evict(now)  # one round of the run (at most eviction_round_objects objects)
-        self._objects.settle()
+        self.settle()
 
     def settle(self) -> None:
-        """Between commands: fold the objects the last one touched back into the compact
-        table where they fit (:meth:`ObjectMap.settle`). Representation only: calling it or
-        not changes no answer."""
+        """Between commands: settle the tenants' usage of what the last one touched
+        (:class:`TenantLedger`), and fold those objects back into the compact table where
+        they fit (:meth:`ObjectMap.settle`: representation only)."""
+        self.tenants.settle(self._objects.tenant_deltas())
         self._objects.settle()
 
     # -- snapshots -------------------------------------------------------------------------
@@ -196,6 +202,7 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if bookkeeping is inconsistent (tests)."""
         self._objects.self_check()
+        self.tenants.check(self._objects.tenant_usage())
         assert {id(s) for s in self._objects.segs.values()} == {id(s) for s in self._seg_list}
         assert self._demoting_bytes == sum(
             o.demoting.size for o in self._objects.values() if o.demoting is not None
