@@ -495,7 +495,8 @@ def encode_request(
     spec = METHODS.get(method)
     if spec is None:
         raise InvalidArgumentError(f"unknown master RPC method {method!r}")
-    if type(params) is not spec.params:
+    # (a params Struct that only added trailing defaults still takes its base: the same wire)
+    if type(params) is not spec.params and type(params) is not spec.params.__base__:
         raise InvalidArgumentError(
             f"{method} takes {spec.params.__name__}, not {type(params).__name__}"
         )

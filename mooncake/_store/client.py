@@ -249,6 +249,7 @@ async def open_store(
     segment_location: str = "cpu:0",
     cuda_runtime: CudaRuntime | None = None,
     metrics_port: int | None = None,
+    verify: bool | None = None,
 ) -> AsyncIterator[Store]:
     """Connect to the master at ``master``, mount a segment and yield a :class:`Store`.
 
@@ -278,6 +279,10 @@ async def open_store(
 
     ``metrics_port`` (default ``MC_METRICS_PORT``; ignored with ``engine``) serves
     :attr:`Store.metrics_registry` over HTTP on loopback (docs/metrics.md).
+
+    ``verify`` turns verified reads on or off (default: ``MOONCAKE_STORE_CHECKSUM``, else on
+    with the compiled CRC32C): writers record each value's CRC32C, every read checks the bytes
+    it landed against it (:mod:`mooncake._store.verify`, docs/store.md).
     """
     if protocol not in ("tcp", "rdma", ""):
         raise InvalidArgumentError(f"protocol {protocol!r} is not supported (use 'tcp' or 'rdma')")
@@ -293,6 +298,8 @@ async def open_store(
         segment_location=segment_location,
     )
     store.admission = make_admission(promotion)
+    if verify is not None:
+        store.verify.enabled = verify
     async with AsyncExitStack() as stack:
         if ssd_path is not None:
             store.ssd = await stack.enter_async_context(

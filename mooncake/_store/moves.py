@@ -34,6 +34,7 @@ from mooncake._store.config import ReplicateConfig, to_wire
 from mooncake._store.master_conn import MasterConnection
 from mooncake._store.shm import MappedPeer, SharedSegment, ShmPeers
 from mooncake._store.ssd import SsdTier
+from mooncake._store.verify import ReadVerifier
 from mooncake.errors import (
     ClosedError,
     InvalidArgumentError,
@@ -211,6 +212,8 @@ class _Mover:
         self._reported: dict[str, float] = {}
         """Segment name -> when this client last reported a transfer failure to it."""
         self.segment_reports = 0
+        self.verify = ReadVerifier()
+        """Verified reads: the switch and the counters (:mod:`mooncake._store.verify`)."""
         """Transfer failures reported to the master (``ReportSegmentFailure``)."""
 
     @property

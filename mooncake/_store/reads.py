@@ -14,6 +14,7 @@ import logging
 from collections.abc import Sequence
 
 import anyio
+import msgspec
 
 from mooncake._core import rpc
 from mooncake._core import store_types as st
@@ -21,8 +22,10 @@ from mooncake._core.master import parse_miss
 from mooncake._core.misses import MissReason
 from mooncake._store.bounds import check_replica_list
 from mooncake._store.moves import _check_key, _Op, _read_ttl, staging_refusal
+from mooncake._store.verify import NO_CRC, crc_of, crc_of_bytes, crc_of_parts
 from mooncake._store.writes import _Writes
 from mooncake.errors import (
+    ChecksumMismatchError,
     InvalidArgumentError,
     LeaseExpiredError,
     MooncakeError,
@@ -90,18 +93,93 @@ class _Reads(_Writes):
             return resp.size
         return resp.replicas[0].length if resp.replicas else 0
 
+    def _want_crc(self, resp: st.GetReplicaListResponse, n: int) -> int:
+        """The CRC a read of ``n`` bytes from the start of ``resp``'s object must match
+        (:data:`NO_CRC`: nothing to verify: no CRC recorded, verification off, or a part)."""
+        if n != self._size_of(resp):
+            self.verify.unverified += 1
+            return NO_CRC
+        return self.verify.expected(resp)
+
+    async def _proved(
+        self,
+        key: str,
+        resp: st.GetReplicaListResponse,
+        r: st.ReplicaDescriptor,
+        want: int,
+        got: int,
+        deadline: float,
+    ) -> bool:
+        """Whether bytes read from replica ``r`` (CRC ``got``) are ``resp``'s version
+        (``want``). A mismatch inside the read window reports ``r`` to the master (which drops
+        it); one after it is a fenced read (:class:`LeaseExpiredError`), since the space may
+        hold another object by then."""
+        if self.verify.check(want, got, "dram", r.segment_name):
+            return True
+        if anyio.current_time() > deadline:
+            self.lease_fences += 1
+            raise LeaseExpiredError("the read finished after its lease expired")
+        await self._report_corrupt(key, resp.vid, r)
+        return False
+
+    async def _report_corrupt(self, key: str, vid: int, r: st.ReplicaDescriptor) -> None:
+        """Tell the master that replica ``r`` of version ``vid`` of ``key`` failed its CRC32C
+        (it drops it; the last one takes the object with it). Best effort: a failed report is
+        logged, the read's answer does not depend on it."""
+        log.error(
+            "corrupt replica of %r (version %d) at %s+%#x: its bytes fail the CRC32C its "
+            "writer recorded; dropping it",
+            key,
+            vid,
+            r.segment_name,
+            r.addr,
+        )
+        if not key:
+            return
+        try:
+            with anyio.fail_after(5):
+                await self.master.call(
+                    "ReportCorruptReplica",
+                    rpc.CorruptReplicaParams(
+                        client_id=self.client_id,
+                        key=key,
+                        vid=vid,
+                        segment_name=r.segment_name,
+                        addr=r.addr,
+                    ),
+                )
+            self.verify.replicas_reported += 1
+        except (MooncakeError, TimeoutError) as e:
+            log.warning("reporting the corrupt replica of %r failed: %s", key, e)
+
     async def _read_one(
-        self, resp: st.GetReplicaListResponse, local: int, n: int, deadline: float
+        self,
+        resp: st.GetReplicaListResponse,
+        local: int,
+        n: int,
+        deadline: float,
+        key: str = "",
     ) -> None:
-        """Read ``n`` bytes of the object into ``local``, trying replicas in order; fenced."""
+        """Read ``n`` bytes of the object into ``local``, trying replicas in order; fenced and,
+        when ``n`` is the whole value, verified (a replica that fails is reported and the next
+        one read; :class:`ChecksumMismatchError` if none verifies)."""
         order = self._order(resp.replicas)
         if not order:
             raise ObjectNotFoundError("no complete replica")
+        want = self._want_crc(resp, n)
         err: MooncakeError | None = None
         for r in order:
             op = _Op(False, local, r, n)
             await self._move([op], deadline)  # past the window the bytes are of no use
             if op.error is None:
+                if want != NO_CRC and not await self._proved(
+                    key, resp, r, want, crc_of(local, n), deadline
+                ):
+                    err = ChecksumMismatchError(
+                        f"{key!r}: no replica's bytes match the CRC32C its writer recorded "
+                        "(each was reported and dropped)"
+                    )
+                    continue
                 if anyio.current_time() > deadline:
                     self.lease_fences += 1
                     raise LeaseExpiredError(
@@ -147,10 +225,13 @@ class _Reads(_Writes):
         resp, deadline = await self._query(key)
         if not resp.replicas and resp.disk_clients:
             return await self._read_ssd(key, resp)
-        return await self._get_with(resp, deadline)
+        return await self._get_with(resp, deadline, key)
 
-    async def _get_with(self, resp: st.GetReplicaListResponse, deadline: float) -> bytes:
-        """The rest of :meth:`get` once ``GetReplicaList`` has answered ``resp``."""
+    async def _get_with(
+        self, resp: st.GetReplicaListResponse, deadline: float, key: str = ""
+    ) -> bytes:
+        """The rest of :meth:`get` once ``GetReplicaList`` has answered ``resp`` (verified as
+        :meth:`_read_one`)."""
         n = self._size_of(resp)
         # same-host or own replica: copy straight into a new bytes object
         await self._resolve(r.segment_name for r in resp.replicas)
@@ -171,12 +252,26 @@ class _Reads(_Writes):
                 if peer is not None:
                     peer.unpin()
             if peer is None or peer.alive():
-                if anyio.current_time() > deadline:
-                    self.lease_fences += 1
-                    raise LeaseExpiredError("the read finished after its lease expired")
-                return data
-            self._shm.forget(r.segment_name)
-            raise PeerDiedError(f"{r.segment_name}: its owner died while the read was in flight")
+                want = self._want_crc(resp, n)
+                if want == NO_CRC or await self._proved(
+                    key, resp, r, want, crc_of_bytes(data), deadline
+                ):
+                    if anyio.current_time() > deadline:
+                        self.lease_fences += 1
+                        raise LeaseExpiredError("the read finished after its lease expired")
+                    return data
+                # a corrupt replica (reported): the others, through the general path
+                resp = msgspec.structs.replace(resp, replicas=[x for x in resp.replicas if x != r])
+                if not self._order(resp.replicas):
+                    raise ChecksumMismatchError(
+                        f"{key!r}: no replica's bytes match the CRC32C its writer recorded "
+                        "(each was reported and dropped)"
+                    )
+            else:
+                self._shm.forget(r.segment_name)
+                raise PeerDiedError(
+                    f"{r.segment_name}: its owner died while the read was in flight"
+                )
         if n > self._staging.capacity:
             raise InvalidArgumentError(
                 f"a {n}-byte value does not fit the local buffer ({self.local_buffer_size} bytes)"
@@ -185,7 +280,7 @@ class _Reads(_Writes):
         try:
             assert self.local_buffer is not None
             addr = self.local_buffer.addr + off
-            await self._read_one(resp, addr, n, deadline)
+            await self._read_one(resp, addr, n, deadline, key)
             return ctypes.string_at(addr, n)
         finally:
             self._unstage(off)
@@ -211,7 +306,7 @@ class _Reads(_Writes):
                 raise TransferError(f"the SSD copy of {key!r} has {len(data)} bytes, not {n}")
             ctypes.memmove(addr, data, n)
             return n
-        await self._read_one(resp, addr, n, deadline)
+        await self._read_one(resp, addr, n, deadline, key)
         return n
 
     async def get_batch(self, keys: Sequence[str]) -> list[bytes | MooncakeError]:
@@ -239,7 +334,7 @@ class _Reads(_Writes):
             for n in sizes:
                 addrs.append(base)
                 base += n
-            errs = await self._read_many(resps, addrs, sizes, t0)
+            errs = await self._read_many(resps, addrs, sizes, t0, keys=keys)
             for i, r in enumerate(resps):
                 if isinstance(r, MooncakeError):
                     out[i] = r
@@ -327,7 +422,7 @@ class _Reads(_Writes):
                 lens.append(0)
                 continue
             lens.append(n)
-        errs = await self._read_many(resps, list(addrs), lens, t0)
+        errs = await self._read_many(resps, list(addrs), lens, t0, keys=keys)
         for i, r in enumerate(resps):
             if isinstance(r, MooncakeError):
                 continue
@@ -342,14 +437,17 @@ class _Reads(_Writes):
         sizes: Sequence[int],
         t0: float,
         parts: Sequence[Sequence[tuple[int, int, int]]] | None = None,
+        keys: Sequence[str] | None = None,
     ) -> list[MooncakeError | None]:
         """Read every answered key (first replica, then failover rounds); fenced per key.
 
         Key ``i`` lands at ``addrs[i]`` (``sizes[i]`` bytes from the object's start), or, with
         ``parts``, as ``(address, length, object offset)`` ranges; a key fails if any of its
-        ranges does."""
+        ranges does. A key whose ranges cover its whole value is verified (a replica that
+        fails is reported, under ``keys[i]``, and the next one read)."""
         errs: list[MooncakeError | None] = [None] * len(resps)
         orders: dict[int, list[st.ReplicaDescriptor]] = {}
+        wants: dict[int, tuple[int, list[tuple[int, int]]]] = {}
         for i, r in enumerate(resps):
             if isinstance(r, MooncakeError):
                 continue
@@ -358,6 +456,19 @@ class _Reads(_Writes):
                 errs[i] = ObjectNotFoundError("no complete replica")
                 continue
             orders[i] = o
+            if parts is None:
+                landed, n = [(addrs[i], sizes[i])], sizes[i]
+            else:
+                landed, n = [], 0
+                for off, a, pn in sorted((o, a, pn) for a, pn, o in parts[i] if pn):
+                    if off != n:  # a gap or an overlap: not the value as one run
+                        n = -1
+                        break
+                    landed.append((a, pn))
+                    n += pn
+            want = self._want_crc(r, n)
+            if want != NO_CRC:
+                wants[i] = (want, landed)
         attempt = 0
         todo = list(orders)
         while todo:
@@ -378,9 +489,28 @@ class _Reads(_Writes):
             for i, op in ops:
                 if op.error is not None and i not in failed:
                     failed[i] = op.error
+            fenced: set[int] = set()
+            for i in todo:
+                if i in failed or i not in wants:
+                    continue
+                want, landed = wants[i]
+                rep = orders[i][attempt]
+                got = crc_of(*landed[0]) if len(landed) == 1 else crc_of_parts(landed)
+                if self.verify.check(want, got, "dram", rep.segment_name):
+                    continue
+                r = resps[i]
+                assert not isinstance(r, MooncakeError)
+                if anyio.current_time() > t0 + _read_ttl(r):
+                    fenced.add(i)  # proves nothing: the fence below fails it
+                    continue
+                await self._report_corrupt(keys[i] if keys is not None else "", r.vid, rep)
+                failed[i] = ChecksumMismatchError(
+                    f"{keys[i] if keys is not None else 'a key'!r}: no replica's bytes match "
+                    "the CRC32C its writer recorded (each was reported and dropped)"
+                )
             nxt = []
             for i in todo:
-                if i not in failed:
+                if i in fenced or i not in failed:
                     errs[i] = None
                 elif attempt + 1 < len(orders[i]):
                     nxt.append(i)
@@ -443,7 +573,7 @@ class _Reads(_Writes):
                 off += take
                 left -= take
             out[i] = n
-        errs = await self._read_many(resps, [0] * len(keys), [0] * len(keys), t0, ranges)
+        errs = await self._read_many(resps, [0] * len(keys), [0] * len(keys), t0, ranges, keys=keys)
         for i, read_err in enumerate(errs):
             if read_err is not None and not isinstance(resps[i], MooncakeError):
                 out[i] = read_err

@@ -31,6 +31,7 @@ from mooncake._store.moves import (
     staging_refusal,
 )
 from mooncake._store.tiering import _Tiered
+from mooncake._store.verify import NO_CRC, crc_of_parts
 from mooncake.errors import (
     InvalidArgumentError,
     MooncakeError,
@@ -313,6 +314,7 @@ class _Writes(_Tiered):
             return out
         # -- write
         staged: list[int] = []
+        crcs = [NO_CRC] * len(keys)
         try:
             with anyio.CancelScope(shield=False):
                 ops: list[tuple[int, _Op]] = []
@@ -344,6 +346,10 @@ class _Writes(_Tiered):
                             base += pn
                         local[i] = [(start, sizes[i])]
                     await _memcpy_many(copies)
+                if self.verify.enabled:  # the bytes about to be written, staged or not
+                    for i in started:
+                        if out[i] is None:
+                            crcs[i] = crc_of_parts(local[i])
                 for i in started:
                     if out[i] is not None:
                         continue
@@ -372,7 +378,7 @@ class _Writes(_Tiered):
                 self._unstage(off)
         # -- end / revoke
         failed = [out[i] is not None for i in range(len(keys))]
-        end_errs = await self._finish(prefix, keys, started, failed, batch)
+        end_errs = await self._finish(prefix, keys, started, failed, batch, crcs)
         for i, end_err in end_errs.items():
             if out[i] is None:
                 out[i] = end_err
@@ -384,6 +390,7 @@ class _Writes(_Tiered):
         """Write ``reps`` (already PutStart-ed elsewhere) from ``addr``, then End or Revoke."""
         err: MooncakeError | None = None
         staged: int | None = None
+        crc = NO_CRC
         try:
             await self._resolve(r.segment_name for r in reps)
             src = addr
@@ -398,6 +405,8 @@ class _Writes(_Tiered):
             elif any(r.length != size for r in reps):
                 err = TransferError(f"master allocated a replica of the wrong size for {key!r}")
             else:
+                if self.verify.enabled:
+                    crc = crc_of_parts([(src, size)])
                 ops = [_Op(True, src, r, size) for r in reps]
                 await self._move(ops)
                 err = next((op.error for op in ops if op.error is not None), None)
@@ -408,7 +417,7 @@ class _Writes(_Tiered):
         finally:
             if staged is not None:
                 self._unstage(staged)
-        errs = await self._finish(prefix, [key], [0], [err is not None], False)
+        errs = await self._finish(prefix, [key], [0], [err is not None], False, [crc])
         return err or errs.get(0)
 
     async def _complete_puts(
@@ -424,6 +433,7 @@ class _Writes(_Tiered):
         the rest; one result per key. The caller-thread path hands over keys it cannot copy."""
         out: list[MooncakeError | None] = [None] * len(keys)
         ops: list[tuple[int, _Op]] = []
+        crcs = [NO_CRC] * len(keys)
         try:
             await self._resolve(r.segment_name for rs in reps for r in rs)
             for i, rs in enumerate(reps):
@@ -436,6 +446,8 @@ class _Writes(_Tiered):
                     )
                     continue
                 local = _parts_of(sources[i], sizes[i])
+                if self.verify.enabled:
+                    crcs[i] = crc_of_parts(local)
                 for r in rs:
                     roff = 0
                     for pa, pn in local:
@@ -450,7 +462,7 @@ class _Writes(_Tiered):
                 await self._finish(prefix, keys, list(range(len(keys))), [True] * len(keys), True)
             raise
         failed = [e is not None for e in out]
-        end_errs = await self._finish(prefix, keys, list(range(len(keys))), failed, True)
+        end_errs = await self._finish(prefix, keys, list(range(len(keys))), failed, True, crcs)
         for i, end_err in end_errs.items():
             if out[i] is None:
                 out[i] = end_err
@@ -463,26 +475,42 @@ class _Writes(_Tiered):
         started: list[int],
         failed: list[bool],
         batch: bool,
+        crcs: Sequence[int] | None = None,
     ) -> dict[int, MooncakeError]:
-        """PutEnd the started keys that succeeded, PutRevoke the rest; errors per index."""
+        """PutEnd the started keys that succeeded (with ``crcs[i]``, the CRC32C of key ``i``'s
+        value, when given), PutRevoke the rest; errors per index."""
         errs: dict[int, MooncakeError] = {}
         ends = [i for i in started if not failed[i]]
         revokes = [i for i in started if failed[i]]
+        cid = self.client_id
         for method, idx in ((f"{prefix}End", ends), (f"{prefix}Revoke", revokes)):
             if not idx:
                 continue
+            end = idx is ends
             if not batch:
+                k = keys[idx[0]]
+                crc = crcs[idx[0]] if crcs is not None else NO_CRC
                 try:
                     await self.master.call(
-                        method, rpc.KeyClientParams(client_id=self.client_id, key=keys[idx[0]])
+                        method,
+                        rpc.PutEndParams(client_id=cid, key=k, crc=crc)
+                        if end
+                        else rpc.KeyClientParams(client_id=cid, key=k),
                     )
                 except MooncakeError as e:
                     errs[idx[0]] = e
                 continue
+            names = [keys[i] for i in idx]
             try:
                 codes: list[int] = await self.master.call(
                     f"Batch{method}",
-                    rpc.BatchKeyClientParams(client_id=self.client_id, keys=[keys[i] for i in idx]),
+                    rpc.BatchPutEndParams(
+                        client_id=cid,
+                        keys=names,
+                        crcs=[crcs[i] for i in idx] if crcs is not None else [],
+                    )
+                    if end
+                    else rpc.BatchKeyClientParams(client_id=cid, keys=names),
                 )
             except MooncakeError as e:
                 for i in idx:
