@@ -11,6 +11,7 @@ import ctypes
 import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import anyio
 import numpy as np
@@ -19,11 +20,12 @@ import trio
 
 import mooncake
 from mooncake import _fast
+from mooncake._core.tiers import file_name
 from mooncake._store.client import Store
-from mooncake.errors import ChecksumMismatchError, ErrorCode, ObjectNotFoundError
+from mooncake.errors import ChecksumMismatchError, ErrorCode, ObjectNotFoundError, TierDataError
 from mooncake.store import ReplicateConfig
 from mooncake.testing import local_master
-from mooncake.testing.faults import flip_replica, replicas_of
+from mooncake.testing.faults import flip_file, flip_replica, replicas_of
 
 MIB = 1 << 20
 
@@ -178,7 +180,7 @@ def test_readers_with_injection_never_return_wrong_bytes() -> None:
                         continue
                     reads += 1
                     wrong += got != values[k]
-                    await anyio.sleep(0)
+                    await anyio.lowlevel.checkpoint()
 
             async def injector() -> None:
                 for _ in range(8):
@@ -205,5 +207,57 @@ def test_readers_with_injection_never_return_wrong_bytes() -> None:
                     await replicas_of(r, k)
             for k in values.keys() - injected:
                 assert await r.get(k) == values[k]
+
+    trio.run(main)
+
+
+def test_ssd_copies_are_verified_against_the_writers_crc(tmp_path: Path) -> None:
+    """A replica corrupted in DRAM before its demotion gives a self-consistent SSD file that
+    still fails the writer's CRC; a byte flipped in an SSD file fails the tier's own check.
+    Both are counted as SSD mismatches, dropped from the tier, and the object is gone."""
+    from tests.test_store_tiers import (
+        eventually,
+        fill_and_demote,
+        put_retrying,
+        running_master,
+        ssd_keys,
+        value,
+        where,
+    )
+
+    async def main() -> None:
+        async with (
+            running_master() as addr,
+            mooncake.open_store(
+                addr,
+                segment_size=MIB,
+                ssd_path=str(tmp_path),
+                ssd_capacity=64 * MIB,
+                promotion="never",
+            ) as s,
+        ):
+            await put_retrying(s, "bad", value(999))
+            rep = (await replicas_of(s, "bad")).replicas[0]
+            flip_replica(s, rep, 100)  # before the object is demoted
+            keys = await fill_and_demote(s, 40)  # "bad" was touched last: demoted late
+
+            async def bad_on_ssd() -> bool:
+                return await where(s, "bad") == "ssd"
+
+            await eventually(bad_on_ssd, "the demotion of the corrupt replica")
+            other = (await ssd_keys(s, keys))[0]
+            with pytest.raises(TierDataError, match="writer recorded"):
+                await s.get("bad")
+            flip_file(tmp_path / "objects" / file_name(other), 4096 + 10)
+            with pytest.raises(TierDataError, match="checksum"):
+                await s.get(other)
+            assert s.verify.mismatches[("ssd", s.client_id)] == 2
+
+            async def gone() -> bool:
+                return await where(s, "bad") == "gone" and await where(s, other) == "gone"
+
+            await eventually(gone, "the master dropping both")
+            last = keys[-1]
+            assert await s.get(last) == value(len(keys) - 1)  # the others read (and verify)
 
     trio.run(main)
