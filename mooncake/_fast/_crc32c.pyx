@@ -8,13 +8,16 @@ The pure-Python twin is ``_crc32c_pure`` (same results, table driven, far slower
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
-from libc.stdint cimport uint32_t, uintptr_t
+from libc.stdint cimport uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
 
 cdef extern from "mc_crc32c.h" nogil:
     void mc_crc32c_init()
     int mc_crc_hw
     uint32_t mc_crc32c(uint32_t crc, const void *p, size_t n)
     uint32_t mc_copy_crc32c(void *dst, const void *src, size_t n, uint32_t crc)
+    uint32_t mc_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2)
 
 mc_crc32c_init()
 
@@ -78,3 +81,44 @@ def copy_crc32c(uintptr_t dst, uintptr_t src, Py_ssize_t n, uint32_t crc=0):
             crc = mc_copy_crc32c(<void *>dst, <const void *>src, <size_t>n, crc)
         return crc
     return mc_copy_crc32c(<void *>dst, <const void *>src, <size_t>n, crc)
+
+
+def crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2):
+    """The CRC32C of ``A + B`` from ``crc1`` (of ``A``), ``crc2`` (of ``B``) and ``len(B)``."""
+    if len2 >= (<uint64_t>1) << 48:
+        raise ValueError(f"crc32c_combine: length {len2} too large")
+    return mc_crc32c_combine(crc1, crc2, len2)
+
+
+def copy_crc32c_batch(dsts, srcs, lens, sums):
+    """Copy ``lens[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` for every ``i`` (GIL released for
+    the whole batch), each in one pass with its CRC32C where ``sums[i]`` is true; the CRC of
+    each range as it landed (``-1`` where not asked)."""
+    cdef Py_ssize_t n = len(dsts), i
+    if not (len(srcs) == n and len(lens) == n and len(sums) == n):
+        raise ValueError("copy_crc32c_batch: sequences of different lengths")
+    cdef uintptr_t *t = <uintptr_t *>malloc(sizeof(uintptr_t) * 4 * (n if n else 1))
+    if t == NULL:
+        raise MemoryError()
+    try:
+        for i in range(n):
+            t[4 * i] = dsts[i]
+            t[4 * i + 1] = srcs[i]
+            ln = lens[i]
+            if ln < 0:
+                raise ValueError(f"copy_crc32c_batch: negative length {ln}")
+            if ln and (not t[4 * i] or not t[4 * i + 1]):
+                raise ValueError("copy_crc32c_batch: null address")
+            t[4 * i + 2] = <uintptr_t>ln
+            t[4 * i + 3] = 1 if sums[i] else 0
+        with nogil:
+            for i in range(n):
+                if t[4 * i + 3]:
+                    t[4 * i + 3] = 2 + mc_copy_crc32c(
+                        <void *>t[4 * i], <const void *>t[4 * i + 1], t[4 * i + 2], 0
+                    )
+                elif t[4 * i + 2]:
+                    memcpy(<void *>t[4 * i], <const void *>t[4 * i + 1], t[4 * i + 2])
+        return [<long long>t[4 * i + 3] - 2 if t[4 * i + 3] else -1 for i in range(n)]
+    finally:
+        free(t)

@@ -7,7 +7,7 @@ the store turns verification off by default when it runs on this twin (see ``doc
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 COMPILED = False
@@ -73,3 +73,63 @@ def copy_crc32c(dst: int, src: int, n: int, crc: int = 0) -> int:
         raise ValueError("copy_crc32c: null address")
     ctypes.memmove(dst, src, n)
     return crc32c_at(dst, n, crc)
+
+
+def _times(mat: list[int], vec: int) -> int:
+    s = 0
+    i = 0
+    while vec:
+        if vec & 1:
+            s ^= mat[i]
+        vec >>= 1
+        i += 1
+    return s
+
+
+def _square(mat: list[int]) -> list[int]:
+    return [_times(mat, mat[n]) for n in range(32)]
+
+
+def _pow2() -> list[list[int]]:
+    odd = [_POLY] + [1 << (n - 1) for n in range(1, 32)]  # one zero bit
+    op = _square(_square(_square(odd)))  # eight zero bits: one byte
+    out = [op]
+    for _ in range(47):
+        out.append(_square(out[-1]))
+    return out
+
+
+_POW2: list[list[int]] = []
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC32C of ``A + B`` from ``crc1`` (of ``A``), ``crc2`` (of ``B``) and ``len(B)``."""
+    if not 0 <= len2 < 1 << 48:
+        raise ValueError(f"crc32c_combine: length {len2} out of range")
+    if not _POW2:
+        _POW2.extend(_pow2())
+    k = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _times(_POW2[k], crc1)
+        len2 >>= 1
+        k += 1
+    return crc1 ^ crc2
+
+
+def copy_crc32c_batch(
+    dsts: Sequence[int], srcs: Sequence[int], lens: Sequence[int], sums: Sequence[bool]
+) -> list[int]:
+    """Copy each range; the CRC32C of each as it landed where ``sums[i]`` (else ``-1``)."""
+    if not (len(dsts) == len(srcs) == len(lens) == len(sums)):
+        raise ValueError("copy_crc32c_batch: sequences of different lengths")
+    out = []
+    for d, s, n, want in zip(dsts, srcs, lens, sums, strict=True):
+        if want:
+            out.append(copy_crc32c(d, s, n))
+        else:
+            _check(n, "copy_crc32c_batch")
+            if n:
+                ctypes.memmove(d, s, n)
+            out.append(-1)
+    return out

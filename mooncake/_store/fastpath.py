@@ -510,6 +510,12 @@ class FastPath:
         dsts: list[int] = []
         srcs: list[int] = []
         lens: list[int] = []
+        summed = s.verify.enabled
+        sdsts: list[int] = []  # the first replicas' parts: copied with their CRC32C
+        ssrcs: list[int] = []
+        slens: list[int] = []
+        parts_of: dict[int, int] = {}  # key -> how many of those parts are its
+        got: list[int] = []
         owners: list[tuple[int, MappedPeer | None]] = []
         pinned: dict[int, MappedPeer] = {}
         exists = int(ObjectAlreadyExistsError.code)
@@ -527,7 +533,7 @@ class FastPath:
                     slow_reps.append(reps)
                     continue
                 fast.append(i)
-                for t in targets:
+                for j, t in enumerate(targets):
                     assert t is not None
                     dst, peer = t
                     if not self._pin(peer, pinned):
@@ -536,9 +542,17 @@ class FastPath:
                         )
                         break
                     owners.append((i, peer))
+                    if summed and not j:  # the first replica: copied and checksummed at once
+                        parts_of[i] = len(plens[i])
+                        sdsts += itertools.accumulate(plens[i][:-1], initial=dst)
+                        ssrcs += ptrs[i]
+                        slens += plens[i]
+                        continue
                     dsts += itertools.accumulate(plens[i][:-1], initial=dst)
                     srcs += ptrs[i]
                     lens += plens[i]
+            if sdsts:
+                got = _fast.copy_crc32c_batch(sdsts, ssrcs, slens, [True] * len(sdsts))
             if dsts:  # into segments: not read again soon, so non-temporal stores
                 _fast.memcpy_batch(dsts, srcs, lens, stream=True)
         except BaseException:
@@ -552,8 +566,16 @@ class FastPath:
         ok = [i for i in fast if out[i] is None]
         bad = [i for i in fast if out[i] is not None]
         crcs = None
-        if s.verify.enabled:  # of the sources just copied (still in cache for small values)
-            crcs = [_fast.crc32c_parts(zip(ptrs[i], plens[i], strict=True)) for i in ok]
+        if summed:  # each key's parts' CRCs, combined in order
+            value_crc: dict[int, int] = {}
+            pos = 0
+            for i, k in parts_of.items():
+                crc = got[pos]
+                for q in range(pos + 1, pos + k):
+                    crc = _fast.crc32c_combine(crc, got[q], slens[q])
+                value_crc[i] = crc
+                pos += k
+            crcs = [value_crc.get(i, NO_CRC) for i in ok]
         for i, err in self._finish_batch(
             m, "Put", [keys[i] for i in ok], [keys[i] for i in bad], crcs
         ).items():
@@ -680,7 +702,10 @@ class FastPath:
         srcs: list[int] = []
         lens: list[int] = []
         owners: list[tuple[int, MappedPeer | None, float]] = []
-        checks: list[tuple[int, int, st.ReplicaDescriptor, st.GetReplicaListResponse]] = []
+        checks: list[tuple[int, int, st.ReplicaDescriptor, st.GetReplicaListResponse, int, int]]
+        checks = []
+        sums: list[bool] = []  # per copied part: checksum it (its key is verified)
+        landed: list[int] = []
         pinned: dict[int, MappedPeer] = {}
         try:
             for i, item in enumerate(items):
@@ -724,10 +749,15 @@ class FastPath:
                 owners.append((i, peer, t0 + (resp.read_ttl_ms or resp.lease_ttl_ms) / 1000.0))
                 want = s._want_crc(resp, n)
                 if want != NO_CRC:
-                    checks.append((i, want, rep_of_target, resp))
+                    assert rep_of_target is not None
+                    checks.append((i, want, rep_of_target, resp, len(sums), len(plens[i])))
+                sums += [want != NO_CRC] * len(plens[i])
                 out[i] = n
             if dsts:
-                _fast.memcpy_batch(dsts, srcs, lens)
+                if checks:  # copied and checksummed in one pass
+                    landed = _fast.copy_crc32c_batch(dsts, srcs, lens, sums)
+                else:
+                    _fast.memcpy_batch(dsts, srcs, lens)
         finally:
             self._unpin(pinned)
         now = time.monotonic()
@@ -739,10 +769,12 @@ class FastPath:
             elif now > deadline:
                 s.lease_fences += 1
                 out[i] = LeaseExpiredError("the read finished after its lease expired")
-        for i, want, r, resp in checks:  # the bytes that landed, against the writer's CRC
+        for i, want, r, resp, pos, k in checks:  # what landed, against the writer's CRC
             if isinstance(out[i], MooncakeError):
                 continue
-            got = _fast.crc32c_parts(zip(ptrs[i], plens[i], strict=True))
+            got = landed[pos]
+            for q in range(pos + 1, pos + k):
+                got = _fast.crc32c_combine(got, landed[q], lens[q])
             if s.verify.check(want, got, "dram", r.segment_name):
                 continue
             self._report_corrupt(keys[i], resp.vid, r)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import anyio
 import msgspec
 
+from mooncake import _fast
 from mooncake._core import rpc
 from mooncake._core import store_types as st
 from mooncake._core.master import parse_miss
@@ -36,6 +37,18 @@ from mooncake.errors import (
 )
 
 log = logging.getLogger("mooncake.store")
+
+
+def _landed_crc(ops: Sequence[_Op], landed: Sequence[tuple[int, int]]) -> int:
+    """The CRC32C of a value read by ``ops`` (contiguous from offset 0, as ``landed``): from
+    the CRCs their copies computed (combined in offset order), else one pass over ``landed``."""
+    if ops and all(op.crc >= 0 for op in ops):
+        ordered = sorted(ops, key=lambda op: op.offset)
+        crc = ordered[0].crc
+        for op in ordered[1:]:
+            crc = _fast.crc32c_combine(crc, op.crc, op.length)
+        return int(crc)
+    return crc_of(*landed[0]) if len(landed) == 1 else crc_of_parts(landed)
 
 
 class _Reads(_Writes):
@@ -169,11 +182,11 @@ class _Reads(_Writes):
         want = self._want_crc(resp, n)
         err: MooncakeError | None = None
         for r in order:
-            op = _Op(False, local, r, n)
+            op = _Op(False, local, r, n, sum=want != NO_CRC)
             await self._move([op], deadline)  # past the window the bytes are of no use
             if op.error is None:
                 if want != NO_CRC and not await self._proved(
-                    key, resp, r, want, crc_of(local, n), deadline
+                    key, resp, r, want, op.crc if op.crc >= 0 else crc_of(local, n), deadline
                 ):
                     err = ChecksumMismatchError(
                         f"{key!r}: no replica's bytes match the CRC32C its writer recorded "
@@ -475,10 +488,13 @@ class _Reads(_Writes):
             ops: list[tuple[int, _Op]] = []
             for i in todo:
                 rep = orders[i][attempt]
+                v = i in wants  # the copies checksum what they land (fused), where they can
                 if parts is None:
-                    ops.append((i, _Op(False, addrs[i], rep, sizes[i])))
+                    ops.append((i, _Op(False, addrs[i], rep, sizes[i], sum=v)))
                 else:
-                    ops += [(i, _Op(False, a, rep, n, offset=o)) for a, n, o in parts[i] if n]
+                    ops += [
+                        (i, _Op(False, a, rep, n, offset=o, sum=v)) for a, n, o in parts[i] if n
+                    ]
             # a round stops when the last window of its keys closes (each key is fenced below)
             round_end = max(
                 (t0 + _read_ttl(r) for i in todo if not isinstance(r := resps[i], MooncakeError)),
@@ -490,12 +506,15 @@ class _Reads(_Writes):
                 if op.error is not None and i not in failed:
                     failed[i] = op.error
             fenced: set[int] = set()
+            key_ops: dict[int, list[_Op]] = {}
+            for i, op in ops:
+                key_ops.setdefault(i, []).append(op)
             for i in todo:
                 if i in failed or i not in wants:
                     continue
                 want, landed = wants[i]
                 rep = orders[i][attempt]
-                got = crc_of(*landed[0]) if len(landed) == 1 else crc_of_parts(landed)
+                got = _landed_crc(key_ops.get(i, []), landed)
                 if self.verify.check(want, got, "dram", rep.segment_name):
                     continue
                 r = resps[i]

@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 
+from mooncake import _fast
 from mooncake._core import rpc
 from mooncake._core import store_types as st
 from mooncake._core.memory import Region
@@ -47,6 +48,35 @@ log = logging.getLogger("mooncake.store")
 #: to 50 ms) up to this long for that write to end, so the two are ordered instead of the
 #: later one failing with REPLICA_IS_NOT_READY; past it, -703 is the answer
 UPSERT_WAIT_S = 5.0
+
+
+def _value_crcs(
+    ops: Sequence[tuple[int, _Op]],
+    local: Sequence[Sequence[tuple[int, int]]],
+    n: int,
+    out: Sequence[MooncakeError | None],
+) -> list[int]:
+    """The CRC32C of each written key's value: from its first replica's copies (summed ops,
+    combined in offset order) where they all computed one, else a pass over its source parts
+    ``local[i]`` (network writes); :data:`NO_CRC` for the keys that failed."""
+    per: dict[int, list[_Op]] = {}
+    for i, op in ops:
+        if op.sum:
+            per.setdefault(i, []).append(op)
+    crcs = [NO_CRC] * n
+    for i in range(n):
+        if out[i] is not None:
+            continue
+        mine = per.get(i, [])
+        if mine and all(op.crc >= 0 for op in mine):
+            mine.sort(key=lambda op: op.offset)
+            crc = mine[0].crc
+            for op in mine[1:]:
+                crc = _fast.crc32c_combine(crc, op.crc, op.length)
+            crcs[i] = int(crc)
+        elif local[i]:
+            crcs[i] = crc_of_parts(local[i])
+    return crcs
 
 
 class _Writes(_Tiered):
@@ -346,16 +376,13 @@ class _Writes(_Tiered):
                             base += pn
                         local[i] = [(start, sizes[i])]
                     await _memcpy_many(copies)
-                if self.verify.enabled:  # the bytes about to be written, staged or not
-                    for i in started:
-                        if out[i] is None:
-                            crcs[i] = crc_of_parts(local[i])
+                summed = self.verify.enabled  # the first replica's copies checksum (fused)
                 for i in started:
                     if out[i] is not None:
                         continue
                     reps = replicas[i]
                     assert reps is not None
-                    for r in reps:
+                    for j, r in enumerate(reps):
                         if r.length != sizes[i]:
                             out[i] = TransferError(
                                 f"master allocated {r.length} bytes for {sizes[i]}-byte {keys[i]!r}"
@@ -363,12 +390,14 @@ class _Writes(_Tiered):
                             break
                         roff = 0
                         for pa, pn in local[i]:
-                            ops.append((i, _Op(True, pa, r, pn, offset=roff)))
+                            ops.append((i, _Op(True, pa, r, pn, offset=roff, sum=summed and not j)))
                             roff += pn
                 await self._move([op for _, op in ops])
                 for i, op in ops:
                     if op.error is not None and out[i] is None:
                         out[i] = op.error
+                if summed:
+                    crcs = _value_crcs(ops, local, len(keys), out)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._finish(prefix, keys, started, [True] * len(keys), batch)
@@ -405,11 +434,12 @@ class _Writes(_Tiered):
             elif any(r.length != size for r in reps):
                 err = TransferError(f"master allocated a replica of the wrong size for {key!r}")
             else:
-                if self.verify.enabled:
-                    crc = crc_of_parts([(src, size)])
-                ops = [_Op(True, src, r, size) for r in reps]
+                v = self.verify.enabled
+                ops = [_Op(True, src, r, size, sum=v and not j) for j, r in enumerate(reps)]
                 await self._move(ops)
                 err = next((op.error for op in ops if op.error is not None), None)
+                if v and err is None:
+                    crc = ops[0].crc if ops[0].crc >= 0 else crc_of_parts([(src, size)])
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._finish(prefix, [key], [0], [True], False)
@@ -434,6 +464,8 @@ class _Writes(_Tiered):
         out: list[MooncakeError | None] = [None] * len(keys)
         ops: list[tuple[int, _Op]] = []
         crcs = [NO_CRC] * len(keys)
+        summed = self.verify.enabled  # the first replica's copies checksum (fused)
+        locals_: list[list[tuple[int, int]]] = [[] for _ in keys]
         try:
             await self._resolve(r.segment_name for rs in reps for r in rs)
             for i, rs in enumerate(reps):
@@ -446,17 +478,18 @@ class _Writes(_Tiered):
                     )
                     continue
                 local = _parts_of(sources[i], sizes[i])
-                if self.verify.enabled:
-                    crcs[i] = crc_of_parts(local)
-                for r in rs:
+                locals_[i] = local
+                for j, r in enumerate(rs):
                     roff = 0
                     for pa, pn in local:
-                        ops.append((i, _Op(True, pa, r, pn, offset=roff)))
+                        ops.append((i, _Op(True, pa, r, pn, offset=roff, sum=summed and not j)))
                         roff += pn
             await self._move([op for _, op in ops])
             for i, op in ops:
                 if op.error is not None and out[i] is None:
                     out[i] = op.error
+            if summed:
+                crcs = _value_crcs(ops, locals_, len(keys), out)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._finish(prefix, keys, list(range(len(keys))), [True] * len(keys), True)

@@ -10,8 +10,10 @@
  * xor 0xFFFFFFFF, so mc_crc32c(mc_crc32c(0, a), b) == mc_crc32c(0, a || b) and
  * mc_crc32c(0, "123456789") == 0xE3069283.
  *
- * mc_copy_crc32c copies and checksums in one pass over the data: chunks small enough to stay
- * in the core's cache are copied, then checksummed from the copy (the bytes that landed).
+ * mc_copy_crc32c copies and checksums in one pass over the data: with the CRC instruction each
+ * 8-byte word is loaded once, checksummed and stored; without it, chunks small enough to stay
+ * in the core's cache are copied, then checksummed from the copy. mc_crc32c_combine gives
+ * crc(A || B) from crc(A), crc(B) and len(B).
  */
 #ifndef MC_CRC32C_H
 #define MC_CRC32C_H
@@ -48,6 +50,7 @@ static uint32_t mc_crc_sw[8][256];
 static uint32_t mc_crc_long[4][256];
 static uint32_t mc_crc_short[4][256];
 static int mc_crc_hw = 0;
+static uint32_t mc_crc_pow2[48][32]; /* operators appending 2**k zero bytes (combine) */
 
 static uint32_t mc_gf2_times(const uint32_t *mat, uint32_t vec) {
     uint32_t sum = 0;
@@ -116,6 +119,8 @@ static void mc_crc32c_init(void) {
     }
     mc_crc_zeros(mc_crc_long, MC_CRC_LONG);
     mc_crc_zeros(mc_crc_short, MC_CRC_SHORT);
+    mc_crc_zeros_op(mc_crc_pow2[0], 1);
+    for (int k = 1; k < 48; k++) mc_gf2_square(mc_crc_pow2[k], mc_crc_pow2[k - 1]);
 #if defined(__x86_64__)
     __builtin_cpu_init();
     mc_crc_hw = __builtin_cpu_supports("sse4.2");
@@ -205,9 +210,70 @@ static inline uint32_t mc_crc32c(uint32_t crc, const void *p, size_t len) {
     return mc_crc32c_sw(crc, (const unsigned char *)p, len);
 }
 
+#if MC_CRC_HAVE_HW
+static inline void mc_st64(unsigned char *p, uint64_t w) { memcpy(p, &w, 8); }
+
+#define MC_FUSED_BLOCK(B, TAB)                                                             \
+    while (len >= 3 * (size_t)(B)) {                                                       \
+        crc1 = crc2 = 0;                                                                   \
+        for (size_t i = 0; i < (size_t)(B); i += 8) {                                      \
+            uint64_t a = mc_ld64(src + i), b = mc_ld64(src + (B) + i),                     \
+                     c = mc_ld64(src + 2 * (B) + i);                                       \
+            crc0 = MC_CRC64(crc0, a);                                                      \
+            crc1 = MC_CRC64(crc1, b);                                                      \
+            crc2 = MC_CRC64(crc2, c);                                                      \
+            mc_st64(dst + i, a);                                                           \
+            mc_st64(dst + (B) + i, b);                                                     \
+            mc_st64(dst + 2 * (B) + i, c);                                                 \
+        }                                                                                  \
+        crc0 = mc_crc_shift(TAB, (uint32_t)crc0) ^ crc1;                                   \
+        crc0 = mc_crc_shift(TAB, (uint32_t)crc0) ^ crc2;                                   \
+        src += 3 * (size_t)(B);                                                            \
+        dst += 3 * (size_t)(B);                                                            \
+        len -= 3 * (size_t)(B);                                                            \
+    }
+
+/* one pass: every 8-byte word is loaded once, fed to the CRC unit and stored (three streams,
+ * as mc_crc32c_hw): bound by memory, not by the CRC, once the data is out of cache */
+MC_CRC_TARGET static uint32_t mc_copy_crc32c_hw(unsigned char *dst, const unsigned char *src,
+                                                size_t len, uint32_t crc) {
+    uint64_t crc0 = crc ^ 0xffffffffu, crc1, crc2;
+    while (len && ((uintptr_t)src & 7)) {
+        unsigned char c = *src++;
+        *dst++ = c;
+        crc0 = MC_CRC8(crc0, c);
+        len--;
+    }
+    MC_FUSED_BLOCK(MC_CRC_LONG, mc_crc_long)
+    MC_FUSED_BLOCK(MC_CRC_SHORT, mc_crc_short)
+    while (len >= 8) {
+        uint64_t a = mc_ld64(src);
+        crc0 = MC_CRC64(crc0, a);
+        mc_st64(dst, a);
+        src += 8;
+        dst += 8;
+        len -= 8;
+    }
+    while (len--) {
+        unsigned char c = *src++;
+        *dst++ = c;
+        crc0 = MC_CRC8(crc0, c);
+    }
+    return (uint32_t)crc0 ^ 0xffffffffu;
+}
+#undef MC_FUSED_BLOCK
+#endif
+
+/* the CRC of A || B from crc(A), crc(B) and len(B) (len2 < 2**48) */
+static uint32_t mc_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {
+    for (int k = 0; len2 && k < 48; k++, len2 >>= 1)
+        if (len2 & 1) crc1 = mc_gf2_times(mc_crc_pow2[k], crc1);
+    return crc1 ^ crc2;
+}
+
 #define MC_CRC_CHUNK (6 * MC_CRC_LONG) /* 48 KiB: copied, then checksummed while cached */
 
-static uint32_t mc_copy_crc32c(void *dst, const void *src, size_t len, uint32_t crc) {
+static uint32_t mc_copy_crc32c_chunked(void *dst, const void *src, size_t len, uint32_t crc) {
     unsigned char *d = (unsigned char *)dst;
     const unsigned char *s = (const unsigned char *)src;
     while (len) {
@@ -219,6 +285,14 @@ static uint32_t mc_copy_crc32c(void *dst, const void *src, size_t len, uint32_t 
         len -= n;
     }
     return crc;
+}
+
+static uint32_t mc_copy_crc32c(void *dst, const void *src, size_t len, uint32_t crc) {
+#if MC_CRC_HAVE_HW
+    if (mc_crc_hw)
+        return mc_copy_crc32c_hw((unsigned char *)dst, (const unsigned char *)src, len, crc);
+#endif
+    return mc_copy_crc32c_chunked(dst, src, len, crc);
 }
 
 #endif

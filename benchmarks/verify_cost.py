@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""What verified reads cost: the same client, verification on and off, rounds interleaved.
+
+A holder process contributes a segment; this process is a pure client (no segment of its own,
+so every replica is in the holder) on the published sync API. Per round, with verification on
+and then off (the order alternating), it measures
+
+* ``batch_put_from`` and ``batch_get_into`` of ``--batch`` x ``--size`` values (GB/s), and
+* ``get`` (bytes) and ``get_into`` of one ``--small`` value, ``--small-reps`` times (p50 us),
+
+and prints the medians over rounds with the cost (on vs off). Same-host replicas are read and
+written with ``memcpy`` through the holder's memfd mapping; ``--tcp`` (``MC_STORE_MEMCPY=0``)
+sends them through the engine (TCP) instead. ``--json FILE`` writes the numbers.
+
+    python benchmarks/verify_cost.py --rounds 9
+    python benchmarks/verify_cost.py --rounds 9 --tcp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+HOLDER = """
+import sys, time
+from mooncake.store import MooncakeDistributedStore
+s = MooncakeDistributedStore()
+assert s.setup("127.0.0.1", "P2PHANDSHAKE", {seg}, 16 << 20, "tcp", "", "{master}") == 0
+print("ready", flush=True)
+sys.stdin.read()
+s.close()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, limit: float = 30) -> None:
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"master on port {port} did not come up")
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--size", type=int, default=1 << 20)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--small", type=int, default=4096)
+    ap.add_argument("--small-reps", type=int, default=2000)
+    ap.add_argument("--tcp", action="store_true", help="MC_STORE_MEMCPY=0: replicas over TCP")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if args.tcp:
+        env["MC_STORE_MEMCPY"] = "0"
+        os.environ["MC_STORE_MEMCPY"] = "0"
+    port = free_port()
+    master = subprocess.Popen(
+        [sys.executable, "-m", "mooncake", "master", "--rpc-port", str(port), "--no-metrics"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    holder = None
+    try:
+        wait_port(port)
+        seg = 4 * args.batch * args.size + (64 << 20)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDER.format(seg=seg, master=f"127.0.0.1:{port}")],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert holder.stdout is not None
+        if holder.stdout.readline().strip() != "ready":
+            raise SystemExit("holder did not start")
+        return run(args, f"127.0.0.1:{port}")
+    finally:
+        if holder is not None:
+            assert holder.stdin is not None
+            holder.stdin.close()
+            holder.wait(10)
+        master.terminate()
+        master.wait(10)
+
+
+def run(args: argparse.Namespace, master: str) -> int:
+    sys.path.insert(0, str(ROOT))
+    import numpy as np
+
+    from mooncake import _fast
+    from mooncake.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    n, b = args.size, args.batch
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 2 * n * b + (16 << 20), "tcp", "", master) == 0
+    store = s._store
+    assert store is not None
+    src = np.random.default_rng(1).integers(0, 256, n * b, dtype=np.uint8)
+    dst = np.zeros(n * b, dtype=np.uint8)
+    sa, da = int(src.ctypes.data), int(dst.ctypes.data)
+    assert s.register_buffer(sa, n * b) == 0 and s.register_buffer(da, n * b) == 0
+    small = src[: args.small].tobytes()
+    res: dict[str, dict[str, list[float]]] = {
+        m: {"put_gbs": [], "get_gbs": [], "get_p50_us": [], "get_into_p50_us": []}
+        for m in ("on", "off")
+    }
+    fenced = 0
+    for rnd in range(args.rounds):
+        for mode in ("on", "off") if rnd % 2 == 0 else ("off", "on"):
+            store.verify.enabled = mode == "on"
+            keys = [f"{mode}-{rnd}-{i}" for i in range(b)]
+            addrs = [sa + i * n for i in range(b)]
+            t = time.perf_counter()
+            rc = s.batch_put_from(keys, addrs, [n] * b)
+            dt_put = time.perf_counter() - t
+            assert all(c == 0 for c in rc), rc
+            for _ in range(5):  # a read that outlives its window (-707) on a loaded box: again
+                t = time.perf_counter()
+                got = s.batch_get_into(keys, [da + i * n for i in range(b)], [n] * b)
+                dt_get = time.perf_counter() - t
+                if all(g == n for g in got):
+                    break
+                fenced += 1
+            assert all(g == n for g in got), got
+            res[mode]["put_gbs"].append(n * b / dt_put / 1e9)
+            res[mode]["get_gbs"].append(n * b / dt_get / 1e9)
+            skey = f"small-{mode}-{rnd}"
+            assert s.put(skey, small) == 0
+            lat = []
+            for _ in range(args.small_reps):
+                t = time.perf_counter()
+                v = s.get(skey)
+                lat.append(time.perf_counter() - t)
+            assert v == small
+            res[mode]["get_p50_us"].append(statistics.median(lat) * 1e6)
+            lat = []
+            for _ in range(args.small_reps):
+                t = time.perf_counter()
+                s.get_into(skey, da, args.small)
+                lat.append(time.perf_counter() - t)
+            res[mode]["get_into_p50_us"].append(statistics.median(lat) * 1e6)
+            for k in [*keys, skey]:
+                s.remove(k, True)
+            time.sleep(0.6)  # removed space returns once the read windows closed (0.5 s)
+    v = store.verify.stats()
+    s.close()
+    summary: dict[str, Any] = {
+        "size": n,
+        "batch": b,
+        "small": args.small,
+        "rounds": args.rounds,
+        "path": "tcp" if args.tcp else "memcpy",
+        "crc_compiled": _fast.CRC_COMPILED,
+        "crc_hardware": _fast.CRC_HARDWARE,
+        "loadavg": os.getloadavg(),
+        "verify_stats": v,
+        "fenced_batches_retried": fenced,
+    }
+    print(
+        f"path={summary['path']} rounds={args.rounds} load={os.getloadavg()[0]:.2f} "
+        f"hw_crc={_fast.CRC_HARDWARE}"
+    )
+    print(f"{'metric':<28}{'on':>10}{'off':>10}{'cost':>10}")
+    for metric in ("put_gbs", "get_gbs", "get_p50_us", "get_into_p50_us"):
+        on, off = med(res["on"][metric]), med(res["off"][metric])
+        if metric.endswith("gbs"):
+            cost = f"{(1 - on / off) * 100:+.1f}%"
+            label = f"{metric} ({b} x {n >> 10} KiB)"
+        else:
+            cost = f"{on - off:+.2f} us"
+            label = f"{metric} ({args.small >> 10} KiB)"
+        summary[metric] = {"on": on, "off": off, "all": res["on"][metric] + res["off"][metric]}
+        print(f"{label:<28}{on:>10.3f}{off:>10.3f}{cost:>10}")
+    print(
+        f"verified reads {v['verified']}, unverified {v['unverified']}, "
+        f"fenced batches retried {fenced}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
