@@ -280,9 +280,9 @@ async def open_store(
     ``metrics_port`` (default ``MC_METRICS_PORT``; ignored with ``engine``) serves
     :attr:`Store.metrics_registry` over HTTP on loopback (docs/metrics.md).
 
-    ``verify`` turns verified reads on or off (default: ``MOONCAKE_STORE_CHECKSUM``, else on
-    with the compiled CRC32C): writers record each value's CRC32C, every read checks the bytes
-    it landed against it (:mod:`mooncake._store.verify`, docs/store.md).
+    ``verify`` turns verified reads on or off (default: ``MOONCAKE_STORE_CHECKSUM``, else off):
+    writers record each value's CRC32C, every read checks the bytes it landed against it
+    (:mod:`mooncake._store.verify`, docs/store.md).
     """
     if protocol not in ("tcp", "rdma", ""):
         raise InvalidArgumentError(f"protocol {protocol!r} is not supported (use 'tcp' or 'rdma')")
