@@ -19,6 +19,7 @@ replicas the master dropped, objects removed, reads that failed closed, and the 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -93,6 +94,7 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
             injected: dict[tuple[str, int, str, int], None] = {}  # (key, vid, seg, addr)
             st = {"reads": 0, "wrong": 0, "failed_closed": 0, "rewrites": 0, "errors": 0}
             done = anyio.Event()
+            kinds: collections.Counter[str] = collections.Counter()
             t0 = time.perf_counter()
 
             async def reader(seed: int) -> None:
@@ -105,6 +107,7 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
                             st["failed_closed"] += 1
                         elif isinstance(g, MooncakeError):
                             st["errors"] += 1
+                            kinds[f"{type(g).__name__} {int(g.code)}"] += 1
                         else:
                             st["reads"] += 1
                             st["wrong"] += g != values[k]
@@ -174,6 +177,8 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
                 wrong_reads=st["wrong"],
                 failed_closed=st["failed_closed"],
                 other_errors=st["errors"],
+                other_errors_by_kind=dict(kinds),
+                lease_fences=r.lease_fences,
                 injected=len(injected),
                 detected_replicas=stats.corrupt_replicas_dropped,
                 detected_in_sweep=swept,

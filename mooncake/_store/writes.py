@@ -10,7 +10,7 @@ remote.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -18,6 +18,7 @@ import anyio
 from mooncake import _fast
 from mooncake._core import rpc
 from mooncake._core import store_types as st
+from mooncake._core.gpu import device_of
 from mooncake._core.memory import Region
 from mooncake._store.config import to_wire
 from mooncake._store.moves import (
@@ -55,10 +56,12 @@ def _value_crcs(
     local: Sequence[Sequence[tuple[int, int]]],
     n: int,
     out: Sequence[MooncakeError | None],
+    on_host: Callable[[Sequence[tuple[int, int]]], bool],
 ) -> list[int]:
     """The CRC32C of each written key's value: from its first replica's copies (summed ops,
     combined in offset order) where they all computed one, else a pass over its source parts
-    ``local[i]`` (network writes); :data:`NO_CRC` for the keys that failed."""
+    ``local[i]`` (network writes) when they are host memory; :data:`NO_CRC` for the keys that
+    failed and for device-memory sources (their values are stored without a CRC)."""
     per: dict[int, list[_Op]] = {}
     for i, op in ops:
         if op.sum:
@@ -74,13 +77,23 @@ def _value_crcs(
             for op in mine[1:]:
                 crc = _fast.crc32c_combine(crc, op.crc, op.length)
             crcs[i] = int(crc)
-        elif local[i]:
+        elif local[i] and on_host(local[i]):
             crcs[i] = crc_of_parts(local[i])
     return crcs
 
 
 class _Writes(_Tiered):
     """The put family of the store client (part of :class:`~mooncake._store.client.Store`)."""
+
+    def _on_host(self, parts: Sequence[tuple[int, int]]) -> bool:
+        """Whether every ``(address, length)`` part is host memory the CPU can checksum (not
+        inside a region registered as device memory): verified reads skip the rest."""
+        find = self.engine.registry.find
+        for a, n in parts:
+            region = find(a, n) if n else None
+            if region is not None and device_of(region.location) is not None:
+                return False
+        return True
 
     async def put(self, key: str, value: Any, config: Config = None) -> None:
         """Store ``value`` (any C-contiguous buffer) under ``key``; a no-op if ``key`` exists."""
@@ -397,7 +410,7 @@ class _Writes(_Tiered):
                     if op.error is not None and out[i] is None:
                         out[i] = op.error
                 if summed:
-                    crcs = _value_crcs(ops, local, len(keys), out)
+                    crcs = _value_crcs(ops, local, len(keys), out, self._on_host)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._finish(prefix, keys, started, [True] * len(keys), batch)
@@ -439,7 +452,10 @@ class _Writes(_Tiered):
                 await self._move(ops)
                 err = next((op.error for op in ops if op.error is not None), None)
                 if v and err is None:
-                    crc = ops[0].crc if ops[0].crc >= 0 else crc_of_parts([(src, size)])
+                    if ops[0].crc >= 0:
+                        crc = ops[0].crc
+                    elif self._on_host([(src, size)]):
+                        crc = crc_of_parts([(src, size)])
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._finish(prefix, [key], [0], [True], False)
@@ -489,7 +505,7 @@ class _Writes(_Tiered):
                 if op.error is not None and out[i] is None:
                     out[i] = op.error
             if summed:
-                crcs = _value_crcs(ops, locals_, len(keys), out)
+                crcs = _value_crcs(ops, locals_, len(keys), out, self._on_host)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._finish(prefix, keys, list(range(len(keys))), [True] * len(keys), True)
