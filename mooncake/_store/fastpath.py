@@ -772,10 +772,10 @@ class FastPath:
         for i, want, r, resp, pos, k in checks:  # what landed, against the writer's CRC
             if isinstance(out[i], MooncakeError):
                 continue
-            got = landed[pos]
+            crc = landed[pos]
             for q in range(pos + 1, pos + k):
-                got = _fast.crc32c_combine(got, landed[q], lens[q])
-            if s.verify.check(want, got, "dram", r.segment_name):
+                crc = _fast.crc32c_combine(crc, landed[q], lens[q])
+            if s.verify.check(want, crc, "dram", r.segment_name):
                 continue
             self._report_corrupt(keys[i], resp.vid, r)
             if len(s._order(resp.replicas)) > 1:

@@ -244,17 +244,17 @@ class StoreMetrics(Collector):
             "Reads refused because they finished after their read lease",
             value=s.lease_fences,
         )
-        v = s.verify
+        vr = s.verify
         yield CounterMetricFamily(
             "mooncake_store_verified_reads",
             "Reads whose landed bytes matched the CRC32C their writer recorded",
-            value=v.verified,
+            value=vr.verified,
         )
         yield CounterMetricFamily(
             "mooncake_store_unverified_reads",
             "Reads not verified: the version has no CRC32C (an older or verification-off "
             "writer), verification is off here, or the read was part of a value",
-            value=v.unverified,
+            value=vr.unverified,
         )
         mm = CounterMetricFamily(
             "mooncake_store_checksum_mismatches",
@@ -262,13 +262,13 @@ class StoreMetrics(Collector):
             "ssd the client)",
             labels=["tier", "holder"],
         )
-        for (tier, holder), n in sorted(v.mismatches.items()):
+        for (tier, holder), n in sorted(vr.mismatches.items()):
             mm.add_metric([tier, holder], n)
         yield mm
         yield CounterMetricFamily(
             "mooncake_store_corrupt_replicas_reported",
             "Corrupt replicas reported to the master (which drops each)",
-            value=v.replicas_reported,
+            value=vr.replicas_reported,
         )
         ssd = s.ssd
         if ssd is not None:
