@@ -319,7 +319,7 @@ class FastPath:
         None if there is none to copy from, and ``resp`` less the replicas found corrupt.
         :class:`ChecksumMismatchError` when every replica was copyable and none verified."""
         s = self.store
-        want = s._want_crc(resp, n)
+        want = s._want_crc(resp, n, count=False)  # counted below, if this path reads it
         order = s._order(resp.replicas)
         bad: list[st.ReplicaDescriptor] = []
         for r in order:
@@ -346,7 +346,10 @@ class FastPath:
                     p.unpin()
             if p is not None and not p.alive():
                 raise PeerDiedError(f"{p.segment}: its owner died while the read was in flight")
-            if want == NO_CRC or s.verify.check(want, got, "dram", r.segment_name):
+            if want == NO_CRC:
+                s.verify.unverified += 1
+                return data, resp
+            if s.verify.check(want, got, "dram", r.segment_name):
                 return data, resp
             self._fence(deadline)  # a mismatch past the window proves nothing
             self._report_corrupt(key, resp.vid, r)
@@ -596,7 +599,7 @@ class FastPath:
         resp, deadline = self._query(key)
         s = self.store
         n = s._size_of(resp)
-        want = s._want_crc(resp, n)
+        want = s._want_crc(resp, n, count=False)  # counted below, if this path reads it
         order = s._order(resp.replicas)
         bad = 0
         for r in order:
@@ -621,6 +624,8 @@ class FastPath:
                 self._report_corrupt(key, resp.vid, r)
                 bad += 1
                 continue
+            if want == NO_CRC:
+                s.verify.unverified += 1
             self._fence(deadline)
             self.hits += 1
             return result

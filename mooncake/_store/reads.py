@@ -106,13 +106,15 @@ class _Reads(_Writes):
             return resp.size
         return resp.replicas[0].length if resp.replicas else 0
 
-    def _want_crc(self, resp: st.GetReplicaListResponse, n: int) -> int:
+    def _want_crc(self, resp: st.GetReplicaListResponse, n: int, *, count: bool = True) -> int:
         """The CRC a read of ``n`` bytes from the start of ``resp``'s object must match
-        (:data:`NO_CRC`: nothing to verify: no CRC recorded, verification off, or a part)."""
-        if n != self._size_of(resp):
-            self.verify.unverified += 1
+        (:data:`NO_CRC`: nothing to verify: no CRC recorded, verification off, or a part;
+        counted as an unverified read unless ``count`` is false)."""
+        if n != self._size_of(resp) or not self.verify.enabled or resp.crc < 0:
+            if count:
+                self.verify.unverified += 1
             return NO_CRC
-        return self.verify.expected(resp)
+        return resp.crc
 
     async def _proved(
         self,

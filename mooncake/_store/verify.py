@@ -94,9 +94,6 @@ class ReadVerifier:
             return NO_CRC
         return resp.crc
 
-    def sum_parts(self, parts: Iterable[tuple[int, int]]) -> int:
-        return crc_of_parts(parts)
-
     def check(self, want: int, got: int, tier: str, holder: str) -> bool:
         """Whether ``got`` matches ``want`` (counting the result)."""
         if got == want:
