@@ -20,6 +20,7 @@ import trio
 
 import mooncake
 from mooncake import _fast
+from mooncake._core.master import MasterConfig
 from mooncake._core.tiers import file_name
 from mooncake._store.client import Store
 from mooncake.errors import ChecksumMismatchError, ErrorCode, ObjectNotFoundError, TierDataError
@@ -44,7 +45,9 @@ async def cluster(
 ) -> AsyncIterator[tuple[Store, list[Store], Store]]:
     """A writer, holders, and a reader without a segment of its own (every read is remote
     or same-host mapped, never its own memory); the master's server is ``r.master_server``."""
-    async with local_master_server() as server:
+    # read windows long enough for a loaded machine: a read fenced -707 would hide the answer
+    state = MasterConfig(read_fence_ttl=4.0, default_kv_lease_ttl=5.0)
+    async with local_master_server(state=state) as server:
         addr = f"127.0.0.1:{server.rpc_port}"
         kw = {"segment_size": 8 * MIB, "local_buffer_size": 8 * MIB}
         async with mooncake.open_store(addr, **kw) as h0:
