@@ -64,6 +64,64 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def small_blocks(args: argparse.Namespace, s: Any, store: Any, small: bytes, da: int) -> int:
+    """The small ``get`` and ``get_into``, on and off in alternating blocks; per mode the
+    median and the lowest of the blocks' p50s (a loaded machine inflates blocks at random;
+    the lowest block is the least disturbed)."""
+    store.verify.enabled = True  # the value carries its CRC; readers check it or not
+    assert s.put("small", small) == 0
+    p50: dict[str, dict[str, list[float]]] = {m: {"get": [], "get_into": []} for m in ("on", "off")}
+    for blk in range(args.small_blocks):
+        for mode in ("on", "off") if blk % 2 == 0 else ("off", "on"):
+            store.verify.enabled = mode == "on"
+            for api in ("get", "get_into"):
+                lat = []
+                for _ in range(args.small_reps):
+                    t = time.perf_counter()
+                    if api == "get":
+                        s.get("small")
+                    else:
+                        s.get_into("small", da, args.small)
+                    lat.append(time.perf_counter() - t)
+                p50[mode][api].append(statistics.median(lat) * 1e6)
+    # the copy out of the replica alone, no RPC (what verification adds to a get's path)
+    fp = s._fast
+    copy_us: dict[str, list[float]] = {"on": [], "off": []}
+    if fp is not None:
+        resp, deadline = fp._query("small")
+        for blk in range(args.small_blocks):
+            for mode in ("on", "off") if blk % 2 == 0 else ("off", "on"):
+                store.verify.enabled = mode == "on"
+                t = time.perf_counter()
+                for _ in range(args.small_reps):
+                    fp._copy_out("small", resp, args.small, None, deadline + 3600)
+                copy_us[mode].append((time.perf_counter() - t) / args.small_reps * 1e6)
+    v = store.verify.stats()
+    s.close()
+    if copy_us["on"]:
+        on, off = copy_us["on"], copy_us["off"]
+        print(
+            f"copy out of the replica (fast path, no RPC): lowest on {min(on):.3f} us "
+            f"off {min(off):.3f} us ({min(on) - min(off):+.3f}); median "
+            f"{med(on):.3f} / {med(off):.3f} ({med(on) - med(off):+.3f})"
+        )
+    print(
+        f"small={args.small} blocks={args.small_blocks}x{args.small_reps} "
+        f"load={os.getloadavg()[0]:.2f}"
+    )
+    for api in ("get", "get_into"):
+        on, off = p50["on"][api], p50["off"][api]
+        print(
+            f"{api:<9} p50 us  median on {med(on):.2f} off {med(off):.2f} "
+            f"({med(on) - med(off):+.2f})  lowest on {min(on):.2f} off {min(off):.2f} "
+            f"({min(on) - min(off):+.2f})"
+        )
+    print(f"verified {v['verified']} unverified {v['unverified']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"p50": p50, "verify": v}, indent=1))
+    return 0
+
+
 def primitives() -> int:
     """Best-of-15 times of memcpy, CRC32C and the fused copy+CRC32C on cache-hot buffers."""
     sys.path.insert(0, str(ROOT))
@@ -105,6 +163,12 @@ def main() -> int:
     ap.add_argument("--small-reps", type=int, default=2000)
     ap.add_argument("--tcp", action="store_true", help="MC_STORE_MEMCPY=0: replicas over TCP")
     ap.add_argument("--json")
+    ap.add_argument(
+        "--small-blocks",
+        type=int,
+        default=0,
+        help="only the small get: this many blocks of --small-reps gets, on and off alternating",
+    )
     ap.add_argument(
         "--primitives", action="store_true", help="only time the CRC32C primitives (best of 15)"
     )
@@ -163,6 +227,8 @@ def run(args: argparse.Namespace, master: str) -> int:
     sa, da = int(src.ctypes.data), int(dst.ctypes.data)
     assert s.register_buffer(sa, n * b) == 0 and s.register_buffer(da, n * b) == 0
     small = src[: args.small].tobytes()
+    if args.small_blocks:
+        return small_blocks(args, s, store, small, da)
     res: dict[str, dict[str, list[float]]] = {
         m: {
             "put_gbs": [],
