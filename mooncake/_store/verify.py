@@ -20,7 +20,7 @@ Switch: ``open_store(verify=...)``, else ``MOONCAKE_STORE_CHECKSUM`` (the publis
 variable; ``1`` on, ``0`` off). The default is **off**: measured, the checksum costs more than
 the 5 % of batch throughput it was allowed at 1 MiB x 32 (its CRC32C runs at ~20 GB/s, the
 copies it rides on at memory speed; ``docs/benchmarks.md``, verified reads), though only
-~0.8 us on a 4 KiB get. On the pure-Python twin (``MOONCAKE_NO_EXTENSIONS=1``, a few MB/s) it
+~1 us on a 4 KiB get. On the pure-Python twin (``MOONCAKE_NO_EXTENSIONS=1``, a few MB/s) it
 is for tests only. Off: writers send no CRC, readers check none (and count the read
 unverified).
 """
