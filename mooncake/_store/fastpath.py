@@ -42,11 +42,10 @@ from mooncake._core.master import parse_miss
 from mooncake._store.bounds import check_replica_list, own_extent
 from mooncake._store.metrics import instrument_fast
 from mooncake._store.shm import MappedPeer
-from mooncake._store.verify import NO_CRC
+from mooncake._store.verify import NO_CRC, none_verified, report_blocking
 from mooncake._store.writes import UPSERT_WAIT_S
 from mooncake.errors import (
     AuthError,
-    ChecksumMismatchError,
     LeaseExpiredError,
     MooncakeError,
     NotLeaderError,
@@ -357,42 +356,15 @@ class FastPath:
         if not bad:
             return None, resp
         if len(bad) == len(order):
-            raise ChecksumMismatchError(
-                f"{key!r}: no replica's bytes match the CRC32C its writer recorded "
-                "(each was reported and dropped)"
-            )
+            raise none_verified(key)
         return None, msgspec.structs.replace(
             resp, replicas=[x for x in resp.replicas if x not in bad]
         )
 
     def _report_corrupt(self, key: str, vid: int, r: st.ReplicaDescriptor) -> None:
         """:meth:`Store._report_corrupt` from the calling thread."""
-        import logging
-
-        logging.getLogger("mooncake.store").error(
-            "corrupt replica of %r (version %d) at %s+%#x: its bytes fail the CRC32C its "
-            "writer recorded; dropping it",
-            key,
-            vid,
-            r.segment_name,
-            r.addr,
-        )
-        try:
-            self._master().call(
-                "ReportCorruptReplica",
-                rpc.CorruptReplicaParams(
-                    client_id=self.store.client_id,
-                    key=key,
-                    vid=vid,
-                    segment_name=r.segment_name,
-                    addr=r.addr,
-                ),
-            )
-            self.store.verify.replicas_reported += 1
-        except MooncakeError as e:
-            logging.getLogger("mooncake.store").warning(
-                "reporting the corrupt replica of %r failed: %s", key, e
-            )
+        s = self.store
+        report_blocking(self._master().call, s.verify, s.client_id, key, vid, r)
 
     def _fence(self, deadline: float) -> None:
         # anyio's clock on the asyncio loop is time.monotonic(), the clock used here
@@ -630,10 +602,7 @@ class FastPath:
             self.hits += 1
             return result
         if bad and bad == len(order):
-            raise ChecksumMismatchError(
-                f"{key!r}: no replica's bytes match the CRC32C its writer recorded "
-                "(each was reported and dropped)"
-            )
+            raise none_verified(key)
         return None
 
     @staticmethod
@@ -786,10 +755,7 @@ class FastPath:
             if len(s._order(resp.replicas)) > 1:
                 slow.append(i)  # the loop path reads the others (the master dropped this one)
             else:
-                out[i] = ChecksumMismatchError(
-                    f"{keys[i]!r}: no replica's bytes match the CRC32C its writer recorded "
-                    "(each was reported and dropped)"
-                )
+                out[i] = none_verified(keys[i])
         if slow:
             got: list[int | MooncakeError] = self.loop.call(
                 s.batch_get_parts,

@@ -23,10 +23,16 @@ from mooncake._core.master import parse_miss
 from mooncake._core.misses import MissReason
 from mooncake._store.bounds import check_replica_list
 from mooncake._store.moves import _check_key, _Op, _read_ttl, staging_refusal
-from mooncake._store.verify import NO_CRC, crc_of, crc_of_bytes, crc_of_parts
+from mooncake._store.verify import (
+    NO_CRC,
+    corrupt_report,
+    crc_of,
+    crc_of_bytes,
+    crc_of_parts,
+    none_verified,
+)
 from mooncake._store.writes import _Writes
 from mooncake.errors import (
-    ChecksumMismatchError,
     InvalidArgumentError,
     LeaseExpiredError,
     MooncakeError,
@@ -141,28 +147,12 @@ class _Reads(_Writes):
         """Tell the master that replica ``r`` of version ``vid`` of ``key`` failed its CRC32C
         (it drops it; the last one takes the object with it). Best effort: a failed report is
         logged, the read's answer does not depend on it."""
-        log.error(
-            "corrupt replica of %r (version %d) at %s+%#x: its bytes fail the CRC32C its "
-            "writer recorded; dropping it",
-            key,
-            vid,
-            r.segment_name,
-            r.addr,
-        )
+        params = corrupt_report(self.client_id, key, vid, r)
         if not key:
             return
         try:
             with anyio.fail_after(5):
-                await self.master.call(
-                    "ReportCorruptReplica",
-                    rpc.CorruptReplicaParams(
-                        client_id=self.client_id,
-                        key=key,
-                        vid=vid,
-                        segment_name=r.segment_name,
-                        addr=r.addr,
-                    ),
-                )
+                await self.master.call("ReportCorruptReplica", params)
             self.verify.replicas_reported += 1
         except (MooncakeError, TimeoutError) as e:
             log.warning("reporting the corrupt replica of %r failed: %s", key, e)
@@ -194,10 +184,7 @@ class _Reads(_Writes):
                 if want != NO_CRC and not await self._proved(
                     key, resp, r, want, op.crc if op.crc >= 0 else crc_of(local, n), deadline
                 ):
-                    err = ChecksumMismatchError(
-                        f"{key!r}: no replica's bytes match the CRC32C its writer recorded "
-                        "(each was reported and dropped)"
-                    )
+                    err = none_verified(key)
                     continue
                 if anyio.current_time() > deadline:
                     self.lease_fences += 1
@@ -282,10 +269,7 @@ class _Reads(_Writes):
                 # a corrupt replica (reported): the others, through the general path
                 resp = msgspec.structs.replace(resp, replicas=[x for x in resp.replicas if x != r])
                 if not self._order(resp.replicas):
-                    raise ChecksumMismatchError(
-                        f"{key!r}: no replica's bytes match the CRC32C its writer recorded "
-                        "(each was reported and dropped)"
-                    )
+                    raise none_verified(key)
             else:
                 self._shm.forget(r.segment_name)
                 raise PeerDiedError(
@@ -530,11 +514,9 @@ class _Reads(_Writes):
                 if anyio.current_time() > t0 + _read_ttl(r):
                     fenced.add(i)  # proves nothing: the fence below fails it
                     continue
-                await self._report_corrupt(keys[i] if keys is not None else "", r.vid, rep)
-                failed[i] = ChecksumMismatchError(
-                    f"{keys[i] if keys is not None else 'a key'!r}: no replica's bytes match "
-                    "the CRC32C its writer recorded (each was reported and dropped)"
-                )
+                key = keys[i] if keys is not None else ""
+                await self._report_corrupt(key, r.vid, rep)
+                failed[i] = none_verified(key)
             nxt = []
             for i in todo:
                 if i in fenced or i not in failed:

@@ -28,11 +28,17 @@ unverified).
 from __future__ import annotations
 
 import collections
+import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from mooncake import _fast
+from mooncake._core import rpc
 from mooncake._core import store_types as st
+from mooncake.errors import ChecksumMismatchError
+
+log = logging.getLogger("mooncake.store")
 
 #: the version carries no CRC
 NO_CRC = -1
@@ -67,6 +73,50 @@ def crc_of_parts(parts: Iterable[tuple[int, int]]) -> int:
 
 def crc_of_bytes(data: bytes) -> int:
     return int(_fast.crc32c(data))
+
+
+def none_verified(key: str) -> ChecksumMismatchError:
+    """The error of a read none of whose replicas verified."""
+    return ChecksumMismatchError(
+        f"{key!r}: no replica's bytes match the CRC32C its writer recorded "
+        "(each was reported and dropped)"
+    )
+
+
+def corrupt_report(
+    client_id: str, key: str, vid: int, r: st.ReplicaDescriptor
+) -> rpc.CorruptReplicaParams:
+    """Log replica ``r`` of version ``vid`` of ``key`` as corrupt; the report to send."""
+    log.error(
+        "corrupt replica of %r (version %d) at %s+%#x: its bytes fail the CRC32C its writer "
+        "recorded; dropping it",
+        key,
+        vid,
+        r.segment_name,
+        r.addr,
+    )
+    return rpc.CorruptReplicaParams(
+        client_id=client_id, key=key, vid=vid, segment_name=r.segment_name, addr=r.addr
+    )
+
+
+def report_blocking(
+    call: Callable[[str, Any], Any],
+    verifier: ReadVerifier,
+    client_id: str,
+    key: str,
+    vid: int,
+    r: st.ReplicaDescriptor,
+) -> None:
+    """Report a corrupt replica through a blocking master ``call`` (the caller-thread path);
+    best effort: a failed report is logged."""
+    from mooncake.errors import MooncakeError
+
+    try:
+        call("ReportCorruptReplica", corrupt_report(client_id, key, vid, r))
+        verifier.replicas_reported += 1
+    except MooncakeError as e:
+        log.warning("reporting the corrupt replica of %r failed: %s", key, e)
 
 
 class ReadVerifier:
