@@ -60,6 +60,13 @@ extensions = [
         extra_compile_args=CFLAGS,
         extra_link_args=["-pthread"],
     ),
+    Extension(
+        "mooncake._fast._crc32c",
+        ["mooncake/_fast/_crc32c.pyx"],
+        include_dirs=[CSRC],
+        depends=[f"{CSRC}/mc_crc32c.h"],
+        extra_compile_args=CFLAGS,
+    ),
     Extension("mooncake._fast._intmap", ["mooncake/_fast/_intmap.pyx"], extra_compile_args=CFLAGS),
     Extension(
         "mooncake._fast._objtable",

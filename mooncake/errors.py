@@ -326,7 +326,17 @@ class BufferOverflowError(StoreError):
     code = ErrorCode.BUFFER_OVERFLOW
 
 
-class TierDataError(StoreError):
+class ChecksumMismatchError(StoreError):
+    """An object's bytes failed its CRC32C (verified reads): no bytes were returned.
+
+    From a read: every replica's bytes differed from the CRC its writer recorded; each was
+    reported to the master, which dropped it, so the object is gone (a later read answers
+    ``OBJECT_NOT_FOUND``). Code ``-801``, the published ``CHECKSUM_MISMATCH``."""
+
+    code = ErrorCode.CHECKSUM_MISMATCH
+
+
+class TierDataError(ChecksumMismatchError):
     """An object's bytes in a storage tier (SSD file) are missing, truncated or fail their
     checksum. The object has been dropped from that tier; no bytes were returned."""
 
@@ -380,7 +390,7 @@ _BY_CODE: dict[int, type[MooncakeError]] = {
         UnavailableError,
         RpcError,
         NotLeaderError,
-        TierDataError,
+        ChecksumMismatchError,
         SegmentNotFoundError,
         InvalidArgumentError,
         NotSupportedError,
@@ -421,6 +431,7 @@ def to_code(exc: BaseException) -> int:
 __all__ = [
     "AddressOverlapError",
     "BufferOverflowError",
+    "ChecksumMismatchError",
     "ClientNotFoundError",
     "ClosedError",
     "CudaError",

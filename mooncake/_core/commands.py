@@ -203,24 +203,27 @@ HANDLERS: dict[str, Handler] = {
     "ReportSegmentFailure": lambda s, p, now: s.report_segment_failure(
         p.client_id, p.segment_name, p.reason, now
     ),
+    "ReportCorruptReplica": lambda s, p, now: s.report_corrupt_replica(
+        p.client_id, p.key, p.vid, p.segment_name, p.addr, now
+    ),
     "MountSegment": lambda s, p, now: s.mount_segment(p.client_id, p.segment, now),
     "ReMountSegment": lambda s, p, now: s.remount_segments(p.client_id, p.segments, now),
     "UnmountSegment": lambda s, p, now: s.unmount_segment(p.client_id, p.segment_id, now),
     "PutStart": lambda s, p, now: s.put_start(p.client_id, p.key, p.size, p.config, now),
-    "PutEnd": lambda s, p, now: s.put_end(p.client_id, p.key, now),
+    "PutEnd": lambda s, p, now: s.put_end_crc(p.client_id, p.key, p.crc, now),
     "PutRevoke": lambda s, p, now: s.put_revoke(p.client_id, p.key, now),
     "UpsertStart": lambda s, p, now: s.upsert_start(p.client_id, p.key, p.size, p.config, now),
-    "UpsertEnd": lambda s, p, now: s.upsert_end(p.client_id, p.key, now),
+    "UpsertEnd": lambda s, p, now: s.put_end_crc(p.client_id, p.key, p.crc, now),
     "UpsertRevoke": lambda s, p, now: s.upsert_revoke(p.client_id, p.key, now),
     "BatchPutStart": lambda s, p, now: s.batch_put_start(
         p.client_id, p.keys, p.sizes, p.config, now
     ),
-    "BatchPutEnd": lambda s, p, now: s.batch_put_end(p.client_id, p.keys, now),
+    "BatchPutEnd": lambda s, p, now: s.batch_put_end_crc(p.client_id, p.keys, p.crcs, now),
     "BatchPutRevoke": lambda s, p, now: s.batch_put_revoke(p.client_id, p.keys, now),
     "BatchUpsertStart": lambda s, p, now: s.batch_put_start(
         p.client_id, p.keys, p.sizes, p.config, now, upsert=True
     ),
-    "BatchUpsertEnd": lambda s, p, now: s.batch_put_end(p.client_id, p.keys, now),
+    "BatchUpsertEnd": lambda s, p, now: s.batch_put_end_crc(p.client_id, p.keys, p.crcs, now),
     "BatchUpsertRevoke": lambda s, p, now: s.batch_put_revoke(p.client_id, p.keys, now),
     "GetReplicaList": lambda s, p, now: s.get_replica_list(p.key, now, for_read=p.for_read),
     "BatchGetReplicaList": lambda s, p, now: s.batch_get_replica_list(

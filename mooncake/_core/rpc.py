@@ -45,13 +45,17 @@ MountSegment           MountSegmentParams               None
 ReMountSegment         ReMountSegmentParams             None
 UnmountSegment         UnmountSegmentParams             None
 PutStart               PutStartParams                   list[ReplicaDescriptor]
-PutEnd / PutRevoke     KeyClientParams                  None
+PutEnd                 PutEndParams                     None
+PutRevoke              KeyClientParams                  None
 UpsertStart            PutStartParams                   list[ReplicaDescriptor]
-UpsertEnd / -Revoke    KeyClientParams                  None
+UpsertEnd              PutEndParams                     None
+UpsertRevoke           KeyClientParams                  None
 BatchPutStart          BatchPutStartParams              list[Item[list[ReplicaDescriptor]]]
-BatchPutEnd / -Revoke  BatchKeyClientParams             list[int]  (0 or an error code per key)
+BatchPutEnd            BatchPutEndParams                list[int]  (0 or an error code per key)
+BatchPutRevoke         BatchKeyClientParams             list[int]
 BatchUpsertStart       BatchPutStartParams              list[Item[list[ReplicaDescriptor]]]
-BatchUpsertEnd/-Revoke BatchKeyClientParams             list[int]
+BatchUpsertEnd         BatchPutEndParams                list[int]
+BatchUpsertRevoke      BatchKeyClientParams             list[int]
 GetReplicaList         KeyParams                        GetReplicaListResponse (grants a lease)
 BatchGetReplicaList    KeysParams                       list[Item[GetReplicaListResponse]]
 GetReplicaListByRegex  RegexParams                      dict[str, list[ReplicaDescriptor]]
@@ -83,6 +87,7 @@ ExplainMiss            KeyParams                        MissInfo (no miss counte
 GetTierStats           Empty                            dict[str, dict[str, int]] (per tier)
 GetSegmentTiers        Empty                            dict[str, dict[str, int]] (dram/gpu)
 ReportSegmentFailure   SegmentFailureParams             bool (the segment is quarantined now)
+ReportCorruptReplica   CorruptReplicaParams             int (readable replicas left; 0: removed)
 AuthHello              AuthHelloParams                  AuthChallenge (cluster secret only)
 AuthProve              AuthProveParams                  None (cluster secret only)
 ====================== ================================ ==========================================
@@ -181,6 +186,25 @@ class KeyClientParams(_Params):
     key: str
 
 
+class PutEndParams(KeyClientParams):
+    """PutEnd/UpsertEnd: ``crc`` is the CRC32C of the whole value as the writer had it
+    (``-1``, the default and absent on the wire: none, e.g. an older writer's or one with
+    verification off); the master hands it to readers in ``GetReplicaListResponse.crc``."""
+
+    crc: int = -1
+
+
+class CorruptReplicaParams(_Params):
+    """``client_id`` read the replica at ``addr`` in segment ``segment_name`` of version ``vid``
+    of ``key`` and its bytes failed the version's CRC32C: the master drops that replica."""
+
+    client_id: str
+    key: str
+    vid: int
+    segment_name: str
+    addr: int
+
+
 class SegmentFailureParams(_Params):
     """``client_id`` failed a transfer to the segment named ``segment_name`` (its transfer
     engine segment name, as in ``ReplicaDescriptor.segment_name``); ``reason`` for the log."""
@@ -200,6 +224,13 @@ class BatchPutStartParams(_Params):
 class BatchKeyClientParams(_Params):
     client_id: str
     keys: list[str]
+
+
+class BatchPutEndParams(BatchKeyClientParams):
+    """BatchPutEnd/BatchUpsertEnd: ``crcs[i]`` for ``keys[i]`` as :class:`PutEndParams`
+    (absent or shorter than ``keys``: none for the rest)."""
+
+    crcs: list[int] = msgspec.field(default_factory=list)
 
 
 class KeyParams(_Params):
@@ -347,16 +378,16 @@ METHODS: dict[str, MethodSpec] = {
         _spec("ReMountSegment", ReMountSegmentParams, None),
         _spec("UnmountSegment", UnmountSegmentParams, None),
         _spec("PutStart", PutStartParams, list[ReplicaDescriptor]),
-        _spec("PutEnd", KeyClientParams, None),
+        _spec("PutEnd", PutEndParams, None),
         _spec("PutRevoke", KeyClientParams, None),
         _spec("UpsertStart", PutStartParams, list[ReplicaDescriptor]),
-        _spec("UpsertEnd", KeyClientParams, None),
+        _spec("UpsertEnd", PutEndParams, None),
         _spec("UpsertRevoke", KeyClientParams, None),
         _spec("BatchPutStart", BatchPutStartParams, _PUT_ITEMS),
-        _spec("BatchPutEnd", BatchKeyClientParams, list[int]),
+        _spec("BatchPutEnd", BatchPutEndParams, list[int]),
         _spec("BatchPutRevoke", BatchKeyClientParams, list[int]),
         _spec("BatchUpsertStart", BatchPutStartParams, _PUT_ITEMS),
-        _spec("BatchUpsertEnd", BatchKeyClientParams, list[int]),
+        _spec("BatchUpsertEnd", BatchPutEndParams, list[int]),
         _spec("BatchUpsertRevoke", BatchKeyClientParams, list[int]),
         _spec("GetReplicaList", KeyParams, GetReplicaListResponse),
         _spec("BatchGetReplicaList", KeysParams, list[Item[GetReplicaListResponse]]),
@@ -391,6 +422,7 @@ METHODS: dict[str, MethodSpec] = {
         _spec("GetTierStats", Empty, dict[str, dict[str, int]]),
         _spec("GetSegmentTiers", Empty, dict[str, dict[str, int]]),
         _spec("ReportSegmentFailure", SegmentFailureParams, bool),
+        _spec("ReportCorruptReplica", CorruptReplicaParams, int),
         _spec("AuthHello", AuthHelloParams, AuthChallenge),
         _spec("AuthProve", AuthProveParams, None),
     )
@@ -466,7 +498,8 @@ def encode_request(
     spec = METHODS.get(method)
     if spec is None:
         raise InvalidArgumentError(f"unknown master RPC method {method!r}")
-    if type(params) is not spec.params:
+    # (a params Struct that only added trailing defaults still takes its base: the same wire)
+    if type(params) is not spec.params and type(params) is not spec.params.__base__:
         raise InvalidArgumentError(
             f"{method} takes {spec.params.__name__}, not {type(params).__name__}"
         )
@@ -760,6 +793,7 @@ MUTATING = frozenset(
         "PromoteRevoke",
         "EvictDiskReplica",
         "PutLocal",
+        "ReportCorruptReplica",
     }
 )
 
@@ -775,10 +809,12 @@ __all__ = [
     "AuthHelloParams",
     "AuthProveParams",
     "BatchKeyClientParams",
+    "BatchPutEndParams",
     "BatchPutStartParams",
     "BatchRemoveParams",
     "ClientParams",
     "CopyTaskParams",
+    "CorruptReplicaParams",
     "Empty",
     "ForceParams",
     "Item",
@@ -790,6 +826,7 @@ __all__ = [
     "MethodSpec",
     "MountSegmentParams",
     "MoveTaskParams",
+    "PutEndParams",
     "PutStartParams",
     "ReMountSegmentParams",
     "RegexParams",

@@ -172,9 +172,14 @@ class GetReplicaListResponse(_Struct):
     """The read window (0: ``lease_ttl_ms``): a read finishing later than this after the request
     was sent fails closed, since the space may then hold another object."""
     vid: int = 0
-    """The master's id of this version of the object (changes with every put/upsert)."""
+    """The master's id of this version of the object (changes with every put/upsert): the
+    object's *generation*, strictly increasing per key."""
     disk_clients: list[str] = msgspec.field(default_factory=list)
     """Client ids holding a copy of this version on their local SSD tier (``LOCAL_DISK``)."""
+    crc: int = -1
+    """The CRC32C of this version's whole value as its writer had it (``-1``: none recorded,
+    e.g. the writer sent none; absent on the wire then, and ignored by readers that predate
+    it). Readers verify the bytes they land against it (``docs/store.md``, verified reads)."""
 
 
 class PingResponse(_Struct):

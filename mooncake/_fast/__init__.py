@@ -97,6 +97,41 @@ else:
         from ._objtable_pure import COMPILED as OBJTABLE_COMPILED
         from ._objtable_pure import ObjectTable
 
+if os.environ.get("MOONCAKE_NO_EXTENSIONS", "") not in ("", "0"):
+    from ._crc32c_pure import COMPILED as CRC_COMPILED
+    from ._crc32c_pure import HARDWARE as CRC_HARDWARE
+    from ._crc32c_pure import (
+        copy_crc32c,
+        copy_crc32c_batch,
+        crc32c,
+        crc32c_at,
+        crc32c_combine,
+        crc32c_parts,
+    )
+else:
+    try:
+        from ._crc32c import COMPILED as CRC_COMPILED  # type: ignore[no-redef]
+        from ._crc32c import HARDWARE as CRC_HARDWARE  # type: ignore[no-redef]
+        from ._crc32c import (  # type: ignore[no-redef]
+            copy_crc32c,
+            copy_crc32c_batch,
+            crc32c,
+            crc32c_at,
+            crc32c_combine,
+            crc32c_parts,
+        )
+    except ImportError:  # not built: the twin gives the same checksums, slowly
+        from ._crc32c_pure import COMPILED as CRC_COMPILED
+        from ._crc32c_pure import HARDWARE as CRC_HARDWARE
+        from ._crc32c_pure import (
+            copy_crc32c,
+            copy_crc32c_batch,
+            crc32c,
+            crc32c_at,
+            crc32c_combine,
+            crc32c_parts,
+        )
+
 STAGE_SIZE = 65536  # the staging buffer a ClientPipe wants (both twins)
 # results of ServeConn.step / ClientPipe.step (identical in both twins)
 DONE, WANT_READ, WANT_WRITE, YIELD, CLOSE, PEER_CLOSED = 0, 1, 2, 3, 4, 5
@@ -106,6 +141,8 @@ E_PROTO = 100000
 __all__ = [
     "CLOSE",
     "COMPILED",
+    "CRC_COMPILED",
+    "CRC_HARDWARE",
     "DONE",
     "E_PROTO",
     "INTMAP_COMPILED",
@@ -123,6 +160,12 @@ __all__ = [
     "ObjectTable",
     "RegionTable",
     "ServeConn",
+    "copy_crc32c",
+    "copy_crc32c_batch",
+    "crc32c",
+    "crc32c_at",
+    "crc32c_combine",
+    "crc32c_parts",
     "memcpy_at",
     "memcpy_batch",
     "prefault",

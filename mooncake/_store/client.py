@@ -254,6 +254,7 @@ async def open_store(
     metrics_port: int | None = None,
     tenant: str = "default",
     tenant_secret: str | None = None,
+    verify: bool | None = None,
 ) -> AsyncIterator[Store]:
     """Connect to the master at ``master``, mount a segment and yield a :class:`Store`.
 
@@ -290,6 +291,10 @@ async def open_store(
     cluster secret (:func:`mooncake._core.auth.tenant_key`), used instead of the cluster secret:
     the master then binds every connection of this client to ``tenant``, so it cannot act as
     another tenant (docs/security.md).
+
+    ``verify`` turns verified reads on or off (default: ``MOONCAKE_STORE_CHECKSUM``, else off):
+    writers record each value's CRC32C, every read checks the bytes it landed against it
+    (:mod:`mooncake._store.verify`, docs/store.md).
     """
     if protocol not in ("tcp", "rdma", ""):
         raise InvalidArgumentError(f"protocol {protocol!r} is not supported (use 'tcp' or 'rdma')")
@@ -306,6 +311,8 @@ async def open_store(
     )
     store.admission = make_admission(promotion)
     bind_tenant(store.master, tenant, tenant_secret)
+    if verify is not None:
+        store.verify.enabled = verify
     async with AsyncExitStack() as stack:
         if ssd_path is not None:
             store.ssd = await stack.enter_async_context(

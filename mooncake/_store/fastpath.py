@@ -42,6 +42,7 @@ from mooncake._core.master import parse_miss
 from mooncake._store.bounds import check_replica_list, own_extent
 from mooncake._store.metrics import instrument_fast
 from mooncake._store.shm import MappedPeer
+from mooncake._store.verify import NO_CRC, none_verified, report_blocking
 from mooncake._store.writes import UPSERT_WAIT_S
 from mooncake.errors import (
     AuthError,
@@ -268,9 +269,13 @@ class FastPath:
                         if not t[1].acquire():
                             raise PeerDiedError(f"{t[1].segment}: its owner is gone")
                         pinned.append(t[1])
-                for t in targets:
+                crc = NO_CRC
+                for j, t in enumerate(targets):
                     assert t is not None
-                    _fast.memcpy_at(t[0], addr, size)
+                    if j == 0 and s.verify.enabled:  # one pass: the copy and its CRC32C
+                        crc = _fast.copy_crc32c(t[0], addr, size)
+                    else:
+                        _fast.memcpy_at(t[0], addr, size)
             finally:
                 for p in pinned:
                     p.unpin()
@@ -283,7 +288,7 @@ class FastPath:
             except MooncakeError:
                 pass
             raise
-        m.call(f"{prefix}End", rpc.KeyClientParams(client_id=s.client_id, key=key))
+        m.call(f"{prefix}End", rpc.PutEndParams(client_id=s.client_id, key=key, crc=crc))
         self.hits += 1
 
     # -- get ------------------------------------------------------------------------------
@@ -301,28 +306,66 @@ class FastPath:
             resp.read_ttl_ms or resp.lease_ttl_ms
         ) / 1000.0
 
-    def _copy_out(self, resp: st.GetReplicaListResponse, n: int, into: int | None) -> bytes | None:
-        """Copy the object from the cheapest memcpy-able replica; None if there is none."""
-        for r in self.store._order(resp.replicas):
+    def _copy_out(
+        self,
+        key: str,
+        resp: st.GetReplicaListResponse,
+        n: int,
+        into: int | None,
+        deadline: float,
+    ) -> tuple[bytes | None, st.GetReplicaListResponse]:
+        """Copy the object from the cheapest memcpy-able replica that verifies (a corrupt one
+        is reported, as by the async client): the bytes (``b""`` when copied ``into``), or
+        None if there is none to copy from, and ``resp`` less the replicas found corrupt.
+        :class:`ChecksumMismatchError` when every replica was copyable and none verified."""
+        s = self.store
+        want = s._want_crc(resp, n, count=False)  # counted below, if this path reads it
+        order = s._order(resp.replicas)
+        bad: list[st.ReplicaDescriptor] = []
+        for r in order:
             t = self._target(r, n)
             if t is None:
                 continue
             src, p = t
             if p is not None and not p.acquire():
                 continue
+            got = NO_CRC
             try:
                 if into is None:
                     data = ctypes.string_at(src, n)
+                    if want != NO_CRC:
+                        got = _fast.crc32c(data)
                 else:
-                    _fast.memcpy_at(into, src, n)
                     data = b""
+                    if want != NO_CRC:  # one pass: the copy and the CRC32C of what landed
+                        got = _fast.copy_crc32c(into, src, n)
+                    else:
+                        _fast.memcpy_at(into, src, n)
             finally:
                 if p is not None:
                     p.unpin()
             if p is not None and not p.alive():
                 raise PeerDiedError(f"{p.segment}: its owner died while the read was in flight")
-            return data
-        return None
+            if want == NO_CRC:
+                s.verify.unverified += 1
+                return data, resp
+            if s.verify.check(want, got, "dram", r.segment_name):
+                return data, resp
+            self._fence(deadline)  # a mismatch past the window proves nothing
+            self._report_corrupt(key, resp.vid, r)
+            bad.append(r)
+        if not bad:
+            return None, resp
+        if len(bad) == len(order):
+            raise none_verified(key)
+        return None, msgspec.structs.replace(
+            resp, replicas=[x for x in resp.replicas if x not in bad]
+        )
+
+    def _report_corrupt(self, key: str, vid: int, r: st.ReplicaDescriptor) -> None:
+        """:meth:`Store._report_corrupt` from the calling thread."""
+        s = self.store
+        report_blocking(self._master().call, s.verify, s.client_id, key, vid, r)
 
     def _fence(self, deadline: float) -> None:
         # anyio's clock on the asyncio loop is time.monotonic(), the clock used here
@@ -337,12 +380,12 @@ class FastPath:
             return ssd
         n = self.store._size_of(resp)
         if n <= FAST_MAX:
-            data = self._copy_out(resp, n, None)
+            data, resp = self._copy_out(key, resp, n, None, deadline)
             if data is not None:
                 self._fence(deadline)
                 self.hits += 1
                 return data
-        out: bytes = self.loop.call(self.store._get_with, resp, deadline)
+        out: bytes = self.loop.call(self.store._get_with, resp, deadline, key)
         return out
 
     def get_into(self, key: str, addr: int, size: int) -> int:
@@ -358,11 +401,13 @@ class FastPath:
                 raise TransferError(f"the SSD copy of {key!r} has {len(data)} bytes, not {n}")
             ctypes.memmove(addr, data, n)
             return n
-        if n <= FAST_MAX and self._copy_out(resp, n, addr) is not None:
-            self._fence(deadline)
-            self.hits += 1
-            return n
-        self.loop.call(self.store._read_one, resp, addr, n, deadline)
+        if n <= FAST_MAX:
+            copied, resp = self._copy_out(key, resp, n, addr, deadline)
+            if copied is not None:
+                self._fence(deadline)
+                self.hits += 1
+                return n
+        self.loop.call(self.store._read_one, resp, addr, n, deadline, key)
         return n
 
     # -- multi-part batches (the multi-buffer family, tensors) -----------------------------
@@ -441,6 +486,12 @@ class FastPath:
         dsts: list[int] = []
         srcs: list[int] = []
         lens: list[int] = []
+        summed = s.verify.enabled
+        sdsts: list[int] = []  # the first replicas' parts: copied with their CRC32C
+        ssrcs: list[int] = []
+        slens: list[int] = []
+        parts_of: dict[int, int] = {}  # key -> how many of those parts are its
+        got: list[int] = []
         owners: list[tuple[int, MappedPeer | None]] = []
         pinned: dict[int, MappedPeer] = {}
         exists = int(ObjectAlreadyExistsError.code)
@@ -458,7 +509,7 @@ class FastPath:
                     slow_reps.append(reps)
                     continue
                 fast.append(i)
-                for t in targets:
+                for j, t in enumerate(targets):
                     assert t is not None
                     dst, peer = t
                     if not self._pin(peer, pinned):
@@ -467,9 +518,17 @@ class FastPath:
                         )
                         break
                     owners.append((i, peer))
+                    if summed and not j:  # the first replica: copied and checksummed at once
+                        parts_of[i] = len(plens[i])
+                        sdsts += itertools.accumulate(plens[i][:-1], initial=dst)
+                        ssrcs += ptrs[i]
+                        slens += plens[i]
+                        continue
                     dsts += itertools.accumulate(plens[i][:-1], initial=dst)
                     srcs += ptrs[i]
                     lens += plens[i]
+            if sdsts:
+                got = _fast.copy_crc32c_batch(sdsts, ssrcs, slens, [True] * len(sdsts))
             if dsts:  # into segments: not read again soon, so non-temporal stores
                 _fast.memcpy_batch(dsts, srcs, lens, stream=True)
         except BaseException:
@@ -482,8 +541,19 @@ class FastPath:
                 out[i] = PeerDiedError(f"{peer.segment}: its owner died during the write")
         ok = [i for i in fast if out[i] is None]
         bad = [i for i in fast if out[i] is not None]
+        crcs = None
+        if summed:  # each key's parts' CRCs, combined in order
+            value_crc: dict[int, int] = {}
+            pos = 0
+            for i, k in parts_of.items():
+                crc = got[pos]
+                for q in range(pos + 1, pos + k):
+                    crc = _fast.crc32c_combine(crc, got[q], slens[q])
+                value_crc[i] = crc
+                pos += k
+            crcs = [value_crc.get(i, NO_CRC) for i in ok]
         for i, err in self._finish_batch(
-            m, "Put", [keys[i] for i in ok], [keys[i] for i in bad]
+            m, "Put", [keys[i] for i in ok], [keys[i] for i in bad], crcs
         ).items():
             out[ok[i]] = err
         self.hits += 1
@@ -502,23 +572,38 @@ class FastPath:
         resp, deadline = self._query(key)
         s = self.store
         n = s._size_of(resp)
-        for r in s._order(resp.replicas):
+        want = s._want_crc(resp, n, count=False)  # counted below, if this path reads it
+        order = s._order(resp.replicas)
+        bad = 0
+        for r in order:
             t = self._target(r, n)
             if t is None:
                 continue
             src, p = t
             if p is not None and not p.acquire():
                 continue
+            got = NO_CRC
             try:
                 result = fn(src, n)
+                if want != NO_CRC:  # the replica's bytes fn used, while still pinned
+                    got = _fast.crc32c_at(src, n)
             finally:
                 if p is not None:
                     p.unpin()
             if p is not None and not p.alive():
                 raise PeerDiedError(f"{p.segment}: its owner died while the read was in flight")
+            if want != NO_CRC and not s.verify.check(want, got, "dram", r.segment_name):
+                self._fence(deadline)
+                self._report_corrupt(key, resp.vid, r)
+                bad += 1
+                continue
+            if want == NO_CRC:
+                s.verify.unverified += 1
             self._fence(deadline)
             self.hits += 1
             return result
+        if bad and bad == len(order):
+            raise none_verified(key)
         return None
 
     @staticmethod
@@ -528,11 +613,17 @@ class FastPath:
         pinned.clear()
 
     def _finish_batch(
-        self, m: SyncMaster, prefix: str, ends: list[str], revokes: list[str]
+        self,
+        m: SyncMaster,
+        prefix: str,
+        ends: list[str],
+        revokes: list[str],
+        crcs: list[int] | None = None,
     ) -> dict[int, MooncakeError]:
-        """``Batch{prefix}End`` ``ends`` and ``Batch{prefix}Revoke`` ``revokes``; the End
-        errors by index into ``ends`` (a failed revoke leaves the object unreadable anyway:
-        the master drops unfinished puts at their TTL)."""
+        """``Batch{prefix}End`` ``ends`` (with their values' CRC32Cs ``crcs``, when given)
+        and ``Batch{prefix}Revoke`` ``revokes``; the End errors by index into ``ends`` (a
+        failed revoke leaves the object unreadable anyway: the master drops unfinished puts
+        at their TTL)."""
         from mooncake.errors import error_from_code
 
         errs: dict[int, MooncakeError] = {}
@@ -547,7 +638,8 @@ class FastPath:
         if ends:
             try:
                 codes: list[int] = m.call(
-                    f"Batch{prefix}End", rpc.BatchKeyClientParams(client_id=cid, keys=ends)
+                    f"Batch{prefix}End",
+                    rpc.BatchPutEndParams(client_id=cid, keys=ends, crcs=crcs or []),
                 )
             except MooncakeError as e:
                 return dict.fromkeys(range(len(ends)), e)
@@ -585,6 +677,10 @@ class FastPath:
         srcs: list[int] = []
         lens: list[int] = []
         owners: list[tuple[int, MappedPeer | None, float]] = []
+        checks: list[tuple[int, int, st.ReplicaDescriptor, st.GetReplicaListResponse, int, int]]
+        checks = []
+        sums: list[bool] = []  # per copied part: checksum it (its key is verified)
+        landed: list[int] = []
         pinned: dict[int, MappedPeer] = {}
         try:
             for i, item in enumerate(items):
@@ -612,10 +708,11 @@ class FastPath:
                     )
                     continue
                 target = None
+                rep_of_target = None
                 for r in s._order(resp.replicas):
                     t = self._target(r, n)
                     if t is not None and self._pin(t[1], pinned):
-                        target = t
+                        target, rep_of_target = t, r
                         break
                 if target is None:
                     slow.append(i)
@@ -625,9 +722,17 @@ class FastPath:
                 srcs += itertools.accumulate(plens[i][:-1], initial=src)
                 lens += plens[i]
                 owners.append((i, peer, t0 + (resp.read_ttl_ms or resp.lease_ttl_ms) / 1000.0))
+                want = s._want_crc(resp, n)
+                if want != NO_CRC:
+                    assert rep_of_target is not None
+                    checks.append((i, want, rep_of_target, resp, len(sums), len(plens[i])))
+                sums += [want != NO_CRC] * len(plens[i])
                 out[i] = n
             if dsts:
-                _fast.memcpy_batch(dsts, srcs, lens)
+                if checks:  # copied and checksummed in one pass
+                    landed = _fast.copy_crc32c_batch(dsts, srcs, lens, sums)
+                else:
+                    _fast.memcpy_batch(dsts, srcs, lens)
         finally:
             self._unpin(pinned)
         now = time.monotonic()
@@ -639,6 +744,19 @@ class FastPath:
             elif now > deadline:
                 s.lease_fences += 1
                 out[i] = LeaseExpiredError("the read finished after its lease expired")
+        for i, want, r, resp, pos, k in checks:  # what landed, against the writer's CRC
+            if isinstance(out[i], MooncakeError):
+                continue
+            crc = landed[pos]
+            for q in range(pos + 1, pos + k):
+                crc = _fast.crc32c_combine(crc, landed[q], lens[q])
+            if s.verify.check(want, crc, "dram", r.segment_name):
+                continue
+            self._report_corrupt(keys[i], resp.vid, r)
+            if len(s._order(resp.replicas)) > 1:
+                slow.append(i)  # the loop path reads the others (the master dropped this one)
+            else:
+                out[i] = none_verified(keys[i])
         if slow:
             got: list[int | MooncakeError] = self.loop.call(
                 s.batch_get_parts,

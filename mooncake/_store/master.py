@@ -926,6 +926,16 @@ class _MasterCollector(Collector):
             "master_clients_expired", "Clients dropped after client_ttl", st.clients_expired
         )
         yield counter(
+            "master_corrupt_replicas_dropped",
+            "Replicas dropped because a reader found their bytes failing the writer's CRC32C",
+            st.corrupt_replicas_dropped,
+        )
+        yield counter(
+            "master_corrupt_objects_removed",
+            "Objects removed because their last replica was reported corrupt",
+            st.corrupt_objects_removed,
+        )
+        yield counter(
             "master_stall_seconds",
             "Time the master could not serve, credited to every client's TTL",
             st.stall_seconds,

@@ -14,7 +14,7 @@ local). Series are listed in docs/metrics.md.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from time import perf_counter
 from typing import Any, Protocol, TypeVar
 
@@ -33,6 +33,19 @@ class _Stats(Protocol):
     def stats(self) -> dict[str, int]: ...
 
 
+class _VerifyView(Protocol):
+    """The verified-read counters (:class:`~mooncake._store.verify.ReadVerifier`)."""
+
+    @property
+    def verified(self) -> int: ...
+    @property
+    def unverified(self) -> int: ...
+    @property
+    def mismatches(self) -> Mapping[tuple[str, str], int]: ...
+    @property
+    def replicas_reported(self) -> int: ...
+
+
 class _StoreView(Protocol):
     """What :class:`StoreMetrics` reads of a store client at scrape time (and nothing more).
 
@@ -47,6 +60,10 @@ class _StoreView(Protocol):
     @property
     def lease_fences(self) -> int:
         """Reads refused because they finished after their read lease."""
+
+    @property
+    def verify(self) -> _VerifyView:
+        """Verified reads: the switch and the counters."""
 
     def miss_stats(self) -> dict[tuple[str, str, str], int]:
         """Failed reads counted by ``(reason, policy, tier)``."""
@@ -226,6 +243,32 @@ class StoreMetrics(Collector):
             "mooncake_store_lease_fences",
             "Reads refused because they finished after their read lease",
             value=s.lease_fences,
+        )
+        vr = s.verify
+        yield CounterMetricFamily(
+            "mooncake_store_verified_reads",
+            "Reads whose landed bytes matched the CRC32C their writer recorded",
+            value=vr.verified,
+        )
+        yield CounterMetricFamily(
+            "mooncake_store_unverified_reads",
+            "Reads not verified: the version has no CRC32C (an older or verification-off "
+            "writer), verification is off here, or the read was part of a value",
+            value=vr.unverified,
+        )
+        mm = CounterMetricFamily(
+            "mooncake_store_checksum_mismatches",
+            "Replicas whose bytes failed their CRC32C, by tier and holder (segment, or for "
+            "ssd the client)",
+            labels=["tier", "holder"],
+        )
+        for (tier, holder), n in sorted(vr.mismatches.items()):
+            mm.add_metric([tier, holder], n)
+        yield mm
+        yield CounterMetricFamily(
+            "mooncake_store_corrupt_replicas_reported",
+            "Corrupt replicas reported to the master (which drops each)",
+            value=vr.replicas_reported,
         )
         ssd = s.ssd
         if ssd is not None:

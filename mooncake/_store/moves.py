@@ -34,6 +34,7 @@ from mooncake._store.config import ReplicateConfig, to_wire
 from mooncake._store.master_conn import MasterConnection
 from mooncake._store.shm import MappedPeer, SharedSegment, ShmPeers
 from mooncake._store.ssd import SsdTier
+from mooncake._store.verify import ReadVerifier
 from mooncake.errors import (
     ClosedError,
     InvalidArgumentError,
@@ -95,6 +96,11 @@ class _Op:
     length: int
     error: MooncakeError | None = None
     offset: int = 0
+    sum: bool = False
+    """Asks for the CRC32C of the bytes as they landed (verified reads), fused with the copy
+    where the op is a same-host copy; ``crc`` stays ``-1`` where it was not computed (a
+    network transfer: the caller checksums in a pass of its own)."""
+    crc: int = -1
 
     @property
     def remote(self) -> int:
@@ -211,6 +217,8 @@ class _Mover:
         self._reported: dict[str, float] = {}
         """Segment name -> when this client last reported a transfer failure to it."""
         self.segment_reports = 0
+        self.verify = ReadVerifier()
+        """Verified reads: the switch and the counters (:mod:`mooncake._store.verify`)."""
         """Transfer failures reported to the master (``ReportSegmentFailure``)."""
 
     @property
@@ -382,6 +390,7 @@ class _Mover:
         """Same-host copies: memcpy, except where the caller's buffer is GPU memory (registered
         with a ``cuda:N`` location), which goes through the engine's CUDA stream instead."""
         host: list[tuple[int, int, int]] = []
+        host_ops: list[_Op] = []
         device: dict[int, list[tuple[tuple[int, int, int], _Op]]] = {}
         region: Region | None = None
         dev: int | None = None
@@ -391,10 +400,16 @@ class _Mover:
                 dev = device_of(region.location) if region is not None else None
             if dev is None:
                 host.append(c)
+                host_ops.append(op)
             else:
                 device.setdefault(dev, []).append((c, op))
         if host:
-            await _memcpy_many(host)
+            if any(op.sum for op in host_ops):
+                crcs = await _memcpy_many_crc(host, [op.sum for op in host_ops])
+                for op, crc in zip(host_ops, crcs, strict=True):
+                    op.crc = crc
+            else:
+                await _memcpy_many(host)
         for dev, items in device.items():
             try:
                 await self.engine.staging.copy_many([c for c, _ in items], dev)
@@ -526,6 +541,43 @@ async def _memcpy_many(copies: Sequence[tuple[int, int, int]]) -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(anyio.to_thread.run_sync, _copy_all, a)
         tg.start_soon(anyio.to_thread.run_sync, _copy_all, b)
+
+
+async def _memcpy_many_crc(
+    copies: Sequence[tuple[int, int, int]], sums: Sequence[bool]
+) -> list[int]:
+    """:func:`_memcpy_many` that also returns the CRC32C of each copy as it landed where
+    ``sums[i]`` (``-1`` elsewhere), computed in the same pass over the bytes
+    (:func:`mooncake._fast.copy_crc32c_batch`); a large batch is split between two worker
+    threads at copy boundaries."""
+    total = sum(n for _, _, n in copies)
+
+    def run(cs: Sequence[tuple[int, int, int]], ss: Sequence[bool]) -> list[int]:
+        return list(
+            _fast.copy_crc32c_batch(
+                [d for d, _, _ in cs], [s for _, s, _ in cs], [n for _, _, n in cs], ss
+            )
+        )
+
+    if total < INLINE_COPY:
+        return run(copies, sums)
+    if total < SPLIT_COPY or len(copies) < 2:
+        return await anyio.to_thread.run_sync(run, copies, sums)
+    acc, cut = 0, 1
+    for j, (_, _, n) in enumerate(copies):
+        acc += n
+        if acc >= total // 2:
+            cut = max(1, j + 1) if j + 1 < len(copies) else max(1, j)
+            break
+    out: list[list[int]] = [[], []]
+
+    async def half(k: int, cs: Sequence[tuple[int, int, int]], ss: Sequence[bool]) -> None:
+        out[k] = await anyio.to_thread.run_sync(run, cs, ss)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(half, 0, copies[:cut], sums[:cut])
+        tg.start_soon(half, 1, copies[cut:], sums[cut:])
+    return out[0] + out[1]
 
 
 def _copy_all(copies: Sequence[tuple[int, int, int]]) -> None:

@@ -66,6 +66,7 @@ class _Ranges(_Reads):
         entries: list[tuple[int, int, list[int]]] = []  # (buffer, key slot, range indices)
         e_resps: list[st.GetReplicaListResponse | MooncakeError] = []
         e_parts: list[list[tuple[int, int, int]]] = []
+        e_keys: list[str] = []
         for i, keys in enumerate(all_keys):
             region = self.engine.registry.find(buffers[i], 1) if buffers[i] else None
             cap = region.addr + region.length - buffers[i] if region is not None else 0
@@ -89,7 +90,10 @@ class _Ranges(_Reads):
                     entries.append((i, j, idx))
                     e_resps.append(r)
                     e_parts.append(part)
-        errs = await self._read_many(e_resps, [0] * len(entries), [0] * len(entries), t0, e_parts)
+                    e_keys.append(key)
+        errs = await self._read_many(
+            e_resps, [0] * len(entries), [0] * len(entries), t0, e_parts, keys=e_keys
+        )
         for (i, j, idx), err, part in zip(entries, errs, e_parts, strict=True):
             for kk, (_, ln, _) in zip(idx, part, strict=True):
                 results[i][j][kk] = int(err.code) if err is not None else ln
@@ -158,7 +162,9 @@ class _Ranges(_Reads):
             idx.append(i)
             e_resps.append(resp)
             e_parts.append(list(zip(parts[i], sizes[i], src_offsets[i], strict=True)))
-        errs = await self._read_many(e_resps, [0] * len(idx), [0] * len(idx), now, e_parts)
+        errs = await self._read_many(
+            e_resps, [0] * len(idx), [0] * len(idx), now, e_parts, keys=[keys[i] for i in idx]
+        )
         done = anyio.current_time()
         for i, err, part in zip(idx, errs, e_parts, strict=True):
             sess = self._get_sessions.get(keys[i])
@@ -253,10 +259,12 @@ class _Ranges(_Reads):
         idx = [i for i, k in enumerate(keys) if k in self._put_sessions]
         if not idx:
             return out
-        method = "BatchPutRevoke" if revoke else "BatchPutEnd"
+        names = [keys[i] for i in idx]
         codes: list[int] = await self.master.call(
-            method,
-            rpc.BatchKeyClientParams(client_id=self.client_id, keys=[keys[i] for i in idx]),
+            "BatchPutRevoke" if revoke else "BatchPutEnd",
+            rpc.BatchKeyClientParams(client_id=self.client_id, keys=names)
+            if revoke
+            else rpc.BatchPutEndParams(client_id=self.client_id, keys=names),  # no CRC: ranges
         )
         for i, c in zip(idx, codes, strict=True):
             out[i] = c

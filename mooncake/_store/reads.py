@@ -14,13 +14,23 @@ import logging
 from collections.abc import Sequence
 
 import anyio
+import msgspec
 
+from mooncake import _fast
 from mooncake._core import rpc
 from mooncake._core import store_types as st
 from mooncake._core.master import parse_miss
 from mooncake._core.misses import MissReason
 from mooncake._store.bounds import check_replica_list
 from mooncake._store.moves import _check_key, _Op, _read_ttl, staging_refusal
+from mooncake._store.verify import (
+    NO_CRC,
+    corrupt_report,
+    crc_of,
+    crc_of_bytes,
+    crc_of_parts,
+    none_verified,
+)
 from mooncake._store.writes import _Writes
 from mooncake.errors import (
     InvalidArgumentError,
@@ -33,6 +43,18 @@ from mooncake.errors import (
 )
 
 log = logging.getLogger("mooncake.store")
+
+
+def _landed_crc(ops: Sequence[_Op], landed: Sequence[tuple[int, int]]) -> int:
+    """The CRC32C of a value read by ``ops`` (contiguous from offset 0, as ``landed``): from
+    the CRCs their copies computed (combined in offset order), else one pass over ``landed``."""
+    if ops and all(op.crc >= 0 for op in ops):
+        ordered = sorted(ops, key=lambda op: op.offset)
+        crc = ordered[0].crc
+        for op in ordered[1:]:
+            crc = _fast.crc32c_combine(crc, op.crc, op.length)
+        return int(crc)
+    return crc_of(*landed[0]) if len(landed) == 1 else crc_of_parts(landed)
 
 
 class _Reads(_Writes):
@@ -90,18 +112,80 @@ class _Reads(_Writes):
             return resp.size
         return resp.replicas[0].length if resp.replicas else 0
 
+    def _want_crc(self, resp: st.GetReplicaListResponse, n: int, *, count: bool = True) -> int:
+        """The CRC a read of ``n`` bytes from the start of ``resp``'s object must match
+        (:data:`NO_CRC`: nothing to verify: no CRC recorded, verification off, or a part;
+        counted as an unverified read unless ``count`` is false)."""
+        if n != self._size_of(resp) or not self.verify.enabled or resp.crc < 0:
+            if count:
+                self.verify.unverified += 1
+            return NO_CRC
+        return resp.crc
+
+    async def _proved(
+        self,
+        key: str,
+        resp: st.GetReplicaListResponse,
+        r: st.ReplicaDescriptor,
+        want: int,
+        got: int,
+        deadline: float,
+    ) -> bool:
+        """Whether bytes read from replica ``r`` (CRC ``got``) are ``resp``'s version
+        (``want``). A mismatch inside the read window reports ``r`` to the master (which drops
+        it); one after it is a fenced read (:class:`LeaseExpiredError`), since the space may
+        hold another object by then."""
+        if self.verify.check(want, got, "dram", r.segment_name):
+            return True
+        if anyio.current_time() > deadline:
+            self.lease_fences += 1
+            raise LeaseExpiredError("the read finished after its lease expired")
+        await self._report_corrupt(key, resp.vid, r)
+        return False
+
+    async def _report_corrupt(self, key: str, vid: int, r: st.ReplicaDescriptor) -> None:
+        """Tell the master that replica ``r`` of version ``vid`` of ``key`` failed its CRC32C
+        (it drops it; the last one takes the object with it). Best effort: a failed report is
+        logged, the read's answer does not depend on it."""
+        params = corrupt_report(self.client_id, key, vid, r)
+        if not key:
+            return
+        try:
+            with anyio.fail_after(5):
+                await self.master.call("ReportCorruptReplica", params)
+            self.verify.replicas_reported += 1
+        except (MooncakeError, TimeoutError) as e:
+            log.warning("reporting the corrupt replica of %r failed: %s", key, e)
+
     async def _read_one(
-        self, resp: st.GetReplicaListResponse, local: int, n: int, deadline: float
+        self,
+        resp: st.GetReplicaListResponse,
+        local: int,
+        n: int,
+        deadline: float,
+        key: str = "",
     ) -> None:
-        """Read ``n`` bytes of the object into ``local``, trying replicas in order; fenced."""
+        """Read ``n`` bytes of the object into ``local``, trying replicas in order; fenced and,
+        when ``n`` is the whole value, verified (a replica that fails is reported and the next
+        one read; :class:`ChecksumMismatchError` if none verifies)."""
         order = self._order(resp.replicas)
         if not order:
             raise ObjectNotFoundError("no complete replica")
+        if self._on_host([(local, n)]):
+            want = self._want_crc(resp, n)
+        else:  # device memory: the CPU cannot checksum what landed
+            want = NO_CRC
+            self.verify.unverified += 1
         err: MooncakeError | None = None
         for r in order:
-            op = _Op(False, local, r, n)
+            op = _Op(False, local, r, n, sum=want != NO_CRC)
             await self._move([op], deadline)  # past the window the bytes are of no use
             if op.error is None:
+                if want != NO_CRC and not await self._proved(
+                    key, resp, r, want, op.crc if op.crc >= 0 else crc_of(local, n), deadline
+                ):
+                    err = none_verified(key)
+                    continue
                 if anyio.current_time() > deadline:
                     self.lease_fences += 1
                     raise LeaseExpiredError(
@@ -147,10 +231,13 @@ class _Reads(_Writes):
         resp, deadline = await self._query(key)
         if not resp.replicas and resp.disk_clients:
             return await self._read_ssd(key, resp)
-        return await self._get_with(resp, deadline)
+        return await self._get_with(resp, deadline, key)
 
-    async def _get_with(self, resp: st.GetReplicaListResponse, deadline: float) -> bytes:
-        """The rest of :meth:`get` once ``GetReplicaList`` has answered ``resp``."""
+    async def _get_with(
+        self, resp: st.GetReplicaListResponse, deadline: float, key: str = ""
+    ) -> bytes:
+        """The rest of :meth:`get` once ``GetReplicaList`` has answered ``resp`` (verified as
+        :meth:`_read_one`)."""
         n = self._size_of(resp)
         # same-host or own replica: copy straight into a new bytes object
         await self._resolve(r.segment_name for r in resp.replicas)
@@ -171,12 +258,23 @@ class _Reads(_Writes):
                 if peer is not None:
                     peer.unpin()
             if peer is None or peer.alive():
-                if anyio.current_time() > deadline:
-                    self.lease_fences += 1
-                    raise LeaseExpiredError("the read finished after its lease expired")
-                return data
-            self._shm.forget(r.segment_name)
-            raise PeerDiedError(f"{r.segment_name}: its owner died while the read was in flight")
+                want = self._want_crc(resp, n)
+                if want == NO_CRC or await self._proved(
+                    key, resp, r, want, crc_of_bytes(data), deadline
+                ):
+                    if anyio.current_time() > deadline:
+                        self.lease_fences += 1
+                        raise LeaseExpiredError("the read finished after its lease expired")
+                    return data
+                # a corrupt replica (reported): the others, through the general path
+                resp = msgspec.structs.replace(resp, replicas=[x for x in resp.replicas if x != r])
+                if not self._order(resp.replicas):
+                    raise none_verified(key)
+            else:
+                self._shm.forget(r.segment_name)
+                raise PeerDiedError(
+                    f"{r.segment_name}: its owner died while the read was in flight"
+                )
         if n > self._staging.capacity:
             raise InvalidArgumentError(
                 f"a {n}-byte value does not fit the local buffer ({self.local_buffer_size} bytes)"
@@ -185,7 +283,7 @@ class _Reads(_Writes):
         try:
             assert self.local_buffer is not None
             addr = self.local_buffer.addr + off
-            await self._read_one(resp, addr, n, deadline)
+            await self._read_one(resp, addr, n, deadline, key)
             return ctypes.string_at(addr, n)
         finally:
             self._unstage(off)
@@ -211,7 +309,7 @@ class _Reads(_Writes):
                 raise TransferError(f"the SSD copy of {key!r} has {len(data)} bytes, not {n}")
             ctypes.memmove(addr, data, n)
             return n
-        await self._read_one(resp, addr, n, deadline)
+        await self._read_one(resp, addr, n, deadline, key)
         return n
 
     async def get_batch(self, keys: Sequence[str]) -> list[bytes | MooncakeError]:
@@ -239,7 +337,7 @@ class _Reads(_Writes):
             for n in sizes:
                 addrs.append(base)
                 base += n
-            errs = await self._read_many(resps, addrs, sizes, t0)
+            errs = await self._read_many(resps, addrs, sizes, t0, keys=keys)
             for i, r in enumerate(resps):
                 if isinstance(r, MooncakeError):
                     out[i] = r
@@ -327,7 +425,7 @@ class _Reads(_Writes):
                 lens.append(0)
                 continue
             lens.append(n)
-        errs = await self._read_many(resps, list(addrs), lens, t0)
+        errs = await self._read_many(resps, list(addrs), lens, t0, keys=keys)
         for i, r in enumerate(resps):
             if isinstance(r, MooncakeError):
                 continue
@@ -342,14 +440,17 @@ class _Reads(_Writes):
         sizes: Sequence[int],
         t0: float,
         parts: Sequence[Sequence[tuple[int, int, int]]] | None = None,
+        keys: Sequence[str] | None = None,
     ) -> list[MooncakeError | None]:
         """Read every answered key (first replica, then failover rounds); fenced per key.
 
         Key ``i`` lands at ``addrs[i]`` (``sizes[i]`` bytes from the object's start), or, with
         ``parts``, as ``(address, length, object offset)`` ranges; a key fails if any of its
-        ranges does."""
+        ranges does. A key whose ranges cover its whole value is verified (a replica that
+        fails is reported, under ``keys[i]``, and the next one read)."""
         errs: list[MooncakeError | None] = [None] * len(resps)
         orders: dict[int, list[st.ReplicaDescriptor]] = {}
+        wants: dict[int, tuple[int, list[tuple[int, int]]]] = {}
         for i, r in enumerate(resps):
             if isinstance(r, MooncakeError):
                 continue
@@ -358,16 +459,34 @@ class _Reads(_Writes):
                 errs[i] = ObjectNotFoundError("no complete replica")
                 continue
             orders[i] = o
+            if parts is None:
+                landed, n = [(addrs[i], sizes[i])], sizes[i]
+            else:
+                landed, n = [], 0
+                for off, a, pn in sorted((o, a, pn) for a, pn, o in parts[i] if pn):
+                    if off != n:  # a gap or an overlap: not the value as one run
+                        n = -1
+                        break
+                    landed.append((a, pn))
+                    n += pn
+            if n >= 0 and not self._on_host(landed):  # device memory: nothing to checksum
+                n = -1
+            want = self._want_crc(r, n)
+            if want != NO_CRC:
+                wants[i] = (want, landed)
         attempt = 0
         todo = list(orders)
         while todo:
             ops: list[tuple[int, _Op]] = []
             for i in todo:
                 rep = orders[i][attempt]
+                v = i in wants  # the copies checksum what they land (fused), where they can
                 if parts is None:
-                    ops.append((i, _Op(False, addrs[i], rep, sizes[i])))
+                    ops.append((i, _Op(False, addrs[i], rep, sizes[i], sum=v)))
                 else:
-                    ops += [(i, _Op(False, a, rep, n, offset=o)) for a, n, o in parts[i] if n]
+                    ops += [
+                        (i, _Op(False, a, rep, n, offset=o, sum=v)) for a, n, o in parts[i] if n
+                    ]
             # a round stops when the last window of its keys closes (each key is fenced below)
             round_end = max(
                 (t0 + _read_ttl(r) for i in todo if not isinstance(r := resps[i], MooncakeError)),
@@ -378,9 +497,29 @@ class _Reads(_Writes):
             for i, op in ops:
                 if op.error is not None and i not in failed:
                     failed[i] = op.error
+            fenced: set[int] = set()
+            key_ops: dict[int, list[_Op]] = {}
+            for i, op in ops:
+                key_ops.setdefault(i, []).append(op)
+            for i in todo:
+                if i in failed or i not in wants:
+                    continue
+                want, landed = wants[i]
+                rep = orders[i][attempt]
+                got = _landed_crc(key_ops.get(i, []), landed)
+                if self.verify.check(want, got, "dram", rep.segment_name):
+                    continue
+                r = resps[i]
+                assert not isinstance(r, MooncakeError)
+                if anyio.current_time() > t0 + _read_ttl(r):
+                    fenced.add(i)  # proves nothing: the fence below fails it
+                    continue
+                key = keys[i] if keys is not None else ""
+                await self._report_corrupt(key, r.vid, rep)
+                failed[i] = none_verified(key)
             nxt = []
             for i in todo:
-                if i not in failed:
+                if i in fenced or i not in failed:
                     errs[i] = None
                 elif attempt + 1 < len(orders[i]):
                     nxt.append(i)
@@ -443,7 +582,7 @@ class _Reads(_Writes):
                 off += take
                 left -= take
             out[i] = n
-        errs = await self._read_many(resps, [0] * len(keys), [0] * len(keys), t0, ranges)
+        errs = await self._read_many(resps, [0] * len(keys), [0] * len(keys), t0, ranges, keys=keys)
         for i, read_err in enumerate(errs):
             if read_err is not None and not isinstance(resps[i], MooncakeError):
                 out[i] = read_err

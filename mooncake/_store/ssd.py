@@ -678,6 +678,18 @@ class SsdTier:
         await self._delete([entry], "removed")
         return True
 
+    async def drop_corrupt(self, key: str) -> bool:
+        """Drop ``key``, whose bytes the caller found corrupt (they fail the writer's CRC32C),
+        as a read that found its file bad does (``corrupt``: reported to the master as lost);
+        False if it was not there."""
+        self._check_open()
+        entry = self.index.remove(key)
+        if entry is None:
+            return False
+        self.counters.errors += 1
+        await self._delete([entry], "corrupt")
+        return True
+
     async def evict(self, nbytes: int) -> list[SsdEntry]:
         """Evict by policy until ``nbytes`` are freed (or nothing evictable is left)."""
         self._check_open()

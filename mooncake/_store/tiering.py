@@ -19,6 +19,7 @@ from mooncake._core.master.tenants import internal_key
 from mooncake._core.misses import Miss, MissReason
 from mooncake._core.tiers import SsdEntry
 from mooncake._store.moves import TIER_POLL_S, _Mover, _Op, _value_addr
+from mooncake._store.verify import NO_CRC, crc_of_bytes
 from mooncake.errors import (
     InvalidArgumentError,
     MooncakeError,
@@ -221,7 +222,16 @@ class _Tiered(_Mover):
             self.offload_reads += 1
         except TierDataError:
             # already dropped from the tier; _on_ssd_drop queued the report to the master
+            self.verify.mismatches[("ssd", self.client_id)] += 1
             raise
+        want = self.verify.expected(resp)  # the writer's CRC, beyond the tier file's own
+        if want != NO_CRC and not self.verify.check(
+            want, crc_of_bytes(data), "ssd", self.client_id
+        ):
+            await tier.drop_corrupt(key)  # reported to the master as lost (_on_ssd_drop)
+            raise TierDataError(
+                f"SSD copy of {key!r} fails the CRC32C its writer recorded; dropped from the tier"
+            )
         if self.admission.admit(key) and self._tg is not None:
             self._tg.start_soon(self._promote, key, resp.vid, data)
         return data

@@ -10,13 +10,15 @@ remote.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
 
+from mooncake import _fast
 from mooncake._core import rpc
 from mooncake._core import store_types as st
+from mooncake._core.gpu import device_of
 from mooncake._core.memory import Region
 from mooncake._store.config import to_wire
 from mooncake._store.moves import (
@@ -31,6 +33,7 @@ from mooncake._store.moves import (
     staging_refusal,
 )
 from mooncake._store.tiering import _Tiered
+from mooncake._store.verify import NO_CRC, crc_of_parts
 from mooncake.errors import (
     InvalidArgumentError,
     MooncakeError,
@@ -48,8 +51,49 @@ log = logging.getLogger("mooncake.store")
 UPSERT_WAIT_S = 5.0
 
 
+def _value_crcs(
+    ops: Sequence[tuple[int, _Op]],
+    local: Sequence[Sequence[tuple[int, int]]],
+    n: int,
+    out: Sequence[MooncakeError | None],
+    on_host: Callable[[Sequence[tuple[int, int]]], bool],
+) -> list[int]:
+    """The CRC32C of each written key's value: from its first replica's copies (summed ops,
+    combined in offset order) where they all computed one, else a pass over its source parts
+    ``local[i]`` (network writes) when they are host memory; :data:`NO_CRC` for the keys that
+    failed and for device-memory sources (their values are stored without a CRC)."""
+    per: dict[int, list[_Op]] = {}
+    for i, op in ops:
+        if op.sum:
+            per.setdefault(i, []).append(op)
+    crcs = [NO_CRC] * n
+    for i in range(n):
+        if out[i] is not None:
+            continue
+        mine = per.get(i, [])
+        if mine and all(op.crc >= 0 for op in mine):
+            mine.sort(key=lambda op: op.offset)
+            crc = mine[0].crc
+            for op in mine[1:]:
+                crc = _fast.crc32c_combine(crc, op.crc, op.length)
+            crcs[i] = int(crc)
+        elif local[i] and on_host(local[i]):
+            crcs[i] = crc_of_parts(local[i])
+    return crcs
+
+
 class _Writes(_Tiered):
     """The put family of the store client (part of :class:`~mooncake._store.client.Store`)."""
+
+    def _on_host(self, parts: Sequence[tuple[int, int]]) -> bool:
+        """Whether every ``(address, length)`` part is host memory the CPU can checksum (not
+        inside a region registered as device memory): verified reads skip the rest."""
+        find = self.engine.registry.find
+        for a, n in parts:
+            region = find(a, n) if n else None
+            if region is not None and device_of(region.location) is not None:
+                return False
+        return True
 
     async def put(self, key: str, value: Any, config: Config = None) -> None:
         """Store ``value`` (any C-contiguous buffer) under ``key``; a no-op if ``key`` exists."""
@@ -313,6 +357,7 @@ class _Writes(_Tiered):
             return out
         # -- write
         staged: list[int] = []
+        crcs = [NO_CRC] * len(keys)
         try:
             with anyio.CancelScope(shield=False):
                 ops: list[tuple[int, _Op]] = []
@@ -344,12 +389,13 @@ class _Writes(_Tiered):
                             base += pn
                         local[i] = [(start, sizes[i])]
                     await _memcpy_many(copies)
+                summed = self.verify.enabled  # the first replica's copies checksum (fused)
                 for i in started:
                     if out[i] is not None:
                         continue
                     reps = replicas[i]
                     assert reps is not None
-                    for r in reps:
+                    for j, r in enumerate(reps):
                         if r.length != sizes[i]:
                             out[i] = TransferError(
                                 f"master allocated {r.length} bytes for {sizes[i]}-byte {keys[i]!r}"
@@ -357,12 +403,14 @@ class _Writes(_Tiered):
                             break
                         roff = 0
                         for pa, pn in local[i]:
-                            ops.append((i, _Op(True, pa, r, pn, offset=roff)))
+                            ops.append((i, _Op(True, pa, r, pn, offset=roff, sum=summed and not j)))
                             roff += pn
                 await self._move([op for _, op in ops])
                 for i, op in ops:
                     if op.error is not None and out[i] is None:
                         out[i] = op.error
+                if summed:
+                    crcs = _value_crcs(ops, local, len(keys), out, self._on_host)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._finish(prefix, keys, started, [True] * len(keys), batch)
@@ -372,7 +420,7 @@ class _Writes(_Tiered):
                 self._unstage(off)
         # -- end / revoke
         failed = [out[i] is not None for i in range(len(keys))]
-        end_errs = await self._finish(prefix, keys, started, failed, batch)
+        end_errs = await self._finish(prefix, keys, started, failed, batch, crcs)
         for i, end_err in end_errs.items():
             if out[i] is None:
                 out[i] = end_err
@@ -384,6 +432,7 @@ class _Writes(_Tiered):
         """Write ``reps`` (already PutStart-ed elsewhere) from ``addr``, then End or Revoke."""
         err: MooncakeError | None = None
         staged: int | None = None
+        crc = NO_CRC
         try:
             await self._resolve(r.segment_name for r in reps)
             src = addr
@@ -398,9 +447,15 @@ class _Writes(_Tiered):
             elif any(r.length != size for r in reps):
                 err = TransferError(f"master allocated a replica of the wrong size for {key!r}")
             else:
-                ops = [_Op(True, src, r, size) for r in reps]
+                v = self.verify.enabled
+                ops = [_Op(True, src, r, size, sum=v and not j) for j, r in enumerate(reps)]
                 await self._move(ops)
                 err = next((op.error for op in ops if op.error is not None), None)
+                if v and err is None:
+                    if ops[0].crc >= 0:
+                        crc = ops[0].crc
+                    elif self._on_host([(src, size)]):
+                        crc = crc_of_parts([(src, size)])
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._finish(prefix, [key], [0], [True], False)
@@ -408,7 +463,7 @@ class _Writes(_Tiered):
         finally:
             if staged is not None:
                 self._unstage(staged)
-        errs = await self._finish(prefix, [key], [0], [err is not None], False)
+        errs = await self._finish(prefix, [key], [0], [err is not None], False, [crc])
         return err or errs.get(0)
 
     async def _complete_puts(
@@ -424,6 +479,9 @@ class _Writes(_Tiered):
         the rest; one result per key. The caller-thread path hands over keys it cannot copy."""
         out: list[MooncakeError | None] = [None] * len(keys)
         ops: list[tuple[int, _Op]] = []
+        crcs = [NO_CRC] * len(keys)
+        summed = self.verify.enabled  # the first replica's copies checksum (fused)
+        locals_: list[list[tuple[int, int]]] = [[] for _ in keys]
         try:
             await self._resolve(r.segment_name for rs in reps for r in rs)
             for i, rs in enumerate(reps):
@@ -436,21 +494,24 @@ class _Writes(_Tiered):
                     )
                     continue
                 local = _parts_of(sources[i], sizes[i])
-                for r in rs:
+                locals_[i] = local
+                for j, r in enumerate(rs):
                     roff = 0
                     for pa, pn in local:
-                        ops.append((i, _Op(True, pa, r, pn, offset=roff)))
+                        ops.append((i, _Op(True, pa, r, pn, offset=roff, sum=summed and not j)))
                         roff += pn
             await self._move([op for _, op in ops])
             for i, op in ops:
                 if op.error is not None and out[i] is None:
                     out[i] = op.error
+            if summed:
+                crcs = _value_crcs(ops, locals_, len(keys), out, self._on_host)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._finish(prefix, keys, list(range(len(keys))), [True] * len(keys), True)
             raise
         failed = [e is not None for e in out]
-        end_errs = await self._finish(prefix, keys, list(range(len(keys))), failed, True)
+        end_errs = await self._finish(prefix, keys, list(range(len(keys))), failed, True, crcs)
         for i, end_err in end_errs.items():
             if out[i] is None:
                 out[i] = end_err
@@ -463,26 +524,42 @@ class _Writes(_Tiered):
         started: list[int],
         failed: list[bool],
         batch: bool,
+        crcs: Sequence[int] | None = None,
     ) -> dict[int, MooncakeError]:
-        """PutEnd the started keys that succeeded, PutRevoke the rest; errors per index."""
+        """PutEnd the started keys that succeeded (with ``crcs[i]``, the CRC32C of key ``i``'s
+        value, when given), PutRevoke the rest; errors per index."""
         errs: dict[int, MooncakeError] = {}
         ends = [i for i in started if not failed[i]]
         revokes = [i for i in started if failed[i]]
+        cid = self.client_id
         for method, idx in ((f"{prefix}End", ends), (f"{prefix}Revoke", revokes)):
             if not idx:
                 continue
+            end = idx is ends
             if not batch:
+                k = keys[idx[0]]
+                crc = crcs[idx[0]] if crcs is not None else NO_CRC
                 try:
                     await self.master.call(
-                        method, rpc.KeyClientParams(client_id=self.client_id, key=keys[idx[0]])
+                        method,
+                        rpc.PutEndParams(client_id=cid, key=k, crc=crc)
+                        if end
+                        else rpc.KeyClientParams(client_id=cid, key=k),
                     )
                 except MooncakeError as e:
                     errs[idx[0]] = e
                 continue
+            names = [keys[i] for i in idx]
             try:
                 codes: list[int] = await self.master.call(
                     f"Batch{method}",
-                    rpc.BatchKeyClientParams(client_id=self.client_id, keys=[keys[i] for i in idx]),
+                    rpc.BatchPutEndParams(
+                        client_id=cid,
+                        keys=names,
+                        crcs=[crcs[i] for i in idx] if crcs is not None else [],
+                    )
+                    if end
+                    else rpc.BatchKeyClientParams(client_id=cid, keys=names),
                 )
             except MooncakeError as e:
                 for i in idx:

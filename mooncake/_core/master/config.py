@@ -148,6 +148,11 @@ class MasterStats:
     zombies_discarded: int = 0
     zombies_released: int = 0
     clients_expired: int = 0
+    corrupt_reports: int = 0
+    """Replicas readers reported failing their CRC32C (``ReportCorruptReplica``)."""
+    corrupt_replicas_dropped: int = 0
+    corrupt_objects_removed: int = 0
+    """Objects removed because their last replica was reported corrupt."""
     stall_seconds: float = 0.0
     """Time credited to clients because the master was unresponsive (:meth:`credit_stall`)."""
 

@@ -82,6 +82,7 @@ class _Leases(_StateBase):
             read_ttl_ms=int(read_ttl * 1000),
             vid=ver.vid,
             disk_clients=list(ver.disk),
+            crc=self.crc_of(obj.h, ver.vid),
         )
 
     def _cold_replica_list(
@@ -120,6 +121,7 @@ class _Leases(_StateBase):
             read_ttl_ms=int(read_ttl * 1000),
             vid=vid,
             disk_clients=[],
+            crc=self.crc_of(h, vid),
         )
 
     def batch_get_replica_list(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from array import array
 from collections import OrderedDict, deque
 
 from mooncake._core.dedup import DedupLedger
@@ -29,6 +30,7 @@ from mooncake._core.master.tablepolicy import TABLE_POLICIES, make_table_policy
 from mooncake._core.master.tasks import _Tasks
 from mooncake._core.master.tenants import TenantLedger
 from mooncake._core.master.tiers import _Tiers
+from mooncake._core.master.verify import _Verify
 from mooncake._core.misses import MissLedger
 from mooncake._core.policies import EvictionPolicy, make_policy
 from mooncake._core.quarantine import Quarantine
@@ -36,7 +38,7 @@ from mooncake._core.store_types import Segment
 from mooncake._core.tiers import TierCounters
 
 
-class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
+class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks, _Verify):
     """All master metadata; one method per RPC (see the module docstring for the rules)."""
 
     def __init__(
@@ -81,6 +83,7 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
         self._used = 0
         self._capacity = 0
         self._next_vid = 0
+        self._crcs = array("Q")  # per handle: the readable version's CRC32C (master/verify.py)
         self._demoting_bytes = 0
         self._evict_goal = 0  # bytes the eviction run in progress still has to free
         # PutStart and PromoteStart over the watermark evict a small round of their own
