@@ -1,0 +1,347 @@
+"""KV cache events (sans-I/O): what the master's state emits, the wire codec, gap tracking.
+
+The master publishes one event per object key and tier as the key becomes readable there
+(``stored``) or stops being readable there (``removed``), in the format of upstream Mooncake's
+master publisher (RFC #1527 over ZMQ, the batch layout vLLM and SGLang use): three frames,
+an empty topic (configurable), a big-endian u64 sequence number per batch, and a msgpack
+payload ``[timestamp_ms, [event map, ...], dp_rank]``. Each event map carries upstream's fields
+(``event_id``, ``timestamp``, ``event_type``, ``tenant_id``, ``backend_id``, ``medium``
+(``"cpu"`` / ``"disk"``), ``seq_hashes``, ``object_key``, the legacy aliases ``type`` and
+``block_hashes``, nil ``model_name`` ...) plus one extension field, ``epoch``: the stream's
+identity (the HA leader's term). Decoders that match maps by key ignore it.
+
+Streams: a stream is one leader's term. Its batches are numbered from 1, one by one; a new
+leader starts a new stream (a new ``epoch``) with an empty announcement batch numbered 1. A
+subscriber therefore sees every loss: a jump within a stream is a gap (replayable from the
+publisher's bounded buffer while it holds the batches), a new epoch means "what you hold may
+be stale: resync". The publisher's queue is bounded: when it is full the oldest event is
+dropped and a sequence number is reserved for it, so the loss shows as a gap as upstream's
+does (:class:`EventQueue`).
+
+The state reports events through :func:`stored` / :func:`removed` on whatever
+:class:`EventQueue` is attached to it (:func:`attach`; only the leader's is). The attachment
+lives outside the state (a weak map), so snapshots and digests never see it; with nothing
+attached a hook is one dict lookup.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "MEDIUM_CPU",
+    "MEDIUM_DISK",
+    "Batch",
+    "EventQueue",
+    "KvEvent",
+    "StreamTracker",
+    "Verdict",
+    "attach",
+    "decode_batch",
+    "decode_seq",
+    "detach",
+    "encode_batch",
+    "encode_seq",
+    "parse_seq_hash",
+    "removed",
+    "stored",
+]
+
+MEDIUM_CPU = "cpu"
+MEDIUM_DISK = "disk"
+STORED = 0
+REMOVED = 1
+#: events per published batch (upstream's kMaxBatchSize)
+MAX_BATCH = 64
+#: the end-of-replay marker's sequence frame (vLLM's replay protocol: -1 as a signed u64)
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def parse_seq_hash(key: str) -> int | None:
+    """The u64 a decimal or ``0x``-hex object key encodes (upstream's
+    ``ParseSeqHashFromObjectKey``); ``None`` for any other key."""
+    if not key:
+        return None
+    try:
+        if len(key) >= 2 and key[0] == "0" and key[1] in "xX":
+            if not all(c in "0123456789abcdefABCDEF" for c in key[2:]) or len(key) == 2:
+                return None
+            v = int(key[2:], 16)
+        else:
+            if not key.isdigit() or not key.isascii():
+                return None
+            v = int(key)
+    except ValueError:
+        return None
+    return v if v < (1 << 64) else None
+
+
+class EventQueue:
+    """The bounded queue between the master's state (producer, any thread) and the
+    publisher (one consumer). ``capacity`` events at most (0: unbounded, as upstream allows);
+    a full queue drops its oldest event and counts it in :attr:`dropped`, and the publisher
+    reserves one sequence number per drop so subscribers see a gap."""
+
+    def __init__(self, capacity: int = 65536, tenant_id: str = "default") -> None:
+        if capacity < 0:
+            raise ValueError(f"kv_events_queue_capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self.tenant_id = tenant_id
+        self._q: deque[tuple[int, str, str]] = deque()
+        self._lock = threading.Lock()
+        self.dropped = 0
+        self._unreported_drops = 0
+        self.enqueued = 0
+        self.wake: Any = None
+        """Called (no arguments) when the queue goes from empty to non-empty."""
+
+    def put(self, kind: int, key: str, medium: str) -> None:
+        with self._lock:
+            q = self._q
+            was_empty = not q
+            if self.capacity and len(q) >= self.capacity:
+                first = q.popleft()
+                if first[0] < 0 and q:  # a stream marker stays: the event after it goes
+                    q.popleft()
+                    q.appendleft(first)
+                self.dropped += 1
+                self._unreported_drops += 1
+            q.append((kind, key, medium))
+            self.enqueued += 1
+        if was_empty and self.wake is not None:
+            self.wake()
+
+    def take(self, limit: int = MAX_BATCH) -> tuple[list[tuple[int, str, str]], int]:
+        """Up to ``limit`` queued events (oldest first) and the drops since the last take."""
+        with self._lock:
+            q = self._q
+            n = min(limit, len(q))
+            out = [q.popleft() for _ in range(n)]
+            drops, self._unreported_drops = self._unreported_drops, 0
+        return out, drops
+
+    def clear(self) -> None:
+        with self._lock:
+            self._q.clear()
+            self._unreported_drops = 0
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+
+_SINKS: weakref.WeakKeyDictionary[object, EventQueue] = weakref.WeakKeyDictionary()
+
+
+def attach(state: object, queue: EventQueue) -> None:
+    """Route ``state``'s events into ``queue`` (replacing any earlier queue)."""
+    _SINKS[state] = queue
+
+
+def detach(state: object) -> None:
+    _SINKS.pop(state, None)
+
+
+def attached(state: object) -> EventQueue | None:
+    return _SINKS.get(state) if _SINKS else None
+
+
+def stored(state: object, key: str, medium: str = MEDIUM_CPU) -> None:
+    """Hook: ``key`` became readable in ``medium``."""
+    if _SINKS:
+        q = _SINKS.get(state)
+        if q is not None:
+            q.put(STORED, key, medium)
+
+
+def removed(state: object, key: str, medium: str = MEDIUM_CPU) -> None:
+    """Hook: ``key`` stopped being readable in ``medium``."""
+    if _SINKS:
+        q = _SINKS.get(state)
+        if q is not None:
+            q.put(REMOVED, key, medium)
+
+
+# -- wire --------------------------------------------------------------------------------------
+
+_enc = msgspec.msgpack.Encoder()
+
+
+def encode_seq(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def decode_seq(frame: bytes) -> int:
+    """A sequence frame as an int (``-1`` is the end-of-replay marker)."""
+    if len(frame) != 8:
+        raise ValueError(f"a sequence frame has 8 bytes, got {len(frame)}")
+    return int.from_bytes(frame, "big", signed=frame == END_SEQ)
+
+
+def encode_batch(
+    events: list[tuple[int, str, str]],
+    *,
+    timestamp_ms: int,
+    first_event_id: int,
+    backend_id: str,
+    tenant_id: str,
+    epoch: int,
+    emit_legacy: bool = True,
+    emit_object_key: bool = True,
+) -> tuple[bytes, int]:
+    """The msgpack payload of one batch, and how many events it holds (an event whose key is
+    not a u64 hash is left out when ``emit_object_key`` is off, as upstream does)."""
+    maps: list[dict[str, Any]] = []
+    eid = first_event_id
+    for kind, key, medium in events:
+        h = parse_seq_hash(key)
+        if h is None and (not emit_object_key or not key):
+            continue
+        is_stored = kind == STORED
+        m: dict[str, Any] = {
+            "event_id": eid,
+            "timestamp": timestamp_ms,
+            "event_type": "stored" if is_stored else "removed",
+        }
+        if emit_legacy:
+            m["type"] = "BlockStored" if is_stored else "BlockRemoved"
+        m["model_name"] = None
+        m["block_size"] = None
+        m["additional_salt"] = None
+        m["lora_name"] = None
+        m["tenant_id"] = tenant_id
+        m["backend_id"] = backend_id
+        m["group_id"] = None
+        m["medium"] = medium or None
+        m["dp_rank"] = None
+        if emit_object_key:
+            m["object_key"] = key
+        m["seq_hashes"] = [h] if h is not None else []
+        if emit_legacy:
+            # upstream packs the legacy alias as a signed i64
+            m["block_hashes"] = [h - (1 << 64) if h >= (1 << 63) else h] if h is not None else []
+        if is_stored:
+            m["base_block_idx"] = 0
+            m["parent_hash"] = None
+            m["token_ids"] = None
+            if emit_legacy:
+                m["parent_block_hash"] = None
+        else:
+            m["base_block_idx"] = None
+        m["epoch"] = epoch
+        maps.append(m)
+        eid += 1
+    return _enc.encode([timestamp_ms, maps, 0]), len(maps)
+
+
+@dataclass(frozen=True)
+class KvEvent:
+    """One decoded event."""
+
+    event_type: str
+    """``"stored"``, ``"removed"`` or ``"cleared"``."""
+    object_key: str | None
+    medium: str | None
+    tenant_id: str | None
+    backend_id: str | None
+    event_id: int | None
+    seq_hashes: tuple[int, ...]
+    epoch: int | None
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One decoded batch (the payload frame)."""
+
+    timestamp: float
+    events: tuple[KvEvent, ...]
+    dp_rank: int | None
+
+
+_dec = msgspec.msgpack.Decoder()
+
+
+def decode_batch(payload: bytes) -> Batch:
+    """Decode a payload frame (upstream's map events; vLLM's array events are accepted with
+    their tag as the type). Raises ``ValueError`` naming what is malformed."""
+    try:
+        doc = _dec.decode(payload)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"kv event payload is not msgpack: {e}") from None
+    if not isinstance(doc, list) or len(doc) < 2 or not isinstance(doc[1], list):
+        raise ValueError("kv event payload is not [timestamp, [events], dp_rank]")
+    events = []
+    for ev in doc[1]:
+        if isinstance(ev, dict):
+            et = ev.get("event_type") or {"BlockStored": "stored", "BlockRemoved": "removed"}.get(
+                str(ev.get("type")), str(ev.get("type"))
+            )
+            hashes = ev.get("seq_hashes") or ev.get("block_hashes") or []
+            events.append(
+                KvEvent(
+                    str(et),
+                    ev.get("object_key"),
+                    ev.get("medium"),
+                    ev.get("tenant_id"),
+                    ev.get("backend_id"),
+                    ev.get("event_id"),
+                    tuple(int(h) for h in hashes),
+                    ev.get("epoch"),
+                    ev,
+                )
+            )
+        elif isinstance(ev, list) and ev and isinstance(ev[0], str):
+            tag = {"BlockStored": "stored", "BlockRemoved": "removed"}.get(ev[0], "cleared")
+            hashes = ev[1] if len(ev) > 1 and isinstance(ev[1], list) else []
+            events.append(
+                KvEvent(tag, None, None, None, None, None, tuple(hashes), None, {"raw": ev})
+            )
+        else:
+            raise ValueError(f"kv event of unknown shape: {type(ev).__name__}")
+    ts = doc[0]
+    dp = doc[2] if len(doc) > 2 else None
+    return Batch(float(ts), tuple(events), dp if isinstance(dp, int) else None)
+
+
+# -- gap tracking --------------------------------------------------------------------------------
+
+
+class Verdict(msgspec.Struct, frozen=True):
+    """What one received sequence number means for a stream (:meth:`StreamTracker.feed`)."""
+
+    kind: str
+    """``"next"`` (in order), ``"first"`` (the first batch seen), ``"gap"`` (batches
+    ``expected .. got-1`` were missed), ``"restart"`` (the numbering went back: a new stream
+    from that publisher), ``"duplicate"`` (already seen, from a replay overlap)."""
+    expected: int = 0
+    got: int = 0
+
+
+class StreamTracker:
+    """Tracks one publisher's sequence numbers (sans-I/O)."""
+
+    def __init__(self) -> None:
+        self.last: int | None = None
+
+    def feed(self, seq: int, *, announce: bool = False) -> Verdict:
+        """``seq`` arrived; ``announce``: the batch opens a new stream (seq 1 of an epoch)."""
+        last = self.last
+        if last is None:
+            self.last = seq
+            return Verdict("first", seq, seq)
+        if seq == last + 1 and not (announce and seq == 1):
+            self.last = seq
+            return Verdict("next", seq, seq)
+        if seq > last + 1:
+            self.last = seq
+            return Verdict("gap", last + 1, seq)
+        if seq == 1 or announce:
+            self.last = seq
+            return Verdict("restart", last + 1, seq)
+        return Verdict("duplicate", last + 1, seq)
