@@ -322,3 +322,31 @@ def test_failover_announces_a_new_stream(tmp_path: Path) -> None:
     assert news and news[0].source == 1 and news[0].resync and news[0].seq == 1
     got = [e for n in notes if isinstance(n, Received) for e in n.batch.events]
     assert any(e.object_key == "after" and e.epoch == epoch for e in got), got
+
+
+@pytest.mark.parametrize("legacy", [True, False])
+@pytest.mark.parametrize("object_key", [True, False])
+def test_stream_encoder_is_byte_identical(legacy: bool, object_key: bool) -> None:
+    import random
+
+    rng = random.Random(1)
+    keys = ["k", "7", "0xff", str((1 << 64) - 1), str(1 << 63), "", "0x", "12ab"]
+    enc = kv.BatchEncoder(
+        backend_id="b", tenant_id="t", epoch=9, emit_legacy=legacy, emit_object_key=object_key
+    )
+    for n in (0, 1, 15, 16, 64):
+        events = [
+            (rng.choice((kv.STORED, kv.REMOVED)), rng.choice(keys), rng.choice(("cpu", "disk")))
+            for _ in range(n)
+        ]
+        want = kv.encode_batch(
+            events,
+            timestamp_ms=5,
+            first_event_id=3,
+            backend_id="b",
+            tenant_id="t",
+            epoch=9,
+            emit_legacy=legacy,
+            emit_object_key=object_key,
+        )
+        assert enc.encode(events, 5, 3) == want

@@ -123,6 +123,9 @@ class KvEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self.epoch = 0
         self.active = False
+        self._encoder = _kv.BatchEncoder(
+            backend_id=config.backend_id, tenant_id=config.tenant_id, epoch=0
+        )
         self._seq = 0
         self._next_event_id = 1
         self.published_batches = 0
@@ -162,7 +165,7 @@ class KvEventPublisher:
             "published_batches": self.published_batches,
             "published_events": self.published_events,
             "dropped_events": self.dropped_events + self.queue.dropped,
-            "skipped_unparsed_keys": self.skipped_unparsed_keys,
+            "skipped_unparsed_keys": self.skipped_unparsed_keys + self._encoder.unparsed,
             "active": self.active,
             "epoch": self.epoch,
             "seq": self._seq,
@@ -245,6 +248,15 @@ class KvEventPublisher:
             self._send(batch)
 
     def _open(self, epoch: int) -> None:
+        cfg = self.config
+        self.skipped_unparsed_keys += self._encoder.unparsed
+        self._encoder = _kv.BatchEncoder(
+            backend_id=cfg.backend_id,
+            tenant_id=cfg.tenant_id,
+            epoch=epoch,
+            emit_legacy=cfg.emit_legacy_compat,
+            emit_object_key=cfg.emit_object_key,
+        )
         self.epoch = epoch
         self.active = True
         self._seq = 0
@@ -255,21 +267,8 @@ class KvEventPublisher:
     def _send(self, events: list[tuple[int, str, str]], *, force: bool = False) -> None:
         if not self.active or (not events and not force and self._last_send_recent()):
             return
-        cfg = self.config
         ts = int(time.time() * 1000)
-        payload, n = _kv.encode_batch(
-            events,
-            timestamp_ms=ts,
-            first_event_id=self._next_event_id,
-            backend_id=cfg.backend_id,
-            tenant_id=cfg.tenant_id,
-            epoch=self.epoch,
-            emit_legacy=cfg.emit_legacy_compat,
-            emit_object_key=cfg.emit_object_key,
-        )
-        self.skipped_unparsed_keys += sum(
-            1 for _k, key, _m in events if _kv.parse_seq_hash(key) is None
-        )
+        payload, n = self._encoder.encode(events, ts, self._next_event_id)
         if events and n == 0:
             return
         self._next_event_id += n
