@@ -129,3 +129,30 @@ def test_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOONCAKE_TRANSFER_TELEMETRY_RING", "lots")
     with pytest.raises(ValueError, match="MOONCAKE_TRANSFER_TELEMETRY_RING"):
         tel.from_env()
+
+
+def test_top_renders_the_slowest_transfers() -> None:
+    from rich.console import Console
+
+    from mooncake._cli import top
+
+    status = {
+        "objects": 0, "clients": 0, "segments": 0, "capacity_bytes": 0, "used_bytes": 0,
+        "tiers": {}, "counters": {"gets": 0, "get_misses": 0, "evicted_objects": 0},
+        "segment_list": [], "client_list": [],
+    }  # fmt: skip
+    row = {
+        "read_bytes": 0.0, "write_bytes": 0.0, "reads": 0.0, "writes": 0.0,
+        "failed_reads": 0.0, "engine_bytes": 0.0,
+        "slowest": [
+            {"batch_id": "7", "segment": "h:1", "op": "write", "transport": "tcp",
+             "nic": "h", "verdict": "completed", "bytes": "4096", "seconds": 0.25,
+             "exporter": "c:1"},
+        ],
+    }  # fmt: skip
+    a = {"t": 0.0, "status": status, "clients": {"c:1": row}}
+    b = {"t": 1.0, "status": status, "clients": {"c:1": row}}
+    console = Console(width=200, record=True)
+    console.print(top.render(top.view(a, b)))
+    text = console.export_text()
+    assert "slowest transfers" in text and "250.00" in text and "tcp" in text

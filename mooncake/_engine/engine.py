@@ -326,6 +326,8 @@ class Engine:
         self.metrics_server: MetricsServer | None = None
         self.telemetry: _tel.TelemetryRing | None = _tel.from_env()
         """Per-batch records (:mod:`mooncake._engine.telemetry`); ``None`` when turned off."""
+        if self.telemetry is not None and self.metrics is not None:
+            self.metrics_registry.register(_tel.TelemetryCollector(self.telemetry))  # type: ignore[arg-type]
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -830,8 +832,12 @@ class Engine:
         tel = self.telemetry
         if tel is None:
             return await self._transfer(segment, requests, transport)
-        op = _op(requests) if requests else ""
-        rec = tel.begin(segment, op, len(requests), sum(r.length for r in requests))
+        try:
+            op = _op(requests) if requests else ""
+            nbytes = sum(r.length for r in requests)
+        except (AttributeError, TypeError):  # not requests: _transfer says what is wrong
+            return await self._transfer(segment, requests, transport)
+        rec = tel.begin(segment, op, len(requests), nbytes)
         if _queued_since is not None:
             rec.queued_s = rec.t0 - _queued_since
             rec.t0 = _queued_since

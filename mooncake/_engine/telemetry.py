@@ -285,3 +285,33 @@ def from_env() -> TelemetryRing | None:
     if cap <= 0:
         return None
     return TelemetryRing(cap, os.environ.get("MOONCAKE_TRANSFER_TELEMETRY_LOG") or None)
+
+
+class TelemetryCollector:
+    """Prometheus view of a ring (what ``mooncake top`` shows): the ``n`` slowest batches as
+    ``mooncake_engine_slowest_transfer_seconds`` (labels: batch id, peer, op, transports,
+    NIC, verdict, bytes) and the records kept so far."""
+
+    def __init__(self, ring: TelemetryRing, n: int = 10) -> None:
+        self.ring = ring
+        self.n = n
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        g = GaugeMetricFamily(
+            "mooncake_engine_slowest_transfer_seconds",
+            "The slowest batches in the telemetry ring (completed_s)",
+            labels=["batch_id", "segment", "op", "transport", "nic", "verdict", "bytes"],
+        )
+        for r in self.ring.slowest(self.n):
+            transports = "+".join(sorted({x.transport for x in r.groups})) or "-"
+            nics = "+".join(sorted({x.nic for x in r.groups})) or "-"
+            labels = [str(r.batch_id), r.segment, r.opcode, transports, nics, r.verdict]
+            g.add_metric([*labels, str(r.total_bytes)], r.completed_s)
+        yield g
+        c = CounterMetricFamily(
+            "mooncake_engine_transfer_telemetry_records", "Batches recorded in the telemetry ring"
+        )
+        c.add_metric([], self.ring.recorded)
+        yield c
