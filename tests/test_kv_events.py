@@ -350,3 +350,38 @@ def test_stream_encoder_is_byte_identical(legacy: bool, object_key: bool) -> Non
             emit_object_key=object_key,
         )
         assert enc.encode(events, 5, 3) == want
+
+
+def test_publisher_stays_bounded_beside_a_subscriber_that_never_reads() -> None:
+    """Real sockets in this process: a SUB that reads nothing, a tiny high-water mark and
+    queue; 20000 events go in without blocking, the queue never holds more than its capacity,
+    and what could not be kept is counted (and shows as sequence gaps)."""
+    from mooncake._store.kv_events import KvEventPublisher, KvEventsConfig
+
+    pub = KvEventPublisher(
+        KvEventsConfig(bind_endpoint=ANY, queue_capacity=100, hwm=4, heartbeat_interval=0)
+    )
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 4)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub.endpoint)
+    try:
+        pub.start_stream(7)
+        peak = 0
+        for i in range(20000):
+            pub.queue.put(kv.STORED, f"k{i}", "cpu")
+            peak = max(peak, len(pub.queue))
+        assert peak <= 100
+        deadline = time.monotonic() + 30
+        while len(pub.queue) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        st = pub.stats()
+        assert st["active"] and st["epoch"] == 7 and st["queued"] == 0
+        # every event was published or counted as dropped; the sequence covers the drops
+        assert st["published_events"] + st["dropped_events"] == 20000
+        assert st["seq"] >= st["published_batches"]
+    finally:
+        sub.close(0)
+        ctx.term()
+        pub.close()
