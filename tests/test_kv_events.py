@@ -83,12 +83,21 @@ def test_seq_hash_keys() -> None:
 
 def test_queue_drops_oldest_and_keeps_stream_markers() -> None:
     q = kv.EventQueue(capacity=3)
-    q.put(-1, "", "5")  # a stream marker
+    q.put(kv.STORED, "old", "cpu")
+    q.mark(-1, "5")  # a stream marker: what was queued before is discarded
     for i in range(5):
         q.put(kv.STORED, f"k{i}", "cpu")
-    items, drops = q.take()
-    assert drops == 3 and q.dropped == 3
-    assert [i[1] for i in items] == ["", "k3", "k4"]
+    assert len(q) == 3 and q.dropped == 2
+    assert q.take() == ([], 0, [(-1, "5")])  # markers first, alone
+    items, drops, marks = q.take()
+    assert [i[1] for i in items] == ["k2", "k3", "k4"] and drops == 2 and not marks
+    assert q.take() == ([], 0, [])
+    woken: list[int] = []
+    q.wake = lambda: woken.append(1)
+    q.idle = True
+    q.put(kv.REMOVED, "x", "disk")
+    q.put(kv.REMOVED, "y", "disk")
+    assert woken == [1]  # once per sleep of the consumer
     with pytest.raises(ValueError, match="queue_capacity"):
         kv.EventQueue(capacity=-1)
 
@@ -119,7 +128,7 @@ def test_state_emits_per_tier_only_when_attached() -> None:
     s.remove("b", True, 1.0)
     s.remove("a", True, 1.0)
     kv.detach(s)
-    items, _ = q.take()
+    items, _, _ = q.take()
     assert items == [(kv.STORED, "b", "cpu"), (kv.REMOVED, "b", "cpu"), (kv.REMOVED, "a", "cpu")]
 
 

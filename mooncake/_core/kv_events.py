@@ -85,53 +85,72 @@ def parse_seq_hash(key: str) -> int | None:
 
 
 class EventQueue:
-    """The bounded queue between the master's state (producer, any thread) and the
-    publisher (one consumer). ``capacity`` events at most (0: unbounded, as upstream allows);
-    a full queue drops its oldest event and counts it in :attr:`dropped`, and the publisher
-    reserves one sequence number per drop so subscribers see a gap."""
+    """The bounded queue between the master's state (the producers) and the publisher (one
+    consumer thread). ``capacity`` events at most (0: unbounded, as upstream allows); a full
+    queue drops its oldest event and counts it in :attr:`dropped`, and the publisher reserves
+    one sequence number per drop so subscribers see a gap.
+
+    Producers are serialized by the master's state lock (the loop and the RPC threads take it
+    to apply a command), so :meth:`put` takes no lock of its own: a ``deque`` append, which
+    pushes the oldest out when full, plus a counter. A drop is counted when the queue looked
+    full before the append; the consumer may have taken one meanwhile, so the count can be
+    one too high (a gap reported that was none: safe), never too low. Stream markers
+    (:meth:`mark`) travel apart, under a lock the consumer holds while it takes events, so
+    every event is published in the stream it was put in.
+    """
 
     def __init__(self, capacity: int = 65536, tenant_id: str = "default") -> None:
         if capacity < 0:
             raise ValueError(f"kv_events_queue_capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self.tenant_id = tenant_id
-        self._q: deque[tuple[int, str, str]] = deque()
-        self._lock = threading.Lock()
+        self._q: deque[tuple[int, str, str]] = deque(maxlen=capacity or None)
+        self._mlock = threading.Lock()
+        self._markers: list[tuple[int, str]] = []
         self.dropped = 0
-        self._unreported_drops = 0
-        self.enqueued = 0
+        self._reported = 0
+        self.idle = False
+        """Set by the consumer before it sleeps: the next :meth:`put` calls :attr:`wake`."""
         self.wake: Any = None
-        """Called (no arguments) when the queue goes from empty to non-empty."""
 
     def put(self, kind: int, key: str, medium: str) -> None:
-        with self._lock:
-            q = self._q
-            was_empty = not q
-            if self.capacity and len(q) >= self.capacity:
-                first = q.popleft()
-                if first[0] < 0 and q:  # a stream marker stays: the event after it goes
-                    q.popleft()
-                    q.appendleft(first)
-                self.dropped += 1
-                self._unreported_drops += 1
-            q.append((kind, key, medium))
-            self.enqueued += 1
-        if was_empty and self.wake is not None:
-            self.wake()
+        q = self._q
+        if self.capacity and len(q) >= self.capacity:
+            self.dropped += 1
+        q.append((kind, key, medium))
+        if self.idle:
+            self.idle = False
+            w = self.wake
+            if w is not None:
+                w()
 
-    def take(self, limit: int = MAX_BATCH) -> tuple[list[tuple[int, str, str]], int]:
-        """Up to ``limit`` queued events (oldest first) and the drops since the last take."""
-        with self._lock:
-            q = self._q
-            n = min(limit, len(q))
-            out = [q.popleft() for _ in range(n)]
-            drops, self._unreported_drops = self._unreported_drops, 0
-        return out, drops
-
-    def clear(self) -> None:
-        with self._lock:
+    def mark(self, kind: int, value: str) -> None:
+        """A stream marker: what is queued is discarded, the marker comes first."""
+        with self._mlock:
             self._q.clear()
-            self._unreported_drops = 0
+            self._markers.append((kind, value))
+            self._reported = self.dropped
+        w = self.wake
+        if w is not None:
+            w()
+
+    def take(
+        self, limit: int = MAX_BATCH
+    ) -> tuple[list[tuple[int, str, str]], int, list[tuple[int, str]]]:
+        """Pending markers (then no events), else up to ``limit`` events, oldest first, and
+        the drops since the last take."""
+        with self._mlock:
+            if self._markers:
+                marks, self._markers = self._markers, []
+                return [], 0, marks
+            q = self._q
+            out = [q.popleft() for _ in range(min(limit, len(q)))]
+            d = self.dropped
+            drops, self._reported = d - self._reported, d
+        return out, drops, []
+
+    def pending(self) -> bool:
+        return bool(self._q) or bool(self._markers)
 
     def __len__(self) -> int:
         return len(self._q)

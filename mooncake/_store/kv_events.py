@@ -150,13 +150,11 @@ class KvEventPublisher:
     def start_stream(self, epoch: int) -> None:
         """Open a stream numbered ``epoch``: everything queued before is discarded, the next
         batch is the announcement (seq 1); events put after this call belong to it."""
-        self.queue.clear()
-        self.queue.put(_START, "", str(int(epoch)))
+        self.queue.mark(_START, str(int(epoch)))
 
     def stop_stream(self) -> None:
         """End the stream: nothing more is published until :meth:`start_stream`."""
-        self.queue.clear()
-        self.queue.put(_STOP, "", "")
+        self.queue.mark(_STOP, "")
 
     def stats(self) -> dict[str, Any]:
         """The ``/kv_events/status`` document (upstream's fields plus the stream's)."""
@@ -210,6 +208,11 @@ class KvEventPublisher:
             timeout = None
             if self.active and hb > 0:
                 timeout = max(0.0, self._last_send + hb - time.monotonic()) * 1000
+            q = self.queue
+            q.idle = True  # then look again: a put after this wakes us, one before is seen
+            if q.pending() or self._stopping:
+                q.idle = False
+                timeout = 0
             ready = dict(poller.poll(timeout))
             if self._efd in ready:
                 try:
@@ -227,25 +230,19 @@ class KvEventPublisher:
 
     def _drain(self) -> None:
         while True:
-            items, drops = self.queue.take()
+            items, drops, marks = self.queue.take()
+            for kind, value in marks:
+                if kind == _START:
+                    self._open(int(value))
+                else:
+                    self.active = False
             if drops and self.active:
                 # upstream reserves one sequence number per dropped event: the loss is a gap
                 self._seq += drops
-            if not items:
+            if items:
+                self._send(items)
+            elif not marks:
                 return
-            batch: list[tuple[int, str, str]] = []
-            for item in items:
-                kind = item[0]
-                if kind >= 0:
-                    batch.append(item)
-                    continue
-                self._send(batch)
-                batch = []
-                if kind == _START:
-                    self._open(int(item[2]))
-                else:
-                    self.active = False
-            self._send(batch)
 
     def _open(self, epoch: int) -> None:
         cfg = self.config
