@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import IO, Any
 
 __all__ = ["CURRENT", "SliceGroup", "TelemetryRing", "TransferTelemetry", "from_env"]
@@ -56,32 +56,46 @@ class SliceGroup:
     failed: int = 0
 
 
-@dataclass(slots=True)
 class TransferTelemetry:
-    """One batch (see the module docstring for the stages)."""
+    """One batch (see the module docstring for the stages). A plain class: made on every
+    batch, it sets six attributes and leaves the rest to class defaults; transport shares are
+    kept as tuples until :attr:`groups` is read."""
 
-    batch_id: int
-    segment: str
-    opcode: str
-    desc_count: int
-    total_bytes: int
-    start_time: float
-    """Wall clock (seconds since the epoch) when the batch was submitted or started."""
-    path: str = "loop"
+    path = "loop"
     """``"loop"`` (the engine's event loop) or ``"sync"`` (the caller's thread)."""
-    queued_s: float = 0.0
-    posted_s: float = 0.0
-    wire_s: float = 0.0
-    completed_s: float = 0.0
-    groups: list[SliceGroup] = field(default_factory=list)
-    retries: int = 0
-    verdict: str = "pending"
-    """``"completed"``, ``"failed"`` (a request failed), ``"canceled"`` or ``"error"``."""
-    error: str = ""
-    t0: float = 0.0
-    """perf_counter at submit/start (internal)."""
-    first_post: float = 0.0
-    last_done: float = 0.0
+    queued_s = 0.0
+    posted_s = 0.0
+    wire_s = 0.0
+    completed_s = 0.0
+    retries = 0
+    verdict = "pending"
+    """``"completed"``, ``"failed"`` (a request failed), ``"canceled"``, ``"timed_out"`` or
+    ``"error"`` (the batch raised)."""
+    error = ""
+    first_post = 0.0
+    last_done = 0.0
+    _groups: list[tuple[str, str, int, int, float, int]] | None = None
+    _wall_offset = 0.0
+
+    def __init__(
+        self, batch_id: int, segment: str, opcode: str, desc_count: int, total_bytes: int, t0: float
+    ) -> None:
+        self.batch_id = batch_id
+        self.segment = segment
+        self.opcode = opcode
+        self.desc_count = desc_count
+        self.total_bytes = total_bytes
+        self.t0 = t0
+        """perf_counter at submit/start."""
+
+    @property
+    def start_time(self) -> float:
+        """Wall clock (seconds since the epoch) when the batch was submitted or started."""
+        return self.t0 + self._wall_offset
+
+    @property
+    def groups(self) -> list[SliceGroup]:
+        return [SliceGroup(*g) for g in self._groups or ()]
 
     @property
     def post_duration(self) -> float:
@@ -109,7 +123,11 @@ class TransferTelemetry:
         failed: int,
     ) -> None:
         """A transport share that ran from perf_counter ``t0`` to ``t1``."""
-        self.groups.append(SliceGroup(transport, nic, requests, nbytes, t1 - t0, failed))
+        g = (transport, nic, requests, nbytes, t1 - t0, failed)
+        if self._groups is None:
+            self._groups = [g]
+        else:
+            self._groups.append(g)
         if not self.first_post or t0 < self.first_post:
             self.first_post = t0
         if t1 > self.last_done:
@@ -117,13 +135,33 @@ class TransferTelemetry:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready builtins (what the facade's ``get_transfer_telemetry`` returns)."""
-        d = asdict(self)
-        for k in ("t0", "first_post", "last_done"):
-            del d[k]
-        d["post_duration"] = self.post_duration
-        d["xfer_duration"] = self.xfer_duration
-        d["rate_bps"] = self.rate_bps
-        return d
+        return {
+            "batch_id": self.batch_id,
+            "segment": self.segment,
+            "opcode": self.opcode,
+            "desc_count": self.desc_count,
+            "total_bytes": self.total_bytes,
+            "start_time": self.start_time,
+            "path": self.path,
+            "queued_s": self.queued_s,
+            "posted_s": self.posted_s,
+            "wire_s": self.wire_s,
+            "completed_s": self.completed_s,
+            "groups": [asdict(g) for g in self.groups],
+            "retries": self.retries,
+            "verdict": self.verdict,
+            "error": self.error,
+            "post_duration": self.post_duration,
+            "xfer_duration": self.xfer_duration,
+            "rate_bps": self.rate_bps,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"TransferTelemetry(batch_id={self.batch_id}, segment={self.segment!r}, "
+            f"{self.opcode} {self.total_bytes} B x{self.desc_count}, {self.verdict}, "
+            f"{self.completed_s * 1e6:.0f} us)"
+        )
 
 
 class TelemetryRing:
@@ -138,6 +176,8 @@ class TelemetryRing:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.recorded = 0
+        # wall clock = perf_counter + this (one reading, so a record costs no wall-clock call)
+        self._wall_offset = time.time() - time.perf_counter()
         # sync-path batches as raw tuples (a record is built only when someone reads)
         self._raw: deque[tuple[Any, ...]] = deque(maxlen=capacity)
         self.local = threading.local()
@@ -148,19 +188,10 @@ class TelemetryRing:
             else None
         )
 
-    def begin(
-        self, segment: str, opcode: str, n: int, nbytes: int, *, path: str = "loop"
-    ) -> TransferTelemetry:
-        return TransferTelemetry(
-            next(self._ids),
-            segment,
-            opcode,
-            n,
-            nbytes,
-            time.time(),
-            path,
-            t0=time.perf_counter(),
-        )
+    def begin(self, segment: str, opcode: str, n: int, nbytes: int) -> TransferTelemetry:
+        rec = TransferTelemetry(next(self._ids), segment, opcode, n, nbytes, time.perf_counter())
+        rec._wall_offset = self._wall_offset
+        return rec
 
     def finish(self, rec: TransferTelemetry, verdict: str, error: str = "") -> None:
         """Stamp the end of ``rec`` now and keep it."""
@@ -213,22 +244,14 @@ class TelemetryRing:
 
     def _build(self, raw: tuple[Any, ...]) -> TransferTelemetry:
         segment, opcode, n, nbytes, transport, nic, t0, t1, nfailed, fallback = raw
-        rec = TransferTelemetry(
-            next(self._ids),
-            segment,
-            opcode,
-            n,
-            nbytes,
-            time.time() - (time.perf_counter() - t0),
-            "sync",
-            posted_s=0.0,
-            wire_s=t1 - t0,
-            completed_s=t1 - t0,
-            groups=[SliceGroup(transport, nic, n, nbytes, t1 - t0, nfailed)],
-            retries=1 if fallback else 0,
-            verdict="fallback" if fallback else ("failed" if nfailed else "completed"),
-            t0=t0,
-        )
+        rec = TransferTelemetry(next(self._ids), segment, opcode, n, nbytes, t0)
+        rec._wall_offset = self._wall_offset
+        rec.path = "sync"
+        rec.wire_s = rec.completed_s = t1 - t0
+        rec._groups = [(transport, nic, n, nbytes, t1 - t0, nfailed)]
+        rec.first_post, rec.last_done = t0, t1
+        rec.retries = 1 if fallback else 0
+        rec.verdict = "fallback" if fallback else ("failed" if nfailed else "completed")
         return rec
 
     def _fold(self) -> None:
@@ -305,8 +328,9 @@ class TelemetryCollector:
             labels=["batch_id", "segment", "op", "transport", "nic", "verdict", "bytes"],
         )
         for r in self.ring.slowest(self.n):
-            transports = "+".join(sorted({x.transport for x in r.groups})) or "-"
-            nics = "+".join(sorted({x.nic for x in r.groups})) or "-"
+            gs = r._groups or ()
+            transports = "+".join(sorted({g[0] for g in gs})) or "-"
+            nics = "+".join(sorted({g[1] for g in gs})) or "-"
             labels = [str(r.batch_id), r.segment, r.opcode, transports, nics, r.verdict]
             g.add_metric([*labels, str(r.total_bytes)], r.completed_s)
         yield g
