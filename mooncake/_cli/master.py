@@ -172,6 +172,7 @@ _GFLAGS: dict[str, _Flag] = {
     "kv_events_heartbeat_interval": _Flag(
         "kv.heartbeat_interval", lambda t: parse_duration(t, "s")
     ),
+    "kv_events_flush_delay": _Flag("kv.flush_delay", lambda t: parse_duration(t, "s")),
     "version": _Flag("version", _bool, True),
     "help": _Flag("help", _bool, True),
     "helpfull": _Flag("help", _bool, True),
@@ -218,6 +219,7 @@ class KvFlags:
     replay_endpoint: str = ""
     buffer_steps: int = 10000
     heartbeat_interval: float = 1.0
+    flush_delay: float = 0.001
     ignored: Any = None
 
 
@@ -237,6 +239,7 @@ def kv_settings(flags: KvFlags, server: MasterServerConfig) -> None:
         replay_endpoint=flags.replay_endpoint,
         buffer_steps=flags.buffer_steps,
         heartbeat_interval=flags.heartbeat_interval,
+        flush_delay=flags.flush_delay,
     )
     cfg.validate()
     server.kv_events = cfg
@@ -518,6 +521,11 @@ _OWN_FLAGS: dict[str, tuple[str, str, str]] = {
         "ZMQ ROUTER address serving replays of recent KV event batches (vLLM's protocol)",
     ),
     "kv_events_buffer_steps": ("int32", "10000", "KV event batches kept for replay"),
+    "kv_events_flush_delay": (
+        "double",
+        "0.001",
+        "seconds the KV event publisher waits for more events once woken (fuller batches)",
+    ),
     "kv_events_heartbeat_interval": (
         "double",
         "1",
@@ -702,6 +710,11 @@ def register(sub: Any) -> None:
     k.add_argument("--kv-events-buffer-steps", type=int, default=KvFlags.buffer_steps)
     k.add_argument("--kv-events-queue-capacity", type=int, default=KvFlags.queue_capacity)
     k.add_argument(
+        "--kv-events-flush-delay",
+        default=str(KvFlags.flush_delay),
+        help="seconds the publisher waits for more events once woken (0: at once)",
+    )
+    k.add_argument(
         "--kv-events-heartbeat-interval",
         default=str(KvFlags.heartbeat_interval),
         help="seconds between empty batches on an idle stream (0: none)",
@@ -779,6 +792,7 @@ def _run_args(args: argparse.Namespace) -> int:
                 buffer_steps=args.kv_events_buffer_steps,
                 queue_capacity=args.kv_events_queue_capacity,
                 heartbeat_interval=parse_duration(args.kv_events_heartbeat_interval, "s"),
+                flush_delay=parse_duration(args.kv_events_flush_delay, "s"),
             ),
             config,
         )
