@@ -111,7 +111,7 @@ def _put_pipe(c: Conn, tag: str, depth: int, seconds: float) -> float:
 
 # a raw SUB counting batches (no decoding: the subscriber's CPU is not the master's cost)
 _SUBSCRIBER = """
-import sys, zmq
+import os, sys, zmq
 ctx = zmq.Context(); s = ctx.socket(zmq.SUB); s.setsockopt(zmq.SUBSCRIBE, b"")
 s.setsockopt(zmq.RCVHWM, 100000); s.connect(sys.argv[1])
 print("ready", flush=True)
@@ -123,7 +123,7 @@ while True:
                 s.recv_multipart(zmq.NOBLOCK); n += 1
             except zmq.Again:
                 break
-    open(sys.argv[2], "w").write(str(n))
+    open(sys.argv[2] + ".tmp", "w").write(str(n)); os.replace(sys.argv[2] + ".tmp", sys.argv[2])
 """
 
 
