@@ -398,3 +398,28 @@ def test_publisher_stays_bounded_beside_a_subscriber_that_never_reads() -> None:
         sub.close(0)
         ctx.term()
         pub.close()
+
+
+def test_published_gflags_configure_the_publisher() -> None:
+    from mooncake._cli.master import parse_gflags
+
+    p = parse_gflags(
+        [
+            "--enable_kv_events=true",
+            "--kv_events_bind_endpoint=tcp://127.0.0.1:5999",
+            "--kv_events_backend_id=node-7",
+            "--kv_events_emit_legacy_compat=false",
+            "--kv_events_queue_capacity=128",
+            "--kv_events_model_name=ignored-as-upstream",
+            "--kv_events_block_size=16",
+            "--kv_events_replay_endpoint=tcp://127.0.0.1:6000",
+        ],
+        warn=lambda msg: None,
+    )
+    cfg = p.server.kv_events
+    assert cfg is not None and cfg.bind_endpoint == "tcp://127.0.0.1:5999"
+    assert cfg.backend_id == "node-7" and not cfg.emit_legacy_compat and cfg.emit_object_key
+    assert cfg.queue_capacity == 128 and cfg.replay_endpoint == "tcp://127.0.0.1:6000"
+    assert parse_gflags([], warn=lambda msg: None).server.kv_events is None
+    with pytest.raises(Exception, match="kv_events_backend_id"):
+        parse_gflags(["--enable_kv_events", "--kv_events_backend_id="], warn=lambda m: None)

@@ -482,6 +482,8 @@ _OWN_DEFAULTS = {
     "rpc_address": "127.0.0.1",
     "metrics_host": "127.0.0.1",
     "http_metadata_server_host": "127.0.0.1",
+    "kv_events_bind_endpoint": '"tcp://127.0.0.1:5557"',
+    "kv_events_backend_id": '"mooncake-master"',
 }
 
 
