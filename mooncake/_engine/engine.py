@@ -67,6 +67,7 @@ from mooncake._core.transfer import (
     failed,
 )
 from mooncake._engine import telemetry as _tel
+from mooncake._engine import tracing as _tracing
 from mooncake._engine.handshake import HandshakeServer
 from mooncake._engine.metadata import MetadataBackend, open_backend
 from mooncake._engine.metrics import (
@@ -816,6 +817,13 @@ class Engine:
             regs.append(last)
         return out, regs
 
+    @_tracing.traced(
+        "mooncake.transfer",
+        lambda self, segment, requests, **_: {
+            "mooncake.peer": segment,
+            "mooncake.requests": len(requests),
+        },
+    )
     async def transfer(
         self,
         segment: str,

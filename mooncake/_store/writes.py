@@ -18,6 +18,7 @@ import anyio
 from mooncake._core import rpc
 from mooncake._core import store_types as st
 from mooncake._core.memory import Region
+from mooncake._engine import tracing as _tracing
 from mooncake._store.config import to_wire
 from mooncake._store.moves import (
     Config,
@@ -51,6 +52,7 @@ UPSERT_WAIT_S = 5.0
 class _Writes(_Tiered):
     """The put family of the store client (part of :class:`~mooncake._store.client.Store`)."""
 
+    @_tracing.traced("mooncake.store.put", lambda self, key, *a, **k: {"mooncake.key": key})
     async def put(self, key: str, value: Any, config: Config = None) -> None:
         """Store ``value`` (any C-contiguous buffer) under ``key``; a no-op if ``key`` exists."""
         (err,) = await self._put_values([key], [value], config, upsert=False, batch=False)
