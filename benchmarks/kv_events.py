@@ -299,22 +299,31 @@ def failover(args: argparse.Namespace) -> dict[str, Any]:
         undetected: list[int] = []
         gaps = 0
 
-        def rebuild(addr: str) -> None:
+        pending_resync = [False]
+
+        def rebuild(_addr: str = "") -> None:
+            """Resync from whichever master answers GetAllKeys (standbys refuse it); one
+            that finds none leaves the resync pending: it is retried before every poll."""
             nonlocal resyncs
             resyncs += 1
-            for _ in range(50):
-                try:
-                    code, keys = _call(addr, "GetAllKeys", rpc.Empty())
-                except OSError:
-                    code = None
-                if code == 0:
-                    index.clear()
-                    index.update(keys)
-                    return
+            for _ in range(20):
+                for m in list(ms):
+                    try:
+                        code, keys = _call(m.address, "GetAllKeys", rpc.Empty(), timeout=1.0)
+                    except OSError:
+                        continue
+                    if code == 0:
+                        index.clear()
+                        index.update(keys)
+                        pending_resync[0] = False
+                        return
                 time.sleep(0.05)
+            pending_resync[0] = True
 
         def handle(sub: KvEventSubscriber, notes: list[Any]) -> NewStream | None:
             nonlocal gaps
+            if pending_resync[0]:
+                rebuild()
             fresh = None
             for n in notes:
                 if isinstance(n, NewStream):
