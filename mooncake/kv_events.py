@@ -172,9 +172,7 @@ class KvEventSubscriber:
     def _take(self, src: int, seq: int, payload: bytes, out: list[Notice]) -> None:
         batch = decode_batch(payload)
         epoch = next((e.epoch for e in batch.events if e.epoch is not None), None)
-        v = self._trackers[src].feed(seq)
-        if v.kind == "duplicate":
-            return
+        v = self._trackers[src].feed(seq, epoch=epoch)
         if epoch is not None:
             self._epochs[src] = epoch
         new = v.kind in ("first", "restart") or self._current != src
@@ -184,8 +182,8 @@ class KvEventSubscriber:
             self.streams += 1
             self._epochs[src] = epoch
             out.append(NewStream(src, seq, epoch, resync))
-            if v.kind == "first" and seq > 1 and resync:
-                # joined a new leader's stream late: its start is replayable
+            if seq > 1 and (resync or v.kind == "restart"):
+                # joined a new stream late (its announcement lost): its start is replayable
                 self._fill(src, 1, seq, out)
         elif v.kind == "gap":
             self._fill(src, v.expected, v.got, out)

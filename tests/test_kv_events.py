@@ -105,7 +105,13 @@ def test_queue_drops_oldest_and_keeps_stream_markers() -> None:
 def test_tracker_verdicts() -> None:
     t = kv.StreamTracker()
     kinds = [t.feed(s).kind for s in (3, 4, 7, 7, 1, 2)]
-    assert kinds == ["first", "next", "gap", "duplicate", "restart", "next"]
+    assert kinds == ["first", "next", "gap", "restart", "restart", "next"]
+    # a new stream whose announcement was lost: its numbers lie below the old ones
+    t = kv.StreamTracker()
+    assert [t.feed(s, epoch=5).kind for s in (500, 501)] == ["first", "next"]
+    assert t.feed(3, epoch=6).kind == "restart"
+    # the epoch alone tells a new stream whose numbers happen to continue
+    assert t.feed(4, epoch=6).kind == "next" and t.feed(5, epoch=7).kind == "restart"
     t = kv.StreamTracker()
     t.feed(1)
     v = t.feed(4)
@@ -423,3 +429,30 @@ def test_published_gflags_configure_the_publisher() -> None:
     assert parse_gflags([], warn=lambda msg: None).server.kv_events is None
     with pytest.raises(Exception, match="kv_events_backend_id"):
         parse_gflags(["--enable_kv_events", "--kv_events_backend_id="], warn=lambda m: None)
+
+
+def test_a_new_stream_whose_announcement_was_lost_is_reported() -> None:
+    """A master that leads again numbers from 1; a subscriber that missed the first batches
+    sees numbers below the old stream's: a new stream (resync), never duplicates."""
+
+    def batch(epoch: int, key: str) -> bytes:
+        payload, _ = kv.encode_batch(
+            [(kv.STORED, key, "cpu")],
+            timestamp_ms=1,
+            first_event_id=1,
+            backend_id="b",
+            tenant_id="default",
+            epoch=epoch,
+        )
+        return payload
+
+    with KvEventSubscriber(["tcp://127.0.0.1:1"]) as sub:
+        out: list[Any] = []
+        for seq in (1, 2, 3):
+            sub._take(0, seq, batch(10, f"a{seq}"), out)
+        out.clear()
+        sub._take(0, 2, batch(11, "b2"), out)  # epoch 11's seq 1 was lost
+        kinds = [type(n).__name__ for n in out]
+        assert kinds == ["NewStream", "Gap", "Received"], kinds
+        assert out[0].resync and out[0].epoch == 11 and not out[1].recovered
+        assert out[2].batch.events[0].object_key == "b2"

@@ -458,8 +458,10 @@ class Verdict(msgspec.Struct, frozen=True):
 
     kind: str
     """``"next"`` (in order), ``"first"`` (the first batch seen), ``"gap"`` (batches
-    ``expected .. got-1`` were missed), ``"restart"`` (the numbering went back: a new stream
-    from that publisher), ``"duplicate"`` (already seen, from a replay overlap)."""
+    ``expected .. got-1`` were missed), ``"restart"`` (the numbering went back or started
+    again: a new stream from that publisher, whose announcement may have been missed too).
+    A live PUB socket never repeats a batch, so a number not above the last is never taken
+    for a duplicate: that would drop a new stream's batches until it passed the old one."""
     expected: int = 0
     got: int = 0
 
@@ -469,20 +471,21 @@ class StreamTracker:
 
     def __init__(self) -> None:
         self.last: int | None = None
+        self.epoch: int | None = None
 
-    def feed(self, seq: int, *, announce: bool = False) -> Verdict:
-        """``seq`` arrived; ``announce``: the batch opens a new stream (seq 1 of an epoch)."""
+    def feed(self, seq: int, *, epoch: int | None = None) -> Verdict:
+        """``seq`` arrived on the live socket (``epoch``: the batch's, when it carried
+        events: a different one than before is a new stream even if the numbers fit)."""
         last = self.last
+        known, self.last = self.epoch, seq
+        if epoch is not None:
+            self.epoch = epoch
         if last is None:
-            self.last = seq
             return Verdict("first", seq, seq)
-        if seq == last + 1 and not (announce and seq == 1):
-            self.last = seq
+        if epoch is not None and known is not None and epoch != known:
+            return Verdict("restart", last + 1, seq)
+        if seq == last + 1:
             return Verdict("next", seq, seq)
         if seq > last + 1:
-            self.last = seq
             return Verdict("gap", last + 1, seq)
-        if seq == 1 or announce:
-            self.last = seq
-            return Verdict("restart", last + 1, seq)
-        return Verdict("duplicate", last + 1, seq)
+        return Verdict("restart", last + 1, seq)
