@@ -112,6 +112,8 @@ def test_tracker_verdicts() -> None:
     assert t.feed(3, epoch=6).kind == "restart"
     # the epoch alone tells a new stream whose numbers happen to continue
     assert t.feed(4, epoch=6).kind == "next" and t.feed(5, epoch=7).kind == "restart"
+    # an empty announcement (no epoch) opens a stream; its next batch names the epoch
+    assert [t.feed(1).kind, t.feed(2, epoch=8).kind] == ["restart", "next"]
     t = kv.StreamTracker()
     t.feed(1)
     v = t.feed(4)

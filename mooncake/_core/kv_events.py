@@ -476,16 +476,19 @@ class StreamTracker:
     def feed(self, seq: int, *, epoch: int | None = None) -> Verdict:
         """``seq`` arrived on the live socket (``epoch``: the batch's, when it carried
         events: a different one than before is a new stream even if the numbers fit)."""
-        last = self.last
-        known, self.last = self.epoch, seq
-        if epoch is not None:
-            self.epoch = epoch
+        last, known = self.last, self.epoch
+        self.last = seq
         if last is None:
+            self.epoch = epoch
             return Verdict("first", seq, seq)
         if epoch is not None and known is not None and epoch != known:
+            self.epoch = epoch
             return Verdict("restart", last + 1, seq)
-        if seq == last + 1:
-            return Verdict("next", seq, seq)
-        if seq > last + 1:
-            return Verdict("gap", last + 1, seq)
+        if seq > last:
+            if epoch is not None:
+                self.epoch = epoch
+            return Verdict("next", seq, seq) if seq == last + 1 else Verdict("gap", last + 1, seq)
+        # numbered again from below: a new stream, whose epoch is this batch's (unknown for
+        # an empty announcement: the next batch with events tells it, without a restart)
+        self.epoch = epoch
         return Verdict("restart", last + 1, seq)
