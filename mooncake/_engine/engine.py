@@ -328,7 +328,7 @@ class Engine:
         self.telemetry: _tel.TelemetryRing | None = _tel.from_env()
         """Per-batch records (:mod:`mooncake._engine.telemetry`); ``None`` when turned off."""
         if self.telemetry is not None and self.metrics is not None:
-            self.metrics_registry.register(_tel.TelemetryCollector(self.telemetry))  # type: ignore[arg-type]
+            self.metrics_registry.register(_tel.TelemetryCollector(self.telemetry))
 
     # -- lifecycle ------------------------------------------------------------------------
 
