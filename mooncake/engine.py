@@ -23,21 +23,26 @@ timeouts are the same either way.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import enum
 import itertools
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 from prometheus_client import CollectorRegistry
 
 from mooncake._core.transfer import Opcode, TransferRequest, TransferResult
 from mooncake._engine import syncpath
+from mooncake._engine import telemetry as _tel
 from mooncake._engine.engine import Buffer, Engine, open_engine
+from mooncake._engine.telemetry import TransferTelemetry
 from mooncake._sync import LoopThread, close_at_exit, close_in_background, forget_at_exit
 from mooncake.errors import InvalidArgumentError, MooncakeError
 
@@ -97,6 +102,7 @@ class _Batch:
     future: Future[list[TransferResult]]
     length: int
     results: list[TransferResult] | None = field(default=None)
+    telemetry: list[TransferTelemetry | None] = field(default_factory=list)
 
 
 class TransferEngine:
@@ -114,6 +120,11 @@ class TransferEngine:
         self._ids = itertools.count(1)
         self._fast: syncpath.SyncPath | None = None
         self._tbase = 30.0
+        # batch id -> its telemetry box, kept after the batch is freed (bounded, oldest out)
+        self._telemetry: collections.OrderedDict[int, list[TransferTelemetry | None]] = (
+            collections.OrderedDict()
+        )
+        self._sync_telemetry = threading.local()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -335,11 +346,14 @@ class TransferEngine:
     ) -> int:
         loop, engine = self._e()
         timeout = _timeout_s(sum(r.length for r in reqs), self._tbase)
+        box: list[TransferTelemetry | None] = []
         try:
-            results = loop.call(_transfer_with_deadline, engine, target, reqs, timeout)
+            results = loop.call(_transfer_with_deadline, engine, target, reqs, timeout, box)
         except (MooncakeError, TimeoutError) as e:
+            self._sync_telemetry.last = box
             log.error("transfer to %s failed: %s", target, e)
             return -1
+        self._sync_telemetry.last = box
         bad = [r for r in results if not r.ok]
         return self._finish(target, bad, len(results), notify)
 
@@ -514,9 +528,15 @@ class TransferEngine:
             return 0
         total = sum(r.length for r in reqs)
         timeout = _timeout_s(total, self._tbase)
-        fut = loop.submit(_transfer_with_deadline, engine, target_hostname, reqs, timeout)
+        box: list[TransferTelemetry | None] = []
+        fut = loop.submit(_transfer_with_deadline, engine, target_hostname, reqs, timeout, box)
         bid = next(self._ids)
-        self._batches[bid] = _Batch(fut, total)
+        self._batches[bid] = _Batch(fut, total, telemetry=box)
+        tel = self._telemetry
+        tel[bid] = box
+        cap = engine.telemetry.capacity if engine.telemetry is not None else 0
+        while len(tel) > cap:
+            tel.popitem(last=False)
         return bid
 
     def transfer_submit_write(
@@ -569,6 +589,39 @@ class TransferEngine:
             return -1
         return 1 if all(r.ok for r in results) else -1
 
+    # -- telemetry -------------------------------------------------------------------------
+
+    def get_transfer_telemetry(self, batch_id: int = 0) -> dict[str, Any] | None:
+        """The telemetry of batch ``batch_id`` (from :meth:`batch_transfer_async`), or with
+        ``0`` of this thread's last synchronous transfer: a dict with NIXL's
+        ``getXferTelemetry`` fields (``start_time``, ``post_duration``, ``xfer_duration``,
+        ``total_bytes``, ``desc_count``) and this engine's (``queued_s``, ``posted_s``,
+        ``wire_s``, ``completed_s``, ``groups`` of transport/NIC/bytes, ``retries``,
+        ``verdict``, ``error``; docs/metrics.md). ``None`` for an unknown or unfinished batch,
+        one that left the ring, or with telemetry off (``MOONCAKE_TRANSFER_TELEMETRY_RING=0``)."""
+        _, engine = self._e()
+        tel = engine.telemetry
+        if tel is None:
+            return None
+        rec: TransferTelemetry | None = None
+        if batch_id == 0:
+            box = getattr(self._sync_telemetry, "last", None)
+            fast = tel.last_sync()
+            rec = box[0] if box else None
+            if fast is not None and (rec is None or fast.t0 > rec.t0):
+                rec = fast
+        else:
+            box = self._telemetry.get(batch_id)
+            rec = box[0] if box else None
+        return rec.as_dict() if rec is not None else None
+
+    def get_slowest_transfers(self, n: int = 10) -> list[dict[str, Any]]:
+        """The ``n`` slowest batches the ring holds, slowest first (see
+        :meth:`get_transfer_telemetry` for the fields)."""
+        _, engine = self._e()
+        tel = engine.telemetry
+        return [r.as_dict() for r in tel.slowest(n)] if tel is not None else []
+
     # -- notifications / probe ------------------------------------------------------------
 
     def get_notifies(self) -> list[TransferNotify]:
@@ -585,10 +638,23 @@ async def _register(engine: Engine, addr: int, length: int, location: str) -> No
 
 
 async def _transfer_with_deadline(
-    engine: Engine, target: str, reqs: list[TransferRequest], seconds: float
+    engine: Engine,
+    target: str,
+    reqs: list[TransferRequest],
+    seconds: float,
+    box: list[TransferTelemetry | None] | None = None,
 ) -> list[TransferResult]:
-    with anyio.fail_after(seconds):
-        return await engine.transfer(target, reqs)
+    try:
+        with anyio.fail_after(seconds):
+            return await engine.transfer(target, reqs)
+    except TimeoutError:
+        rec = _tel.CURRENT.get()
+        if rec is not None:
+            rec.verdict = "timed_out"
+        raise
+    finally:
+        if box is not None:
+            box.append(_tel.CURRENT.get())
 
 
 __all__ = [

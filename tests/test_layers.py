@@ -47,6 +47,7 @@ FLOORS: dict[str, int] = {
     "allocator": 6,
     "mooncake_config": 6,
     "http_metadata_server": 6,
+    "kv_events": 6,
     # 7: tools and layers over the sync store
     "_cli": 7,
     "async_store": 7,

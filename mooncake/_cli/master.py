@@ -206,6 +206,26 @@ _GFLAGS: dict[str, _Flag] = {
     ),
     "snapshot_retention_count": _Flag("ha.snapshot_retention_count", int),
     "snapshot_backup_dir": _Flag("ha.snapshot_backup_dir", str),
+    "enable_kv_events": _Flag("kv.enable_kv_events", _bool, True),
+    "kv_events_bind_endpoint": _Flag("kv.bind_endpoint", str),
+    "kv_events_backend_id": _Flag("kv.backend_id", str),
+    "kv_events_tenant_id": _Flag("kv.tenant_id", str),
+    "kv_events_emit_legacy_compat": _Flag("kv.emit_legacy_compat", _bool, True),
+    "kv_events_emit_object_key": _Flag("kv.emit_object_key", _bool, True),
+    "kv_events_queue_capacity": _Flag("kv.queue_capacity", int),
+    # upstream's legacy publisher flags: accepted, never written into events (as upstream)
+    "kv_events_model_name": _Flag("kv.ignored", str),
+    "kv_events_additional_salt": _Flag("kv.ignored", str),
+    "kv_events_lora_name": _Flag("kv.ignored", str),
+    "kv_events_block_size": _Flag("kv.ignored", int),
+    "kv_events_dp_rank": _Flag("kv.ignored", int),
+    # this master's own: replay, heartbeats
+    "kv_events_replay_endpoint": _Flag("kv.replay_endpoint", str),
+    "kv_events_buffer_steps": _Flag("kv.buffer_steps", int),
+    "kv_events_heartbeat_interval": _Flag(
+        "kv.heartbeat_interval", lambda t: parse_duration(t, "s")
+    ),
+    "kv_events_flush_delay": _Flag("kv.flush_delay", lambda t: parse_duration(t, "s")),
     "version": _Flag("version", _bool, True),
     "help": _Flag("help", _bool, True),
     "helpfull": _Flag("help", _bool, True),
@@ -235,6 +255,47 @@ class HaFlags:
     snapshot_child_timeout_seconds: float = 300.0
     snapshot_retention_count: int = 2
     snapshot_backup_dir: str = ""
+
+
+@dataclass
+class KvFlags:
+    """The KV event publisher's flags (upstream's ``kv_events_*``, defaults as upstream's but
+    for the bind address: loopback, and a backend id)."""
+
+    enable_kv_events: bool = False
+    bind_endpoint: str = "tcp://127.0.0.1:5557"
+    backend_id: str = "mooncake-master"
+    tenant_id: str = "default"
+    emit_legacy_compat: bool = True
+    emit_object_key: bool = True
+    queue_capacity: int = 65536
+    replay_endpoint: str = ""
+    buffer_steps: int = 10000
+    heartbeat_interval: float = 1.0
+    flush_delay: float = 0.001
+    ignored: Any = None
+
+
+def kv_settings(flags: KvFlags, server: MasterServerConfig) -> None:
+    """Fill ``server.kv_events`` from the flags (checked: :class:`InvalidArgumentError`)."""
+    if not flags.enable_kv_events:
+        return
+    from mooncake._store.kv_events import KvEventsConfig
+
+    cfg = KvEventsConfig(
+        bind_endpoint=flags.bind_endpoint,
+        backend_id=flags.backend_id,
+        tenant_id=flags.tenant_id,
+        emit_legacy_compat=flags.emit_legacy_compat,
+        emit_object_key=flags.emit_object_key,
+        queue_capacity=flags.queue_capacity,
+        replay_endpoint=flags.replay_endpoint,
+        buffer_steps=flags.buffer_steps,
+        heartbeat_interval=flags.heartbeat_interval,
+        flush_delay=flags.flush_delay,
+    )
+    cfg.validate()
+    server.kv_events = cfg
 
 
 def ha_settings(flags: HaFlags, server: MasterServerConfig) -> None:
@@ -300,6 +361,7 @@ def ha_settings(flags: HaFlags, server: MasterServerConfig) -> None:
 class _Parsed:
     server: MasterServerConfig
     ha: HaFlags = field(default_factory=HaFlags)
+    kv: KvFlags = field(default_factory=KvFlags)
     legacy_port: int = DEFAULT_RPC_PORT
     memory_allocator: str = "offset"
     version: bool = False
@@ -364,6 +426,7 @@ def parse_gflags(argv: Sequence[str], *, warn: Callable[[str], None] | None = No
     if parsed.server.rpc_port == 0:
         parsed.server.rpc_port = parsed.legacy_port
     ha_settings(parsed.ha, parsed.server)
+    kv_settings(parsed.kv, parsed.server)
     return parsed
 
 
@@ -374,6 +437,8 @@ def _assign(parsed: _Parsed, attr: str, value: Any) -> None:
         setattr(parsed.server.state, attr[6:], value)
     elif attr.startswith("ha."):
         setattr(parsed.ha, attr[3:], value)
+    elif attr.startswith("kv."):
+        setattr(parsed.kv, attr[3:], value)
     else:
         setattr(parsed, attr, value)
 
@@ -471,6 +536,8 @@ _OWN_DEFAULTS = {
     "rpc_address": "127.0.0.1",
     "metrics_host": "127.0.0.1",
     "http_metadata_server_host": "127.0.0.1",
+    "kv_events_bind_endpoint": '"tcp://127.0.0.1:5557"',
+    "kv_events_backend_id": '"mooncake-master"',
 }
 
 
@@ -509,6 +576,22 @@ _OWN_FLAGS: dict[str, tuple[str, str, str]] = {
         "etcd",
         "HA: when a mutation is acknowledged: etcd (its log entry is in etcd) or replica (held"
         " by every in-sync standby, etcd written behind; docs/store.md)",
+    ),
+    "kv_events_replay_endpoint": (
+        "string",
+        "",
+        "ZMQ ROUTER address serving replays of recent KV event batches (vLLM's protocol)",
+    ),
+    "kv_events_buffer_steps": ("int32", "10000", "KV event batches kept for replay"),
+    "kv_events_flush_delay": (
+        "double",
+        "0.001",
+        "seconds the KV event publisher waits for more events once woken (fuller batches)",
+    ),
+    "kv_events_heartbeat_interval": (
+        "double",
+        "1",
+        "seconds between empty KV event batches on an idle stream (0: none)",
     ),
     "version": ("bool", "false", "show the version and exit"),
     "help": ("bool", "false", "show this help and exit"),
@@ -681,6 +764,28 @@ def register(sub: Any) -> None:
     )
     h.add_argument("--snapshot-retention-count", type=int, default=2)
     h.add_argument("--snapshot-backup-dir", default="", help="local directory for snapshot files")
+    k = p.add_argument_group("KV events (ZMQ; upstream's kv_events_* flags, mooncake.kv_events)")
+    k.add_argument("--enable-kv-events", action="store_true", help="publish KV cache events")
+    k.add_argument(
+        "--kv-events-bind-endpoint",
+        default=KvFlags.bind_endpoint,
+        help="ZMQ PUB address (tcp://127.0.0.1:* picks a free port; see /kv_events/status)",
+    )
+    k.add_argument("--kv-events-backend-id", default=KvFlags.backend_id)
+    k.add_argument("--kv-events-tenant-id", default=KvFlags.tenant_id)
+    k.add_argument("--kv-events-replay-endpoint", default="", help="ZMQ ROUTER for replays")
+    k.add_argument("--kv-events-buffer-steps", type=int, default=KvFlags.buffer_steps)
+    k.add_argument("--kv-events-queue-capacity", type=int, default=KvFlags.queue_capacity)
+    k.add_argument(
+        "--kv-events-flush-delay",
+        default=str(KvFlags.flush_delay),
+        help="seconds the publisher waits for more events once woken (0: at once)",
+    )
+    k.add_argument(
+        "--kv-events-heartbeat-interval",
+        default=str(KvFlags.heartbeat_interval),
+        help="seconds between empty batches on an idle stream (0: none)",
+    )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_run_args)
 
@@ -745,6 +850,20 @@ def _run_args(args: argparse.Namespace) -> int:
     )
     try:
         ha_settings(flags, config)
+        kv_settings(
+            KvFlags(
+                enable_kv_events=args.enable_kv_events,
+                bind_endpoint=args.kv_events_bind_endpoint,
+                backend_id=args.kv_events_backend_id,
+                tenant_id=args.kv_events_tenant_id,
+                replay_endpoint=args.kv_events_replay_endpoint,
+                buffer_steps=args.kv_events_buffer_steps,
+                queue_capacity=args.kv_events_queue_capacity,
+                heartbeat_interval=parse_duration(args.kv_events_heartbeat_interval, "s"),
+                flush_delay=parse_duration(args.kv_events_flush_delay, "s"),
+            ),
+            config,
+        )
     except InvalidArgumentError as e:
         print(f"mooncake master: {e}", file=sys.stderr)
         return 2

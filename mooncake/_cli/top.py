@@ -54,13 +54,19 @@ def _get(addr: str, path: str) -> bytes:
         return body
 
 
-def client_sample(addr: str) -> dict[str, float]:
-    """Totals of one client's exporter: bytes read/written, calls, failed reads, engine bytes."""
-    out = {"read_bytes": 0.0, "write_bytes": 0.0, "reads": 0.0, "writes": 0.0}
+def client_sample(addr: str) -> dict[str, Any]:
+    """Totals of one client's exporter: bytes read/written, calls, failed reads, engine bytes,
+    and its engine's slowest recent batches (``slowest``: label dicts with ``seconds``)."""
+    out: dict[str, Any] = {"read_bytes": 0.0, "write_bytes": 0.0, "reads": 0.0, "writes": 0.0}
     out.update(failed_reads=0.0, engine_bytes=0.0)
+    slowest: list[dict[str, Any]] = []
+    out["slowest"] = slowest
     text = _get(addr, "/metrics").decode()
     for fam in text_string_to_metric_families(text):
         for smp in fam.samples:
+            if smp.name == "mooncake_engine_slowest_transfer_seconds":
+                slowest.append({**smp.labels, "seconds": smp.value, "exporter": addr})
+                continue
             if smp.name == "mooncake_engine_transfer_bytes_total":
                 out["engine_bytes"] += smp.value
                 continue
@@ -81,7 +87,7 @@ def client_sample(addr: str) -> dict[str, float]:
 def sample(master: str, clients: list[str]) -> dict[str, Any]:
     """One reading of the master's ``/status`` and every client's totals."""
     status: dict[str, Any] = json.loads(_get(master, "/status"))
-    cs: dict[str, dict[str, float] | str] = {}
+    cs: dict[str, dict[str, Any] | str] = {}
     for c in clients:
         try:
             cs[c] = client_sample(c)
@@ -194,6 +200,38 @@ def render(v: dict[str, Any]) -> Any:
                 f"{c['failed_reads']:.0f}",
             )
         parts.append(cl)
+    slow = sorted(
+        (s for c in v["clients"] for s in c.get("slowest", ())),
+        key=lambda s: s["seconds"],
+        reverse=True,
+    )[:10]
+    if slow:
+        st = Table(title="slowest transfers")
+        for col in (
+            "exporter",
+            "batch",
+            "peer",
+            "op",
+            "transport",
+            "nic",
+            "bytes",
+            "ms",
+            "verdict",
+        ):
+            st.add_column(col)
+        for s in slow:
+            st.add_row(
+                s["exporter"],
+                s["batch_id"],
+                s["segment"],
+                s["op"],
+                s["transport"],
+                s["nic"],
+                s["bytes"],
+                f"{s['seconds'] * 1000:.2f}",
+                s["verdict"],
+            )
+        parts.append(st)
     return Group(*parts)
 
 

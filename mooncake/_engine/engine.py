@@ -66,6 +66,8 @@ from mooncake._core.transfer import (
     completed,
     failed,
 )
+from mooncake._engine import telemetry as _tel
+from mooncake._engine import tracing as _tracing
 from mooncake._engine.handshake import HandshakeServer
 from mooncake._engine.metadata import MetadataBackend, open_backend
 from mooncake._engine.metrics import (
@@ -237,6 +239,8 @@ class TransferHandle:
         self.error: BaseException | None = None
         self.n = n
         self._scope: anyio.CancelScope | None = None
+        self.telemetry: _tel.TransferTelemetry | None = None
+        """The batch's telemetry record once it is done (``None`` with telemetry off)."""
 
     @property
     def done(self) -> bool:
@@ -321,6 +325,10 @@ class Engine:
         self.metrics: EngineMetrics | None = EngineMetrics(self) if metrics_enabled() else None
         self.metrics_registry = make_registry(*([self.metrics] if self.metrics else []))
         self.metrics_server: MetricsServer | None = None
+        self.telemetry: _tel.TelemetryRing | None = _tel.from_env()
+        """Per-batch records (:mod:`mooncake._engine.telemetry`); ``None`` when turned off."""
+        if self.telemetry is not None and self.metrics is not None:
+            self.metrics_registry.register(_tel.TelemetryCollector(self.telemetry))
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -366,6 +374,8 @@ class Engine:
     async def _aclose(self) -> None:
         """Release everything; runs after every engine task has ended."""
         self._closed = True
+        if self.telemetry is not None:
+            self.telemetry.close()
         with anyio.CancelScope(shield=True):
             await self.metadata.aclose()
             for peer in self._peers.values():
@@ -807,14 +817,61 @@ class Engine:
             regs.append(last)
         return out, regs
 
+    @_tracing.traced(
+        "mooncake.transfer",
+        lambda self, segment, requests, **_: {
+            "mooncake.peer": segment,
+            "mooncake.requests": len(requests),
+        },
+    )
     async def transfer(
         self,
         segment: str,
         requests: Sequence[TransferRequest],
         *,
         transport: str | None = None,
+        _queued_since: float | None = None,
     ) -> list[TransferResult]:
-        """Run a batch against ``segment``; one result per request, in order."""
+        """Run a batch against ``segment``; one result per request, in order.
+
+        With telemetry on, the batch's :class:`~mooncake._engine.telemetry.TransferTelemetry`
+        is kept in :attr:`telemetry` and, once this returns (or raises), is
+        ``telemetry.CURRENT.get()`` in the calling task."""
+        tel = self.telemetry
+        if tel is None:
+            return await self._transfer(segment, requests, transport)
+        try:
+            op = _op(requests) if requests else ""
+            nbytes = sum(r.length for r in requests)
+        except (AttributeError, TypeError):  # not requests: _transfer says what is wrong
+            return await self._transfer(segment, requests, transport)
+        rec = tel.begin(segment, op, len(requests), nbytes)
+        if _queued_since is not None:
+            rec.queued_s = rec.t0 - _queued_since
+            rec.t0 = _queued_since
+        _tel.CURRENT.set(rec)
+        verdict, err = "error", ""
+        try:
+            out = await self._transfer(segment, requests, transport)
+            bad = next((r for r in out if not r.ok), None)
+            verdict = "completed" if bad is None else "failed"
+            err = "" if bad is None else f"{bad.error}"
+            return out
+        except anyio.get_cancelled_exc_class():
+            verdict = "canceled"
+            raise
+        except BaseException as e:
+            err = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            tel.finish(rec, verdict, err)
+
+    async def _transfer(
+        self,
+        segment: str,
+        requests: Sequence[TransferRequest],
+        transport: str | None = None,
+    ) -> list[TransferResult]:
         self._check_open()
         reqs, regs = self._validate_regions(requests)
         if not reqs:
@@ -825,6 +882,9 @@ class Engine:
             peer = await self.peer(segment)
             missing = _uncovered(peer.descriptor, reqs, range(len(reqs)))
             if missing:  # the peer may have registered more since we cached its descriptor
+                rec = _tel.CURRENT.get()
+                if rec is not None:
+                    rec.retries += 1
                 peer = await self.peer(segment, refresh=True)
                 missing = _uncovered(peer.descriptor, reqs, missing)
         except InvalidArgumentError:
@@ -946,9 +1006,21 @@ class Engine:
             if self.metrics is not None:
                 self.metrics.failed_batch(t.name, peer.segment, _op(sub), len(sub), e)
             raise
+        t1 = perf_counter()
+        rec = _tel.CURRENT.get()
+        if rec is not None:
+            rec.add_group(
+                t.name,
+                _nic(t, self.hostname),
+                len(sub),
+                sum(r.length for r in sub),
+                t0,
+                t1,
+                sum(1 for r in out if not r.ok),
+            )
         m = self.metrics
         if m is not None:
-            m.log.append((t.name, peer.segment, sub, out, perf_counter() - t0))
+            m.log.append((t.name, peer.segment, sub, out, t1 - t0))
             if len(m.log) > LOG_MAX:
                 m.drain()
         for i, res in zip(idx, out, strict=True):
@@ -1034,9 +1106,15 @@ class Engine:
         finally:
             self._release_all(held)
         out = [r if r is not None else failed(TransferError("not attempted")) for r in results]
+        t1 = perf_counter()
+        rec = _tel.CURRENT.get()
+        if rec is not None:
+            nbytes = sum(r.length for r in reqs)
+            nfail = sum(1 for r in out if not r.ok)
+            rec.add_group("local", self.hostname, len(reqs), nbytes, t0, t1, nfail)
         m = self.metrics
         if m is not None:
-            m.log.append(("local", self.segment_name, reqs, out, perf_counter() - t0))
+            m.log.append(("local", self.segment_name, reqs, out, t1 - t0))
             if len(m.log) > LOG_MAX:
                 m.drain()
         return out
@@ -1048,14 +1126,19 @@ class Engine:
         self._check_open()
         reqs = self._validate(requests)
         handle = TransferHandle(len(reqs))
+        since = perf_counter()
 
         async def run() -> None:
             with anyio.CancelScope() as scope:
                 handle._scope = scope
                 try:
-                    handle.results = await self.transfer(segment, reqs, transport=transport)
+                    handle.results = await self.transfer(
+                        segment, reqs, transport=transport, _queued_since=since
+                    )
                 except MooncakeError as e:
                     handle.error = e
+                finally:
+                    handle.telemetry = _tel.CURRENT.get()
             handle._done.set()
 
         self.task_group.start_soon(run)
@@ -1137,6 +1220,14 @@ def _start_exporter(engine: Engine, port: int, host: str, from_env: bool) -> Non
         if not from_env:
             raise
         log.warning("MC_METRICS_PORT: %s; this engine serves none", e)
+
+
+def _nic(t: Transport, host: str) -> str:
+    """The NIC(s) a transport's share could use: an RDMA transport's rails, else the host."""
+    nics = getattr(t, "nics", None)
+    if nics:
+        return ",".join(str(getattr(n, "name", n)) for n in nics)
+    return host
 
 
 def _op(reqs: Sequence[TransferRequest]) -> str:

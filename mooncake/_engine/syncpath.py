@@ -260,6 +260,20 @@ class SyncPath:
                 out = self._shm(transport, peer, op, las, ras, lens)
         finally:
             self._unpin(regions)
+        tel = self.engine.telemetry
+        if out is not None and tel is not None:
+            t1 = time.perf_counter()
+            tel.add_sync(
+                peer.segment,
+                "read" if op is Opcode.READ else "write",
+                len(lens),
+                total,
+                transport.name,
+                self.engine.hostname,
+                t0,
+                t1,
+                len(out),
+            )
         m = self.engine.metrics
         if out is not None and m is not None:  # counted once, here or on the loop path
             m.sync_log.append(

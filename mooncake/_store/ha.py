@@ -86,6 +86,7 @@ from mooncake._core.commands import Command, Durability
 from mooncake._core.leader_probe import PROBE_INTERVAL, DeathDetector, ProbeOutcome
 from mooncake._core.master import MasterState
 from mooncake._engine.metadata.etcd import EtcdKV, _b64, _unb64, prefix_end
+from mooncake._store import kv_events
 from mooncake._store.ha_stream import ReplicaLeader, follow_stream, read_isr
 from mooncake._store.snapshots import DirSnapshots, EtcdSnapshots, ForkedSnapshot, Snapshot
 from mooncake.errors import InvalidArgumentError, MetadataError, MooncakeError
@@ -595,6 +596,7 @@ class HaNode:
                     target += max(0.0, loop_now - self._last_now_local)
                 self.server.clock_offset = target - loop_now
                 genesis = self._from_scratch and self.applied_seq == 0
+                kv_events.lead(self.server, self.term)  # a new stream: epoch = this term
                 self.server.run_command(
                     commands.Promote(
                         self.server.now(),
@@ -707,6 +709,7 @@ class HaNode:
         self.leader_addr = None
         self.stepdowns += 1
         self._epoch += 1
+        kv_events.stand_down(self.server)
         self._pending, self._pending_bytes = [], 0
         ev, self._durable_changed = self._durable_changed, anyio.Event()
         ev.set()

@@ -93,6 +93,7 @@ from mooncake.errors import (
 
 if TYPE_CHECKING:
     from mooncake._store.ha import HaConfig, HaNode
+    from mooncake._store.kv_events import KvEventPublisher, KvEventsConfig
     from mooncake._store.snapshots import SnapshotConfig
 
 log = logging.getLogger("mooncake.master")
@@ -158,6 +159,8 @@ class MasterServerConfig:
     #: threads serving the RPC connections where possible (trio's real clock, no
     #: replication: :mod:`mooncake._store.rpc_thread`); 0: every connection on the loop
     rpc_threads: int = 2
+    #: publish KV events over ZMQ (``--enable_kv_events``: :mod:`mooncake._store.kv_events`)
+    kv_events: KvEventsConfig | None = None
 
 
 #: seconds between sweeps of a replicated master (at least)
@@ -232,6 +235,7 @@ class MasterServer:
         one-call connection is not): the last of those closing is the sign the client is
         gone."""
         self.rpc_thread: RpcThread | None = None
+        self.kv_publisher: KvEventPublisher | None = None
 
     # -- RPC -------------------------------------------------------------------------------
 
@@ -732,6 +736,10 @@ class MasterServer:
             return 200, "text/plain", role.encode() + b"\n"
         if url.path == "/ha_status":
             return 200, "application/json", msgspec.json.encode(self.ha_status())
+        if url.path == "/kv_events/status":
+            pub = self.kv_publisher
+            doc = pub.stats() if pub is not None else {"enabled": False}
+            return 200, "application/json", msgspec.json.encode(doc)
         if url.path in ("/query_key", "/get_all_keys", "/get_all_segments") and self.ha:
             refusal = self.ha.refusal()  # a standby's (or a deposed leader's) state may lag
             if refusal is not None:
@@ -1073,6 +1081,25 @@ async def serve_master(
         # the restored clock goes on from the snapshot; leases and clients get a fresh TTL
         server.clock_offset = restored[1] - anyio.current_time()
         server.state.promote(server.now())
+    if config.kv_events is not None:
+        from mooncake._store import kv_events
+
+        server.kv_publisher = kv_events.KvEventPublisher(config.kv_events)
+        if config.ha is None:
+            kv_events.lead(server, time.time_ns() // 1_000_000)
+    try:
+        await _serve_master(server, config, local, task_status)
+    finally:
+        if server.kv_publisher is not None:
+            server.kv_publisher.close()
+
+
+async def _serve_master(
+    server: MasterServer,
+    config: MasterServerConfig,
+    local: Any,
+    task_status: anyio.abc.TaskStatus[MasterServer],
+) -> None:
     async with anyio.create_task_group() as tg:
         if config.enable_metric_reporting and config.metrics_port >= 0:
             msock = await _raw_listener(config.metrics_host, config.metrics_port)

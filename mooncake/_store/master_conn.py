@@ -65,6 +65,7 @@ from mooncake._core import auth, rpc
 from mooncake._core import store_types as st
 from mooncake._core.tenantscope import TENANT_SCOPED
 from mooncake._engine import _sockio
+from mooncake._engine import tracing as _tracing
 from mooncake._store.leader import (
     LeaderResolver,
     failover_timeout_from_env,
@@ -311,6 +312,7 @@ class MasterConnection:
         for w in self._waiters.values():
             w.event.set()
 
+    @_tracing.traced("mooncake.master.call", lambda self, method, *a, **k: {"rpc.method": method})
     async def call(
         self,
         method: str,

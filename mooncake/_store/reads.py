@@ -21,6 +21,7 @@ from mooncake._core import rpc
 from mooncake._core import store_types as st
 from mooncake._core.master import parse_miss
 from mooncake._core.misses import MissReason
+from mooncake._engine import tracing as _tracing
 from mooncake._store.bounds import check_replica_list
 from mooncake._store.moves import _check_key, _Op, _read_ttl, staging_refusal
 from mooncake._store.verify import (
@@ -218,6 +219,7 @@ class _Reads(_Writes):
         misses it sees in ``master_misses_total``."""
         return dict(self._misses)
 
+    @_tracing.traced("mooncake.store.get", lambda self, key: {"mooncake.key": key})
     async def get(self, key: str) -> bytes:
         """The value of ``key`` (raises :class:`ObjectNotFoundError` if there is none)."""
         try:

@@ -20,6 +20,7 @@ from mooncake._core import rpc
 from mooncake._core import store_types as st
 from mooncake._core.gpu import device_of
 from mooncake._core.memory import Region
+from mooncake._engine import tracing as _tracing
 from mooncake._store.config import to_wire
 from mooncake._store.moves import (
     Config,
@@ -95,6 +96,7 @@ class _Writes(_Tiered):
                 return False
         return True
 
+    @_tracing.traced("mooncake.store.put", lambda self, key, *a, **k: {"mooncake.key": key})
     async def put(self, key: str, value: Any, config: Config = None) -> None:
         """Store ``value`` (any C-contiguous buffer) under ``key``; a no-op if ``key`` exists."""
         (err,) = await self._put_values([key], [value], config, upsert=False, batch=False)

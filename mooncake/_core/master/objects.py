@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
+from mooncake._core import kv_events as _kv
 from mooncake._core.master.base import _StateBase
 from mooncake._core.master.config import (
     _EVICT_RETRIES,
@@ -215,6 +216,8 @@ class _Objects(_StateBase):
             self._release_after_lease(obj, old, now)
             self._untrack(obj)
             self._end_tier_moves(obj)
+            if old.disk:
+                _kv.removed(self, key, _kv.MEDIUM_DISK)
             self._forget_disk(key, old)
         obj.readable = pending.version
         obj.pending = None
@@ -245,6 +248,7 @@ class _Objects(_StateBase):
             self.policy.set_pin(obj.h, Pin.SOFT)
             self._pin_soft(key, obj.soft_pin_deadline)
         self.misses.record_stored(key)
+        _kv.stored(self, key)
         self.stats.puts_ended += 1
 
     upsert_end = put_end
@@ -407,6 +411,10 @@ class _Objects(_StateBase):
                 if not members:
                     del self._groups[obj.group]
         if ver is not None:
+            if ver.replicas:
+                _kv.removed(self, obj.key)
+            if ver.disk:
+                _kv.removed(self, obj.key, _kv.MEDIUM_DISK)
             self._release_after_lease(obj, ver, now)
             self._untrack(obj)
             self._end_tier_moves(obj)

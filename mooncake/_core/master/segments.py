@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 
+from mooncake._core import kv_events as _kv
 from mooncake._core.allocator import OffsetAllocator
 from mooncake._core.master.base import _StateBase
 from mooncake._core.master.config import _check_client_id
@@ -253,8 +254,10 @@ class _Segments(_StateBase):
                     policy.on_remove(h)
                 objects.remove_handle(h)
                 gone.append(key)
+                _kv.removed(self, key)
                 continue
             obj = objects.by_handle(h)
+            had_memory = obj.readable is not None and bool(obj.readable.replicas)
             for ver in (obj.readable, obj.pending.version if obj.pending else None):
                 if ver is not None:
                     ver.replicas = [r for r in ver.replicas if r.seg is not seg]
@@ -264,6 +267,8 @@ class _Segments(_StateBase):
                 if ver is not None and ver.replicas and obj.promoting is None:
                     self.policy.on_insert(obj.h, ver.size)  # back under the DRAM policy
             if ver is not None and not ver.replicas:
+                if had_memory:
+                    _kv.removed(self, key)
                 self._untrack(obj)
                 if not ver.disk:  # else it is still on an SSD
                     obj.readable = None
@@ -320,6 +325,8 @@ class _Segments(_StateBase):
                 if obj is None or obj.readable is None or cid not in obj.readable.disk:
                     continue
                 obj.readable.disk = tuple(c for c in obj.readable.disk if c != cid)
+                if not obj.readable.disk:
+                    _kv.removed(self, key, _kv.MEDIUM_DISK)
                 if not obj.readable.replicas and not obj.readable.disk:
                     self._drop_object(obj, now)
                     lost.append(key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mooncake._core import kv_events as _kv
 from mooncake._core.master.base import _StateBase
 from mooncake._core.master.config import _check_client_id, _check_key
 from mooncake._core.master.records import (
@@ -116,6 +117,8 @@ class _Tiers(_StateBase):
         ver = obj.readable
         assert ver is not None and ver.disk
         self._release_after_lease(obj, ver, now)
+        if ver.replicas:
+            _kv.removed(self, obj.key)
         ver.replicas = []
         self._untrack(obj)
 
@@ -141,6 +144,8 @@ class _Tiers(_StateBase):
             raise IllegalClientError(f"no demotion of {key!r} to client {client_id} is in progress")
         self._clear_demoting(obj)
         client = self._touch_client(client_id, now)
+        if not ver.disk:
+            _kv.stored(self, key, _kv.MEDIUM_DISK)
         ver.disk = (*ver.disk, client_id)
         client.ssd_keys.add(key)
         self._to_disk_only(obj, now)
@@ -195,6 +200,7 @@ class _Tiers(_StateBase):
         if not live:
             raise ObjectNotFoundError(f"the segment receiving {key!r} was unmounted")
         ver.replicas = live
+        _kv.stored(self, key)
         self.policy.on_insert(obj.h, ver.size, now=now)
         if obj.hard_pinned:
             self.policy.set_pin(obj.h, Pin.HARD)
@@ -228,6 +234,8 @@ class _Tiers(_StateBase):
             return
         ver.disk = tuple(c for c in ver.disk if c != client_id)
         client.ssd_keys.discard(key)
+        if not ver.disk:
+            _kv.removed(self, key, _kv.MEDIUM_DISK)
         self.tiers["ssd"].evictions += 1
         if not ver.replicas and not ver.disk:
             # its last copy: gone (a promotion in flight fails at PromoteEnd)
@@ -264,6 +272,7 @@ class _Tiers(_StateBase):
         obj.readable = _Version(size, [], self._next_vid, (client_id,))
         client.ssd_keys.add(key)
         self.misses.record_stored(key)
+        _kv.stored(self, key, _kv.MEDIUM_DISK)
         return self._next_vid
 
     def explain_miss(self, key: str) -> Miss:
