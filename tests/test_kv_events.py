@@ -252,6 +252,30 @@ def test_master_publishes_stored_and_removed(master: _Master) -> None:
     assert st["published_events"] >= 3 and st["dropped_events"] == 0
 
 
+def test_a_tenants_events_carry_its_key_and_tenant(master: _Master) -> None:
+    """A named tenant's object is published under the key its client used, with its tenant's
+    name: never the master's internal key, never the default tenant."""
+    st = _kv_status(master.metrics)
+    mount(master.address)
+    with KvEventSubscriber([st["endpoint"]], replay_endpoints=[st["replay_endpoint"]]) as sub:
+        _wait_subscribed(sub, master.address, "probe")
+        r = call(master.address, "PutStart", rpc.PutStartParams("c0", "0x2b", 4096, tenant="acme"))
+        assert r is not None and r[0] == 0, r
+        r = call(master.address, "PutEnd", rpc.KeyClientParams("c0", "0x2b", tenant="acme"))
+        assert r is not None and r[0] == 0, r
+        notes = _collect(sub, 1)
+    events = [
+        e
+        for n in notes
+        if isinstance(n, Received)
+        for e in n.batch.events
+        if e.event_type == "stored"
+    ]
+    mine = [e for e in events if e.tenant_id == "acme"]
+    assert [(e.object_key, e.seq_hashes) for e in mine] == [("0x2b", (43,))], events
+    assert not [e for e in events if e.object_key and "\0" in e.object_key]
+
+
 def test_gap_replayed_then_reported_once_out_of_the_buffer(master: _Master) -> None:
     """A raw SUB socket receives every batch; the subscriber is fed only some of them, so it
     sees real gaps and asks the master's real replay socket (buffer: 4 batches)."""
@@ -361,6 +385,7 @@ def test_stream_encoder_is_byte_identical(legacy: bool, object_key: bool) -> Non
 
     rng = random.Random(1)
     keys = ["k", "7", "0xff", str((1 << 64) - 1), str(1 << 63), "", "0x", "12ab"]
+    keys += ["\0a\0k", "\0a\07", "\0tenant-b\0" + str(1 << 63)]  # named tenants' objects
     enc = kv.BatchEncoder(
         backend_id="b", tenant_id="t", epoch=9, emit_legacy=legacy, emit_object_key=object_key
     )

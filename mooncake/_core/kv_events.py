@@ -34,6 +34,9 @@ from typing import Any
 
 import msgspec
 
+from mooncake._core.master.tenants import PREFIX as _TENANT_PREFIX
+from mooncake._core.master.tenants import tenant_of, user_key
+
 __all__ = [
     "MEDIUM_CPU",
     "MEDIUM_DISK",
@@ -211,6 +214,16 @@ def decode_seq(frame: bytes) -> int:
     return int.from_bytes(frame, "big", signed=frame == END_SEQ)
 
 
+def split_tenant(ikey: str) -> tuple[str, str]:
+    """``(key, tenant)`` of the master's internal key ``ikey``: a named tenant's object is
+    published under its own key with its tenant's name (``""``: the default tenant, whose
+    events carry the stream's ``tenant_id``)."""
+    if ikey[:1] != _TENANT_PREFIX:
+        return ikey, ""
+    tenant = tenant_of(ikey)
+    return user_key(tenant, ikey), tenant
+
+
 def encode_batch(
     events: list[tuple[int, str, str]],
     *,
@@ -226,7 +239,8 @@ def encode_batch(
     not a u64 hash is left out when ``emit_object_key`` is off, as upstream does)."""
     maps: list[dict[str, Any]] = []
     eid = first_event_id
-    for kind, key, medium in events:
+    for kind, ikey, medium in events:
+        key, tenant = split_tenant(ikey)
         h = parse_seq_hash(key)
         if h is None and (not emit_object_key or not key):
             continue
@@ -242,7 +256,7 @@ def encode_batch(
         m["block_size"] = None
         m["additional_salt"] = None
         m["lora_name"] = None
-        m["tenant_id"] = tenant_id
+        m["tenant_id"] = tenant or tenant_id
         m["backend_id"] = backend_id
         m["group_id"] = None
         m["medium"] = medium or None
@@ -304,7 +318,7 @@ class BatchEncoder:
         self._eid_key = _entries({"event_id": 0})[:-1]
         self._ts_key = _entries({"timestamp": 0})[:-1]
         self._head: dict[int, bytes] = {}
-        self._mid: dict[tuple[int, str], bytes] = {}
+        self._mid: dict[tuple[int, str, str], bytes] = {}
         self._tail: dict[int, bytes] = {}
         for kind in (STORED, REMOVED):
             is_stored = kind == STORED
@@ -323,10 +337,11 @@ class BatchEncoder:
             self._tail[kind] = _entries(tail)
         self._consts = (tenant_id, backend_id)
 
-    def _middle(self, kind: int, medium: str) -> bytes:
-        mid = self._mid.get((kind, medium))
+    def _middle(self, kind: int, medium: str, tenant: str = "") -> bytes:
+        mid = self._mid.get((kind, medium, tenant))
         if mid is None:
             tenant_id, backend_id = self._consts
+            tenant_id = tenant or tenant_id
             is_stored = kind == STORED
             m: dict[str, Any] = {"event_type": "stored" if is_stored else "removed"}
             if self.legacy:
@@ -342,7 +357,9 @@ class BatchEncoder:
                 medium=medium or None,
                 dp_rank=None,
             )
-            mid = self._mid[(kind, medium)] = _entries(m)
+            if len(self._mid) >= 4096:  # many tenants: keep the cache bounded
+                self._mid.clear()
+            mid = self._mid[(kind, medium, tenant)] = _entries(m)
         return mid
 
     def encode(
@@ -358,10 +375,13 @@ class BatchEncoder:
         empty = self._empty_hashes
         append = parts.append
         for kind, key, medium in events:
+            tenant = ""
+            if key[:1] == _TENANT_PREFIX:
+                key, tenant = split_tenant(key)
             h = parse_seq_hash(key) if key[:1] in _DIGITS else None
             if h is None and (okey is None or not key):
                 continue
-            m = mid.get((kind, medium)) or self._middle(kind, medium)
+            m = mid.get((kind, medium, tenant)) or self._middle(kind, medium, tenant)
             if h is None:
                 self.unparsed += 1
                 hashes = empty
