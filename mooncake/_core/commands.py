@@ -199,6 +199,7 @@ HANDLERS: dict[str, Handler] = {
     "MountSegment": lambda s, p, now: s.mount_segment(p.client_id, p.segment, now),
     "ReMountSegment": lambda s, p, now: s.remount_segments(p.client_id, p.segments, now),
     "UnmountSegment": lambda s, p, now: s.unmount_segment(p.client_id, p.segment_id, now),
+    "DrainSegment": lambda s, p, now: s.drain_segment(p.client_id, p.segment_id, now),
     "PutStart": lambda s, p, now: s.put_start(p.client_id, p.key, p.size, p.config, now),
     "PutEnd": lambda s, p, now: s.put_end(p.client_id, p.key, now),
     "PutRevoke": lambda s, p, now: s.put_revoke(p.client_id, p.key, now),

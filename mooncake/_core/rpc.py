@@ -44,6 +44,7 @@ Ping                   ClientParams                     PingResponse
 MountSegment           MountSegmentParams               None
 ReMountSegment         ReMountSegmentParams             None
 UnmountSegment         UnmountSegmentParams             None
+DrainSegment           UnmountSegmentParams             DrainStatus (stop allocating there, plan moves)
 PutStart               PutStartParams                   list[ReplicaDescriptor]
 PutEnd / PutRevoke     KeyClientParams                  None
 UpsertStart            PutStartParams                   list[ReplicaDescriptor]
@@ -105,6 +106,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from mooncake._core.store_types import (
+    DrainStatus,
     GetReplicaListResponse,
     MissInfo,
     ObjectInfo,
@@ -343,6 +345,7 @@ METHODS: dict[str, MethodSpec] = {
         _spec("MountSegment", MountSegmentParams, None),
         _spec("ReMountSegment", ReMountSegmentParams, None),
         _spec("UnmountSegment", UnmountSegmentParams, None),
+        _spec("DrainSegment", UnmountSegmentParams, DrainStatus),
         _spec("PutStart", PutStartParams, list[ReplicaDescriptor]),
         _spec("PutEnd", KeyClientParams, None),
         _spec("PutRevoke", KeyClientParams, None),
@@ -725,6 +728,7 @@ MUTATING = frozenset(
         "MountSegment",
         "ReMountSegment",
         "UnmountSegment",
+        "DrainSegment",
         "PutStart",
         "PutEnd",
         "PutRevoke",

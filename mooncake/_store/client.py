@@ -70,6 +70,7 @@ from mooncake._core.tiers import Admission, make_admission
 from mooncake._engine.engine import DeviceMemory, Engine, open_engine
 from mooncake._groups import unwrapped
 from mooncake._store.admin import _Admin
+from mooncake._store.draining import DrainReport, drain
 from mooncake._store.metrics import StoreMetrics, instrument
 from mooncake._store.moves import HEARTBEAT_S
 from mooncake._store.shm import SharedSegment, ShmPeers, ShmServer
@@ -217,6 +218,14 @@ class Store(_Admin):
             if dm is not None and not self.engine._closed:
                 # a shared engine outlives the store: give the device memory back now
                 await self.engine.unregister(dm)
+
+    async def drain(self, timeout_s: float | None = None) -> DrainReport:
+        """Drain this client's segments before leaving (:mod:`mooncake._store.draining`): no
+        new replicas land on them, replicated objects are re-replicated elsewhere, sole copies
+        moved where there is room, reads in flight finish; at most ``timeout_s`` (default 5 s,
+        ``MC_STORE_DRAIN_TIMEOUT``). Close the store afterwards (that unmounts)."""
+        self._check_open()
+        return await drain(self, timeout_s)
 
     async def health(self) -> int:
         """0 healthy, 1 closed, 2 master unreachable (the published ``health_check`` codes)."""

@@ -1,6 +1,6 @@
 """The records every part of :class:`~mooncake._core.master.MasterState` shares.
 
-Each part (``objects``, ``leases``, ``segments``, ``tiers``, ``tasks``) is a mixin over
+Each part (``objects``, ``leases``, ``segments``, ``tiers``, ``tasks``, ``drain``) is a mixin over
 :class:`_StateBase`: the state's fields are declared here once (and set by ``MasterState``'s
 constructor), and so are, for the type checker, the methods one part calls in another.
 """
@@ -30,7 +30,7 @@ from mooncake._core.master.records import (
 from mooncake._core.misses import MissLedger
 from mooncake._core.policies import EvictionPolicy
 from mooncake._core.quarantine import Quarantine
-from mooncake._core.store_types import ReplicateConfig, Segment
+from mooncake._core.store_types import ReplicateConfig, Segment, TaskType
 from mooncake._core.tiers import TierCounters
 
 
@@ -85,6 +85,9 @@ class _StateBase:
         def _free_replicas(self, reps: list[_Replica]) -> None: ...
         def _free_version(self, ver: _Version) -> None: ...
         def _hold_written(self, reps: list[_Replica], now: float) -> None: ...
+        def _new_task(
+            self, obj: _Object, ttype: TaskType, source: _Replica, targets: list[str], now: float
+        ) -> str: ...
         def _release_after_lease(self, obj: _Object, ver: _Version, now: float) -> None: ...
         def _renew_known(self, client_id: str, now: float) -> _Client | None: ...
         def _set_group(self, obj: _Object, group: str) -> None: ...

@@ -133,6 +133,8 @@ class _Seg:
     num: int = -1
     """Its number in the object table's cold rows (unique among the state's segments)."""
     mounted: bool = True
+    draining: bool = False
+    """Being drained by its owner (``DrainSegment``): readable, but nothing is allocated on it."""
 
 
 @dataclass(slots=True)

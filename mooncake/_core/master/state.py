@@ -10,6 +10,7 @@ from collections import OrderedDict, deque
 from mooncake._core.dedup import DedupLedger
 from mooncake._core.master import snapshot
 from mooncake._core.master.config import MasterConfig, MasterStats
+from mooncake._core.master.drain import _Drain
 from mooncake._core.master.leases import _Leases
 from mooncake._core.master.objects import _Objects
 from mooncake._core.master.objmap import ObjectMap
@@ -35,7 +36,7 @@ from mooncake._core.store_types import Segment
 from mooncake._core.tiers import TierCounters
 
 
-class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks):
+class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks, _Drain):
     """All master metadata; one method per RPC (see the module docstring for the rules)."""
 
     def __init__(

@@ -74,7 +74,10 @@ class _Tasks(_StateBase):
                 (
                     s
                     for s in self._seg_list
-                    if s.segment.name == name and id(s) not in held and s not in segs
+                    if s.segment.name == name
+                    and id(s) not in held
+                    and not s.draining
+                    and s not in segs
                 ),
                 None,
             )
