@@ -109,6 +109,8 @@ def test_read_leases_and_writes_in_flight_hold_the_drain() -> None:
     m.put_start("b", "w", 4096, cfg, 1.0)  # a write into seg0 in flight
     status = m.drain_segment("a", "seg0", 1.0)
     assert status.read_wait_s > 0 and status.writes == 1 and not status.settled
+    # the replica left the lists at the first call; the lease granted on it still holds
+    assert m.drain_segment("a", "seg0", 1.1).read_wait_s > 0
     m.put_end("b", "w", 2.0)
     later = m.drain_segment("a", "seg0", 1000.0)
     assert later.released == 1 and later.writes == 0 and later.settled

@@ -135,9 +135,15 @@ class _Reads(_Writes):
         return dict(self._misses)
 
     async def get(self, key: str) -> bytes:
-        """The value of ``key`` (raises :class:`ObjectNotFoundError` if there is none)."""
+        """The value of ``key`` (raises :class:`ObjectNotFoundError` if there is none).
+
+        A read fenced by its read window (it finished after its lease: the bytes may be stale,
+        the object is not gone) is tried once more with a fresh ``GetReplicaList``."""
         try:
-            return await self._get(key)
+            try:
+                return await self._get(key)
+            except LeaseExpiredError:
+                return await self._get(key)
         except MooncakeError as e:
             self._note_miss(e)
             raise

@@ -67,6 +67,7 @@ class _Drain(_StateBase):
             target = self._drain_target(obj, ver.size)
             if others:
                 ver.replicas = others
+                seg.reads_until = max(seg.reads_until, obj.read_deadline)
                 if obj.read_deadline > now:  # a reader may still be copying from it
                     self._defer(obj.read_deadline, [mine])
                 else:
@@ -81,7 +82,7 @@ class _Drain(_StateBase):
                 out.tasks += 1
             else:
                 out.stranded += 1
-        out.read_wait_s = read_until - now
+        out.read_wait_s = max(0.0, max(read_until, seg.reads_until) - now)
         return out
 
     def _drain_target(self, obj: _Object, size: int) -> str | None:
