@@ -27,9 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mooncake.store import MooncakeDistributedStore, ReplicateConfig  # noqa: E402
-from tests.helpers.store_client_driver import value  # noqa: E402
-from tests.helpers.store_procs import Client, Master  # noqa: E402
+from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+from tests.helpers.store_client_driver import value
+from tests.helpers.store_procs import Client, Master
 
 MIB = 1 << 20
 
