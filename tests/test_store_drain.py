@@ -9,6 +9,7 @@ test process as a pure client reading all the time.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -177,3 +178,34 @@ def test_rolling_restart_of_three_holders_fails_no_get(master: Master) -> None:
         for c in holders:
             c.stop()
     assert failures == []
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_the_async_client_drains_on_sigterm(master: Master, backend: str) -> None:
+    me = reader(master.address)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests/helpers/async_holder.py"), master.address, backend],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=_env(),
+    )
+    other = Client(master.address, 16)
+    try:
+        name = json.loads(_readline(proc, 120))["hostname"]
+        for i in range(4):
+            assert other.cmd("put", key=f"a{i}", seed=i, size=SIZE, preferred=[name])["rc"] == 0
+        os.kill(proc.pid, signal.SIGTERM)
+        report = json.loads(_readline(proc, 60))
+        assert report == {"settled": True, "moves": 4}
+        assert proc.wait(60) == 0
+        for i in range(4):
+            assert sha(me.get(f"a{i}")) == sha(value(i, SIZE))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
+        me.close()
+        other.stop()

@@ -53,8 +53,9 @@ returning; cancelling a read leaves no side effect but the lease it was granted.
 from __future__ import annotations
 
 import logging
+import signal
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING
 
@@ -70,7 +71,7 @@ from mooncake._core.tiers import Admission, make_admission
 from mooncake._engine.engine import DeviceMemory, Engine, open_engine
 from mooncake._groups import unwrapped
 from mooncake._store.admin import _Admin
-from mooncake._store.draining import DrainReport, drain
+from mooncake._store.draining import DrainReport, drain, drain_on_signal
 from mooncake._store.metrics import StoreMetrics, instrument
 from mooncake._store.moves import HEARTBEAT_S
 from mooncake._store.shm import SharedSegment, ShmPeers, ShmServer
@@ -226,6 +227,14 @@ class Store(_Admin):
         ``MC_STORE_DRAIN_TIMEOUT``). Close the store afterwards (that unmounts)."""
         self._check_open()
         return await drain(self, timeout_s)
+
+    async def drain_on_signal(
+        self, signals: Sequence[int] = (signal.SIGTERM,), timeout_s: float | None = None
+    ) -> DrainReport:
+        """Wait for SIGTERM (or ``signals``; main thread only), then :meth:`drain`; returns the
+        report. Run it in a task of the ``open_store`` block and leave the block after it."""
+        self._check_open()
+        return await drain_on_signal(self, signals, timeout_s)
 
     async def health(self) -> int:
         """0 healthy, 1 closed, 2 master unreachable (the published ``health_check`` codes)."""

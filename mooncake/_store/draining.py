@@ -8,6 +8,11 @@ is in flight there (writes into the segment, moves, read leases granted on it) o
 runs out. The caller then closes the store, which unmounts the segments: what could not be
 moved (no room anywhere) is dropped then.
 
+:func:`drain_on_signal` is the async client's SIGTERM drain: ``await
+store.drain_on_signal()`` in a task of the block that opened the store returns once SIGTERM
+came and the drain ended; leaving the block then unmounts. (The sync facade installs its
+SIGTERM handler itself: :mod:`mooncake.store._drain`.)
+
 The bound defaults to :data:`DEFAULT_DRAIN_TIMEOUT_S` (5 s; ``MC_STORE_DRAIN_TIMEOUT`` in the
 environment, the sync facade's ``drain_timeout`` setup option and the ``mooncake_client``
 ``--drain_timeout`` flag override it).
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -122,4 +129,20 @@ async def drain(store: _Mover, timeout_s: float | None = None) -> DrainReport:
     return report
 
 
-__all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "DrainReport", "drain", "drain_timeout"]
+async def drain_on_signal(
+    store: _Mover,
+    signals: Sequence[int] = (signal.SIGTERM,),
+    timeout_s: float | None = None,
+) -> DrainReport:
+    """Wait for one of ``signals`` (SIGTERM by default), then :func:`drain` and return its
+    report; the caller then leaves its ``open_store`` block (which unmounts) and exits. The
+    handlers are installed for the wait only; the main thread only (anyio's signal receiver)."""
+    bound = drain_timeout(timeout_s)  # a bad bound is refused now, not at the signal
+    with anyio.open_signal_receiver(*signals) as received:
+        async for signum in received:
+            log.info("signal %d: draining before exit", signum)
+            break
+    return await drain(store, bound)
+
+
+__all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "DrainReport", "drain", "drain_on_signal", "drain_timeout"]
