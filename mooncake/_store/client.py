@@ -229,7 +229,7 @@ class Store(_Admin):
         return await drain(self, timeout_s)
 
     async def drain_on_signal(
-        self, signals: Sequence[int] = (signal.SIGTERM,), timeout_s: float | None = None
+        self, signals: Sequence[signal.Signals] = (signal.SIGTERM,), timeout_s: float | None = None
     ) -> DrainReport:
         """Wait for SIGTERM (or ``signals``; main thread only), then :meth:`drain`; returns the
         report. Run it in a task of the ``open_store`` block and leave the block after it."""

@@ -131,7 +131,7 @@ async def drain(store: _Mover, timeout_s: float | None = None) -> DrainReport:
 
 async def drain_on_signal(
     store: _Mover,
-    signals: Sequence[int] = (signal.SIGTERM,),
+    signals: Sequence[signal.Signals] = (signal.SIGTERM,),
     timeout_s: float | None = None,
 ) -> DrainReport:
     """Wait for one of ``signals`` (SIGTERM by default), then :func:`drain` and return its
