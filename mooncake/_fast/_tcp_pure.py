@@ -216,9 +216,7 @@ class ServeConn:
         self._stopping = True
         self.wake()
 
-    def serve_blocking(
-        self, progress_ms: int = -1, idle_ms: int = -1, min_rate: float = 0
-    ) -> int:
+    def serve_blocking(self, progress_ms: int = -1, idle_ms: int = -1, min_rate: float = 0) -> int:
         import os
         import select
 
