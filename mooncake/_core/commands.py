@@ -144,6 +144,8 @@ PURE_READS = frozenset(
         "QueryKey",
         "GetAllKeys",
         "GetAllSegments",
+        "GetAllKeysPage",
+        "GetAllSegmentsPage",
         "ExplainMiss",
         "GetTierStats",
         "GetSegmentTiers",
@@ -228,8 +230,12 @@ HANDLERS: dict[str, Handler] = {
     "RemoveByRegex": lambda s, p, now: s.remove_by_regex(p.regex, p.force, now),
     "RemoveAll": lambda s, p, now: s.remove_all(p.force, now),
     "QueryKey": lambda s, p, now: s.query_key(p.key),
-    "GetAllKeys": lambda s, p, now: s.all_keys(),
-    "GetAllSegments": lambda s, p, now: s.all_segments(),
+    "GetAllKeys": lambda s, p, now: s.all_keys_bounded(),
+    "GetAllSegments": lambda s, p, now: s.all_segments_bounded(),
+    "GetAllKeysPage": lambda s, p, now: rpc.KeysPage(*s.all_keys_page(p.cursor, p.limit)),
+    "GetAllSegmentsPage": lambda s, p, now: rpc.SegmentsPage(
+        *s.all_segments_page(p.cursor, p.limit)
+    ),
     "BatchReplicaClear": lambda s, p, now: s.batch_replica_clear(
         p.client_id, p.keys, p.segment_name, now
     ),

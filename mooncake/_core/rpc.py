@@ -65,6 +65,8 @@ RemoveAll              ForceParams                      int (objects removed)
 QueryKey               KeyParams                        ObjectInfo (admin: no lease)
 GetAllKeys             Empty                            list[str] (admin: complete objects)
 GetAllSegments         Empty                            list[SegmentInfo]
+GetAllKeysPage         PageParams                       KeysPage (keys from cursor; next cursor)
+GetAllSegmentsPage     PageParams                       SegmentsPage
 BatchReplicaClear      ReplicaClearParams               list[str] (keys cleared)
 CreateCopyTask         CopyTaskParams                   str (task id)
 CreateMoveTask         MoveTaskParams                   str (task id)
@@ -257,6 +259,28 @@ class ForceParams(_Params):
     force: bool = False
 
 
+class PageParams(_Params):
+    """A page of a listing: from ``cursor`` (0 first), at most ``limit`` items
+    (:mod:`mooncake._core.paging`)."""
+
+    cursor: int = 0
+    limit: int = 10_000
+
+
+class KeysPage(msgspec.Struct, array_like=True):
+    """One page of ``GetAllKeysPage``: its keys and the next cursor (-1 after the last)."""
+
+    keys: list[str]
+    cursor: int
+
+
+class SegmentsPage(msgspec.Struct, array_like=True):
+    """One page of ``GetAllSegmentsPage``: its segments and the next cursor (-1: done)."""
+
+    segments: list[SegmentInfo]
+    cursor: int
+
+
 class CopyTaskParams(_Params):
     key: str
     targets: list[str]
@@ -370,6 +394,8 @@ METHODS: dict[str, MethodSpec] = {
         _spec("QueryKey", KeyParams, ObjectInfo),
         _spec("GetAllKeys", Empty, list[str]),
         _spec("GetAllSegments", Empty, list[SegmentInfo]),
+        _spec("GetAllKeysPage", PageParams, KeysPage),
+        _spec("GetAllSegmentsPage", PageParams, SegmentsPage),
         _spec("BatchReplicaClear", ReplicaClearParams, list[str]),
         _spec("CreateCopyTask", CopyTaskParams, str),
         _spec("CreateMoveTask", MoveTaskParams, str),
@@ -785,12 +811,14 @@ __all__ = [
     "Item",
     "KeyClientParams",
     "KeyParams",
+    "KeysPage",
     "KeysParams",
     "Message",
     "MessageDecoder",
     "MethodSpec",
     "MountSegmentParams",
     "MoveTaskParams",
+    "PageParams",
     "PutStartParams",
     "ReMountSegmentParams",
     "RegexParams",
@@ -798,6 +826,7 @@ __all__ = [
     "Request",
     "Response",
     "SegmentFailureParams",
+    "SegmentsPage",
     "TaskIdParams",
     "TaskParams",
     "TaskRevokeParams",

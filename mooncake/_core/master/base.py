@@ -30,7 +30,7 @@ from mooncake._core.master.records import (
 from mooncake._core.misses import MissLedger
 from mooncake._core.policies import EvictionPolicy
 from mooncake._core.quarantine import Quarantine
-from mooncake._core.store_types import ReplicateConfig, Segment, TaskType
+from mooncake._core.store_types import ReplicateConfig, Segment, SegmentInfo, TaskType
 from mooncake._core.tiers import TierCounters
 
 
@@ -97,3 +97,4 @@ class _StateBase:
         def _untrack(self, obj: _Object) -> None: ...
         def evict(self, now: float, need: int = 0, *, limit: int | None = None) -> int: ...
         def readable_keys(self) -> list[str]: ...
+        def all_segments(self) -> list[SegmentInfo]: ...

@@ -12,6 +12,7 @@ from mooncake._core.master import snapshot
 from mooncake._core.master.config import MasterConfig, MasterStats
 from mooncake._core.master.drain import _Drain
 from mooncake._core.master.leases import _Leases
+from mooncake._core.master.listing import _Listing
 from mooncake._core.master.objects import _Objects
 from mooncake._core.master.objmap import ObjectMap
 from mooncake._core.master.records import (
@@ -36,7 +37,7 @@ from mooncake._core.store_types import Segment
 from mooncake._core.tiers import TierCounters
 
 
-class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks, _Drain):
+class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks, _Drain, _Listing):
     """All master metadata; one method per RPC (see the module docstring for the rules)."""
 
     def __init__(
