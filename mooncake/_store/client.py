@@ -20,7 +20,8 @@ client:
   segment first, then same-host ones, then remote; on a transfer failure the next replica) ->
   **fence**: the read fails with :class:`~mooncake.errors.LeaseExpiredError` if it finished
   after the lease it was granted ran out (measured from before the request was sent), because
-  the master may then have reused the space; a read from a same-host segment whose owner died
+  the master may then have reused the space (``get`` tries such a read once more with a fresh
+  ``GetReplicaList``: a reader descheduled past its window is not a miss); a read from a same-host segment whose owner died
   while it was copying fails with :class:`~mooncake.errors.PeerDiedError`.
 
 Where the bytes go: a replica on this client's own segment is a ``memcpy``; one on another
