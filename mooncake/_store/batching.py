@@ -1,12 +1,13 @@
 """Batch calls split into chunks, so neither a request nor its answer nears the frame bound.
 
-A batch call (``BatchGetReplicaList``, ``BatchExistKey``, ``BatchPutStart``...) carries one
+A batch call (``BatchExistKey``, ``BatchPutStart``, ``BatchRemove``...) carries one
 entry per key and is answered with one per key, so its frames grow with the batch: a batch
 over :data:`CHUNK_KEYS` keys or :data:`CHUNK_BYTES` bytes of keys is sent as several calls of
 at most that much (each its own request id), their per-key answers joined in order. A chunked
 call is not atomic: an error of one chunk's call (the master unreachable...) is raised after
 the chunks before it were applied, as if the caller had sent them one by one (each key's own
-result is per key anyway). A read fence stamp is that of the *first* chunk (the earliest lease).
+result is per key anyway). ``BatchGetReplicaList`` is chunked by the read path itself
+(``_Reads._batch_query``), which keeps each key's read window that of its own chunk's lease.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ CHUNK_BYTES = 2 << 20
 #: batch methods whose answer is one list entry per key, in order
 SPLITTABLE = frozenset(
     {
-        "BatchGetReplicaList",
         "BatchExistKey",
         "BatchPutStart",
         "BatchPutEnd",

@@ -335,7 +335,7 @@ class MasterConnection:
         out: list[Any] = []
         first: float | None = None
         for part in parts:
-            mine = [0.0] if stamp is not None else None
+            mine = [anyio.current_time()] if stamp is not None else None
             out.extend(await self.call(method, part, None, mine))
             if mine is not None and first is None:
                 first = mine[0]
