@@ -43,6 +43,7 @@ from tests.helpers.ha_procs import (
     send,
     wait_leader,
 )
+from tests.helpers.store_procs import STARTUP_S, _readline
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 
@@ -423,7 +424,10 @@ def test_partitioned_leader_acknowledges_nothing_after_its_lease(tmp_path: Path,
                 env=services.python_env(),
                 cwd=services.ROOT,
             )
-            time.sleep(3)
+            # cut once the writer has had a put and a read answered (its start-up is slow on a
+            # loaded machine: a fixed sleep raced it)
+            assert json.loads(_readline(writer, STARTUP_S)) == {"started": True}
+            time.sleep(0.5)
             cut_at = time.monotonic()
             lb.cut("A")
             _await_role(lb.ns["B"], b, "leader", b.address, 30)

@@ -336,13 +336,13 @@ def test_sync_fast_path_read_outliving_its_window_fails_closed(
         assert me.put("k", b"v" * 4096) == 0
         assert me.get("k") == b"v" * 4096
         real = time.monotonic
-        late = {"on": False}
+        stalls = {"n": 0}
 
         class SlowClock:
             @staticmethod
             def monotonic() -> float:
-                # every reading after the copy is 60 s later: a read that stalled in the copy
-                return real() + (60.0 if late["on"] else 0.0)
+                # every copy stalls 60 s: each reading after it is 60 s later
+                return real() + 60.0 * stalls["n"]
 
         copy_out = fastpath.FastPath._copy_out
 
@@ -350,16 +350,15 @@ def test_sync_fast_path_read_outliving_its_window_fails_closed(
             try:
                 return copy_out(self, *args)
             finally:
-                late["on"] = True
+                stalls["n"] += 1
 
         monkeypatch.setattr(fastpath, "time", SlowClock)
         monkeypatch.setattr(fastpath.FastPath, "_copy_out", stalled_copy)
-        assert me.get("k") == b""
-        late["on"] = False
+        assert me.get("k") == b""  # fenced, tried once more with a fresh lease, fenced again
+        assert stalls["n"] == 2
         assert me.get_into("k", buf.ctypes.data, 4096) == int(ErrorCode.LEASE_EXPIRED)
-        late["on"] = False
         monkeypatch.setattr(fastpath.FastPath, "_copy_out", copy_out)
-        assert me._store is not None and me._store.lease_fences == 2
+        assert me._store is not None and me._store.lease_fences == 3
         monkeypatch.setattr(fastpath, "time", time)
         assert me.get("k") == b"v" * 4096
     finally:

@@ -15,7 +15,10 @@ also as ``--flag`` / ``--noflag``)::
 the SSD tier (``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH``). ``--host=0.0.0.0`` publishes this
 host's loopback address unless a concrete one is given: servers bind what they are given, and
 the engine refuses to guess an interface. Prints one ``mooncake_client: ...`` line once it
-serves; SIGTERM or SIGINT unmounts the segment and exits 0.
+serves. SIGTERM drains the segment first (``--drain_timeout`` seconds at most, 5 by default:
+no new replicas land on it, replicated objects are re-replicated elsewhere, sole copies moved
+where there is room, reads in flight finish; see :mod:`mooncake._store.draining`), then
+unmounts it and exits 0; SIGINT unmounts at once and exits 0.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ FLAGS: dict[str, tuple[type, Any]] = {
     "enable_http_server": (bool, False),
     "http_port": (int, 9300),
     "log_dir": (str, ""),
+    "drain_timeout": (float, 5.0),
 }
 _TRUE = ("1", "true", "yes", "t", "y", "on")
 _FALSE = ("0", "false", "no", "f", "n", "off")
@@ -79,7 +83,10 @@ def parse_flags(argv: Sequence[str]) -> dict[str, Any]:
             value = next(it, None)  # type: ignore[assignment]
             if value is None:
                 raise ValueError(f"--{name} needs a value")
-        out[name] = int(value) if kind is int else value
+        try:
+            out[name] = kind(value)
+        except ValueError:
+            raise ValueError(f"--{name}: expected a {kind.__name__}, got {value!r}") from None
     return out
 
 
@@ -128,8 +135,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         store.close()
         return 1
     done = threading.Event()
+    drain = threading.Event()
 
     def stop(signum: int, frame: Any) -> None:
+        if signum == signal.SIGTERM:
+            drain.set()
         done.set()
         server.stop()
 
@@ -144,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.serve_forever()
     finally:
         server.stop()
+        if drain.is_set():
+            store.drain(flags["drain_timeout"])
         store.close()
     return 0
 

@@ -151,6 +151,8 @@ PURE_READS = frozenset(
         "QueryKey",
         "GetAllKeys",
         "GetAllSegments",
+        "GetAllKeysPage",
+        "GetAllSegmentsPage",
         "ExplainMiss",
         "GetTierStats",
         "GetSegmentTiers",
@@ -209,6 +211,7 @@ HANDLERS: dict[str, Handler] = {
     "MountSegment": lambda s, p, now: s.mount_segment(p.client_id, p.segment, now),
     "ReMountSegment": lambda s, p, now: s.remount_segments(p.client_id, p.segments, now),
     "UnmountSegment": lambda s, p, now: s.unmount_segment(p.client_id, p.segment_id, now),
+    "DrainSegment": lambda s, p, now: s.drain_segment(p.client_id, p.segment_id, now),
     "PutStart": lambda s, p, now: s.put_start(p.client_id, p.key, p.size, p.config, now),
     "PutEnd": lambda s, p, now: s.put_end_crc(p.client_id, p.key, p.crc, now),
     "PutRevoke": lambda s, p, now: s.put_revoke(p.client_id, p.key, now),
@@ -237,8 +240,12 @@ HANDLERS: dict[str, Handler] = {
     "RemoveByRegex": lambda s, p, now: s.remove_by_regex(p.regex, p.force, now),
     "RemoveAll": lambda s, p, now: s.remove_all(p.force, now),
     "QueryKey": lambda s, p, now: s.query_key(p.key),
-    "GetAllKeys": lambda s, p, now: s.all_keys(),
-    "GetAllSegments": lambda s, p, now: s.all_segments(),
+    "GetAllKeys": lambda s, p, now: s.all_keys_bounded(),
+    "GetAllSegments": lambda s, p, now: s.all_segments_bounded(),
+    "GetAllKeysPage": lambda s, p, now: rpc.KeysPage(*s.all_keys_page(p.cursor, p.limit)),
+    "GetAllSegmentsPage": lambda s, p, now: rpc.SegmentsPage(
+        *s.all_segments_page(p.cursor, p.limit)
+    ),
     "BatchReplicaClear": lambda s, p, now: s.batch_replica_clear(
         p.client_id, p.keys, p.segment_name, now
     ),

@@ -44,6 +44,7 @@ Ping                   ClientParams                     PingResponse
 MountSegment           MountSegmentParams               None
 ReMountSegment         ReMountSegmentParams             None
 UnmountSegment         UnmountSegmentParams             None
+DrainSegment           UnmountSegmentParams             DrainStatus (stop allocating there, plan moves)
 PutStart               PutStartParams                   list[ReplicaDescriptor]
 PutEnd                 PutEndParams                     None
 PutRevoke              KeyClientParams                  None
@@ -68,6 +69,8 @@ RemoveAll              ForceParams                      int (objects removed)
 QueryKey               KeyParams                        ObjectInfo (admin: no lease)
 GetAllKeys             Empty                            list[str] (admin: complete objects)
 GetAllSegments         Empty                            list[SegmentInfo]
+GetAllKeysPage         PageParams                       KeysPage (keys from cursor; next cursor)
+GetAllSegmentsPage     PageParams                       SegmentsPage
 BatchReplicaClear      ReplicaClearParams               list[str] (keys cleared)
 CreateCopyTask         CopyTaskParams                   str (task id)
 CreateMoveTask         MoveTaskParams                   str (task id)
@@ -110,6 +113,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from mooncake._core.store_types import (
+    DrainStatus,
     GetReplicaListResponse,
     MissInfo,
     ObjectInfo,
@@ -289,6 +293,28 @@ class ForceParams(_Params):
     force: bool = False
 
 
+class PageParams(_Params):
+    """A page of a listing: from ``cursor`` (0 first), at most ``limit`` items
+    (:mod:`mooncake._core.paging`)."""
+
+    cursor: int = 0
+    limit: int = 10_000
+
+
+class KeysPage(msgspec.Struct, array_like=True):
+    """One page of ``GetAllKeysPage``: its keys and the next cursor (-1 after the last)."""
+
+    keys: list[str]
+    cursor: int
+
+
+class SegmentsPage(msgspec.Struct, array_like=True):
+    """One page of ``GetAllSegmentsPage``: its segments and the next cursor (-1: done)."""
+
+    segments: list[SegmentInfo]
+    cursor: int
+
+
 class CopyTaskParams(_Params):
     key: str
     targets: list[str]
@@ -377,6 +403,7 @@ METHODS: dict[str, MethodSpec] = {
         _spec("MountSegment", MountSegmentParams, None),
         _spec("ReMountSegment", ReMountSegmentParams, None),
         _spec("UnmountSegment", UnmountSegmentParams, None),
+        _spec("DrainSegment", UnmountSegmentParams, DrainStatus),
         _spec("PutStart", PutStartParams, list[ReplicaDescriptor]),
         _spec("PutEnd", PutEndParams, None),
         _spec("PutRevoke", KeyClientParams, None),
@@ -401,6 +428,8 @@ METHODS: dict[str, MethodSpec] = {
         _spec("QueryKey", KeyParams, ObjectInfo),
         _spec("GetAllKeys", Empty, list[str]),
         _spec("GetAllSegments", Empty, list[SegmentInfo]),
+        _spec("GetAllKeysPage", PageParams, KeysPage),
+        _spec("GetAllSegmentsPage", PageParams, SegmentsPage),
         _spec("BatchReplicaClear", ReplicaClearParams, list[str]),
         _spec("CreateCopyTask", CopyTaskParams, str),
         _spec("CreateMoveTask", MoveTaskParams, str),
@@ -761,6 +790,7 @@ MUTATING = frozenset(
         "MountSegment",
         "ReMountSegment",
         "UnmountSegment",
+        "DrainSegment",
         "PutStart",
         "PutEnd",
         "PutRevoke",
@@ -820,12 +850,14 @@ __all__ = [
     "Item",
     "KeyClientParams",
     "KeyParams",
+    "KeysPage",
     "KeysParams",
     "Message",
     "MessageDecoder",
     "MethodSpec",
     "MountSegmentParams",
     "MoveTaskParams",
+    "PageParams",
     "PutEndParams",
     "PutStartParams",
     "ReMountSegmentParams",
@@ -834,6 +866,7 @@ __all__ = [
     "Request",
     "Response",
     "SegmentFailureParams",
+    "SegmentsPage",
     "TaskIdParams",
     "TaskParams",
     "TaskRevokeParams",

@@ -212,6 +212,34 @@ class SegmentInfo(_Struct):
     client_id: str
     used: int
     capacity: int
+    status: str = "OK"
+    """``OK``, or ``DRAINING`` once its owner asked for a drain (upstream's ``SegmentStatus``)."""
+
+
+class DrainStatus(_Struct):
+    """The answer to ``DrainSegment`` (see :mod:`mooncake._core.master.drain`).
+
+    Counts of this call: ``released`` replicas left the replica lists (another copy exists),
+    ``copies`` re-replication tasks and ``moves`` move tasks were queued, ``stranded`` objects
+    are only on this segment and fit nowhere else (the unmount drops them). In flight: ``writes``
+    puts still writing into the segment, ``tasks`` objects with a task or tier move under way
+    (this call's moves included); ``read_wait_s`` is how long read leases granted on the
+    segment's replicas still run. The drain is complete when ``writes``, ``tasks`` and
+    ``read_wait_s`` are all 0.
+    """
+
+    released: int = 0
+    copies: int = 0
+    moves: int = 0
+    stranded: int = 0
+    writes: int = 0
+    tasks: int = 0
+    read_wait_s: float = 0.0
+
+    @property
+    def settled(self) -> bool:
+        """Nothing in flight on the segment any more: it can be unmounted."""
+        return self.writes == 0 and self.tasks == 0 and self.read_wait_s <= 0
 
 
 class ReplicaTask(_Struct):
@@ -244,6 +272,7 @@ __all__ = [
     "ClientStatus",
     "DemoteTask",
     "DiskDrop",
+    "DrainStatus",
     "GetReplicaListResponse",
     "MissInfo",
     "ObjectDataType",

@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from mooncake._core import rpc
 from mooncake._core.master import MasterState
 from mooncake._core.master.config import _compile
 from mooncake._core.master.tenants import (
@@ -74,7 +75,9 @@ KEYS_METHODS = frozenset(
         "BatchReplicaClear",
     }
 )
-_LISTING = frozenset({"GetAllKeys", "GetReplicaListByRegex", "RemoveByRegex", "RemoveAll"})
+_LISTING = frozenset(
+    {"GetAllKeys", "GetAllKeysPage", "GetReplicaListByRegex", "RemoveByRegex", "RemoveAll"}
+)
 TENANT_SCOPED = KEY_METHODS | KEYS_METHODS | _LISTING
 """Every method whose keys are scoped by the caller's tenant."""
 
@@ -170,7 +173,12 @@ def _listing(method: str, fn: Handler) -> Handler:
     def get_all_keys(s: MasterState, p: Any, now: float) -> Any:
         if not p.tenant and not s.tenants.objects:
             return fn(s, p, now)
-        return list(tenant_keys(tenant(p.tenant), s.all_keys()))
+        return s.all_keys_bounded(tenant(p.tenant))
+
+    def keys_page(s: MasterState, p: Any, now: float) -> Any:
+        if not p.tenant and not s.tenants.objects:
+            return fn(s, p, now)
+        return rpc.KeysPage(*s.all_keys_page(p.cursor, p.limit, tenant(p.tenant)))
 
     def by_regex(s: MasterState, p: Any, now: float) -> Any:
         if not p.tenant and not s.tenants.objects:
@@ -189,6 +197,7 @@ def _listing(method: str, fn: Handler) -> Handler:
 
     return {
         "GetAllKeys": get_all_keys,
+        "GetAllKeysPage": keys_page,
         "GetReplicaListByRegex": by_regex,
         "RemoveByRegex": remove_by_regex,
         "RemoveAll": remove_all,

@@ -22,8 +22,10 @@ user count; ``remove`` refuses new users at once and blocks until the last one i
 in a worker thread). Both machines hold a region for the whole of a request.
 
 Deadlines (:meth:`ServeConn.serve_blocking`): a connection in the middle of a request whose
-socket makes no progress for ``progress_ms`` is dropped (``-ETIMEDOUT``); one idle between
-requests for ``idle_ms`` is closed (``CLOSE``). :meth:`RegionTable.close` marks a range closing;
+socket makes no progress for ``progress_ms`` is dropped (``-ETIMEDOUT``), and so is one whose
+request is not done within ``progress_ms`` + its size / ``min_rate`` (bytes per second) of its
+start (the first byte after the previous request began; a peer trickling a byte at a time
+cannot hold a connection); one idle between requests for ``idle_ms`` is closed (``CLOSE``). :meth:`RegionTable.close` marks a range closing;
 :meth:`ServeConn.wake` then makes a serving thread drop its connection if it holds a closing
 range (``-ECONNABORTED``), so a silent peer cannot hold memory that is being unregistered.
 """
@@ -341,6 +343,9 @@ cdef class ServeConn:
     cdef bint st_v2
     cdef uintptr_t st_addr
     cdef size_t st_len
+    cdef long long req_start       # ms (CLOCK_MONOTONIC) the current request began; -1 idle
+    cdef long req_mark             # served + refused when it began
+    cdef uint64_t req_size         # its size (payload or reply bytes), from its header
 
     def __cinit__(self, int fd, RegionTable table not None, size_t drain_limit,
                   size_t scratch_size=65536):
@@ -364,6 +369,9 @@ cdef class ServeConn:
             raise MemoryError()
         self.served = 0
         self.refused = 0
+        self.req_start = -1
+        self.req_mark = 0
+        self.req_size = 0
 
     def __dealloc__(self):
         self._release_all()
@@ -371,13 +379,14 @@ cdef class ServeConn:
         if self.stop_fd >= 0:
             c_close(self.stop_fd)
 
-    def serve_blocking(self, long progress_ms=-1, long idle_ms=-1):
+    def serve_blocking(self, long progress_ms=-1, long idle_ms=-1, double min_rate=0):
         """Serve the connection on the calling thread until it ends or :meth:`stop` is called.
 
         Runs without the GIL, waiting in ``poll`` (the socket and a private eventfd) instead of
         returning WANT_READ/WANT_WRITE: no Python, and no event loop, per request. Returns the
         final :meth:`step` result, PEER_CLOSED after ``stop``, ``-ETIMEDOUT`` when a request
-        made no progress for ``progress_ms``, CLOSE after ``idle_ms`` idle between requests (or
+        made no progress for ``progress_ms`` or was not done within its bound
+        (:meth:`frame_wait`), CLOSE after ``idle_ms`` idle between requests (or
         an :meth:`evict` while idle), ``-ECONNABORTED`` when woken (:meth:`wake`) while holding a
         range that is closing, STAGE for a request on a device range (stage it, call
         :meth:`staged_done`, then call this again). Negative times wait forever. Call :meth:`prepare_blocking` first
@@ -387,6 +396,7 @@ cdef class ServeConn:
         cdef pollfd p[2]
         cdef int n
         cdef bint busy
+        cdef long wait
         cdef uint64_t junk
         if self.stop_fd < 0:
             raise ValueError("call prepare_blocking() first")
@@ -398,13 +408,17 @@ cdef class ServeConn:
                 if r != R_WANT_READ and r != R_WANT_WRITE:
                     break
                 busy = not self._idle()
+                wait = self._wait(progress_ms, idle_ms, min_rate)
+                if busy and wait == 0:
+                    r = -ETIMEDOUT
+                    break
                 p[0].fd = self.fd
                 p[0].events = POLLIN if r == R_WANT_READ else POLLOUT
                 p[0].revents = 0
                 p[1].fd = self.stop_fd
                 p[1].events = POLLIN
                 p[1].revents = 0
-                n = poll(p, 2, <int>(progress_ms if busy else idle_ms))
+                n = poll(p, 2, <int>wait)
                 if n < 0 and errno != EINTR:
                     r = -errno
                     break
@@ -425,6 +439,38 @@ cdef class ServeConn:
                             r = R_CLOSE
                             break
         return r
+
+    cdef long _wait(self, long progress_ms, long idle_ms, double min_rate) noexcept nogil:
+        # what frame_wait answers (see there)
+        cdef timespec ts
+        cdef long long now, end
+        cdef long mark
+        if self._idle():
+            self.req_start = -1
+            return idle_ms
+        clock_gettime(CLOCK_MONOTONIC, &ts)
+        now = <long long>ts.tv_sec * 1000 + ts.tv_nsec // 1000000
+        mark = self.served + self.refused
+        if self.req_start < 0 or mark != self.req_mark:
+            self.req_start = now
+            self.req_mark = mark
+        if progress_ms < 0:
+            return -1
+        end = self.req_start + progress_ms
+        if min_rate > 0:
+            end += <long long>(<double>self.req_size * 1000.0 / min_rate)
+        if end <= now:
+            return 0
+        if end - now < progress_ms:
+            return <long>(end - now)
+        return progress_ms
+
+    def frame_wait(self, long progress_ms=-1, long idle_ms=-1, double min_rate=0):
+        """Milliseconds to wait for the socket now (-1: forever): ``idle_ms`` between requests;
+        inside one, the smaller of ``progress_ms`` and what is left of its whole bound,
+        ``progress_ms`` + its size / ``min_rate`` from its start (the first wait after the
+        previous request began, or after idle); 0 once that bound has passed (drop it)."""
+        return self._wait(progress_ms, idle_ms, min_rate)
 
     cdef bint _idle(self) noexcept nogil:
         # between requests: no partial header, no payload, no reply pending
@@ -616,6 +662,7 @@ cdef class ServeConn:
                     memcpy(&addr, self.inbuf + self.in_pos + 8, 8)
                     op = self.inbuf[self.in_pos + 16]
                     self.in_pos += HEADER_SIZE
+                    self.req_size = size
                     self.v2 = (op & V2_FLAG) != 0
                     op = op & ~V2_FLAG
                     if op > 1:

@@ -10,6 +10,7 @@ import bisect
 import errno
 import struct
 import threading
+import time
 from collections.abc import Sequence
 
 from mooncake._fast._pure import _view
@@ -155,6 +156,28 @@ class ServeConn:
         self.close_after = False
         self.served = 0
         self.refused = 0
+        self.req_start = -1.0  # monotonic seconds the current request began; -1 idle
+        self.req_mark = 0  # served + refused when it began
+        self.req_size = 0  # its size, from its header
+
+    def frame_wait(self, progress_ms: int = -1, idle_ms: int = -1, min_rate: float = 0) -> int:
+        """As ``_tcp.pyx``: ms to wait now (-1 forever); 0 once the request's bound passed."""
+        if self.idle:
+            self.req_start = -1.0
+            return idle_ms
+        now = time.monotonic()
+        mark = self.served + self.refused
+        if self.req_start < 0 or mark != self.req_mark:
+            self.req_start, self.req_mark = now, mark
+        if progress_ms < 0:
+            return -1
+        end = self.req_start * 1000 + progress_ms
+        if min_rate > 0:
+            end += self.req_size * 1000.0 / min_rate
+        left = int(end - now * 1000)
+        if left <= 0:
+            return 0
+        return min(left, progress_ms)
 
     def _release(self) -> None:
         if self.held is not None:
@@ -193,7 +216,7 @@ class ServeConn:
         self._stopping = True
         self.wake()
 
-    def serve_blocking(self, progress_ms: int = -1, idle_ms: int = -1) -> int:
+    def serve_blocking(self, progress_ms: int = -1, idle_ms: int = -1, min_rate: float = 0) -> int:
         import os
         import select
 
@@ -208,8 +231,11 @@ class ServeConn:
             if r not in (WANT_READ, WANT_WRITE):
                 return r
             busy = not self.idle
+            wait = self.frame_wait(progress_ms, idle_ms, min_rate)
+            if busy and wait == 0:
+                return -errno.ETIMEDOUT
             p.register(self.fd, select.POLLIN if r == WANT_READ else select.POLLOUT)
-            events = p.poll(progress_ms if busy else idle_ms)
+            events = p.poll(wait)
             p.unregister(self.fd)
             if not events:
                 return -errno.ETIMEDOUT if busy else CLOSE
@@ -285,6 +311,7 @@ class ServeConn:
                         continue
                     self.got = 0
                     size, addr, op = _HDR.unpack(self.hdr)
+                    self.req_size = size
                     self.v2 = bool(op & _V2)
                     op &= ~_V2
                     if op > 1:

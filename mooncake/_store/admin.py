@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 
-from mooncake._core import rpc
+from mooncake._core import paging, rpc
 from mooncake._core import store_types as st
 from mooncake._store.moves import TASK_POLL_S, _check_key, _close_owner, _Op
 from mooncake._store.ranges import _Ranges
@@ -40,6 +40,33 @@ class _Admin(_Ranges):
             _check_key(k)
         codes: list[int] = await self.master.call("BatchExistKey", rpc.KeysParams(keys=list(keys)))
         return codes
+
+    async def all_keys(self, page: int = paging.PAGE_ITEMS) -> list[str]:
+        """Every readable key, listed ``page`` keys per call (``GetAllKeysPage``; a key
+        present during the whole listing is in it once, see :mod:`mooncake._core.paging`)."""
+        self._check_open()
+        out: list[str] = []
+        cursor = 0
+        while cursor >= 0:
+            got: rpc.KeysPage = await self.master.call(
+                "GetAllKeysPage", rpc.PageParams(cursor=cursor, limit=page)
+            )
+            out += got.keys
+            cursor = got.cursor
+        return out
+
+    async def all_segments(self, page: int = 1000) -> list[st.SegmentInfo]:
+        """Every mounted segment and its usage, ``page`` per call (``GetAllSegmentsPage``)."""
+        self._check_open()
+        out: list[st.SegmentInfo] = []
+        cursor = 0
+        while cursor >= 0:
+            got: rpc.SegmentsPage = await self.master.call(
+                "GetAllSegmentsPage", rpc.PageParams(cursor=cursor, limit=page)
+            )
+            out += got.segments
+            cursor = got.cursor
+        return out
 
     async def get_size(self, key: str) -> int:
         """Size in bytes of ``key``'s value."""

@@ -20,7 +20,8 @@ client:
   segment first, then same-host ones, then remote; on a transfer failure the next replica) ->
   **fence**: the read fails with :class:`~mooncake.errors.LeaseExpiredError` if it finished
   after the lease it was granted ran out (measured from before the request was sent), because
-  the master may then have reused the space; a read from a same-host segment whose owner died
+  the master may then have reused the space (``get`` tries such a read once more with a fresh
+  ``GetReplicaList``: a reader descheduled past its window is not a miss); a read from a same-host segment whose owner died
   while it was copying fails with :class:`~mooncake.errors.PeerDiedError`.
 
 Where the bytes go: a replica on this client's own segment is a ``memcpy``; one on another
@@ -54,8 +55,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING
 
@@ -72,6 +74,7 @@ from mooncake._core.tiers import Admission, make_admission
 from mooncake._engine.engine import DeviceMemory, Engine, open_engine
 from mooncake._groups import unwrapped
 from mooncake._store.admin import _Admin
+from mooncake._store.draining import DrainReport, drain, drain_on_signal
 from mooncake._store.master_conn import MasterConnection
 from mooncake._store.metrics import StoreMetrics, instrument
 from mooncake._store.moves import HEARTBEAT_S
@@ -220,6 +223,22 @@ class Store(_Admin):
             if dm is not None and not self.engine._closed:
                 # a shared engine outlives the store: give the device memory back now
                 await self.engine.unregister(dm)
+
+    async def drain(self, timeout_s: float | None = None) -> DrainReport:
+        """Drain this client's segments before leaving (:mod:`mooncake._store.draining`): no
+        new replicas land on them, replicated objects are re-replicated elsewhere, sole copies
+        moved where there is room, reads in flight finish; at most ``timeout_s`` (default 5 s,
+        ``MC_STORE_DRAIN_TIMEOUT``). Close the store afterwards (that unmounts)."""
+        self._check_open()
+        return await drain(self, timeout_s)
+
+    async def drain_on_signal(
+        self, signals: Sequence[signal.Signals] = (signal.SIGTERM,), timeout_s: float | None = None
+    ) -> DrainReport:
+        """Wait for SIGTERM (or ``signals``; main thread only), then :meth:`drain`; returns the
+        report. Run it in a task of the ``open_store`` block and leave the block after it."""
+        self._check_open()
+        return await drain_on_signal(self, signals, timeout_s)
 
     async def health(self) -> int:
         """0 healthy, 1 closed, 2 master unreachable (the published ``health_check`` codes)."""

@@ -39,8 +39,10 @@ from mooncake import _fast
 from mooncake._core import auth, rpc
 from mooncake._core import store_types as st
 from mooncake._core.master import parse_miss
+from mooncake._store import batching
 from mooncake._store.bounds import check_replica_list, own_extent
 from mooncake._store.metrics import instrument_fast
+from mooncake._store.moves import _subset
 from mooncake._store.shm import MappedPeer
 from mooncake._store.verify import NO_CRC, none_verified, report_blocking
 from mooncake._store.writes import UPSERT_WAIT_S
@@ -374,6 +376,13 @@ class FastPath:
             raise LeaseExpiredError("the read finished after its read window closed")
 
     def get(self, key: str) -> bytes:
+        """As ``Store.get``: a read fenced by its read window is tried once more."""
+        try:
+            return self._get(key)
+        except LeaseExpiredError:
+            return self._get(key)
+
+    def _get(self, key: str) -> bytes:
         resp, deadline = self._query(key)
         if not resp.replicas and resp.disk_clients:  # on an SSD tier: the loop reads it
             ssd: bytes = self.loop.call(self.store._read_ssd, key, resp)
@@ -436,7 +445,21 @@ class FastPath:
         ``BatchPutEnd`` (``BatchPutRevoke`` for what failed). Keys with a replica that is not
         memcpy-able are written and finished by the async client on the loop. An existing key
         is success, as for ``put``. Sources must be registered host memory (the async client
-        writes remote replicas straight from them)."""
+        writes remote replicas straight from them). A batch past one call's bounds is done
+        chunk by chunk (:mod:`~mooncake._store.batching`)."""
+        parts = batching.chunks(keys)
+        if len(parts) > 1:
+            done: list[MooncakeError | None] = []
+            n = len(keys)
+            for lo, hi in parts:
+                done += self.batch_put_parts(
+                    keys[lo:hi],
+                    ptrs[lo:hi],
+                    plens[lo:hi],
+                    sizes[lo:hi],
+                    _subset(config, range(lo, hi), n),
+                )
+            return done
         out, slow, slow_reps = self.put_parts_local(keys, ptrs, plens, sizes, config)
         if slow:
             res: list[MooncakeError | None] = self.loop.call(
@@ -661,6 +684,12 @@ class FastPath:
         (as the async client). Keys with no memcpy-able replica are read by the async client."""
         from mooncake.errors import InvalidArgumentError, error_from_code
 
+        parts = batching.chunks(keys)
+        if len(parts) > 1:  # past one call's bounds: chunk by chunk
+            joined: list[int | MooncakeError] = []
+            for lo, hi in parts:
+                joined += self.batch_get_parts(keys[lo:hi], ptrs[lo:hi], plens[lo:hi], caps[lo:hi])
+            return joined
         s = self.store
         stamp = [time.monotonic()]
         items: list[rpc.Item[st.GetReplicaListResponse]] = self._master().call(

@@ -76,6 +76,7 @@ from mooncake._core import auth, commands, rpc, tenantscope
 from mooncake._core.master import MasterConfig, MasterState
 from mooncake._engine import _accept
 from mooncake._store.keyscan import DEFAULT_BUDGET_S, SCAN_METHODS, KeyScanner
+from mooncake._store.listing_http import admin_listing
 from mooncake._store.rpc_thread import Handoff, RpcThread, usable
 from mooncake._store.serving import ReplyBudget, frame_deadline
 from mooncake._store.tenancy import (
@@ -756,15 +757,8 @@ class MasterServer:
                 return 404, "application/json", body
             body = msgspec.json.encode({"success": True, "data": info})
             return 200, "application/json", body
-        if url.path == "/get_all_keys":
-            tenant = parse_qs(url.query).get("tenant", [""])[0]
-            try:
-                keys = commands.HANDLERS["GetAllKeys"](self.state, rpc.Empty(tenant=tenant), 0.0)
-            except MooncakeError as e:
-                return 400, "text/plain", f"{e}\n".encode()
-            return 200, "application/json", msgspec.json.encode(keys)
-        if url.path == "/get_all_segments":
-            return 200, "application/json", msgspec.json.encode(self.state.all_segments())
+        if url.path in ("/get_all_keys", "/get_all_segments"):
+            return admin_listing(self.state, url.path, parse_qs(url.query))
         return 404, "text/plain", b"not found\n"
 
     def status(self) -> dict[str, Any]:

@@ -66,6 +66,7 @@ from mooncake._core import store_types as st
 from mooncake._core.tenantscope import TENANT_SCOPED
 from mooncake._engine import _sockio
 from mooncake._engine import tracing as _tracing
+from mooncake._store import batching
 from mooncake._store.leader import (
     LeaderResolver,
     failover_timeout_from_env,
@@ -327,6 +328,8 @@ class MasterConnection:
         answers are retried as the module docstring says. ``stamp[0]``, when given, is set to
         ``anyio.current_time()`` just before each attempt is sent: after the call it is the
         send time of the attempt that was answered (read fences measure from it)."""
+        if rid is None and (parts := batching.split(method, params)) is not None:
+            return await self._call_chunks(method, parts, stamp)
         fresh = rid is None and method in rpc.MUTATING
         if fresh:
             rid = self.next_rid()
@@ -340,6 +343,22 @@ class MasterConnection:
             ):
                 raise
             return await self._retry(method, params, rid, e, stamp)
+
+    async def _call_chunks(
+        self, method: str, parts: list[Any], stamp: list[float] | None
+    ) -> list[Any]:
+        """A batch too big for one call, as one call per chunk (:mod:`~mooncake._store.
+        batching`); the answers joined in order, ``stamp`` that of the first chunk."""
+        out: list[Any] = []
+        first: float | None = None
+        for part in parts:
+            mine = [anyio.current_time()] if stamp is not None else None
+            out.extend(await self.call(method, part, None, mine))
+            if mine is not None and first is None:
+                first = mine[0]
+        if stamp is not None and first is not None:
+            stamp[0] = first
+        return out
 
     async def call_stamped(self, method: str, params: msgspec.Struct) -> tuple[Any, float]:
         """:meth:`call`, and the clock reading taken just before the answered attempt was sent

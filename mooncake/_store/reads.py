@@ -22,6 +22,7 @@ from mooncake._core import store_types as st
 from mooncake._core.master import parse_miss
 from mooncake._core.misses import MissReason
 from mooncake._engine import tracing as _tracing
+from mooncake._store import batching
 from mooncake._store.bounds import check_replica_list
 from mooncake._store.moves import _check_key, _Op, _read_ttl, staging_refusal
 from mooncake._store.verify import (
@@ -90,15 +91,30 @@ class _Reads(_Writes):
     async def _batch_query(
         self, keys: Sequence[str], *, for_read: bool = True
     ) -> tuple[list[st.GetReplicaListResponse | MooncakeError], float]:
+        """``BatchGetReplicaList`` of ``keys`` and the stamp of the answered request; a batch
+        past one call's bounds is asked chunk by chunk (:mod:`~mooncake._store.batching`),
+        the stamp is the first chunk's and the read window of each later chunk's answers is
+        lengthened by how much later its request was sent, so every key's read deadline is
+        still that of its own lease."""
         from mooncake.errors import error_from_code
 
-        items: list[rpc.Item[st.GetReplicaListResponse]]
-        items, t0 = await self.master.call_stamped(
-            "BatchGetReplicaList", rpc.KeysParams(keys=list(keys), for_read=for_read)
-        )
+        keys = list(keys)
+        items: list[rpc.Item[st.GetReplicaListResponse]] = []
+        t0 = 0.0
+        later: list[float] = []  # per answer: seconds its request was sent after t0
+        for n, (lo, hi) in enumerate(batching.chunks(keys)):
+            got, t = await self.master.call_stamped(
+                "BatchGetReplicaList", rpc.KeysParams(keys=keys[lo:hi], for_read=for_read)
+            )
+            if n == 0:
+                t0 = t
+            items += got
+            later += [t - t0] * len(got)
         out: list[st.GetReplicaListResponse | MooncakeError] = []
-        for key, it in zip(keys, items, strict=False):
+        for key, it, dt in zip(keys, items, later, strict=False):
             if it.code == 0 and it.value is not None:
+                if dt > 0:  # its lease began dt after t0: its window ends dt later too
+                    it.value.read_ttl_ms = int((_read_ttl(it.value) + dt) * 1000)
                 try:
                     out.append(check_replica_list(key, it.value))
                 except TransferError as e:
@@ -221,9 +237,15 @@ class _Reads(_Writes):
 
     @_tracing.traced("mooncake.store.get", lambda self, key: {"mooncake.key": key})
     async def get(self, key: str) -> bytes:
-        """The value of ``key`` (raises :class:`ObjectNotFoundError` if there is none)."""
+        """The value of ``key`` (raises :class:`ObjectNotFoundError` if there is none).
+
+        A read fenced by its read window (it finished after its lease: the bytes may be stale,
+        the object is not gone) is tried once more with a fresh ``GetReplicaList``."""
         try:
-            return await self._get(key)
+            try:
+                return await self._get(key)
+            except LeaseExpiredError:
+                return await self._get(key)
         except MooncakeError as e:
             self._note_miss(e)
             raise

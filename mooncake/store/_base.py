@@ -20,10 +20,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mooncake._store.client import Store, open_store
+from mooncake._store.draining import drain_timeout
 from mooncake._store.fastpath import FastPath
 from mooncake._sync import LoopThread, close_at_exit, close_in_background, forget_at_exit
 from mooncake.errors import ClosedError, ErrorCode, MooncakeError, to_code
-from mooncake.store import _setup
+from mooncake.store import _drain, _setup
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -101,6 +102,7 @@ class StoreBase:
         self._exit_token: int | None = None
         self._dummy: Any = None  # the standalone-client connection of a dummy client
         self._mounted_kinds: dict[str, str] = {}  # segment id -> "mounted" / "allocated"
+        self._drain_timeout: float | None = None  # setup's drain_timeout (None: the default)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -116,6 +118,8 @@ class StoreBase:
         try:
             cfg = _setup.collect(args, kwargs)
             opts = _setup.open_store_options(cfg)
+            if cfg.get("drain_timeout") is not None:
+                self._drain_timeout = drain_timeout(cfg["drain_timeout"])
         except MooncakeError as e:
             return fail("setup", e)
         engine = cfg.get("engine")
@@ -163,6 +167,21 @@ class StoreBase:
         if os.environ.get("MC_STORE_SYNC_FASTPATH", "1") not in ("0", "false", "False"):
             self._fast = FastPath(store, loop)
         self._exit_token = close_at_exit(self)
+        _drain.arm(self)
+
+    def drain(self, timeout_s: float | None = None) -> int:
+        """Drain this client's segments before it leaves (what SIGTERM does, see
+        :mod:`mooncake.store._drain`): 0 once nothing is in flight on them, ``RPC_TIMEOUT``
+        (-901) if the bound (``timeout_s``, else setup's ``drain_timeout``, else 5 s) ran out
+        first, another negative code if the client is not set up. Close the store afterwards."""
+        if self._store is None:
+            return fail("drain", ClosedError("the store client is not set up"))
+        bound = self._drain_timeout if timeout_s is None else timeout_s
+        try:
+            report = self._call(self._s.drain, bound)
+        except MooncakeError as e:
+            return fail("drain", e)
+        return 0 if report.settled else int(ErrorCode.RPC_TIMEOUT)
 
     def init_all(self, protocol: str, device_name: str, mount_segment_size: int = 16 << 20) -> int:
         """The published shortcut: ``setup("localhost:12345", "127.0.0.1:2379",
@@ -190,6 +209,7 @@ class StoreBase:
             for name in [k for k in vars(self) if not k.startswith("_")]:
                 del self.__dict__[name]  # the forwarding methods setup_dummy bound
         loop, self._loop = self._loop, None
+        _drain.disarm(self)
         forget_at_exit(self._exit_token)
         self._exit_token = None
         if loop is None:

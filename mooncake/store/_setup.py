@@ -15,6 +15,9 @@ enable_client_http_server=False, client_http_port=9300)`` (positional or keyword
 * **enable_ssd_offload** opens the local SSD tier at ``ssd_offload_path`` (else
   ``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH``, else ``/data/file_storage``) bounded by
   ``MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES`` (2 TiB by default), the published variables.
+* **drain_timeout** (ours, after the published arguments; also a ``setup(dict)`` key): the bound
+  in seconds of the drain SIGTERM runs (:mod:`mooncake.store._drain`); default 5 s or
+  ``MC_STORE_DRAIN_TIMEOUT``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ SETUP_NAMES = (
     "tenant_id",
     "enable_client_http_server",
     "client_http_port",
+    "drain_timeout",
 )
 #: config-file spellings accepted in ``setup(dict)`` for the published dict keys
 CONFIG_ALIASES = {

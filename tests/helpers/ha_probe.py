@@ -4,7 +4,8 @@
   python tests/helpers/ha_probe.py keys RPC_HOST:PORT         -> {"keys": [...]}
   python tests/helpers/ha_probe.py mount RPC_HOST:PORT        -> {"ok": true}
   python tests/helpers/ha_probe.py loop RPC_HOST:PORT SECONDS PREFIX
-        -> {"puts": [[key, acknowledged, monotonic time of the answer], ...],
+        -> first {"started": true} once a put and a read were answered, then (last line)
+           {"puts": [[key, acknowledged, monotonic time of the answer], ...],
             "reads": [[key, answered with success, monotonic time of the answer], ...]}
 
 One JSON line on stdout; monotonic times are the kernel's, comparable across namespaces.
@@ -37,6 +38,7 @@ def main(argv: list[str]) -> None:
     elif what == "loop":
         until = time.monotonic() + float(argv[2])
         puts, reads, i = [], [], 0
+        started = False
         while time.monotonic() < until:
             key = f"{argv[3]}{i}"
             i += 1
@@ -47,6 +49,9 @@ def main(argv: list[str]) -> None:
             except OSError:
                 r = None
             reads.append([key, r is not None and r[0] == 0, time.monotonic()])
+            if ok and reads[-1][1] and not started:
+                started = True  # the caller may cut now: something was answered before it
+                print(json.dumps({"started": True}), flush=True)
             if not ok:
                 time.sleep(0.1)
         out = {"puts": puts, "reads": reads}

@@ -197,6 +197,19 @@ class ObjectMap:
             if (o := hot.get(h)) is None or o.readable is not None
         ]
 
+    def readable_from(self, start: int) -> Iterator[tuple[int, str]]:
+        """``(handle, key)`` of the keys with a readable version, from handle ``start`` on in
+        handle order (a page of a listing: :mod:`mooncake._core.paging`)."""
+        key, hot, table = self.table.key, self.hot, self.table
+        for h in range(max(0, start), table.capacity):
+            try:
+                k = key(h)
+            except KeyError:  # a free handle
+                continue
+            o = hot.get(h)
+            if o is None or o.readable is not None:
+                yield h, k
+
     # -- cold rows -------------------------------------------------------------------------
 
     def _row_object(self, h: int, key: str) -> _Object:

@@ -133,6 +133,10 @@ class _Seg:
     num: int = -1
     """Its number in the object table's cold rows (unique among the state's segments)."""
     mounted: bool = True
+    draining: bool = False
+    """Being drained by its owner (``DrainSegment``): readable, but nothing is allocated on it."""
+    reads_until: float = 0.0
+    """While draining: the end of the last read lease granted on a replica that left it."""
 
 
 @dataclass(slots=True)

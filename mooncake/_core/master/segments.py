@@ -340,7 +340,9 @@ class _Segments(_StateBase):
         used_segs: set[int] = set()
         quarantined = self.quarantine
         for seg in self._candidates(config):
-            if id(seg) in used_segs or (quarantined and seg.segment.name in quarantined):
+            if id(seg) in used_segs or seg.draining:
+                continue
+            if quarantined and seg.segment.name in quarantined:
                 continue
             addr = seg.alloc.allocate(size)
             if addr is None:
@@ -377,6 +379,7 @@ class _Segments(_StateBase):
                 client_id=s.client_id,
                 used=s.alloc.used,
                 capacity=s.alloc.capacity,
+                status="DRAINING" if s.draining else "OK",
             )
             for s in self._seg_list
         ]

@@ -11,7 +11,9 @@ from collections import OrderedDict, deque
 from mooncake._core.dedup import DedupLedger
 from mooncake._core.master import snapshot
 from mooncake._core.master.config import MasterConfig, MasterStats, parse_tenant_quotas
+from mooncake._core.master.drain import _Drain
 from mooncake._core.master.leases import _Leases
+from mooncake._core.master.listing import _Listing
 from mooncake._core.master.objects import _Objects
 from mooncake._core.master.objmap import ObjectMap
 from mooncake._core.master.records import (
@@ -38,7 +40,7 @@ from mooncake._core.store_types import Segment
 from mooncake._core.tiers import TierCounters
 
 
-class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks, _Verify):
+class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks, _Verify, _Drain, _Listing):
     """All master metadata; one method per RPC (see the module docstring for the rules)."""
 
     def __init__(

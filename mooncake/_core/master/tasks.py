@@ -74,7 +74,10 @@ class _Tasks(_StateBase):
                 (
                     s
                     for s in self._seg_list
-                    if s.segment.name == name and id(s) not in held and s not in segs
+                    if s.segment.name == name
+                    and id(s) not in held
+                    and not s.draining
+                    and s not in segs
                 ),
                 None,
             )
@@ -147,6 +150,8 @@ class _Tasks(_StateBase):
         if task.type is TaskType.REPLICA_MOVE:
             src = task.source
             obj.readable.replicas.remove(src)
+            if src.seg.draining:  # readers granted it may still copy until their lease ends
+                src.seg.reads_until = max(src.seg.reads_until, obj.read_deadline)
             if obj.read_deadline > now:  # a reader may be copying from it
                 self._defer(obj.read_deadline, [src])
             else:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import math
 import os
 import socket
 import time
@@ -69,6 +70,7 @@ PIPELINE_DEPTH = 256
 DEFAULT_LANES = 4  # MC_TCP_LANES_PER_PEER
 DRAIN_LIMIT = 64 << 20
 MAX_CONNECTIONS = 1024  # MC_TCP_MAX_CONNECTIONS
+MIN_RATE = float(64 << 10)  # MC_TCP_MIN_RATE, bytes per second
 PROGRESS_TIMEOUT_S = 20.0  # MC_TCP_PROGRESS_TIMEOUT
 IDLE_TIMEOUT_S = 300.0  # MC_TCP_IDLE_TIMEOUT
 
@@ -147,6 +149,7 @@ class TcpTransport(Transport):
         max_connections: int | None = None,
         progress_timeout: float | None = None,
         idle_timeout: float | None = None,
+        min_rate: float | None = None,
     ) -> None:
         super().__init__(engine)
         self.lanes = max(1, lanes)
@@ -162,6 +165,11 @@ class TcpTransport(Transport):
         )
         #: seconds a connection may sit idle between requests (from accept) before it is closed
         self.idle_timeout = idle_timeout or _env_float("MC_TCP_IDLE_TIMEOUT", IDLE_TIMEOUT_S)
+        #: bytes per second a request must move on average: one must be done within
+        #: ``progress_timeout`` + its size / ``min_rate`` of its start (0: no such bound)
+        self.min_rate = (
+            min_rate if min_rate is not None else _env_float("MC_TCP_MIN_RATE", MIN_RATE)
+        )
         self._slots = _accept.Slots(self.max_connections, "tcp")
         self._threads = anyio.CapacityLimiter(self.max_connections)
         mode = os.environ.get("MOONCAKE_TCP_SERVE", "")
@@ -300,12 +308,16 @@ class TcpTransport(Transport):
             _sockio.close(sock)
 
     async def _serve_loop(self, conn: Any, sock: socket.socket) -> int:
-        progress, idle = self.progress_timeout, self.idle_timeout
+        progress_ms = int(self.progress_timeout * 1000)
+        idle_ms = int(self.idle_timeout * 1000)
         while True:
             r = int(conn.step())
             if r in (_fast.WANT_READ, _fast.WANT_WRITE):
                 busy = not conn.idle
-                with anyio.move_on_after(progress if busy else idle) as scope:
+                wait = int(conn.frame_wait(progress_ms, idle_ms, self.min_rate))
+                if busy and wait == 0:
+                    return -errno.ETIMEDOUT  # the request is not done within its bound
+                with anyio.move_on_after(wait / 1000 if wait >= 0 else math.inf) as scope:
                     if r == _fast.WANT_READ:
                         await anyio.wait_readable(sock)
                     else:
@@ -334,7 +346,7 @@ class TcpTransport(Transport):
             tg.start_soon(watcher)
             r = int(
                 await anyio.to_thread.run_sync(
-                    conn.serve_blocking, progress_ms, idle_ms, limiter=self._threads
+                    conn.serve_blocking, progress_ms, idle_ms, self.min_rate, limiter=self._threads
                 )
             )
             tg.cancel_scope.cancel()
@@ -346,19 +358,19 @@ class TcpTransport(Transport):
         scratch = _sockio.Scratch(64)
         p = self.progress_timeout
         try:
-            with anyio.fail_after(p):  # from accept
+            with anyio.fail_after(p):  # the whole exchange, from accept
                 magic = await _sockio.recv_exact(sock, 8, scratch, "auth")
-            if magic != AUTH_HELLO:
-                log.info("tcp: refused a connection without the cluster secret")
-                return False
-            cn = await _sockio.recv_exact(sock, auth.NONCE_BYTES, scratch, "auth", progress=p)
-            sn = auth.new_nonce()
-            await self._send(sock, sn + auth.server_proof(self.secret, "tcp", cn, sn))
-            got = await _sockio.recv_exact(sock, auth.PROOF_BYTES, scratch, "auth", progress=p)
-            if not auth.verify(auth.client_proof(self.secret, "tcp", cn, sn), got):
-                log.warning("tcp: a peer failed the cluster-secret proof")
-                return False
-            await self._send(sock, AUTH_OK)
+                if magic != AUTH_HELLO:
+                    log.info("tcp: refused a connection without the cluster secret")
+                    return False
+                cn = await _sockio.recv_exact(sock, auth.NONCE_BYTES, scratch, "auth")
+                sn = auth.new_nonce()
+                await self._send(sock, sn + auth.server_proof(self.secret, "tcp", cn, sn))
+                got = await _sockio.recv_exact(sock, auth.PROOF_BYTES, scratch, "auth")
+                if not auth.verify(auth.client_proof(self.secret, "tcp", cn, sn), got):
+                    log.warning("tcp: a peer failed the cluster-secret proof")
+                    return False
+                await self._send(sock, AUTH_OK)
             return True
         except (MooncakeError, OSError, TimeoutError) as e:
             log.debug("tcp auth: connection dropped: %s", e)
@@ -377,7 +389,9 @@ class TcpTransport(Transport):
             return -errno.ECONNABORTED
         stager = self.engine.staging
         progress = self.progress_timeout
-        scope = anyio.CancelScope()
+        # the whole request within progress_timeout + size / min_rate, not just each byte
+        bound = progress + (size / self.min_rate if self.min_rate > 0 else math.inf)
+        scope = anyio.CancelScope(deadline=anyio.current_time() + bound)
         self._staging[conn] = scope
         try:
             with scope:
@@ -408,6 +422,8 @@ class TcpTransport(Transport):
         finally:
             del self._staging[conn]
         if scope.cancelled_caught:
+            if anyio.current_time() >= scope.deadline:
+                return -errno.ETIMEDOUT  # not done within its bound
             return -errno.ECONNABORTED
         conn.staged_done()
         return 0
