@@ -31,6 +31,7 @@ FLOORS: dict[str, int] = {
     "_fast": 2,
     "_sync": 2,
     "_groups": 2,
+    "_unsupported": 2,
     # 3: the sans-I/O core
     "_core": 3,
     # 4: the engine's drivers, trace replay
@@ -47,13 +48,22 @@ FLOORS: dict[str, int] = {
     "allocator": 6,
     "mooncake_config": 6,
     "http_metadata_server": 6,
+    "ep": 6,
+    "pg": 6,
+    "mooncake_ep_buffer": 6,
+    "mooncake_elastic_buffer": 6,
     # 7: tools and layers over the sync store
     "_cli": 7,
     "async_store": 7,
     "_structured": 7,
     "structured_object_store": 7,
+    "transfer_engine_topology_dump": 7,
+    "vllm_v1_proxy_server": 7,
     # 8: entry points
     "__main__": 8,
+    "cli": 8,
+    "cli_client": 8,
+    "cli_bench": 8,
 }
 
 #: Modules whose floor is not their room's: they sit in a lower room but are built on a facade.

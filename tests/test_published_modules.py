@@ -11,13 +11,13 @@ import signal
 import subprocess
 import sys
 import threading
-import tomllib
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 
 from mooncake.errors import NotSupportedError
 
