@@ -32,6 +32,7 @@ FLOORS: dict[str, int] = {
     "_sync": 2,
     "_groups": 2,
     "_unsupported": 2,
+    "_nof_cli": 2,
     # 3: the sans-I/O core
     "_core": 3,
     # 4: the engine's drivers, trace replay
@@ -52,6 +53,9 @@ FLOORS: dict[str, int] = {
     "pg": 6,
     "mooncake_ep_buffer": 6,
     "mooncake_elastic_buffer": 6,
+    "mooncake_ssd_register": 6,
+    "mooncake_ssd_unregister": 6,
+    "shared_segment": 6,
     # 7: tools and layers over the sync store
     "_cli": 7,
     "async_store": 7,

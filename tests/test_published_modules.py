@@ -20,6 +20,7 @@ import pytest
 import tomllib
 
 from mooncake.errors import NotSupportedError
+from tests.services import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the published wheel's console scripts (its entry_points.txt)
@@ -340,3 +341,126 @@ def test_proxy_flags_as_published() -> None:
         parse_args(["--prefiller-hosts", "a", "b"])
     with pytest.raises(ValueError, match="decoder hosts must match"):
         parse_args(["--decoder-ports", "1", "2"])
+
+
+# -- shared segment ------------------------------------------------------------------------------
+
+
+def test_shared_segment_layout_and_views_in_one_rank() -> None:
+    torch = pytest.importorskip("torch")
+    from mooncake.shared_segment import (
+        SharedSegmentError,
+        create_shared_segment,
+        shared_segment_supported,
+    )
+
+    assert shared_segment_supported() and not shared_segment_supported(mmap=False)
+    assert not shared_segment_supported(host_register=True)
+    seg = create_shared_segment(
+        "kv",
+        {
+            "v": {"count": 2, "shape": (3, 5), "dtype": torch.float32},
+            "k": {"count": 3, "shape": (4,), "dtype": torch.bfloat16},
+        },
+        world_size=1,
+        rank_id=0,
+    )
+    # sorted names, 4 KiB-aligned entries inside one group stride, max(count) groups
+    assert seg.total_size() == 3 * (4096 + 4096)
+    k, v = seg.tensors("k"), seg.tensors("v")
+    assert len(k) == 3 and len(v) == 2 and v[0].shape == (3, 5) and k[0].dtype == torch.bfloat16
+    assert k[0].data_ptr() == seg.base_addr() and v[0].data_ptr() == seg.base_addr() + 4096
+    assert k[1].data_ptr() == seg.base_addr() + 8192
+    v[1].fill_(7.0)
+    assert float(seg.tensors("v")[1].sum()) == 7.0 * 15  # the same pages
+    with pytest.raises(SharedSegmentError, match="Unknown shared segment block 'x'"):
+        seg.tensors("x")
+    with pytest.raises(SharedSegmentError, match="positive count"):
+        create_shared_segment("b", {"k": {"count": 0, "shape": (1,), "dtype": torch.int8}}, 1, 0)
+    with pytest.raises(SharedSegmentError, match="needs count, shape and dtype"):
+        create_shared_segment("b", {"k": {"shape": (1,)}}, 1, 0)
+    with pytest.raises(SharedSegmentError, match="no VMM backend"):
+        create_shared_segment(
+            "b", {"k": {"count": 1, "shape": (1,), "dtype": torch.int8}}, 1, 0, mmap=False
+        )
+    with pytest.raises(SharedSegmentError, match="comm_group is required"):
+        create_shared_segment("b", {"k": {"count": 1, "shape": (1,), "dtype": torch.int8}}, 2, 0)
+
+
+_RANK = """
+import os, sys, torch, torch.distributed as dist
+from mooncake.shared_segment import SharedSegmentError, create_shared_segment
+rank, port, shape = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+blocks = {"k": {"count": 2, "shape": (shape,), "dtype": torch.int32}}
+try:
+    seg = create_shared_segment("kv", blocks, world_size=2, rank_id=rank, comm_group=dist.group.WORLD)
+except SharedSegmentError as e:
+    print("ERR", e, flush=True)
+    sys.exit(0)
+k = seg.tensors("k")
+if rank == 0:
+    k[1].copy_(torch.arange(k[1].numel(), dtype=torch.int32))
+dist.barrier()
+print("SUM", int(k[1].sum()), flush=True)
+dist.barrier()
+"""
+
+
+def _two_ranks(shapes: tuple[int, int]) -> list[str]:
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK, str(r), port, str(shapes[r])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env(),
+        )
+        for r in (0, 1)
+    ]
+    outs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, out
+        outs.append(out)
+    return outs
+
+
+def test_shared_segment_maps_the_owners_pages_in_another_rank() -> None:
+    pytest.importorskip("torch")
+    outs = _two_ranks((16, 16))
+    assert all("SUM 120" in o for o in outs), outs  # rank 1 reads what rank 0 wrote
+    outs = _two_ranks((16, 8))  # the ranks disagree: both fail, naming the layouts
+    assert all(
+        "ERR Shared segment complete failed" in o and "different shared segment layout" in o
+        for o in outs
+    ), outs
+
+
+@pytest.mark.parametrize(
+    ("module", "cls"),
+    [
+        ("mooncake.mooncake_ssd_register", "MooncakeNoFRegister"),
+        ("mooncake.mooncake_ssd_unregister", "MooncakeNoFUnregister"),
+    ],
+)
+def test_ssd_nof_commands_take_the_published_flags_and_refuse(module: str, cls: str) -> None:
+    mod = importlib.import_module(module)
+    with pytest.raises(NotSupportedError, match="NVMe-oF"):
+        getattr(mod, cls)({"master_server_address": "127.0.0.1:50051"}, ["ip:10.0.0.1 path:/spdk"])
+    argv = ["--master_server_address=127.0.0.1:50051", "--spdk_target_info", "ip:10.0.0.1 path:/x"]
+    out = subprocess.run(
+        [sys.executable, "-m", module, *argv, "-Dtrsvcid=4420"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
+    assert (
+        out.returncode == 1 and f"{cls} is not supported" in out.stderr and "NVMe-oF" in out.stderr
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", module], capture_output=True, text=True, env=_env(), timeout=120
+    )
+    assert out.returncode == 2 and "--master_server_address" in out.stderr  # argparse, as published
