@@ -12,12 +12,19 @@ and prints one line per test plus pass/fail counts::
     python scripts/run_upstream_tests.py                       # all files
     python scripts/run_upstream_tests.py -k dummy -k tensor    # files whose name contains a word
     python scripts/run_upstream_tests.py --json out.json       # per-test results as JSON
+    python scripts/run_upstream_tests.py --published           # the baseline: the published wheel
 
 The tests come from a git directory of kvcache-ai/Mooncake (``--mirror``, a bare clone is fine;
 ``--rev`` picks the commit). Each file runs under pytest (unittest classes included) with a
 junit report, so every test case is counted; the files that are scripts with a ``main()``
 (``scripts/test_tensor_api.py``, ``scripts/test_drain_http_api.py``, ...) run as upstream runs
 them and count as one test each. Every process it starts is stopped by PID.
+
+``--published`` runs the same against the published wheel instead (the anchor venv,
+``scripts/setup-anchor.sh``; its interpreter and console scripts, nothing of this package), so
+the two result sets can be compared test by test. Upstream CI runs ``scripts/test_engram_store.py``
+from a build tree (``build/mooncake-integration/store.so``): a one-line ``store`` module there
+re-exports ``mooncake.store`` of whichever package is under test.
 
 Exit status: 0 when every test passed, 1 otherwise.
 """
@@ -46,6 +53,16 @@ DEFAULT_MIRROR = "/work/.mirror/kvcache-ai+Mooncake/repo"
 #: how long one server may take to listen (a loaded machine starts Python slowly)
 START_S = 120.0
 
+ANCHOR_PYTHON = os.path.expanduser("~/.cache/mooncake-anchor-venv/bin/python")
+#: the published wheel's console scripts (its entry_points.txt)
+PUBLISHED_SHIMS = {
+    "mooncake_master": "mooncake.cli:main",
+    "mooncake_client": "mooncake.cli_client:main",
+    "mooncake_http_metadata_server": "mooncake.http_metadata_server:main",
+    "transfer_engine_bench": "mooncake.cli_bench:main",
+    "transfer_engine_topology_dump": "mooncake.transfer_engine_topology_dump:main",
+    "mc_store_rest_server": "mooncake.mooncake_store_service:sync_main",
+}
 #: console scripts the tests call by name (``test_cli.py``, ``run_tests.sh``): name -> callable
 SHIMS = {
     "mooncake_master": "mooncake._cli.master:gflags_main",
@@ -201,11 +218,14 @@ def export_tree(mirror: str, rev: str, dest: Path) -> None:
     with tarfile.open(archive) as tar:
         tar.extractall(dest / "upstream", filter="data")
     archive.unlink()
+    build = dest / "upstream" / "build" / "mooncake-integration"
+    build.mkdir(parents=True)
+    (build / "store.py").write_text("from mooncake.store import *  # noqa: F403\n")
 
 
-def write_shims(bindir: Path, python: str) -> None:
+def write_shims(bindir: Path, python: str, shims: dict[str, str]) -> None:
     bindir.mkdir(parents=True, exist_ok=True)
-    for name, target in SHIMS.items():
+    for name, target in shims.items():
         mod, func = target.split(":")
         shim = bindir / name
         shim.write_text(f"#!{python}\nimport sys\nfrom {mod} import {func}\nsys.exit({func}())\n")
@@ -419,7 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--mirror", default=DEFAULT_MIRROR, help="git dir of kvcache-ai/Mooncake")
     ap.add_argument("--rev", default="HEAD")
     ap.add_argument("-k", action="append", default=[], help="only files whose path has WORD")
-    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--python", default=None, help="interpreter (default: this one)")
+    ap.add_argument("--published", action="store_true", help="test the published wheel instead")
     ap.add_argument("--json", help="write the per-test results here")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     args = ap.parse_args(argv)
@@ -428,16 +449,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="mc-upstream-"))
     try:
         export_tree(args.mirror, args.rev, tmp)
-        write_shims(tmp / "bin", args.python)
+        python = args.python or (ANCHOR_PYTHON if args.published else sys.executable)
+        write_shims(tmp / "bin", python, PUBLISHED_SHIMS if args.published else SHIMS)
         env = dict(os.environ)
         env["PATH"] = f"{tmp / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-        env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+        if args.published:
+            env.pop("PYTHONPATH", None)
+        else:
+            env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
         env["MC_FORCE_TCP"] = "true"
         env.pop("MOONCAKE_CONFIG_PATH", None)
         results: list[Result] = []
         for suite in suites:
             t0 = time.monotonic()
-            got = run_suite(suite, tmp / "upstream", tmp, env, args.python)
+            got = run_suite(suite, tmp / "upstream", tmp, env, python)
             results += got
             n_ok = sum(r.outcome == "passed" for r in got)
             print(

@@ -27,6 +27,7 @@ FLOORS: dict[str, int] = {
     "errors": 1,
     "buffer_pool": 1,
     "_miss": 1,
+    "_fast_copy": 1,
     # 2: C primitives and thread/loop helpers
     "_fast": 2,
     "_sync": 2,

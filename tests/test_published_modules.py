@@ -464,3 +464,62 @@ def test_ssd_nof_commands_take_the_published_flags_and_refuse(module: str, cls: 
         [sys.executable, "-m", module], capture_output=True, text=True, env=_env(), timeout=120
     )
     assert out.returncode == 2 and "--master_server_address" in out.stderr  # argparse, as published
+
+
+def test_fast_copy_concatenates_into_raw_memory_as_published() -> None:
+    import ctypes
+
+    import numpy as np
+
+    from mooncake._fast_copy import concat_arrays_into
+
+    arrays = [
+        np.arange(3, dtype=np.uint8),
+        np.arange(4, dtype=np.uint8) + 10,
+        np.arange(2, dtype=np.uint8) + 20,
+    ]
+    dst = ctypes.create_string_buffer(16)
+    assert concat_arrays_into(arrays, ctypes.addressof(dst), 16, 1, 2) == 6
+    assert dst.raw[:6] == bytes([10, 11, 12, 13, 20, 21]) and dst.raw[6:] == b"\0" * 10
+    assert concat_arrays_into(arrays, ctypes.addressof(dst), 16, 7) == 0  # start clamped
+    assert concat_arrays_into(arrays, ctypes.addressof(dst), 16, 2, -1) == 2
+    small = ctypes.create_string_buffer(4)
+    with pytest.raises(ValueError, match="destination buffer too small: need 9 bytes, got 4"):
+        concat_arrays_into(arrays, ctypes.addressof(small), 4)
+    assert small.raw == b"\0" * 4  # nothing written
+    with pytest.raises(ValueError, match=r"arrays\[0\] is not C-contiguous"):
+        concat_arrays_into([np.arange(8, dtype=np.uint8)[::2]], ctypes.addressof(dst), 16)
+    with pytest.raises(TypeError, match=r"arrays\[1\] is not an ndarray"):
+        concat_arrays_into([arrays[0], b"xy"], ctypes.addressof(dst), 16)
+
+
+def test_http_metadata_server_handler_takes_aiohttp_like_requests() -> None:
+    import asyncio
+
+    from mooncake.http_metadata_server import KVBootstrapServer
+
+    class Req:
+        def __init__(self, method: str, key: str | None = None, body: bytes = b"") -> None:
+            self.method, self.body = method, body
+            self.query = {} if key is None else {"key": key}
+
+        async def read(self) -> bytes:
+            return self.body
+
+    server = KVBootstrapServer(port=0)
+
+    def call(*a: Any) -> Any:
+        return asyncio.run(server._handle_metadata(Req(*a)))
+
+    for m in ("GET", "PUT", "DELETE"):
+        r = call(m, None, b"v")
+        assert (r.status, r.content_type) == (400, "application/json") and "" not in server.store
+    assert call("PUT", "   ", b"v").status == 400
+    assert call("PUT", "  k  ", b"raw bytes").status == 200 and "k" in server.store
+    r = call("GET", "k")
+    assert (r.status, r.body) == (200, b"raw bytes")
+    assert call("PUT", "mooncake/rpc_meta/a", b"{}").status == 200
+    assert call("PUT", "mooncake/rpc_meta/a", b"{}").status == 400  # as published
+    assert call("POST", "k").status == 405
+    assert call("DELETE", "k").status == 200 and call("DELETE", "k").status == 404
+    assert call("GET", "k").status == 404

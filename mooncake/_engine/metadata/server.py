@@ -113,6 +113,9 @@ class MetadataStore:
     def __len__(self) -> int:
         return len(self._data)
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
     @property
     def total_bytes(self) -> int:
         return self._bytes
