@@ -86,7 +86,7 @@ class Suite:
     real_client: bool = False  # needs ``mooncake_client`` serving dummy clients
     parallel: int = 1  # script mode: that many copies at once (argv gets ``{i}``)
     background: str = ""  # a helper script started before this one (and stopped after)
-    timeout: float = 900.0
+    timeout: float = 600.0
 
 
 W = "mooncake-wheel/tests/"
@@ -150,6 +150,8 @@ SUITES: list[Suite] = [
     Suite("scripts/test_engram_store.py"),
     Suite("scripts/test_drain_http_api.py", script=True, argv=["--timeout-sec", "90"]),
 ]
+#: upstream CI's master RPC, HTTP metadata and admin ports (``--ci-ports``)
+CI_PORTS = (50051, 8080, 9003)
 #: in the tree but not run: hardware or builds this package does not have
 NOT_RUN = {
     W + "test_mooncake_ep.py": "needs CUDA GPUs (Mooncake EP)",
@@ -235,8 +237,13 @@ def write_shims(bindir: Path, python: str, shims: dict[str, str]) -> None:
 class Services:
     """The master (with its embedded HTTP metadata server) and, on demand, ``mooncake_client``."""
 
-    def __init__(self, tmp: Path, env: dict[str, str], flags: Sequence[str]) -> None:
-        self.rpc, self.meta, self.metrics = free_port(), free_port(), free_port()
+    def __init__(
+        self, tmp: Path, env: dict[str, str], flags: Sequence[str], ci_ports: bool = False
+    ) -> None:
+        if ci_ports:  # upstream's defaults, which some tests hard-code (127.0.0.1:50051)
+            self.rpc, self.meta, self.metrics = CI_PORTS
+        else:
+            self.rpc, self.meta, self.metrics = free_port(), free_port(), free_port()
         self.env = env
         self.log = open(tmp / "master.log", "ab")  # noqa: SIM115 (closed in close())
         cmd = [
@@ -314,12 +321,14 @@ class Services:
 
 
 @contextmanager
-def services(tmp: Path, env: dict[str, str], suite: Suite) -> Iterator[Services]:
+def services(
+    tmp: Path, env: dict[str, str], suite: Suite, ci_ports: bool = False
+) -> Iterator[Services]:
     flags = [f.replace("{tmp}", str(tmp)) for f in suite.master_flags]
     for f in flags:
         if f.startswith("--root_fs_dir="):
             Path(f.split("=", 1)[1]).mkdir(parents=True, exist_ok=True)
-    svc = Services(tmp, env, flags)
+    svc = Services(tmp, env, flags, ci_ports)
     try:
         if suite.real_client:
             svc.start_client(tmp)
@@ -350,12 +359,12 @@ def _tail(text: str, n: int = 300) -> str:
 
 
 def run_suite(
-    suite: Suite, tree: Path, tmp: Path, env: dict[str, str], python: str
+    suite: Suite, tree: Path, tmp: Path, env: dict[str, str], python: str, ci_ports: bool = False
 ) -> list[Result]:
     test = tree / suite.path
     cwd = test.parent
     extra_env = {k: v.replace("{tmp}", str(tmp)) for k, v in suite.env.items()}
-    ctx = services(tmp, env, suite)
+    ctx = services(tmp, env, suite, ci_ports)
     try:
         svc = ctx.__enter__()
     except RuntimeError as e:
@@ -442,10 +451,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--python", default=None, help="interpreter (default: this one)")
     ap.add_argument("--published", action="store_true", help="test the published wheel instead")
     ap.add_argument("--json", help="write the per-test results here")
+    ap.add_argument(
+        "--ci-ports",
+        action="store_true",
+        help="serve on upstream CI's fixed ports 50051/8080/9003 (some tests hard-code "
+        "127.0.0.1:50051); refused when one is taken",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     args = ap.parse_args(argv)
 
     suites = [s for s in SUITES if not args.k or any(k in s.path for k in args.k)]
+    if args.ci_ports:
+        for port in CI_PORTS:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ap.error(f"--ci-ports: port {port} is taken on this host")
     tmp = Path(tempfile.mkdtemp(prefix="mc-upstream-"))
     try:
         export_tree(args.mirror, args.rev, tmp)
@@ -462,7 +484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results: list[Result] = []
         for suite in suites:
             t0 = time.monotonic()
-            got = run_suite(suite, tmp / "upstream", tmp, env, python)
+            got = run_suite(suite, tmp / "upstream", tmp, env, python, args.ci_ports)
             results += got
             n_ok = sum(r.outcome == "passed" for r in got)
             print(
