@@ -298,19 +298,25 @@ class Services:
         self.client = subprocess.Popen(
             cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        # it prints its ready line into the log; wait for the abstract socket instead
+        # ready once it serves: ours on the abstract socket @mooncake_client_50052.sock, the
+        # published one on TCP 127.0.0.1:50052 (its RPC port)
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
             if self.client.poll() is not None:
                 raise RuntimeError(f"mooncake_client exited with {self.client.returncode}")
-            s = socket.socket(socket.AF_UNIX)
-            try:
-                s.connect("\0mooncake_client_50052.sock")
-                return
-            except OSError:
-                time.sleep(0.2)
-            finally:
-                s.close()
+            for family, addr in (
+                (socket.AF_UNIX, "\0mooncake_client_50052.sock"),
+                (socket.AF_INET, ("127.0.0.1", 50052)),
+            ):
+                s = socket.socket(family)
+                try:
+                    s.connect(addr)
+                    return
+                except OSError:
+                    pass
+                finally:
+                    s.close()
+            time.sleep(0.2)
         raise RuntimeError("mooncake_client did not serve within the start-up bound")
 
     def close(self) -> None:
