@@ -62,6 +62,7 @@ FLOORS: dict[str, int] = {
     "async_store": 7,
     "_structured": 7,
     "structured_object_store": 7,
+    "dataproto_catalog": 7,
     "transfer_engine_topology_dump": 7,
     "vllm_v1_proxy_server": 7,
     # 8: entry points
