@@ -6,7 +6,8 @@ prewarm_size=None, prewarm_count=0)`` hands out *leases* of registered memory
 (``store.register_buffer``) for the zero-copy calls (``put_from``, ``get_into``, the
 multi-buffer and tensor ``_from``/``_into`` forms). Requests round up to a power-of-two size
 class (at least ``min_size_class``); a released lease goes back to its class's free list and is
-reused; new regions are allocated (``alignment``-aligned, pre-faulted) while the pool holds
+reused; a request above ``max_size_class`` gets a region of its own size, unregistered and freed
+on release (counted against ``max_bytes`` while leased), as published; new regions are allocated (``alignment``-aligned, pre-faulted) while the pool holds
 less than ``max_bytes`` (0: no limit) and fewer than ``max_regions``. When it is full,
 ``acquire`` waits for a release (``block=True``, up to ``timeout`` seconds) or raises
 ``RuntimeError("buffer pool is exhausted")``; a wait that runs out raises
@@ -118,9 +119,10 @@ class BufferLease:
 
 
 class _Region:
-    __slots__ = ("addr", "array", "owner", "size_class")
+    __slots__ = ("addr", "array", "oversize", "owner", "size_class")
 
     def __init__(self, size_class: int, alignment: int) -> None:
+        self.oversize = False  # above max_size_class: its own region, dropped on release
         raw = np.empty(size_class + alignment, dtype=np.uint8)
         start = (-int(raw.ctypes.data)) % alignment if alignment else 0
         self.owner = raw
@@ -217,8 +219,9 @@ class BufferPool:
         timeout = self._timeout if timeout is None else timeout
         if timeout is not None and timeout < 0:
             raise RuntimeError("timeout must be non-negative")
-        c = self._class_of(size)
-        if (self._max_class is not None and c > self._max_class) or (
+        oversize = self._max_class is not None and size > self._max_class
+        c = max(size, 1) if oversize else self._class_of(size)
+        if (self._max_class is not None and c > self._max_class and not oversize) or (
             self._max_bytes and c > self._max_bytes
         ):
             raise RuntimeError("requested buffer size exceeds pool capacity")
@@ -228,12 +231,13 @@ class BufferPool:
             while True:
                 if self._closed:
                     raise RuntimeError("buffer pool is closing")
-                free = self._free.get(c)
+                free = None if oversize else self._free.get(c)
                 if free:
                     region = free.pop()
                     break
                 if self._can_grow(c):
                     region = self._new_region(c)
+                    region.oversize = oversize
                     break
                 if not should_block:
                     raise RuntimeError("buffer pool is exhausted")
@@ -263,8 +267,13 @@ class BufferPool:
     def _give_back(self, region: _Region) -> None:
         with self._cond:
             self._leased -= 1
-            self._free.setdefault(region.size_class, []).append(region)
+            if region.oversize:  # not pooled: unregistered and freed
+                self._regions.remove(region)
+            else:
+                self._free.setdefault(region.size_class, []).append(region)
             self._cond.notify_all()
+        if region.oversize:
+            self._store.unregister_buffer(region.addr)
 
     def close(self) -> None:
         """Unregister every region (``RuntimeError`` while leases are out); idempotent."""

@@ -216,7 +216,11 @@ class TransferEngine:
         return self._e()[1].rpc_port
 
     def get_local_topology(self, device_name: str | None = None) -> str:
-        return "{}"
+        """This host's RDMA topology as Mooncake's JSON matrix (``{}`` without RDMA devices);
+        ``device_name`` (comma-separated) keeps only those devices."""
+        from mooncake._engine.transports.rdma_topology import local_topology_json
+
+        return local_topology_json(device_name)
 
     def get_engine(self) -> TransferEngine:
         return self

@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -35,6 +36,19 @@ class KVPoll(Enum):
     WaitingForInput = 2
     Transferring = 3
     Success = 4
+
+
+@dataclass(frozen=True)
+class MetadataResponse:
+    """What :meth:`KVBootstrapServer._handle_metadata` answers (an aiohttp-like response)."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", "replace")
 
 
 class KVBootstrapServer:
@@ -94,6 +108,36 @@ class KVBootstrapServer:
                 pass
         if self.thread is not None and self.thread.is_alive():
             self.thread.join(timeout=2)
+
+    async def _handle_metadata(self, request: Any) -> MetadataResponse:
+        """One metadata request, as the published (aiohttp) handler takes it: ``request`` has
+        ``method``, ``query`` (a mapping) and ``async read()``. The key is stripped; a blank
+        one is 400; GET -> 200 with the value or 404; PUT -> 200 (400 for an existing
+        ``rpc_meta`` key; the value is stored as sent); DELETE -> 200 or 404; another method
+        405. Every response is ``application/json``, as published."""
+        key = str(request.query.get("key", "")).strip()
+        if not key:
+            return MetadataResponse(400, b"metadata key is required")
+        method = str(request.method).upper()
+        if method == "GET":
+            value = self.store.get(key)
+            if value is None:
+                return MetadataResponse(404, b"metadata not found")
+            return MetadataResponse(200, value)
+        if method == "PUT":
+            data = bytes(await request.read())
+            try:
+                self.store.put(key, data)
+            except _server.DuplicateKeyError:
+                return MetadataResponse(400, b"Duplicate rpc_meta key not allowed")
+            except _server.StoreFullError:
+                return MetadataResponse(507, b"metadata store full")
+            return MetadataResponse(200, b"metadata updated")
+        if method == "DELETE":
+            if self.store.delete(key):
+                return MetadataResponse(200, b"metadata deleted")
+            return MetadataResponse(404, b"metadata not found")
+        return MetadataResponse(405, b"Method not allowed")
 
     def poll(self) -> KVPoll:
         """``Success`` while the server thread serves, else ``Failed``."""

@@ -27,10 +27,13 @@ FLOORS: dict[str, int] = {
     "errors": 1,
     "buffer_pool": 1,
     "_miss": 1,
+    "_fast_copy": 1,
     # 2: C primitives and thread/loop helpers
     "_fast": 2,
     "_sync": 2,
     "_groups": 2,
+    "_unsupported": 2,
+    "_nof_cli": 2,
     # 3: the sans-I/O core
     "_core": 3,
     # 4: the engine's drivers, trace replay
@@ -48,13 +51,26 @@ FLOORS: dict[str, int] = {
     "mooncake_config": 6,
     "http_metadata_server": 6,
     "kv_events": 6,
+    "ep": 6,
+    "pg": 6,
+    "mooncake_ep_buffer": 6,
+    "mooncake_elastic_buffer": 6,
+    "mooncake_ssd_register": 6,
+    "mooncake_ssd_unregister": 6,
+    "shared_segment": 6,
     # 7: tools and layers over the sync store
     "_cli": 7,
     "async_store": 7,
     "_structured": 7,
     "structured_object_store": 7,
+    "dataproto_catalog": 7,
+    "transfer_engine_topology_dump": 7,
+    "vllm_v1_proxy_server": 7,
     # 8: entry points
     "__main__": 8,
+    "cli": 8,
+    "cli_client": 8,
+    "cli_bench": 8,
 }
 
 #: Modules whose floor is not their room's: they sit in a lower room but are built on a facade.

@@ -125,3 +125,27 @@ def test_http_metadata_server_module_serves_and_stops() -> None:
     finally:
         server.close()
     assert server.poll() is KVPoll.Failed
+
+
+def test_buffer_pool_serves_sizes_above_max_size_class_from_their_own_region(store: object) -> None:
+    from mooncake.buffer_pool import BufferPool
+
+    pool = BufferPool(store, 1 << 20, max_size_class=128 * 1024, alignment=4096)
+    try:
+        big = pool.acquire(128 * 1024 + 1)
+        assert big.size == 128 * 1024 + 1 and big.buffer.nbytes == 128 * 1024 + 1
+        assert big.ptr % 4096 == 0
+        big.buffer[-3:] = b"end"
+        assert len(pool._regions) == 1
+        big.release()
+        assert pool._regions == [] and pool._free == {}  # not pooled: gone on release
+        with pytest.raises(RuntimeError, match="exceeds pool capacity"):
+            pool.acquire((1 << 20) + 1)  # still bounded by max_bytes
+        small = pool.acquire(10)
+        first = small.ptr
+        small.release()
+        again = pool.acquire(10)
+        assert again.ptr == first  # the pooled classes still reuse
+        again.release()
+    finally:
+        pool.close()

@@ -288,3 +288,56 @@ def test_tensor_calls_through_a_dummy_client(standalone: tuple[str, str]) -> Non
         assert torch.equal(d.get_tensor_with_parallelism("par", rt), t)
     finally:
         assert d.close() == 0
+
+
+def test_dummy_get_into_ranges_stays_inside_the_registered_buffer(
+    standalone: tuple[str, str],
+) -> None:
+    """A range that does not fit in the dummy's registered buffer is refused (never written,
+    even though the pool around it is shared with the standalone client); the others land."""
+    address, _ = standalone
+    d = MooncakeDistributedStore()
+    assert d.setup_dummy(16 * MIB, 4 * MIB, address) == 0
+    try:
+        data = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+        assert d.put("r1", data) == 0
+        size = 32
+        p = d.alloc_from_mem_pool(size)
+        guard = d.alloc_from_mem_pool(size)  # the pool memory right after it
+        assert p and guard and d.register_buffer(p, size) == 0
+        ctypes.memset(p, ord("_"), size)
+        ctypes.memset(guard, ord("#"), size)
+        assert guard >= p + size
+        ok = d.get_into_ranges(
+            [p], [["r1", "r1"]], [[[0, 20], [8]]], [[[2, 30], [10]]], [[[4, 3], [6]]]
+        )
+        assert ok == [[[4, 3], [6]]]
+        assert ctypes.string_at(p, 4) == data[2:6] and ctypes.string_at(p + 20, 3) == data[30:33]
+        # destination past the buffer's end: refused, nothing written past it or into it
+        before = ctypes.string_at(p, size)
+        over = d.get_into_ranges([p], [["r1"]], [[[size - 2, 0]]], [[[0, 0]]], [[[4, 2]]])
+        assert over == [[[INVALID, 2]]]
+        assert ctypes.string_at(p + size - 2, 2) == before[size - 2 :]
+        assert ctypes.string_at(guard, size) == b"#" * size
+        # a range reaching the pool's guard through a large size, a negative offset, source
+        # past the object's end, a pointer never registered nor shared
+        assert d.get_into_ranges([p], [["r1"]], [[[0]]], [[[0]]], [[[size + 8]]]) == [[[INVALID]]]
+        assert d.get_into_ranges([p], [["r1"]], [[[-4]]], [[[0]]], [[[4]]]) == [[[INVALID]]]
+        assert d.get_into_ranges([p], [["r1"]], [[[0]]], [[[len(data) - 1]]], [[[4]]]) == [
+            [[INVALID]]
+        ]
+        stray = ctypes.create_string_buffer(64)
+        got = d.get_into_ranges([ctypes.addressof(stray)], [["r1"]], [[[0]]], [[[0]]], [[[4]]])
+        assert got[0][0][0] < 0 and stray.raw == b"\0" * 64
+        assert ctypes.string_at(guard, size) == b"#" * size
+        # mismatched lists and missing keys keep the published shapes
+        mism = d.get_into_ranges([p], [["r1", "r1"]], [[[0], []]], [[[0, 1], []]], [[[4, 4], []]])
+        assert len(mism[0]) == 2 and mism[0][0][0] < 0 and mism[0][1] == []
+        miss = d.get_into_ranges([p], [["nope", "r1"]], [[[0], [8]]], [[[0], [0]]], [[[4], [4]]])
+        assert miss[0][0][0] < 0 and miss[0][1] == [4]
+        # after unregister, the bound is the pool's again (the published dummy's mem pool is
+        # registered with the standalone client as a whole)
+        assert d.unregister_buffer(p) == 0
+        assert d.get_into_ranges([p], [["r1"]], [[[size]]], [[[0]]], [[[4]]]) == [[[4]]]
+    finally:
+        assert d.close() == 0

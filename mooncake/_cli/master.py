@@ -380,7 +380,7 @@ def parse_gflags(argv: Sequence[str], *, warn: Callable[[str], None] | None = No
     :class:`InvalidArgumentError` naming the flag.
     """
     warn = warn or (lambda msg: print(msg, file=sys.stderr))
-    parsed = _Parsed(MasterServerConfig())
+    parsed = _Parsed(MasterServerConfig(rpc_port=0))  # 0 until --rpc_port: then --port
     parsed.server.state = MasterConfig()
     i = 0
     args = list(argv)

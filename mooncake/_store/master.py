@@ -75,6 +75,7 @@ from prometheus_client.registry import Collector
 from mooncake._core import auth, commands, rpc, tenantscope
 from mooncake._core.master import MasterConfig, MasterState
 from mooncake._engine import _accept
+from mooncake._store import drain_http
 from mooncake._store.keyscan import DEFAULT_BUDGET_S, SCAN_METHODS, KeyScanner
 from mooncake._store.listing_http import admin_listing
 from mooncake._store.rpc_thread import Handoff, RpcThread, usable
@@ -719,8 +720,10 @@ class MasterServer:
 
     # -- HTTP (/metrics, /health) ----------------------------------------------------------
 
-    def http_response(self, method: str, target: str) -> tuple[int, str, bytes]:
+    def http_response(self, method: str, target: str, body: bytes = b"") -> tuple[int, str, bytes]:
         """(status, content type, body) for one admin HTTP request."""
+        if drain_http.handles(target):
+            return drain_http.response(self, method, target, body)
         url = urlsplit(target)
         if url.path == "/api/v1/tenant_quotas":
             return tenant_quotas_http(self, method, url.query)
@@ -841,23 +844,28 @@ class MasterServer:
                     event = await _next_http_event(conn, stream)
                     if not isinstance(event, h11.Request):
                         return
-                    while not isinstance(await _next_http_event(conn, stream), h11.EndOfMessage):
-                        pass  # admin endpoints take no body
+                    body = bytearray()  # only the drain routes take one (small JSON)
+                    while not isinstance(
+                        ev := await _next_http_event(conn, stream), h11.EndOfMessage
+                    ):
+                        if isinstance(ev, h11.Data) and len(body) <= drain_http.MAX_BODY:
+                            body += ev.data
                     request = event
                 if request is None:
                     return
                 slot.busy()
-                status, ctype, body = self.http_response(
+                status, ctype, out = self.http_response(
                     request.method.decode("ascii", "replace"),
                     request.target.decode("ascii", "replace"),
+                    bytes(body),
                 )
-                headers = [("content-type", ctype), ("content-length", str(len(body)))]
+                headers = [("content-type", ctype), ("content-length", str(len(out)))]
                 head = h11.Response(
                     status_code=status, headers=headers, reason=_REASONS.get(status, b"")
                 )
                 data = conn.send(head) or b""
                 if request.method != b"HEAD":
-                    data += conn.send(h11.Data(data=body)) or b""
+                    data += conn.send(h11.Data(data=out)) or b""
                 data += conn.send(h11.EndOfMessage()) or b""
                 await stream.send(data)
                 if conn.our_state is h11.MUST_CLOSE:

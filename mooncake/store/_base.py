@@ -103,6 +103,7 @@ class StoreBase:
         self._dummy: Any = None  # the standalone-client connection of a dummy client
         self._mounted_kinds: dict[str, str] = {}  # segment id -> "mounted" / "allocated"
         self._drain_timeout: float | None = None  # setup's drain_timeout (None: the default)
+        self._http: Any = None  # the client HTTP endpoints (enable_client_http_server)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -124,7 +125,7 @@ class StoreBase:
             return fail("setup", e)
         engine = cfg.get("engine")
         if engine is not None:
-            return self._setup_shared(engine, opts)
+            return self._setup_shared(engine, opts, cfg)
         retries = int(os.environ.get("MC_STORE_CLIENT_SETUP_RETRIES", "20") or 20)
         host = opts["hostname"]
         for attempt in range(max(1, retries)):
@@ -143,10 +144,20 @@ class StoreBase:
                     continue  # the random port was taken meanwhile: another one
                 return fail("setup", e)
             self._adopt(loop, store, owns_loop=True)
+            self._start_http(cfg, opts["hostname"])
             return 0
         return int(ErrorCode.INTERNAL_ERROR)
 
-    def _setup_shared(self, engine: Any, opts: dict[str, Any]) -> int:
+    def _start_http(self, cfg: dict[str, Any], hostname: str) -> None:
+        port = _setup.client_http_port(cfg)
+        if port is not None:
+            from mooncake.store import _client_http
+
+            self._http = _client_http.start(
+                hostname, port, self.health_check, lambda: self.metrics_registry
+            )
+
+    def _setup_shared(self, engine: Any, opts: dict[str, Any], cfg: dict[str, Any]) -> int:
         """``setup(engine=te)``: run on ``te``'s loop and use its engine (not a second one)."""
         loop, eng = getattr(engine, "_loop", None), getattr(engine, "_engine", None)
         if not isinstance(loop, LoopThread) or eng is None:
@@ -160,6 +171,7 @@ class StoreBase:
         except BaseException as e:
             return fail("setup", e)
         self._adopt(loop, store, owns_loop=False)
+        self._start_http(cfg, opts["hostname"])
         return 0
 
     def _adopt(self, loop: LoopThread, store: Store, *, owns_loop: bool) -> None:
@@ -203,6 +215,9 @@ class StoreBase:
     def close(self) -> int:
         """Unmount this client's segments and stop; 0 (idempotent). A store sharing an
         engine's loop leaves the loop (and the engine) running."""
+        http, self._http = self._http, None
+        if http is not None:
+            http.close()
         dummy, self._dummy = self._dummy, None
         if dummy is not None:
             dummy.close()

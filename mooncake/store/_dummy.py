@@ -59,6 +59,7 @@ class _Connection:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.lock = threading.Lock()
         self.maps: dict[int, int] = {}  # shared base -> size, known to the standalone client
+        self.extents: dict[int, int] = {}  # register_buffer(ptr, size) of this dummy
         self.pool: mmap.mmap | None = None
         self.pool_base = 0
         self.staging: mmap.mmap | None = None
@@ -162,6 +163,7 @@ class _Connection:
     def register(self, ptr: int, size: int) -> int:
         for base, n in self.maps.items():
             if base <= ptr and ptr + size <= base + n:
+                self.extents[ptr] = size
                 return 0
         found = shared_memory_of(ptr, size)
         if found is None:
@@ -175,9 +177,25 @@ class _Connection:
         (rc,) = self.request(["map", base, n], [fd])
         if rc == 0:
             self.maps[base] = n
+            self.extents[ptr] = size
         return int(rc)
 
+    def capacity(self, ptr: int) -> int:
+        """Bytes a call may write from ``ptr``: to the end of the registered buffer holding it
+        (the innermost one), else to the end of the shared mapping holding it, else 0."""
+        best = 0
+        for base, n in self.extents.items():
+            if base <= ptr < base + n and (best == 0 or base + n - ptr < best):
+                best = base + n - ptr
+        if best:
+            return best
+        for base, n in self.maps.items():
+            if base <= ptr < base + n:
+                return base + n - ptr
+        return 0
+
     def unregister(self, ptr: int) -> int:
+        self.extents.pop(ptr, None)
         if ptr in self.maps and ptr != self.pool_base:
             del self.maps[ptr]
             (rc,) = self.request(["unmap", ptr])
@@ -227,6 +245,7 @@ class DummyMethods(StoreBase):
         # the bytes calls: staged through the shared local buffer, as the published dummy does
         for name in _STAGED:
             setattr(self, name, getattr(self, f"_dummy_{name}"))
+        self.get_into_ranges = self._dummy_get_into_ranges  # type: ignore[method-assign]
         self.register_buffer = conn.register  # type: ignore[method-assign]
         self.unregister_buffer = conn.unregister  # type: ignore[method-assign]
         self.get_hostname = lambda: ""  # type: ignore[method-assign]  # published: a dummy has no segment
@@ -241,6 +260,86 @@ class DummyMethods(StoreBase):
         except (OSError, EOFError) as e:
             log.error("%s: the standalone client is unreachable: %s", name, e)
             return int(ErrorCode.RPC_FAIL)
+
+    def _dummy_get_into_ranges(
+        self,
+        buffer_ptrs: list[int],
+        all_keys: list[list[str]],
+        all_dst_offsets: list[list[list[int]]],
+        all_src_offsets: list[list[list[int]]],
+        all_sizes: list[list[list[int]]],
+    ) -> list[list[list[int]]]:
+        """``get_into_ranges`` of a dummy: a range that does not fit in the registered buffer
+        holding its buffer address is refused here (``INVALID_PARAMS`` for that range, never
+        forwarded), since the standalone client sees only the shared mapping around it; the
+        other ranges are forwarded and their results put back in place."""
+        bad = int(ErrorCode.INVALID_PARAMS)
+        conn = self._dummy
+        lists = (buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets, all_sizes)
+        if conn is None or not all(isinstance(x, list) for x in lists):
+            return [[[bad] * len(d) for d in dsts] for dsts in (all_dst_offsets or [])]
+        if not (
+            len(buffer_ptrs)
+            == len(all_keys)
+            == len(all_dst_offsets)
+            == len(all_src_offsets)
+            == len(all_sizes)
+        ):
+            mismatched: list[list[list[int]]] = self._forward(
+                "get_into_ranges",
+                buffer_ptrs,
+                all_keys,
+                all_dst_offsets,
+                all_src_offsets,
+                all_sizes,
+            )  # the standalone client shapes the refusal as published
+            return mismatched
+        keep: list[list[list[int]]] = []  # per buffer, key: indices of the ranges forwarded
+        dst_f: list[list[list[int]]] = []
+        src_f: list[list[list[int]]] = []
+        len_f: list[list[list[int]]] = []
+        for i, ptr in enumerate(buffer_ptrs):
+            cap = conn.capacity(ptr) if isinstance(ptr, int) and ptr > 0 else 0
+            keep.append([])
+            dst_f.append([])
+            src_f.append([])
+            len_f.append([])
+            for j in range(len(all_keys[i])):
+                dst = all_dst_offsets[i][j] if j < len(all_dst_offsets[i]) else []
+                src = all_src_offsets[i][j] if j < len(all_src_offsets[i]) else []
+                sz = all_sizes[i][j] if j < len(all_sizes[i]) else []
+                if not (len(dst) == len(src) == len(sz)):  # refused as a mismatch there
+                    keep[i].append(list(range(len(dst))))
+                    dst_f[i].append(list(dst))
+                    src_f[i].append(list(src))
+                    len_f[i].append(list(sz))
+                    continue
+                idx = [
+                    k
+                    for k, (d, n) in enumerate(zip(dst, sz, strict=True))
+                    if isinstance(d, int) and isinstance(n, int) and d >= 0 and n >= 0
+                    and d + n <= cap
+                ]  # fmt: skip
+                keep[i].append(idx)
+                dst_f[i].append([dst[k] for k in idx])
+                src_f[i].append([src[k] for k in idx])
+                len_f[i].append([sz[k] for k in idx])
+        got: Any = self._forward("get_into_ranges", buffer_ptrs, all_keys, dst_f, src_f, len_f)
+        out: list[list[list[int]]] = []
+        for i in range(len(buffer_ptrs)):
+            row: list[list[int]] = []
+            for j in range(len(all_keys[i])):
+                # one result per range; one where the lists do not say how many (as published)
+                res = [bad] * (len(all_dst_offsets[i][j]) if j < len(all_dst_offsets[i]) else 1)
+                if isinstance(got, int):  # the whole call failed
+                    res = [got] * len(res)
+                else:
+                    sent = got[i][j]
+                    for pos, k in enumerate(keep[i][j]):
+                        res[k] = int(sent[pos])
+                row.append(res)
+            out.append(row)
+        return out
 
     # -- the bytes calls of a dummy (bound by setup_dummy) ---------------------------------
 

@@ -197,8 +197,15 @@ def open_store_options(cfg: dict[str, Any]) -> dict[str, Any]:
     if tenant not in (None, "", "default"):
         opts["tenant"] = str(tenant)
     if _flag(cfg.get("enable_client_http_server", False)):
-        log.warning(
-            "setup: enable_client_http_server is accepted but this client serves no HTTP "
-            "endpoints (the master's metrics cover the store)"
-        )
+        port = cfg.get("client_http_port", 9300)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port <= 65535:
+            raise InvalidArgumentError(f"client_http_port must be in 1..65535, got {port!r}")
     return opts
+
+
+def client_http_port(cfg: dict[str, Any]) -> int | None:
+    """The port of the client HTTP endpoints (:mod:`mooncake.store._client_http`), or None
+    when ``enable_client_http_server`` is off."""
+    if not _flag(cfg.get("enable_client_http_server", False)):
+        return None
+    return int(cfg.get("client_http_port", 9300))

@@ -9,7 +9,8 @@
 Protocol (compatible with the published servers): ``GET|PUT|DELETE <path>?key=<key>``;
 GET -> 200 with the stored bytes, or 404; PUT -> 200, or 400 when the key is an ``rpc_meta`` key
 that already exists (as Mooncake's servers do) or the body is not JSON; DELETE -> 200, or 404.
-A missing ``key`` is 400, another path 404, another method 405.
+A missing ``key`` is 400, another path 404, another method 405. ``GET /health`` answers 200
+``OK`` (no key, no cluster-secret proof needed), as the published servers do.
 
 Robustness: it binds the address it is given (loopback by default). Every connection is its own
 task, so a bad or slow client costs only its own connection: request heads are bounded by h11
@@ -111,6 +112,9 @@ class MetadataStore:
 
     def __len__(self) -> int:
         return len(self._data)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
 
     @property
     def total_bytes(self) -> int:
@@ -274,6 +278,10 @@ class HttpMetadataServer:
         method = req.method.decode("ascii", "replace")
         target = req.target.decode("latin-1")
         parts = urlsplit(target)
+        if parts.path == "/health" and method == "GET":  # as the published server answers
+            if await _read_body(conn, stream, self.max_body) is None:
+                return 413, b"body too large"
+            return 200, b"OK"
         if parts.path.rstrip("/") != self.path.rstrip("/"):
             return 404, f"no such path {parts.path!r} (metadata lives at {self.path})".encode()
         if method not in ("GET", "PUT", "DELETE"):

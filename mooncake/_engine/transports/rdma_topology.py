@@ -119,3 +119,34 @@ def discover(names: Sequence[str], sysfs: str = "/sys") -> PriorityMatrix:
         entries[f"cuda:{g}"] = (pref, tuple(i for i in range(n) if i not in pref))
     entries["*"] = (tuple(range(n)), ())
     return PriorityMatrix(entries, n)
+
+
+def rdma_devices(sysfs: str = "/sys") -> list[str]:
+    """The RDMA device names under ``<sysfs>/class/infiniband`` (sorted; none: empty)."""
+    try:
+        return sorted(os.listdir(os.path.join(sysfs, "class", "infiniband")))
+    except OSError:
+        return []
+
+
+def local_topology_json(device_filter: str | None = None, sysfs: str = "/sys") -> str:
+    """Mooncake's topology JSON (``{"cpu:0": [[preferred], [available]], ...}``) of this host's
+    RDMA devices, optionally only those named in ``device_filter`` (comma-separated); ``{}``
+    when there are none. ``MC_CUSTOM_TOPO_JSON`` replaces discovery as in :func:`discover`."""
+    names = rdma_devices(sysfs)
+    custom = os.environ.get("MC_CUSTOM_TOPO_JSON")
+    if custom and not names:  # a matrix given for devices this host does not show
+        try:
+            with open(custom) as f:
+                obj = json.load(f)
+        except (OSError, ValueError) as e:
+            raise InvalidArgumentError(f"MC_CUSTOM_TOPO_JSON={custom!r}: {e}") from None
+        if not isinstance(obj, dict):
+            raise InvalidArgumentError(f"MC_CUSTOM_TOPO_JSON={custom!r}: not a JSON object")
+        names = sorted({n for v in obj.values() if isinstance(v, list) for grp in v for n in grp})
+    if device_filter:
+        wanted = {n.strip() for n in device_filter.split(",") if n.strip()}
+        names = [n for n in names if n in wanted]
+    if not names:
+        return "{}"
+    return json.dumps(discover(names, sysfs).to_json(names))
