@@ -86,7 +86,7 @@ from mooncake._core.commands import Command, Durability
 from mooncake._core.leader_probe import PROBE_INTERVAL, DeathDetector, ProbeOutcome
 from mooncake._core.master import MasterState
 from mooncake._engine.metadata.etcd import EtcdKV, _b64, _unb64, prefix_end
-from mooncake._store.ha_stream import ReplicaLeader, follow_stream, read_isr
+from mooncake._store.ha_stream import MAX_TXN_ENTRIES, ReplicaLeader, follow_stream, read_isr
 from mooncake._store.snapshots import DirSnapshots, EtcdSnapshots, ForkedSnapshot, Snapshot
 from mooncake.errors import InvalidArgumentError, MetadataError, MooncakeError
 
@@ -134,6 +134,10 @@ class HaConfig:
     ack_mode: str = "etcd"
     """``etcd``: a mutation is acknowledged once its log entry is in etcd; ``replica``: once
     every in-sync standby holds it (:mod:`mooncake._store.ha_stream`), etcd written behind."""
+    etcd_linger: float = 0.02
+    """``replica``: while the in-sync set is not empty, the etcd append of an entry may wait
+    this long for later entries to share its txn (the etcd lag an acknowledged entry can have;
+    0: append at once)."""
     sync_timeout: float = 1.0
     """``replica``: a standby that has not acknowledged an entry this long leaves the in-sync
     set (acknowledgements wait at most this long for a stopped standby)."""
@@ -150,6 +154,10 @@ class HaConfig:
         if self.ack_mode not in ("etcd", "replica"):
             raise InvalidArgumentError(
                 f"--ha_ack_mode must be etcd or replica, got {self.ack_mode!r}"
+            )
+        if not 0 <= self.etcd_linger <= 1:
+            raise InvalidArgumentError(
+                f"--ha_etcd_linger_ms must be 0-1000 ms, got {self.etcd_linger * 1000:g}"
             )
         if self.snapshot_interval <= 0 or self.snapshot_log_entries < 1:
             raise InvalidArgumentError("snapshot interval and log-length trigger must be > 0")
@@ -632,13 +640,21 @@ class HaNode:
         held, self.held = self.held, {}
         first = seq = self.applied_seq + 1
         while seq in held:
-            refused = await self.append_entries([(seq, held[seq])])
+            chunk: list[tuple[int, bytes]] = []
+            size = 0
+            while seq in held and len(chunk) < MAX_TXN_ENTRIES:
+                if chunk and size + len(held[seq]) > MAX_ENTRY:
+                    break
+                chunk.append((seq, held[seq]))
+                size += len(held[seq])
+                seq += 1
+            refused = await self.append_entries(chunk)  # several a txn, as the stream wrote
             if refused is not None:
                 self._step_down(refused)
                 return
-            self._apply_entry(seq, held[seq])
-            self.latest_seq = seq
-            seq += 1
+            for s, data in chunk:
+                self._apply_entry(s, data)
+                self.latest_seq = s
         self.adopted += seq - first
         if seq > first:
             log.info("master HA: appended %d held entries (%d to %d)", seq - first, first, seq - 1)
@@ -868,7 +884,8 @@ class HaNode:
     async def _write_snapshot(self, seq: int, child: ForkedSnapshot, last_now: float) -> None:
         try:
             snap = Snapshot(seq, await child.result(), last_now)
-            while self.replica is not None and self.replica.etcd_seq < seq:  # noqa: ASYNC110 (etcd progress: no event to wait on)
+            while self.replica is not None and self.replica.etcd_seq < seq:
+                self.replica.hurry.set()
                 await anyio.sleep(0.01)
             if self.role != "leader":
                 return

@@ -4,7 +4,8 @@
 Leader: listens on an ephemeral TCP port of its RPC address and names it in the etcd key
 ``stream`` (``{"addr": "host:port", "term": T}``, written fenced by its term). Every log entry
 (a group-committed batch of commands, with the seq it gets in etcd) is sent at once to every
-connected standby; the etcd log is written behind, in order, several entries a txn. A mutation is
+connected standby; the etcd log is written behind, in order, several entries a txn (while the
+in-sync set is not empty, an append waits up to ``etcd_linger`` seconds for more). A mutation is
 acknowledged once its entry is in etcd **or** every member of the in-sync set (``isr`` key,
 ``{"term": T, "members": [...]}``, written fenced) has acknowledged holding it (with an empty
 set: only etcd counts). A standby joins the set when it has acknowledged every entry sent; one
@@ -128,6 +129,8 @@ class ReplicaLeader:
         """Standbys being added to the set: acknowledgements wait for them already."""
         self.changed = anyio.Event()
         self.flush = anyio.Event()
+        self.hurry = anyio.Event()
+        """Set: the etcd append may not linger (something waits for ``etcd_seq``)."""
 
     # -- entries -----------------------------------------------------------------------------
 
@@ -139,6 +142,8 @@ class ReplicaLeader:
         for p in self.peers.values():
             p.send.send_nowait((seq, data))
         self.flush.set()
+        if len(self.unflushed) >= MAX_TXN_ENTRIES:
+            self.hurry.set()
 
     def isr_seq(self) -> int:
         """Every entry up to this seq is held by every in-sync standby (0: the set is empty)."""
@@ -171,10 +176,16 @@ class ReplicaLeader:
         self.etcd_seq = max(self.etcd_seq, upto)
 
     async def write_etcd(self) -> None:
-        """Append the published entries to the etcd log, in order, several a txn."""
+        """Append the published entries to the etcd log, in order, several a txn.
+
+        While the in-sync set is not empty (acknowledgements do not wait for etcd) an append
+        waits until its first entry is ``etcd_linger`` seconds old, :data:`MAX_TXN_ENTRIES`
+        entries are waiting, or :attr:`hurry` is set, so one txn (one fsync, one watch event
+        for each master) carries many entries instead of one."""
         from mooncake._store.ha import MAX_ENTRY
 
         node = self.node
+        linger = node.config.etcd_linger
         while node.role == "leader":
             self.flush = anyio.Event()
             items = self.take(MAX_ENTRY)
@@ -182,6 +193,13 @@ class ReplicaLeader:
                 with anyio.move_on_after(0.1):
                     await self.flush.wait()
                 continue
+            if linger > 0 and self.isr and len(items) < MAX_TXN_ENTRIES:
+                wait = self.sent_at.get(items[0][0], 0.0) + linger - anyio.current_time()
+                if wait > 0 and not self.hurry.is_set():
+                    with anyio.move_on_after(wait):
+                        await self.hurry.wait()
+                items = self.take(MAX_ENTRY)
+            self.hurry = anyio.Event()
             refused = await node.append_entries(items)
             if refused is not None:
                 node.step_down(refused)
@@ -278,6 +296,7 @@ class ReplicaLeader:
                 target = self.isr_seq()
                 while self.etcd_seq < target and self.node.role == "leader":
                     self.flush.set()
+                    self.hurry.set()
                     await anyio.sleep(0.005)
                 want -= drop
             if want != set(self.isr):
