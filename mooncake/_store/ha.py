@@ -103,6 +103,8 @@ LEASE_MARGIN = 0.5
 #: a log entry holds at most about this many bytes of commands
 MAX_ENTRY = 1 << 20
 _POLL_S = 1.0
+#: how often a paused log watch checks whether it is wanted again
+_WATCH_CHECK_S = 0.05
 _RANGE_LIMIT = 64
 
 
@@ -222,6 +224,9 @@ class HaNode:
         self.held: dict[int, bytes] = {}
         """``replica`` standby: entries streamed by the leader, not yet applied from etcd."""
         self.held_term = 0
+        self.streaming = False
+        """``replica`` standby: its replication stream is up (it applies from there, and does
+        not watch the etcd log meanwhile)."""
         self._taken = 0
         self._seq_ticket: dict[int, int] = {}
         self.snapshots = EtcdSnapshots(self.etcd, pre + "snapshot/", config.snapshot_retention)
@@ -269,6 +274,8 @@ class HaNode:
         self.config_mismatch = False
         self.early_revokes = 0
         self.adopted = 0
+        self.stream_applied = 0
+        """``replica`` standby: entries applied from the stream (the rest came from etcd)."""
         """Entries a new leader held from the stream beyond the etcd log and appended."""
 
     # -- what the server asks ------------------------------------------------------------
@@ -397,8 +404,36 @@ class HaNode:
             with anyio.CancelScope(shield=True):
                 await self.etcd.aclose()
 
+    def _log_watch_wanted(self) -> bool:
+        """A leader does not watch its own log, nor a standby that applies from its stream."""
+        return self.role == "standby" and not self.streaming
+
+    def apply_held(self, committed: int) -> None:
+        """``replica`` standby: apply the held entries up to ``committed`` (the leader says
+        etcd holds its log up to there, so they are the entries etcd holds); a seq not held
+        (from before the stream began) wakes the follow loop, which reads it from etcd."""
+        if self.role != "standby":
+            return
+        self.latest_seq = max(self.latest_seq, committed)
+        while self.applied_seq < committed:
+            data = self.held.get(self.applied_seq + 1)
+            if data is None:
+                self._wake.set()
+                return
+            try:
+                self._apply_entry(self.applied_seq + 1, data)
+            except _Gap:
+                self._wake.set()  # does not decode: the follow loop meets it too, and reloads
+                return
+            self.stream_applied += 1
+
     async def _watch(self, key: str, is_log: bool) -> None:
+        scope = anyio.CancelScope()
+
         async def on_event(k: str, value: bytes | None) -> None:
+            if is_log and not self._log_watch_wanted():
+                scope.cancel()  # leading, or streaming: resumed when that ends
+                return
             if is_log and value is not None and self.role == "standby":
                 try:
                     seq = int(k.rsplit("/", 1)[1])
@@ -418,13 +453,20 @@ class HaNode:
             self._wake.set()
 
         while True:
-            try:
-                await self.etcd.watch(key, on_event)
-            except MetadataError as e:
-                log.warning("master HA: watch on %s: %s", key, e)
-            except Exception:  # only a wake-up: the poll still follows the log
-                log.exception("master HA: watch on %s failed", key)
-            await anyio.sleep(_POLL_S)
+            while is_log and not self._log_watch_wanted():  # noqa: ASYNC110 (role flags)
+                await anyio.sleep(_WATCH_CHECK_S)
+            if is_log:
+                self._wake.set()  # what was committed while it was off: the poll reads it
+            scope = anyio.CancelScope()  # on_event cancels the current one
+            with scope:
+                try:
+                    await self.etcd.watch(key, on_event)
+                except MetadataError as e:
+                    log.warning("master HA: watch on %s: %s", key, e)
+                except Exception:  # only a wake-up: the poll still follows the log
+                    log.exception("master HA: watch on %s failed", key)
+            if not scope.cancel_called:
+                await anyio.sleep(_POLL_S)
 
     # -- standby ---------------------------------------------------------------------------
 
@@ -997,6 +1039,7 @@ class HaNode:
             "in_sync": len(self.replica.isr) if self.replica is not None else 0,
             "held": len(self.held),
             "adopted": self.adopted,
+            "stream_applied": self.stream_applied,
         }
 
 
