@@ -34,8 +34,10 @@ refused before it is applied (a lease-only key scan is logged in parts instead),
 whose append fails for longer than its lease steps down.
 
 Standby: loads the newest snapshot and the log after it, tails the log (a watch wakes it, a
-range read fetches; a poll every second covers a silent watch) and applies every entry through
-:func:`commands.apply`, so its state equals the leader's (allocators included). It answers
+range read fetches; a poll every second covers a silent watch; in ``replica`` mode, while its
+stream is up, it applies the streamed entries etcd holds instead and does not watch the log)
+and applies every entry through :func:`commands.apply`, so its state equals the leader's
+(allocators included). It answers
 every client call but ``ServiceReady`` with ``UNAVAILABLE_IN_CURRENT_MODE`` (-1011, "not the
 leader: ... leader=host:port"), having applied nothing, so clients re-resolve the leader. When ``master_view`` disappears it campaigns; the
 winner finishes the log (nobody else can append by then), sets its state clock so it continues
@@ -47,7 +49,8 @@ fork), written (fenced) to etcd (and ``snapshot_dir`` if
 set), older snapshots beyond ``snapshot_retention`` are deleted, and so are the log entries at
 or below the new snapshot's seq.
 
-Fast failover (``fast_failover``, ``--ha_fast_failover``, on by default): a standby, while a
+Fast failover (``fast_failover``, ``--ha_fast_failover``, on by default; the probe's I/O is
+:mod:`mooncake._store.ha_probe`): a standby, while a
 leader holds ``master_view``, connects to the leader's RPC address every 0.2 s (a plain TCP
 connect, closed at once; one in flight). When the connects of that term were accepted before
 and then ``PROBE_REFUSALS`` in a row are actively refused (ECONNREFUSED: the host answered and
@@ -69,7 +72,6 @@ watch sees the key deleted) reports the lease gone, and it steps down.
 
 from __future__ import annotations
 
-import errno
 import logging
 import secrets
 import socket
@@ -83,9 +85,9 @@ import msgspec.structs
 
 from mooncake._core import commands
 from mooncake._core.commands import Command, Durability
-from mooncake._core.leader_probe import PROBE_INTERVAL, DeathDetector, ProbeOutcome
 from mooncake._core.master import MasterState
 from mooncake._engine.metadata.etcd import EtcdKV, _b64, _unb64, prefix_end
+from mooncake._store.ha_probe import LeaderProbe, probe_connect
 from mooncake._store.ha_stream import MAX_TXN_ENTRIES, ReplicaLeader, follow_stream, read_isr
 from mooncake._store.snapshots import DirSnapshots, EtcdSnapshots, ForkedSnapshot, Snapshot
 from mooncake.errors import InvalidArgumentError, MetadataError, MooncakeError
@@ -95,7 +97,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mooncake.master.ha")
 
-__all__ = ["HaConfig", "HaNode", "view_key"]
+__all__ = ["HaConfig", "HaNode", "probe_connect", "view_key"]
 
 DEFAULT_LEASE_TTL = 5
 #: the leader stops answering this long before its lease could have expired in etcd
@@ -243,7 +245,7 @@ class HaNode:
         self.lease_deadline = 0.0
         # the view key as last read by a standby: its create revision (the leader's term)
         self._view_rev = 0
-        self._detector = DeathDetector()
+        self._probe = LeaderProbe(self.etcd, self.view_key, self._probe_target, self._revoked)
         self._lease_check = anyio.Event()
         self.applied_seq = 0
         self.latest_seq = 0
@@ -373,7 +375,7 @@ class HaNode:
                 tg.start_soon(self._watch, self.log_prefix, True)
                 tg.start_soon(self._watch, self.view_key, False)
                 if self.config.fast_failover:
-                    tg.start_soon(self._probe_leader)
+                    tg.start_soon(self._probe.run)
                 if self.config.ack_mode == "replica":
                     tg.start_soon(follow_stream, self)
                 while True:
@@ -965,49 +967,16 @@ class HaNode:
 
     # -- fast failover (standby) -----------------------------------------------------------
 
-    async def _probe_leader(self) -> None:
-        """Connect-probe the leader every ``PROBE_INTERVAL`` s while this master is a standby
-        following a leader; revoke the lease of a leader whose port stopped listening."""
-        while True:
-            await anyio.sleep(PROBE_INTERVAL)
-            addr, term = self.leader_addr, self._view_rev
-            if self.role != "standby" or not addr or not term or addr == self.address:
-                self._detector.reset()
-                continue
-            outcome = await probe_connect(addr, PROBE_INTERVAL)
-            if addr != self.leader_addr or term != self._view_rev or self.role != "standby":
-                continue  # the view changed while the probe ran: the outcome is stale
-            if self._detector.observe(term, addr, outcome):
-                try:
-                    await self._revoke_dead_leader(term, addr)
-                except MetadataError as e:
-                    log.warning("master HA: revoking the dead leader's lease: %s", e)
+    def _probe_target(self) -> tuple[str, int] | None:
+        """What fast failover probes: the leader this standby follows, and its term."""
+        addr, term = self.leader_addr, self._view_rev
+        if self.role != "standby" or not addr or not term or addr == self.address:
+            return None
+        return addr, term
 
-    async def _revoke_dead_leader(self, term: int, addr: str) -> bool:
-        """Revoke the lease of term ``term`` if the view key still belongs to it."""
-        obj = await self.etcd.call("/v3/kv/range", {"key": _b64(self.view_key)})
-        kvs = obj.get("kvs") or []
-        if not kvs or int(kvs[0].get("create_revision", 0) or 0) != term:
-            return False  # gone already, or a newer leader: nothing of ours to revoke
-        lid = str(kvs[0].get("lease", "0") or "0")
-        if lid == "0":
-            return False  # not bound to a lease (not written by a master): leave it
-        log.warning(
-            "master HA: leader %s (term %d) refuses connections: revoking its lease %s",
-            addr,
-            term,
-            lid,
-        )
-        # lease ids are unique: this deletes the key of that term only
-        try:
-            await self.etcd.call("/v3/lease/revoke", {"ID": lid})
-        except MetadataError as e:
-            if "not found" not in str(e):
-                raise
-            return False  # another standby (or the expiry) was first
+    def _revoked(self) -> None:
         self.early_revokes += 1
         self._wake.set()
-        return True
 
     # -- introspection ---------------------------------------------------------------------
 
@@ -1041,43 +1010,3 @@ class HaNode:
             "adopted": self.adopted,
             "stream_applied": self.stream_applied,
         }
-
-
-def _split_address(addr: str) -> tuple[str, int] | None:
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit():
-        return None
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return (host, int(port)) if host else None
-
-
-async def probe_connect(addr: str, within: float) -> ProbeOutcome:
-    """One TCP connect to ``host:port`` (closed at once, nothing sent): ``REFUSED`` only for
-    ECONNREFUSED from the first resolved address, ``ACCEPTED`` when it connects, ``OTHER`` for
-    everything else (no answer ``within`` seconds, unreachable, bad address, resolution
-    failure)."""
-    hp = _split_address(addr)
-    if hp is None:
-        return ProbeOutcome.OTHER
-    with anyio.move_on_after(within):
-        try:
-            infos = await anyio.getaddrinfo(hp[0], hp[1], type=socket.SOCK_STREAM)
-        except OSError:
-            return ProbeOutcome.OTHER
-        if not infos:
-            return ProbeOutcome.OTHER
-        family, kind, proto, _, sockaddr = infos[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setblocking(False)
-            err = sock.connect_ex(sockaddr)
-            if err in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY):
-                await anyio.wait_writable(sock)
-                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        finally:
-            sock.close()
-        if err == 0:
-            return ProbeOutcome.ACCEPTED
-        return ProbeOutcome.REFUSED if err == errno.ECONNREFUSED else ProbeOutcome.OTHER
-    return ProbeOutcome.OTHER
