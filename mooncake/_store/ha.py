@@ -80,6 +80,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import msgspec
 import msgspec.structs
 
@@ -277,6 +278,8 @@ class HaNode:
         self.early_revokes = 0
         self.adopted = 0
         self.stream_applied = 0
+        self._commit_target = 0
+        self._apply_wanted = anyio.Event()
         """``replica`` standby: entries applied from the stream (the rest came from etcd)."""
         """Entries a new leader held from the stream beyond the etcd log and appended."""
 
@@ -378,6 +381,7 @@ class HaNode:
                     tg.start_soon(self._probe.run)
                 if self.config.ack_mode == "replica":
                     tg.start_soon(follow_stream, self)
+                    tg.start_soon(self._apply_stream)
                 while True:
                     try:
                         await self._load()
@@ -411,23 +415,34 @@ class HaNode:
         return self.role == "standby" and not self.streaming
 
     def apply_held(self, committed: int) -> None:
-        """``replica`` standby: apply the held entries up to ``committed`` (the leader says
-        etcd holds its log up to there, so they are the entries etcd holds); a seq not held
-        (from before the stream began) wakes the follow loop, which reads it from etcd."""
-        if self.role != "standby":
+        """``replica`` standby: the leader says etcd holds its log up to ``committed``: the
+        held entries up to there are applied (:meth:`_apply_stream`)."""
+        if self.role != "standby" or committed <= self._commit_target:
             return
         self.latest_seq = max(self.latest_seq, committed)
-        while self.applied_seq < committed:
-            data = self.held.get(self.applied_seq + 1)
-            if data is None:
-                self._wake.set()
-                return
-            try:
-                self._apply_entry(self.applied_seq + 1, data)
-            except _Gap:
-                self._wake.set()  # does not decode: the follow loop meets it too, and reloads
-                return
-            self.stream_applied += 1
+        self._commit_target = committed
+        self._apply_wanted.set()
+
+    async def _apply_stream(self) -> None:
+        """Apply held entries up to the leader's etcd watermark, one per scheduler turn (so
+        the stream reader acknowledges what arrives meanwhile without waiting for a burst);
+        a seq not held (from before the stream began) or one that does not decode wakes the
+        follow loop, which reads it from etcd (and reloads on a bad one)."""
+        while True:
+            await self._apply_wanted.wait()
+            self._apply_wanted = anyio.Event()
+            while self.role == "standby" and self.applied_seq < self._commit_target:
+                data = self.held.get(self.applied_seq + 1)
+                if data is None:
+                    self._wake.set()
+                    break
+                try:
+                    self._apply_entry(self.applied_seq + 1, data)
+                except _Gap:
+                    self._wake.set()
+                    break
+                self.stream_applied += 1
+                await anyio.lowlevel.checkpoint()
 
     async def _watch(self, key: str, is_log: bool) -> None:
         scope = anyio.CancelScope()
