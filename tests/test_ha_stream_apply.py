@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -37,10 +37,10 @@ def _watchers(endpoint: str) -> int:
     raise AssertionError("etcd reports no watcher gauge")
 
 
-def _until(pred: object, what: str, timeout: float = 30.0) -> None:
+def _until(pred: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if pred():  # type: ignore[operator]
+        if pred():
             return
         time.sleep(0.05)
     raise AssertionError(f"not within {timeout} s: {what}")
