@@ -51,6 +51,7 @@ def writer(address: str, op: str, seconds: float, idx: int, segment_mib: int) ->
     value = bytes(VALUE)
     print("ready", flush=True)
     sys.stdin.readline()
+    cpu0 = time.process_time()
     n = errors = i = 0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -64,12 +65,66 @@ def writer(address: str, op: str, seconds: float, idx: int, segment_mib: int) ->
             rcs = s.batch_put_from(keys, [base + j * VALUE for j in range(BATCH)], [VALUE] * BATCH)
             ok = sum(1 for r in rcs if r == 0)
             n, errors = n + ok, errors + BATCH - ok
-    print(json.dumps({"keys": n, "errors": errors}), flush=True)
+    cpu = time.process_time() - cpu0
+    print(json.dumps({"keys": n, "errors": errors, "cpu": cpu}), flush=True)
     s.close()
 
 
-def run_writers(address: str, op: str, n: int, seconds: float, segment_mib: int) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process (all its threads) has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _idle_seconds() -> float:
+    """Idle CPU seconds of the whole host so far (/proc/stat: idle + iowait)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    return (int(fields[3]) + int(fields[4])) / os.sysconf("SC_CLK_TCK")
+
+
+#: pids of the etcd members, watched beside the masters
+ETCD_PIDS: dict[str, int] = {}
+#: an etcd member's client endpoint, whose request counters are printed per case
+ETCD_ENDPOINT: list[str] = []
+_ETCD_COUNTERS = (
+    "etcd_mvcc_txn_total",
+    "etcd_mvcc_range_total",
+    "etcd_mvcc_put_total",
+    "etcd_server_proposals_committed_total",
+    "etcd_debugging_mvcc_watch_stream_total",
+)
+
+
+def etcd_counters() -> dict[str, float]:
+    """The request counters of the watched etcd member (gRPC methods handled, mvcc ops)."""
+    if not ETCD_ENDPOINT:
+        return {}
+    with urllib.request.urlopen(f"http://{ETCD_ENDPOINT[0]}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in _ETCD_COUNTERS:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        elif name == "grpc_server_handled_total" and 'grpc_code="OK"' in line:
+            method = line.split('grpc_method="', 1)[1].split('"', 1)[0]
+            out[f"grpc {method}"] = out.get(f"grpc {method}", 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def run_writers(
+    address: str,
+    op: str,
+    n: int,
+    seconds: float,
+    segment_mib: int,
+    watch: dict[str, int] | None = None,
+    profile: str | None = None,
+) -> float:
+    """Acknowledged keys/s of ``n`` writers; ``watch`` (name -> pid): print each one's CPU
+    per acknowledged key; ``profile``: py-spy records each watched process into this prefix."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    watch = {**(watch or {}), **ETCD_PIDS}
     procs = [
         subprocess.Popen(
             [
@@ -95,20 +150,66 @@ def run_writers(address: str, op: str, n: int, seconds: float, segment_mib: int)
             line = p.stdout.readline().strip()
             if line != "ready":
                 raise RuntimeError(f"writer did not start: {line!r}")
+        spies = [
+            subprocess.Popen(
+                [
+                    "py-spy",
+                    "record",
+                    "-p",
+                    str(pid),
+                    "-d",
+                    str(max(1, int(seconds))),
+                    "-r",
+                    "200",
+                    "-f",
+                    "raw",
+                    "-o",
+                    f"{profile}-{name}.txt",
+                    "--nonblocking",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for name, pid in watch.items()
+            if profile
+        ]
+        cpu0 = {name: cpu_seconds(pid) for name, pid in watch.items()}
+        ec0 = etcd_counters()
         for p in procs:
             assert p.stdin is not None
             p.stdin.write("go\n")
             p.stdin.flush()
         total = errors = 0
+        wcpu = 0.0
+        idle0 = _idle_seconds()
         for p in procs:
             assert p.stdout is not None
             res = json.loads(p.stdout.readline())
             if "error" in res:
                 raise RuntimeError(res["error"])
             total += res["keys"]
+            wcpu += res["cpu"]
             errors += res["errors"]
         if errors:
             print(f"  ({errors} writes refused)", flush=True)
+        idle = _idle_seconds() - idle0
+        ec = etcd_counters()
+        delta = {k: v - ec0.get(k, 0.0) for k, v in ec.items() if v - ec0.get(k, 0.0) >= 1}
+        if delta:
+            print("  etcd: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(delta.items())))
+        print(
+            f"  writers: {wcpu:.2f} CPU s, {wcpu / max(1, total) * 1e6:.0f} us per key;"
+            f" host idle {idle:.2f} CPU s of {seconds * (os.cpu_count() or 1):.0f}",
+            flush=True,
+        )
+        for name, pid in watch.items():
+            used = cpu_seconds(pid) - cpu0[name]
+            print(
+                f"  {name}: {used:.2f} CPU s, {used / max(1, total) * 1e6:.0f} us per key",
+                flush=True,
+            )
+        for sp in spies:
+            sp.wait()
         return total / seconds
     finally:
         for p in procs:
@@ -146,12 +247,22 @@ def one_case(kind: str, conn: str, args: argparse.Namespace, op: str, tag: str) 
     if kind == "plain":
         m = Master("--client-ttl", "600", "--log-level", "WARNING")
         try:
-            return run_writers(m.address, op, args.writers, args.seconds, args.segment_mib)
+            prof = f"{args.profile}/{tag}-plain" if args.profile else None
+            return run_writers(
+                m.address,
+                op,
+                args.writers,
+                args.seconds,
+                args.segment_mib,
+                {"plain": m.proc.pid},
+                prof,
+            )
         finally:
             m.stop()
     flags = ["--log-level", "WARNING"]
     if args.ha_ack_mode:
         flags += ["--ha-ack-mode", args.ha_ack_mode]
+    flags += args.ha_flag
     cluster = f"tput-{tag}"
     logs = Path(args.log_dir) if args.log_dir else None
 
@@ -169,7 +280,10 @@ def one_case(kind: str, conn: str, args: argparse.Namespace, op: str, tag: str) 
             time.sleep(0.1)  # every standby follows (and, replica mode, is in sync)
         time.sleep(0.5)
         os.environ["MC_STORE_CLUSTER_ID"] = cluster
-        rate = run_writers(conn, op, args.writers, args.seconds, args.segment_mib)
+        watch = {"leader": leader.proc.pid}
+        watch.update({f"standby{i}": hm.proc.pid for i, hm in enumerate(ms) if hm is not leader})
+        prof = f"{args.profile}/{tag}-ha" if args.profile else None
+        rate = run_writers(conn, op, args.writers, args.seconds, args.segment_mib, watch, prof)
         ha = leader.ha()
         if want:
             print(f"  (leader: in_sync {ha.get('in_sync')}, batches {ha.get('batches')})")
@@ -190,8 +304,12 @@ def main() -> int:
     ap.add_argument("--segment-mib", type=int, default=384)
     ap.add_argument("--ops", nargs="+", default=["put", "batch_put_from"])
     ap.add_argument("--ha-ack-mode", default="", help="passed to the HA masters")
+    ap.add_argument(
+        "--ha-flag", action="append", default=[], help="another flag for the HA masters"
+    )
     ap.add_argument("--log-dir", help="the HA masters' logs go here")
     ap.add_argument("--json", help="write results here")
+    ap.add_argument("--profile", help="py-spy raw profiles of the masters go in this folder")
     args = ap.parse_args()
     if args.writer:
         address, op, seconds, idx, seg = args.writer
@@ -203,6 +321,11 @@ def main() -> int:
     for members in args.etcd:
         with etcd_cluster(members) as cluster:
             lat = etcd_put_latency(cluster.members[0].endpoint)
+            ETCD_ENDPOINT[:] = [cluster.members[0].endpoint]
+            ETCD_PIDS.clear()
+            ETCD_PIDS.update(
+                {f"etcd{i}": m.proc.pid for i, m in enumerate(cluster.members) if m.proc}
+            )
             print(f"etcd x{members}: put latency median {lat * 1e3:.2f} ms", flush=True)
             res: dict[str, Any] = {"etcd_put_latency_ms": lat * 1e3}
             for op in args.ops:

@@ -40,6 +40,9 @@ def test_gflags_spellings_fill_the_ha_config() -> None:
     assert ha.ack_mode == "etcd"  # acknowledged once in etcd unless asked otherwise
     p = parse_gflags(["--enable_ha", "--etcd_endpoints=h:1", "--ha_ack_mode=replica"])
     assert p.server.ha is not None and p.server.ha.ack_mode == "replica"
+    assert p.server.ha.etcd_linger == 0.02  # replica mode's etcd appends gather 20 ms
+    p = parse_gflags(["--enable_ha", "--etcd_endpoints=h:1", "--ha_etcd_linger_ms=0"])
+    assert p.server.ha is not None and p.server.ha.etcd_linger == 0
 
 
 @pytest.mark.parametrize(
@@ -53,6 +56,8 @@ def test_gflags_spellings_fill_the_ha_config() -> None:
         (["--enable_snapshot"], "--snapshot_backup_dir"),
         (["--snapshot_retention_count=0"], "retention"),
         (["--enable_ha", "--etcd_endpoints=h:1", "--ha_ack_mode=quorum"], "ha_ack_mode"),
+        (["--enable_ha", "--etcd_endpoints=h:1", "--ha_etcd_linger_ms=-1"], "ha_etcd_linger"),
+        (["--enable_ha", "--etcd_endpoints=h:1", "--ha_etcd_linger_ms=5000"], "ha_etcd_linger"),
     ],
 )
 def test_bad_ha_flags_are_named(argv: list[str], needle: str) -> None:

@@ -195,6 +195,7 @@ _GFLAGS: dict[str, _Flag] = {
     "ha_lease_ttl": _Flag("ha.ha_lease_ttl", int),
     "ha_fast_failover": _Flag("ha.ha_fast_failover", _bool, True),
     "ha_ack_mode": _Flag("ha.ha_ack_mode", str),
+    "ha_etcd_linger_ms": _Flag("ha.ha_etcd_linger_ms", float),
     "enable_snapshot": _Flag("ha.enable_snapshot", _bool, True),
     "enable_snapshot_restore": _Flag("ha.enable_snapshot_restore", _bool, True),
     "snapshot_interval_seconds": _Flag(
@@ -248,6 +249,7 @@ class HaFlags:
     ha_lease_ttl: int = 5
     ha_fast_failover: bool = True
     ha_ack_mode: str = "etcd"
+    ha_etcd_linger_ms: float = 20.0
     enable_snapshot: bool = False
     enable_snapshot_restore: bool = False
     snapshot_interval_seconds: float = 600.0
@@ -331,6 +333,7 @@ def ha_settings(flags: HaFlags, server: MasterServerConfig) -> None:
             lease_ttl=flags.ha_lease_ttl,
             fast_failover=flags.ha_fast_failover,
             ack_mode=flags.ha_ack_mode,
+            etcd_linger=flags.ha_etcd_linger_ms / 1000,
             snapshot_interval=flags.snapshot_interval_seconds,
             snapshot_log_entries=flags.snapshot_log_entries,
             snapshot_child_timeout=flags.snapshot_child_timeout_seconds,
@@ -593,6 +596,12 @@ _OWN_FLAGS: dict[str, tuple[str, str, str]] = {
         "1",
         "seconds between empty KV event batches on an idle stream (0: none)",
     ),
+    "ha_etcd_linger_ms": (
+        "double",
+        "20",
+        "HA replica mode: ms an etcd log append may wait to carry later entries too (the etcd"
+        " lag of an acknowledged entry; 0: at once)",
+    ),
     "version": ("bool", "false", "show the version and exit"),
     "help": ("bool", "false", "show this help and exit"),
     "helpfull": ("bool", "false", "show this help and exit"),
@@ -746,6 +755,13 @@ def register(sub: Any) -> None:
         "entry is in etcd; replica once every in-sync standby holds it in memory (etcd "
         "written behind; see docs/store.md for what each loses)",
     )
+    h.add_argument(
+        "--ha-etcd-linger-ms",
+        type=float,
+        default=20.0,
+        help="replica mode: ms an etcd log append may wait so later entries share its txn "
+        "(default 20; the most an acknowledged entry lags behind in etcd; 0: at once)",
+    )
     h.add_argument("--enable-snapshot", action="store_true", help="take periodic snapshots")
     h.add_argument(
         "--enable-snapshot-restore", action="store_true", help="start from the newest snapshot"
@@ -825,6 +841,7 @@ def _run_args(args: argparse.Namespace) -> int:
             ha_lease_ttl=args.ha_lease_ttl,
             ha_fast_failover=_bool(args.ha_fast_failover),
             ha_ack_mode=args.ha_ack_mode,
+            ha_etcd_linger_ms=args.ha_etcd_linger_ms,
             enable_snapshot=args.enable_snapshot,
             enable_snapshot_restore=args.enable_snapshot_restore,
             snapshot_interval_seconds=parse_duration(args.snapshot_interval_seconds, "s"),

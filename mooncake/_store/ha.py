@@ -34,8 +34,10 @@ refused before it is applied (a lease-only key scan is logged in parts instead),
 whose append fails for longer than its lease steps down.
 
 Standby: loads the newest snapshot and the log after it, tails the log (a watch wakes it, a
-range read fetches; a poll every second covers a silent watch) and applies every entry through
-:func:`commands.apply`, so its state equals the leader's (allocators included). It answers
+range read fetches; a poll every second covers a silent watch; in ``replica`` mode, while its
+stream is up, it applies the streamed entries etcd holds instead and does not watch the log)
+and applies every entry through :func:`commands.apply`, so its state equals the leader's
+(allocators included). It answers
 every client call but ``ServiceReady`` with ``UNAVAILABLE_IN_CURRENT_MODE`` (-1011, "not the
 leader: ... leader=host:port"), having applied nothing, so clients re-resolve the leader. When ``master_view`` disappears it campaigns; the
 winner finishes the log (nobody else can append by then), sets its state clock so it continues
@@ -47,7 +49,8 @@ fork), written (fenced) to etcd (and ``snapshot_dir`` if
 set), older snapshots beyond ``snapshot_retention`` are deleted, and so are the log entries at
 or below the new snapshot's seq.
 
-Fast failover (``fast_failover``, ``--ha_fast_failover``, on by default): a standby, while a
+Fast failover (``fast_failover``, ``--ha_fast_failover``, on by default; the probe's I/O is
+:mod:`mooncake._store.ha_probe`): a standby, while a
 leader holds ``master_view``, connects to the leader's RPC address every 0.2 s (a plain TCP
 connect, closed at once; one in flight). When the connects of that term were accepted before
 and then ``PROBE_REFUSALS`` in a row are actively refused (ECONNREFUSED: the host answered and
@@ -69,7 +72,6 @@ watch sees the key deleted) reports the lease gone, and it steps down.
 
 from __future__ import annotations
 
-import errno
 import logging
 import secrets
 import socket
@@ -78,16 +80,17 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import msgspec
 import msgspec.structs
 
 from mooncake._core import commands
 from mooncake._core.commands import Command, Durability
-from mooncake._core.leader_probe import PROBE_INTERVAL, DeathDetector, ProbeOutcome
 from mooncake._core.master import MasterState
 from mooncake._engine.metadata.etcd import EtcdKV, _b64, _unb64, prefix_end
 from mooncake._store import kv_events
-from mooncake._store.ha_stream import ReplicaLeader, follow_stream, read_isr
+from mooncake._store.ha_probe import LeaderProbe, probe_connect
+from mooncake._store.ha_stream import MAX_TXN_ENTRIES, ReplicaLeader, follow_stream, read_isr
 from mooncake._store.snapshots import DirSnapshots, EtcdSnapshots, ForkedSnapshot, Snapshot
 from mooncake.errors import InvalidArgumentError, MetadataError, MooncakeError
 
@@ -96,7 +99,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mooncake.master.ha")
 
-__all__ = ["HaConfig", "HaNode", "view_key"]
+__all__ = ["HaConfig", "HaNode", "probe_connect", "view_key"]
 
 DEFAULT_LEASE_TTL = 5
 #: the leader stops answering this long before its lease could have expired in etcd
@@ -104,6 +107,8 @@ LEASE_MARGIN = 0.5
 #: a log entry holds at most about this many bytes of commands
 MAX_ENTRY = 1 << 20
 _POLL_S = 1.0
+#: how often a paused log watch checks whether it is wanted again
+_WATCH_CHECK_S = 0.05
 _RANGE_LIMIT = 64
 
 
@@ -135,6 +140,10 @@ class HaConfig:
     ack_mode: str = "etcd"
     """``etcd``: a mutation is acknowledged once its log entry is in etcd; ``replica``: once
     every in-sync standby holds it (:mod:`mooncake._store.ha_stream`), etcd written behind."""
+    etcd_linger: float = 0.02
+    """``replica``: while the in-sync set is not empty, the etcd append of an entry may wait
+    this long for later entries to share its txn (the etcd lag an acknowledged entry can have;
+    0: append at once)."""
     sync_timeout: float = 1.0
     """``replica``: a standby that has not acknowledged an entry this long leaves the in-sync
     set (acknowledgements wait at most this long for a stopped standby)."""
@@ -151,6 +160,10 @@ class HaConfig:
         if self.ack_mode not in ("etcd", "replica"):
             raise InvalidArgumentError(
                 f"--ha_ack_mode must be etcd or replica, got {self.ack_mode!r}"
+            )
+        if not 0 <= self.etcd_linger <= 1:
+            raise InvalidArgumentError(
+                f"--ha_etcd_linger_ms must be 0-1000 ms, got {self.etcd_linger * 1000:g}"
             )
         if self.snapshot_interval <= 0 or self.snapshot_log_entries < 1:
             raise InvalidArgumentError("snapshot interval and log-length trigger must be > 0")
@@ -215,6 +228,9 @@ class HaNode:
         self.held: dict[int, bytes] = {}
         """``replica`` standby: entries streamed by the leader, not yet applied from etcd."""
         self.held_term = 0
+        self.streaming = False
+        """``replica`` standby: its replication stream is up (it applies from there, and does
+        not watch the etcd log meanwhile)."""
         self._taken = 0
         self._seq_ticket: dict[int, int] = {}
         self.snapshots = EtcdSnapshots(self.etcd, pre + "snapshot/", config.snapshot_retention)
@@ -231,7 +247,7 @@ class HaNode:
         self.lease_deadline = 0.0
         # the view key as last read by a standby: its create revision (the leader's term)
         self._view_rev = 0
-        self._detector = DeathDetector()
+        self._probe = LeaderProbe(self.etcd, self.view_key, self._probe_target, self._revoked)
         self._lease_check = anyio.Event()
         self.applied_seq = 0
         self.latest_seq = 0
@@ -262,6 +278,10 @@ class HaNode:
         self.config_mismatch = False
         self.early_revokes = 0
         self.adopted = 0
+        self.stream_applied = 0
+        self._commit_target = 0
+        self._apply_wanted = anyio.Event()
+        """``replica`` standby: entries applied from the stream (the rest came from etcd)."""
         """Entries a new leader held from the stream beyond the etcd log and appended."""
 
     # -- what the server asks ------------------------------------------------------------
@@ -359,9 +379,10 @@ class HaNode:
                 tg.start_soon(self._watch, self.log_prefix, True)
                 tg.start_soon(self._watch, self.view_key, False)
                 if self.config.fast_failover:
-                    tg.start_soon(self._probe_leader)
+                    tg.start_soon(self._probe.run)
                 if self.config.ack_mode == "replica":
                     tg.start_soon(follow_stream, self)
+                    tg.start_soon(self._apply_stream)
                 while True:
                     try:
                         await self._load()
@@ -390,8 +411,47 @@ class HaNode:
             with anyio.CancelScope(shield=True):
                 await self.etcd.aclose()
 
+    def _log_watch_wanted(self) -> bool:
+        """A leader does not watch its own log, nor a standby that applies from its stream."""
+        return self.role == "standby" and not self.streaming
+
+    def apply_held(self, committed: int) -> None:
+        """``replica`` standby: the leader says etcd holds its log up to ``committed``: the
+        held entries up to there are applied (:meth:`_apply_stream`)."""
+        if self.role != "standby" or committed <= self._commit_target:
+            return
+        self.latest_seq = max(self.latest_seq, committed)
+        self._commit_target = committed
+        self._apply_wanted.set()
+
+    async def _apply_stream(self) -> None:
+        """Apply held entries up to the leader's etcd watermark, one per scheduler turn (so
+        the stream reader acknowledges what arrives meanwhile without waiting for a burst);
+        a seq not held (from before the stream began) or one that does not decode wakes the
+        follow loop, which reads it from etcd (and reloads on a bad one)."""
+        while True:
+            await self._apply_wanted.wait()
+            self._apply_wanted = anyio.Event()
+            while self.role == "standby" and self.applied_seq < self._commit_target:
+                data = self.held.get(self.applied_seq + 1)
+                if data is None:
+                    self._wake.set()
+                    break
+                try:
+                    self._apply_entry(self.applied_seq + 1, data)
+                except _Gap:
+                    self._wake.set()
+                    break
+                self.stream_applied += 1
+                await anyio.lowlevel.checkpoint()
+
     async def _watch(self, key: str, is_log: bool) -> None:
+        scope = anyio.CancelScope()
+
         async def on_event(k: str, value: bytes | None) -> None:
+            if is_log and not self._log_watch_wanted():
+                scope.cancel()  # leading, or streaming: resumed when that ends
+                return
             if is_log and value is not None and self.role == "standby":
                 try:
                     seq = int(k.rsplit("/", 1)[1])
@@ -411,13 +471,20 @@ class HaNode:
             self._wake.set()
 
         while True:
-            try:
-                await self.etcd.watch(key, on_event)
-            except MetadataError as e:
-                log.warning("master HA: watch on %s: %s", key, e)
-            except Exception:  # only a wake-up: the poll still follows the log
-                log.exception("master HA: watch on %s failed", key)
-            await anyio.sleep(_POLL_S)
+            while is_log and not self._log_watch_wanted():  # noqa: ASYNC110 (role flags)
+                await anyio.sleep(_WATCH_CHECK_S)
+            if is_log:
+                self._wake.set()  # what was committed while it was off: the poll reads it
+            scope = anyio.CancelScope()  # on_event cancels the current one
+            with scope:
+                try:
+                    await self.etcd.watch(key, on_event)
+                except MetadataError as e:
+                    log.warning("master HA: watch on %s: %s", key, e)
+                except Exception:  # only a wake-up: the poll still follows the log
+                    log.exception("master HA: watch on %s failed", key)
+            if not scope.cancel_called:
+                await anyio.sleep(_POLL_S)
 
     # -- standby ---------------------------------------------------------------------------
 
@@ -634,13 +701,21 @@ class HaNode:
         held, self.held = self.held, {}
         first = seq = self.applied_seq + 1
         while seq in held:
-            refused = await self.append_entries([(seq, held[seq])])
+            chunk: list[tuple[int, bytes]] = []
+            size = 0
+            while seq in held and len(chunk) < MAX_TXN_ENTRIES:
+                if chunk and size + len(held[seq]) > MAX_ENTRY:
+                    break
+                chunk.append((seq, held[seq]))
+                size += len(held[seq])
+                seq += 1
+            refused = await self.append_entries(chunk)  # several a txn, as the stream wrote
             if refused is not None:
                 self._step_down(refused)
                 return
-            self._apply_entry(seq, held[seq])
-            self.latest_seq = seq
-            seq += 1
+            for s, data in chunk:
+                self._apply_entry(s, data)
+                self.latest_seq = s
         self.adopted += seq - first
         if seq > first:
             log.info("master HA: appended %d held entries (%d to %d)", seq - first, first, seq - 1)
@@ -871,7 +946,8 @@ class HaNode:
     async def _write_snapshot(self, seq: int, child: ForkedSnapshot, last_now: float) -> None:
         try:
             snap = Snapshot(seq, await child.result(), last_now)
-            while self.replica is not None and self.replica.etcd_seq < seq:  # noqa: ASYNC110 (etcd progress: no event to wait on)
+            while self.replica is not None and self.replica.etcd_seq < seq:
+                self.replica.hurry.set()
                 await anyio.sleep(0.01)
             if self.role != "leader":
                 return
@@ -909,49 +985,16 @@ class HaNode:
 
     # -- fast failover (standby) -----------------------------------------------------------
 
-    async def _probe_leader(self) -> None:
-        """Connect-probe the leader every ``PROBE_INTERVAL`` s while this master is a standby
-        following a leader; revoke the lease of a leader whose port stopped listening."""
-        while True:
-            await anyio.sleep(PROBE_INTERVAL)
-            addr, term = self.leader_addr, self._view_rev
-            if self.role != "standby" or not addr or not term or addr == self.address:
-                self._detector.reset()
-                continue
-            outcome = await probe_connect(addr, PROBE_INTERVAL)
-            if addr != self.leader_addr or term != self._view_rev or self.role != "standby":
-                continue  # the view changed while the probe ran: the outcome is stale
-            if self._detector.observe(term, addr, outcome):
-                try:
-                    await self._revoke_dead_leader(term, addr)
-                except MetadataError as e:
-                    log.warning("master HA: revoking the dead leader's lease: %s", e)
+    def _probe_target(self) -> tuple[str, int] | None:
+        """What fast failover probes: the leader this standby follows, and its term."""
+        addr, term = self.leader_addr, self._view_rev
+        if self.role != "standby" or not addr or not term or addr == self.address:
+            return None
+        return addr, term
 
-    async def _revoke_dead_leader(self, term: int, addr: str) -> bool:
-        """Revoke the lease of term ``term`` if the view key still belongs to it."""
-        obj = await self.etcd.call("/v3/kv/range", {"key": _b64(self.view_key)})
-        kvs = obj.get("kvs") or []
-        if not kvs or int(kvs[0].get("create_revision", 0) or 0) != term:
-            return False  # gone already, or a newer leader: nothing of ours to revoke
-        lid = str(kvs[0].get("lease", "0") or "0")
-        if lid == "0":
-            return False  # not bound to a lease (not written by a master): leave it
-        log.warning(
-            "master HA: leader %s (term %d) refuses connections: revoking its lease %s",
-            addr,
-            term,
-            lid,
-        )
-        # lease ids are unique: this deletes the key of that term only
-        try:
-            await self.etcd.call("/v3/lease/revoke", {"ID": lid})
-        except MetadataError as e:
-            if "not found" not in str(e):
-                raise
-            return False  # another standby (or the expiry) was first
+    def _revoked(self) -> None:
         self.early_revokes += 1
         self._wake.set()
-        return True
 
     # -- introspection ---------------------------------------------------------------------
 
@@ -983,44 +1026,5 @@ class HaNode:
             "in_sync": len(self.replica.isr) if self.replica is not None else 0,
             "held": len(self.held),
             "adopted": self.adopted,
+            "stream_applied": self.stream_applied,
         }
-
-
-def _split_address(addr: str) -> tuple[str, int] | None:
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit():
-        return None
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return (host, int(port)) if host else None
-
-
-async def probe_connect(addr: str, within: float) -> ProbeOutcome:
-    """One TCP connect to ``host:port`` (closed at once, nothing sent): ``REFUSED`` only for
-    ECONNREFUSED from the first resolved address, ``ACCEPTED`` when it connects, ``OTHER`` for
-    everything else (no answer ``within`` seconds, unreachable, bad address, resolution
-    failure)."""
-    hp = _split_address(addr)
-    if hp is None:
-        return ProbeOutcome.OTHER
-    with anyio.move_on_after(within):
-        try:
-            infos = await anyio.getaddrinfo(hp[0], hp[1], type=socket.SOCK_STREAM)
-        except OSError:
-            return ProbeOutcome.OTHER
-        if not infos:
-            return ProbeOutcome.OTHER
-        family, kind, proto, _, sockaddr = infos[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setblocking(False)
-            err = sock.connect_ex(sockaddr)
-            if err in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY):
-                await anyio.wait_writable(sock)
-                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        finally:
-            sock.close()
-        if err == 0:
-            return ProbeOutcome.ACCEPTED
-        return ProbeOutcome.REFUSED if err == errno.ECONNREFUSED else ProbeOutcome.OTHER
-    return ProbeOutcome.OTHER

@@ -4,7 +4,8 @@
 Leader: listens on an ephemeral TCP port of its RPC address and names it in the etcd key
 ``stream`` (``{"addr": "host:port", "term": T}``, written fenced by its term). Every log entry
 (a group-committed batch of commands, with the seq it gets in etcd) is sent at once to every
-connected standby; the etcd log is written behind, in order, several entries a txn. A mutation is
+connected standby; the etcd log is written behind, in order, several entries a txn (while the
+in-sync set is not empty, an append waits up to ``etcd_linger`` seconds for more). A mutation is
 acknowledged once its entry is in etcd **or** every member of the in-sync set (``isr`` key,
 ``{"term": T, "members": [...]}``, written fenced) has acknowledged holding it (with an empty
 set: only etcd counts). A standby joins the set when it has acknowledged every entry sent; one
@@ -13,13 +14,18 @@ that is gone, or has left an entry unacknowledged for ``sync_timeout`` seconds, 
 by the leader alone once the set no longer names the standby).
 
 Standby: connects to the ``stream`` of the term it follows, says ``hello`` (its address and that
-term), keeps each entry it receives in memory until it has applied the same seq from etcd, and
-acknowledges it. A master campaigns only if ``isr`` names it or names nobody, so a winner holds
+term), keeps each entry it receives in memory and acknowledges it (one acknowledgement for the
+last of the frames that arrived together). The leader tells it how far etcd holds its log (with
+every entry, and an ``etcd`` frame when the etcd append advances): the standby applies the
+entries it holds up to there from memory (an entry is written to etcd once, by this term's
+leader, so they are the bytes etcd holds) and, while its stream is up, does not watch the etcd
+log (the follow loop's poll still reads what it lacks from etcd). A master campaigns only if ``isr`` names it or names nobody, so a winner holds
 every acknowledged entry: before it serves, it appends the entries it holds beyond the etcd log
 (fenced by its own term) and applies them, then writes an empty in-sync set.
 
 Frames: 4-byte big-endian length, then msgpack: ``["hello", addr, term]``, ``["ack", seq]``
-(standby to leader), ``["entry", seq, data]`` (leader to standby).
+(standby to leader), ``["entry", seq, data, etcd_seq]``, ``["etcd", etcd_seq]`` (leader to
+standby; ``etcd_seq``: every entry up to it is in etcd).
 """
 
 from __future__ import annotations
@@ -77,6 +83,13 @@ class _Reader:
         self.stream = stream
         self.buf = bytearray()
 
+    def buffered(self) -> bool:
+        """Whether a whole frame is buffered already (:meth:`read` returns without I/O)."""
+        if len(self.buf) < 4:
+            return False
+        n: int = _LEN.unpack_from(self.buf)[0]
+        return len(self.buf) >= 4 + n
+
     async def read(self) -> list[Any]:
         while True:
             if len(self.buf) >= 4:
@@ -107,7 +120,8 @@ class _Peer:
     def __init__(self, addr: str, stream: anyio.abc.SocketStream) -> None:
         self.addr = addr
         self.stream = stream
-        self.send, self.recv = anyio.create_memory_object_stream[tuple[int, bytes]](math.inf)
+        #: framed messages to send, in order (queued ones go out in one send)
+        self.send, self.recv = anyio.create_memory_object_stream[bytes](math.inf)
 
 
 class ReplicaLeader:
@@ -128,6 +142,8 @@ class ReplicaLeader:
         """Standbys being added to the set: acknowledgements wait for them already."""
         self.changed = anyio.Event()
         self.flush = anyio.Event()
+        self.hurry = anyio.Event()
+        """Set: the etcd append may not linger (something waits for ``etcd_seq``)."""
 
     # -- entries -----------------------------------------------------------------------------
 
@@ -136,9 +152,13 @@ class ReplicaLeader:
         self.unflushed[seq] = data
         self.sent_at[seq] = anyio.current_time()
         self.last_seq = seq
-        for p in self.peers.values():
-            p.send.send_nowait((seq, data))
+        if self.peers:
+            frame = _frame(["entry", seq, data, self.etcd_seq])
+            for p in self.peers.values():
+                p.send.send_nowait(frame)
         self.flush.set()
+        if len(self.unflushed) >= MAX_TXN_ENTRIES:
+            self.hurry.set()
 
     def isr_seq(self) -> int:
         """Every entry up to this seq is held by every in-sync standby (0: the set is empty)."""
@@ -165,16 +185,28 @@ class ReplicaLeader:
         return out
 
     def flushed(self, upto: int) -> None:
+        """Every entry up to ``upto`` is in etcd: forget them, tell the standbys (they apply
+        what they hold up to there)."""
         for seq in [s for s in self.unflushed if s <= upto]:
             del self.unflushed[seq]
             self.sent_at.pop(seq, None)
-        self.etcd_seq = max(self.etcd_seq, upto)
+        if upto > self.etcd_seq:
+            self.etcd_seq = upto
+            frame = _frame(["etcd", upto])
+            for p in self.peers.values():
+                p.send.send_nowait(frame)
 
     async def write_etcd(self) -> None:
-        """Append the published entries to the etcd log, in order, several a txn."""
+        """Append the published entries to the etcd log, in order, several a txn.
+
+        While the in-sync set is not empty (acknowledgements do not wait for etcd) an append
+        waits until its first entry is ``etcd_linger`` seconds old, :data:`MAX_TXN_ENTRIES`
+        entries are waiting, or :attr:`hurry` is set, so one txn (one fsync, one watch event
+        for each master) carries many entries instead of one."""
         from mooncake._store.ha import MAX_ENTRY
 
         node = self.node
+        linger = node.config.etcd_linger
         while node.role == "leader":
             self.flush = anyio.Event()
             items = self.take(MAX_ENTRY)
@@ -182,6 +214,13 @@ class ReplicaLeader:
                 with anyio.move_on_after(0.1):
                     await self.flush.wait()
                 continue
+            if linger > 0 and self.isr and len(items) < MAX_TXN_ENTRIES:
+                wait = self.sent_at.get(items[0][0], 0.0) + linger - anyio.current_time()
+                if wait > 0 and not self.hurry.is_set():
+                    with anyio.move_on_after(wait):
+                        await self.hurry.wait()
+                items = self.take(MAX_ENTRY)
+            self.hurry = anyio.Event()
             refused = await node.append_entries(items)
             if refused is not None:
                 node.step_down(refused)
@@ -221,7 +260,7 @@ class ReplicaLeader:
             first = min(self.unflushed, default=self.last_seq + 1)
             self.acked[addr] = first - 1
             for seq, data in self.unflushed.items():
-                peer.send.send_nowait((seq, data))
+                peer.send.send_nowait(_frame(["entry", seq, data, self.etcd_seq]))
             self._changed()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._write, peer, tg.cancel_scope)
@@ -246,8 +285,14 @@ class ReplicaLeader:
 
     async def _write(self, peer: _Peer, scope: anyio.CancelScope) -> None:
         try:
-            async for seq, data in peer.recv:
-                await peer.stream.send(_frame(["entry", seq, data]))
+            async for frame in peer.recv:
+                parts = [frame]
+                while True:  # what queued meanwhile goes in the same send
+                    try:
+                        parts.append(peer.recv.receive_nowait())
+                    except anyio.WouldBlock:
+                        break
+                await peer.stream.send(parts[0] if len(parts) == 1 else b"".join(parts))
         except _ENDS:
             pass
         scope.cancel()
@@ -278,6 +323,7 @@ class ReplicaLeader:
                 target = self.isr_seq()
                 while self.etcd_seq < target and self.node.role == "leader":
                     self.flush.set()
+                    self.hurry.set()
                     await anyio.sleep(0.005)
                 want -= drop
             if want != set(self.isr):
@@ -353,16 +399,27 @@ async def _stream(node: HaNode, stream: anyio.abc.SocketStream, term: int, addr:
         tg.start_soon(watch)
         try:
             await stream.send(_frame(["hello", node.address, term]))
+            node.streaming = True
             reader = _Reader(stream)
+            unacked = 0
             while True:
                 msg = await reader.read()
-                if msg[0] != "entry":
+                if msg[0] == "etcd" and len(msg) == 2:
+                    committed = int(msg[1])
+                elif msg[0] == "entry":
+                    seq, data = int(msg[1]), bytes(msg[2])
+                    if seq > node.applied_seq:
+                        node.held[seq] = data
+                    unacked = seq
+                    committed = int(msg[3]) if len(msg) > 3 else 0
+                else:
                     raise ProtocolError(f"unexpected replication frame {msg[0]!r}")
-                seq, data = int(msg[1]), bytes(msg[2])
-                if seq > node.applied_seq:
-                    node.held[seq] = data
-                await stream.send(_frame(["ack", seq]))
+                if unacked and not reader.buffered():  # one ack for what came together
+                    await stream.send(_frame(["ack", unacked]))
+                    unacked = 0
+                node.apply_held(committed)
         except _ENDS as e:
             log.info("master HA: replication stream from %s ended: %r", addr, e)
         finally:
+            node.streaming = False
             tg.cancel_scope.cancel()
