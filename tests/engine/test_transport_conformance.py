@@ -14,14 +14,8 @@ from pathlib import Path
 import pytest
 
 from mooncake._engine.transports.shm import available as shm_available
-from mooncake.testing.transport import (
-    CHECKS,
-    MakePair,
-    Unsupported,
-    check_transport,
-    local_pair,
-    process_pair,
-)
+from mooncake.testing import check_transport
+from mooncake.testing.transport import CHECKS, MakePair, Unsupported, local_pair, process_pair
 
 pytestmark = pytest.mark.anyio
 
