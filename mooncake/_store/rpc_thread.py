@@ -212,7 +212,7 @@ class RpcThread:
 
         lock = self.lock
 
-        class _HoldWhileRunning(trio.abc.Instrument):  # type: ignore[misc]
+        class _HoldWhileRunning(trio.abc.Instrument):
             def before_io_wait(self, timeout: float) -> None:
                 lock.release()
 

@@ -106,7 +106,7 @@ def check_size(key: Key, size: object) -> int:
         raise InvalidArgumentError(
             f"size of {key!r} must be an int, got {type(size).__name__}: {size!r}"
         )
-    value = operator.index(size)  # type: ignore[call-overload]
+    value = operator.index(size)
     if value < 0:
         raise InvalidArgumentError(f"size of {key!r} must be non-negative, got {value}")
     return value
