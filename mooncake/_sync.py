@@ -2,11 +2,12 @@
 
 The sync facades (``mooncake.engine.TransferEngine``, ``mooncake.store.MooncakeDistributedStore``)
 make one loop crossing per API call, so the crossing is on the latency path of every 4 KiB
-operation. Measured on the 2-core development VM: ``trio.from_thread.run``
-~220 us per call, a trio loop woken through a socketpair ~135 us (trio's scheduler is pure
-Python), ``asyncio.run_coroutine_threadsafe`` ~100 us, and an asyncio loop woken through a
-socketpair that starts a task per job ~40 us. This module is the last one: the async store code
-is written against anyio, so it runs unchanged on this asyncio loop.
+operation. Of the crossings tried (``trio.from_thread.run``, a trio loop woken through a
+socketpair, ``asyncio.run_coroutine_threadsafe``, an asyncio loop woken through a socketpair that
+starts a task per job) the last is the cheapest (trio's scheduler is pure Python; the numbers,
+and ``benchmarks/loop_crossing.py`` that measures them, are in docs/benchmarks.md, "Loop
+crossing"). This module is that one: the async store code is written against anyio, so it runs
+unchanged on this asyncio loop.
 
 Contract: :meth:`LoopThread.call` runs ``async_fn(*args)`` as a task on the loop and blocks until
 it finishes, returning its value or raising its exception. :meth:`submit` does the same without

@@ -288,17 +288,3 @@ def test_core_imports_no_event_loop() -> None:
 def test_import_mooncake_is_light() -> None:
     loaded = _imported_after("import mooncake, mooncake.errors")
     assert "trio" not in loaded and "mooncake._engine.engine" not in loaded
-
-
-def test_fast_twins_expose_the_same_names() -> None:
-    from mooncake._fast import _pure
-
-    try:
-        from mooncake._fast import _io
-    except ImportError:
-        import pytest
-
-        pytest.skip("compiled extension not built")
-    public = {n for n in dir(_pure) if not n.startswith("_") and callable(getattr(_pure, n))}
-    for name in public - {"Sequence"}:
-        assert hasattr(_io, name), f"compiled _io lacks {name}"

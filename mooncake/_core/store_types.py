@@ -13,6 +13,8 @@ These are :mod:`msgspec` Structs, so the same classes are the in-memory API and 
   writes it with the engine (``engine.read(segment_name, local, addr + offset, n)``). ``status``
   is a :class:`ReplicaStatus`; only ``COMPLETE`` replicas are ever handed to readers.
 * :class:`ObjectInfo` -- the master's view of one object for admin/introspection calls.
+* :func:`check_key` -- the one rule for object keys, applied by the client before a call leaves
+  and by the master when one arrives (the same checks, the same errors).
 
 Struct encoding: every Struct here encodes as a msgpack map (``omit_defaults``), and decoders
 ignore unknown fields, so fields can be added later without breaking older peers. Enums travel as
@@ -22,8 +24,44 @@ their integer values.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
+
+from mooncake.errors import InvalidArgumentError
+
+MAX_KEY_LENGTH = 1 << 20
+"""The longest key :func:`check_key` accepts, in characters."""
+
+
+def check_key(key: Any) -> str:
+    """Return ``key`` if it is a valid object key, else raise
+    :class:`~mooncake.errors.InvalidArgumentError` saying what is wrong.
+
+    A key is a non-empty ``str`` of at most :data:`MAX_KEY_LENGTH` characters that encodes as
+    UTF-8 (no lone surrogates). ``bytes`` are refused with a hint to decode them. The SSD tier's
+    on-disk header has its own, smaller limit in bytes (:data:`mooncake._core.tiers.MAX_KEY_BYTES`).
+    """
+    if not isinstance(key, str):
+        raise InvalidArgumentError(
+            f"key must be a str, got {type(key).__name__}"
+            + (" (decode it first: key.decode())" if isinstance(key, bytes | bytearray) else "")
+        )
+    if not key:
+        raise InvalidArgumentError("key must not be empty")
+    if len(key) > MAX_KEY_LENGTH:
+        raise InvalidArgumentError(
+            f"key of {len(key)} characters is too long (at most {MAX_KEY_LENGTH})"
+        )
+    if not key.isascii():
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidArgumentError(
+                f"key {key!r} is not valid UTF-8 (lone surrogate at index {e.start}); keys are"
+                " text: decode bytes with errors='strict' or use their hex"
+            ) from None
+    return key
 
 
 class ReplicaStatus(enum.IntEnum):

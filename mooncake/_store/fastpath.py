@@ -1,9 +1,9 @@
 """The sync facade's fast path: small same-host operations without a trip through the loop.
 
-Measured on the 2-core development VM under load, one sync ``put`` through the background loop
-costs a loop crossing (caller -> loop -> caller, ~35 us idle, ~100 us loaded) plus two master
-round trips made by the event loop (``add_reader``/``epoll``/``remove_reader`` around every
-answer: ~2x a blocking round trip when the CPUs are contended). For the operations that dominate
+One sync ``put`` through the background loop costs a loop crossing (caller -> loop -> caller)
+plus two master round trips made by the event loop (``add_reader``/``epoll``/``remove_reader``
+around every answer: more than a blocking round trip, most when the CPUs are contended; the
+numbers are in docs/benchmarks.md, "Loop crossing"). For the operations that dominate
 small-value latency this module does the same protocol from the *caller's* thread instead: a
 blocking master connection per thread (:class:`SyncMaster`), and ``memcpy`` into/out of the
 replica when it lives in this client's own segment or in a same-host segment already mapped.

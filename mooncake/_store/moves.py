@@ -56,7 +56,6 @@ TIER_POLL_S = 0.02
 INLINE_COPY = 1 << 20
 #: copies at least this large are split over two worker threads
 SPLIT_COPY = 8 << 20
-MAX_KEY_BYTES = 1 << 20
 #: a network transfer of replicas (one segment's ops) that has not finished after this floor
 #: plus :data:`TRANSFER_S_PER_MIB` per MiB fails (TransferTimeoutError) and its segment is
 #: reported: a stopped or cut-off holder must not hold a writer (or reader) forever
@@ -108,25 +107,8 @@ class _Op:
         return self.replica.addr + self.offset
 
 
-def _check_key(key: Any) -> str:
-    if not isinstance(key, str):
-        raise InvalidArgumentError(
-            f"key must be a str, got {type(key).__name__}"
-            + (" (decode it first: key.decode())" if isinstance(key, bytes | bytearray) else "")
-        )
-    if not key:
-        raise InvalidArgumentError("key must not be empty")
-    if len(key) > MAX_KEY_BYTES:
-        raise InvalidArgumentError(f"key of {len(key)} characters is too long")
-    if not key.isascii():
-        try:
-            key.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise InvalidArgumentError(
-                f"key {key!r} is not valid UTF-8 (lone surrogate at index {e.start}); keys are"
-                " text: decode bytes with errors='strict' or use their hex"
-            ) from None
-    return key
+#: the store's name for the one key rule (imported by its families and facades)
+_check_key = st.check_key
 
 
 def staging_refusal(total: int, local_buffer_size: int) -> str:

@@ -7,8 +7,8 @@ development VM the single loop thread also gets one thread's share of the CPUs. 
 non-replicated master on trio serves its RPC connections here: ``threads`` threads (2 by
 default), each with its own level-triggered ``epoll`` set, every connection registered on one
 of them for as long as it lives; each ready connection's requests are answered in one pass.
-``recv`` and ``send`` (the kernel's loopback delivery, ~40 % of a small call's CPU) run
-outside the state's lock, so one thread's system calls overlap another's answering.
+``recv`` and ``send`` (the kernel's loopback delivery, a large share of a small call's CPU:
+docs/benchmarks.md, "Loop crossing") run outside the state's lock, so one thread's system calls overlap another's answering.
 
 Mutual exclusion with the loop: one :class:`threading.Lock` guards the master's state. The loop
 thread holds it whenever it runs (a trio instrument takes it after every I/O wait and gives it
@@ -212,7 +212,7 @@ class RpcThread:
 
         lock = self.lock
 
-        class _HoldWhileRunning(trio.abc.Instrument):  # type: ignore[misc]
+        class _HoldWhileRunning(trio.abc.Instrument):
             def before_io_wait(self, timeout: float) -> None:
                 lock.release()
 

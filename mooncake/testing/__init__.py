@@ -1,7 +1,9 @@
 """Harnesses users run on their own code inside their test suites.
 
 :func:`check_policy` property-tests an eviction policy (see :mod:`mooncake.testing.policy`);
-:mod:`mooncake.testing.metadata` is the conformance suite for metadata backends.
+:mod:`mooncake.testing.metadata` is the conformance suite for metadata backends;
+:func:`check_transport` the one for transports (:mod:`mooncake.testing.transport`: it needs
+nothing beyond the package itself).
 The harnesses need the ``test`` extra (``pip install mooncake-py[test]``: hypothesis); they
 are imported on first use, so ``import mooncake.testing`` itself does not need it.
 
@@ -30,11 +32,13 @@ if TYPE_CHECKING:
         s3fifo_oracle,
         sieve_oracle,
     )
+    from mooncake.testing.transport import check_transport
 
 __all__ = [
     "ORACLES",
     "PolicyModel",
     "check_policy",
+    "check_transport",
     "fifo_oracle",
     "lfu_oracle",
     "local_master",
@@ -47,6 +51,7 @@ __all__ = [
 
 _LAZY = {name: "mooncake.testing.policy" for name in __all__}
 _LAZY["local_master"] = _LAZY["local_master_server"] = "mooncake.testing.master"
+_LAZY["check_transport"] = "mooncake.testing.transport"
 
 
 def __getattr__(name: str) -> Any:

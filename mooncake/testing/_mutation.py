@@ -61,24 +61,38 @@ __all__ = [
 _PKG = "mooncake._core.policies"
 _DIR = Path(__file__).resolve().parents[1] / "_core" / "policies"
 _BASE_HELPERS = ("check_size", "check_pin", "record_pin")
+#: what the policies inherit from ``SizedPolicy`` in base.py (its ``_check_sized`` is a probe)
+_SIZED = ("__init__", "set_pin", "__len__", "__contains__", "total_bytes")
 
 #: Policy name -> (class name, module, [(file, functions mutated or None for all)]).
 TARGETS: dict[str, tuple[str, str, list[tuple[str, tuple[str, ...] | None]]]] = {
-    "lru": ("LRUPolicy", "lru", [("base", (*_BASE_HELPERS, "select_victims")), ("lru", None)]),
-    "lfu": ("LFUPolicy", "lfu", [("base", (*_BASE_HELPERS, "select_victims")), ("lfu", None)]),
+    "lru": (
+        "LRUPolicy",
+        "lru",
+        [("base", (*_BASE_HELPERS, *_SIZED, "select_victims")), ("lru", None)],
+    ),
+    "lfu": (
+        "LFUPolicy",
+        "lfu",
+        [("base", (*_BASE_HELPERS, *_SIZED, "select_victims")), ("lfu", None)],
+    ),
     "fifo": (
         "FIFOPolicy",
         "fifo",
-        [("base", (*_BASE_HELPERS, "select_victims")), ("lru", None), ("fifo", None)],
+        [("base", (*_BASE_HELPERS, *_SIZED, "select_victims")), ("lru", None), ("fifo", None)],
     ),
-    "sieve": ("SIEVEPolicy", "sieve", [("base", _BASE_HELPERS), ("sieve", None)]),
-    "s3fifo": ("S3FIFOPolicy", "s3fifo", [("base", _BASE_HELPERS), ("s3fifo", None)]),
-    "prefix-lru": ("PrefixLRUPolicy", "prefix", [("base", _BASE_HELPERS), ("prefix", None)]),
+    "sieve": ("SIEVEPolicy", "sieve", [("base", (*_BASE_HELPERS, *_SIZED)), ("sieve", None)]),
+    "s3fifo": ("S3FIFOPolicy", "s3fifo", [("base", (*_BASE_HELPERS, *_SIZED)), ("s3fifo", None)]),
+    "prefix-lru": (
+        "PrefixLRUPolicy",
+        "prefix",
+        [("base", (*_BASE_HELPERS, *_SIZED)), ("prefix", None)],
+    ),
 }
 
 #: Methods a policy overrides: a mutant there does not run for it (FIFO ignores hits).
 _OVERRIDDEN: dict[str, set[tuple[str, str]]] = {"fifo": {("lru", "on_access")}}
-_SKIP_FUNCS = {"self_check", "__repr__"}
+_SKIP_FUNCS = {"self_check", "__repr__", "_check_sized"}
 _SIZE_CHECKED = ("lru", "lfu", "sieve", "s3fifo", "prefix")
 
 OPERATORS = (

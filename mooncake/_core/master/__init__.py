@@ -66,13 +66,13 @@ from __future__ import annotations
 
 from mooncake._core.master.config import (
     ALLOCATION_STRATEGIES,
-    MAX_KEY_LENGTH,
     MasterConfig,
     MasterStats,
     format_miss,
     parse_miss,
 )
 from mooncake._core.master.state import MasterState
+from mooncake._core.store_types import MAX_KEY_LENGTH
 
 __all__ = [
     "ALLOCATION_STRATEGIES",

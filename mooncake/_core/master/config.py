@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from mooncake._core.allocator import DEFAULT_ALIGNMENT
 from mooncake._core.misses import Miss, MissReason
+from mooncake._core.store_types import check_key
 from mooncake.errors import (
     ClientNotFoundError,
     InvalidArgumentError,
@@ -16,7 +17,6 @@ from mooncake.errors import (
 )
 
 ALLOCATION_STRATEGIES = ("random", "free_ratio_first")
-MAX_KEY_LENGTH = 1 << 20
 _EVICT_RETRIES = 4
 
 
@@ -171,11 +171,8 @@ def _codes(fn: Callable[[str], object], keys: list[str]) -> list[int]:
     return out
 
 
-def _check_key(key: str) -> None:
-    if not key:
-        raise InvalidArgumentError("key must be a non-empty string")
-    if len(key) > MAX_KEY_LENGTH:
-        raise InvalidArgumentError(f"key of {len(key)} characters exceeds {MAX_KEY_LENGTH}")
+#: the master's name for the one key rule (:func:`mooncake._core.store_types.check_key`)
+_check_key = check_key
 
 
 def _check_client_id(client_id: str) -> None:

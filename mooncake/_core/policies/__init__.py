@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from mooncake._core.policies.base import CanEvict, EvictionPolicy, Key, Pin, select_victims
+from mooncake._core.policies.base import (
+    CanEvict,
+    EvictionPolicy,
+    Key,
+    Pin,
+    SizedPolicy,
+    select_victims,
+)
 from mooncake._core.policies.fifo import FIFOPolicy
 from mooncake._core.policies.lfu import LFUPolicy
 from mooncake._core.policies.lru import LRUPolicy
@@ -31,6 +38,7 @@ __all__ = [
     "PrefixLRUPolicy",
     "S3FIFOPolicy",
     "SIEVEPolicy",
+    "SizedPolicy",
     "make_policy",
     "select_victims",
 ]

@@ -58,7 +58,7 @@ from __future__ import annotations
 import abc
 import enum
 import operator
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import ClassVar, Protocol
 
 from mooncake.errors import InvalidArgumentError
@@ -106,7 +106,7 @@ def check_size(key: Key, size: object) -> int:
         raise InvalidArgumentError(
             f"size of {key!r} must be an int, got {type(size).__name__}: {size!r}"
         )
-    value = operator.index(size)  # type: ignore[call-overload]
+    value = operator.index(size)
     if value < 0:
         raise InvalidArgumentError(f"size of {key!r} must be non-negative, got {value}")
     return value
@@ -220,3 +220,44 @@ class EvictionPolicy(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {len(self)} keys, {self.total_bytes} bytes>"
+
+
+class SizedPolicy(EvictionPolicy):
+    """An :class:`EvictionPolicy` whose tracked keys are the keys of one dict, with a running
+    byte total and a pin table: the bookkeeping every shipped policy shares.
+
+    A subclass calls ``super().__init__(tracked)`` with its own per-key dict (the object
+    itself, which it keeps updating), keeps ``_bytes`` equal to the sum of the tracked sizes,
+    and stores pins only through :meth:`set_pin` (``_pins`` holds no ``Pin.NONE``; a removed
+    key's pin is popped by the subclass). It gets ``__len__``, ``__contains__``,
+    ``total_bytes``, ``set_pin`` and :meth:`_check_sized`, the shared part of ``self_check``.
+    """
+
+    __slots__ = ("_bytes", "_pins", "_tracked")
+
+    def __init__(self, tracked: Mapping[Key, object]) -> None:
+        self._tracked = tracked
+        self._pins: dict[Key, Pin] = {}
+        self._bytes = 0
+
+    def set_pin(self, key: Key, pin: Pin) -> None:
+        if key not in self._tracked:
+            raise KeyError(key)
+        record_pin(self._pins, key, pin)
+
+    def __len__(self) -> int:
+        return len(self._tracked)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._tracked
+
+    @property
+    def total_bytes(self) -> int:
+        return self._bytes
+
+    def _check_sized(self, total: int) -> None:
+        """Assert the byte total is ``total`` (the subclass sums its sizes) and the pin table
+        holds tracked keys only, none at ``Pin.NONE``."""
+        assert self._bytes == total, "byte total drifted"
+        assert all(k in self._tracked for k in self._pins), "pin on an untracked key"
+        assert all(p is not Pin.NONE for p in self._pins.values()), "Pin.NONE stored"

@@ -8,18 +8,16 @@ from collections.abc import Iterator
 
 from mooncake._core.policies.base import (
     CanEvict,
-    EvictionPolicy,
     Key,
-    Pin,
+    SizedPolicy,
     check_size,
-    record_pin,
     select_victims,
 )
 
 __all__ = ["LFUPolicy"]
 
 
-class LFUPolicy(EvictionPolicy):
+class LFUPolicy(SizedPolicy):
     """Least frequently used: evict the object with the fewest hits since its insert.
 
     An insert counts as the first use (frequency 1); each access adds one. Among equal
@@ -33,16 +31,15 @@ class LFUPolicy(EvictionPolicy):
     accesses)); ``victims`` is O(v + s + buckets walked).
     """
 
-    __slots__ = ("_buckets", "_bytes", "_freq", "_freqs", "_pins", "_size")
+    __slots__ = ("_buckets", "_freq", "_freqs", "_size")
     name = "lfu"
 
     def __init__(self) -> None:
         self._size: dict[Key, int] = {}
+        super().__init__(self._size)
         self._freq: dict[Key, int] = {}
         self._buckets: dict[int, OrderedDict[Key, None]] = {}
         self._freqs: list[int] = []  # sorted non-empty bucket frequencies
-        self._pins: dict[Key, Pin] = {}
-        self._bytes = 0
 
     def _unlink(self, key: Key, freq: int) -> None:
         bucket = self._buckets[freq]
@@ -94,11 +91,6 @@ class LFUPolicy(EvictionPolicy):
         self._unlink(key, self._freq.pop(key))
         self._pins.pop(key, None)
 
-    def set_pin(self, key: Key, pin: Pin) -> None:
-        if key not in self._size:
-            raise KeyError(key)
-        record_pin(self._pins, key, pin)
-
     def _order(self) -> Iterator[Key]:
         buckets = self._buckets
         for freq in self._freqs:
@@ -113,18 +105,8 @@ class LFUPolicy(EvictionPolicy):
         """Current use count of ``key`` (``KeyError`` if untracked)."""
         return self._freq[key]
 
-    def __len__(self) -> int:
-        return len(self._size)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._size
-
-    @property
-    def total_bytes(self) -> int:
-        return self._bytes
-
     def self_check(self) -> None:
-        assert self._bytes == sum(self._size.values()), "byte total drifted"
+        self._check_sized(sum(self._size.values()))
         assert self._size.keys() == self._freq.keys(), "size and frequency maps differ"
         assert self._freqs == sorted(self._buckets), "frequency index out of order"
         assert all(self._buckets.values()), "empty bucket kept"
@@ -134,5 +116,3 @@ class LFUPolicy(EvictionPolicy):
                 assert self._freq[key] == freq, f"{key!r} in bucket {freq}"
                 seen += 1
         assert seen == len(self._size), "bucket membership differs from tracked keys"
-        assert all(k in self._size for k in self._pins), "pin on an untracked key"
-        assert all(p is not Pin.NONE for p in self._pins.values()), "Pin.NONE stored"

@@ -6,31 +6,28 @@ from collections import OrderedDict
 
 from mooncake._core.policies.base import (
     CanEvict,
-    EvictionPolicy,
     Key,
-    Pin,
+    SizedPolicy,
     check_size,
-    record_pin,
     select_victims,
 )
 
 __all__ = ["LRUPolicy"]
 
 
-class LRUPolicy(EvictionPolicy):
+class LRUPolicy(SizedPolicy):
     """Least recently used: evict the object whose last insert or access is oldest.
 
     One ``OrderedDict`` (oldest first): every event is O(1); ``victims`` is O(v + s), v the
     victims returned and s the pinned or busy keys it walks past.
     """
 
-    __slots__ = ("_bytes", "_order", "_pins")
+    __slots__ = ("_order",)
     name = "lru"
 
     def __init__(self) -> None:
         self._order: OrderedDict[Key, int] = OrderedDict()
-        self._pins: dict[Key, Pin] = {}
-        self._bytes = 0
+        super().__init__(self._order)
 
     def on_insert(
         self, key: Key, size: int, *, parent: Key | None = None, now: float = 0.0
@@ -52,27 +49,10 @@ class LRUPolicy(EvictionPolicy):
         self._bytes -= self._order.pop(key)
         self._pins.pop(key, None)
 
-    def set_pin(self, key: Key, pin: Pin) -> None:
-        if key not in self._order:
-            raise KeyError(key)
-        record_pin(self._pins, key, pin)
-
     def victims(self, nbytes: int, can_evict: CanEvict) -> list[Key]:
         if nbytes <= 0:
             return []
         return select_victims(self._order, self._order, self._pins, nbytes, can_evict)
 
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._order
-
-    @property
-    def total_bytes(self) -> int:
-        return self._bytes
-
     def self_check(self) -> None:
-        assert self._bytes == sum(self._order.values()), "byte total drifted"
-        assert all(k in self._order for k in self._pins), "pin on an untracked key"
-        assert all(p is not Pin.NONE for p in self._pins.values()), "Pin.NONE stored"
+        self._check_sized(sum(self._order.values()))

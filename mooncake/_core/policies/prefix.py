@@ -31,11 +31,10 @@ import heapq
 
 from mooncake._core.policies.base import (
     CanEvict,
-    EvictionPolicy,
     Key,
     Pin,
+    SizedPolicy,
     check_size,
-    record_pin,
 )
 from mooncake.errors import InvalidArgumentError
 
@@ -47,17 +46,15 @@ __all__ = ["PrefixLRUPolicy"]
 _Entry = tuple[int, int, Key]
 
 
-class PrefixLRUPolicy(EvictionPolicy):
+class PrefixLRUPolicy(SizedPolicy):
     """Prefix-closed LRU (see the module docstring)."""
 
     __slots__ = (
-        "_bytes",
         "_clock",
         "_dead",
         "_heap",
         "_kids",
         "_parent",
-        "_pins",
         "_size",
         "_tick",
     )
@@ -66,14 +63,13 @@ class PrefixLRUPolicy(EvictionPolicy):
 
     def __init__(self) -> None:
         self._size: dict[Key, int] = {}
+        super().__init__(self._size)
         self._parent: dict[Key, Key | None] = {}
         self._kids: dict[Key, set[Key]] = {}  # parent key (tracked or not) -> tracked children
         self._dead: set[Key] = set()  # tracked keys with a missing ancestor
         self._tick: dict[Key, int] = {}
         self._clock = 0
         self._heap: list[_Entry] = []
-        self._pins: dict[Key, Pin] = {}
-        self._bytes = 0
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -185,11 +181,6 @@ class PrefixLRUPolicy(EvictionPolicy):
         if key in kids:
             self._set_dead(self._descendants(key), True)
 
-    def set_pin(self, key: Key, pin: Pin) -> None:
-        if key not in self._size:
-            raise KeyError(key)
-        record_pin(self._pins, key, pin)
-
     # -- queries --------------------------------------------------------------------------
 
     def victims(self, nbytes: int, can_evict: CanEvict) -> list[Key]:
@@ -286,19 +277,9 @@ class PrefixLRUPolicy(EvictionPolicy):
                     stack.extend((c, False) for c in kids.get(k, ()))
         return out
 
-    def __len__(self) -> int:
-        return len(self._size)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._size
-
-    @property
-    def total_bytes(self) -> int:
-        return self._bytes
-
     def self_check(self) -> None:
         size, parent_of, kids = self._size, self._parent, self._kids
-        assert self._bytes == sum(size.values()), "byte total drifted"
+        self._check_sized(sum(size.values()))
         assert size.keys() == parent_of.keys() == self._tick.keys(), "per-key maps differ"
         expected: dict[Key, set[Key]] = {}
         for k, p in parent_of.items():
@@ -316,5 +297,3 @@ class PrefixLRUPolicy(EvictionPolicy):
         current = {e[2] for e in self._heap if self._current(e)}
         leaves = {k for k in size if k not in kids}
         assert current == leaves, f"leaves missing from the heap: {leaves - current!r}"
-        assert all(k in size for k in self._pins), "pin on an untracked key"
-        assert all(p is not Pin.NONE for p in self._pins.values()), "Pin.NONE stored"

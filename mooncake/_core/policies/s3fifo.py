@@ -6,11 +6,10 @@ from collections import OrderedDict
 
 from mooncake._core.policies.base import (
     CanEvict,
-    EvictionPolicy,
     Key,
     Pin,
+    SizedPolicy,
     check_size,
-    record_pin,
 )
 from mooncake.errors import InvalidArgumentError
 
@@ -20,7 +19,7 @@ _MAX_FREQ = 3
 _GHOST_FLOOR = 16
 
 
-class S3FIFOPolicy(EvictionPolicy):
+class S3FIFOPolicy(SizedPolicy):
     """S3-FIFO: quick demotion of one-hit wonders through a small FIFO.
 
     New objects enter the small queue S, or the main queue M if their key is in the ghost
@@ -39,12 +38,10 @@ class S3FIFOPolicy(EvictionPolicy):
     """
 
     __slots__ = (
-        "_bytes",
         "_evicting_small",
         "_freq",
         "_ghost",
         "_main",
-        "_pins",
         "_size",
         "_small",
         "_small_bytes",
@@ -57,13 +54,12 @@ class S3FIFOPolicy(EvictionPolicy):
             raise InvalidArgumentError(f"small_ratio must be in (0, 1), got {small_ratio!r}")
         self.small_ratio = small_ratio
         self._size: dict[Key, int] = {}
+        super().__init__(self._size)
         self._freq: dict[Key, int] = {}
         self._small: OrderedDict[Key, None] = OrderedDict()  # oldest first
         self._main: OrderedDict[Key, None] = OrderedDict()
         self._ghost: OrderedDict[Key, None] = OrderedDict()
         self._evicting_small: set[Key] = set()  # last victims() proposals taken from S
-        self._pins: dict[Key, Pin] = {}
-        self._bytes = 0
         self._small_bytes = 0
 
     def on_insert(
@@ -109,11 +105,6 @@ class S3FIFOPolicy(EvictionPolicy):
         else:
             del self._main[key]
             self._evicting_small.discard(key)
-
-    def set_pin(self, key: Key, pin: Pin) -> None:
-        if key not in self._size:
-            raise KeyError(key)
-        record_pin(self._pins, key, pin)
 
     def victims(self, nbytes: int, can_evict: CanEvict) -> list[Key]:
         if nbytes <= 0 or not self._size:
@@ -185,16 +176,6 @@ class S3FIFOPolicy(EvictionPolicy):
         self._evicting_small = from_small
         return out
 
-    def __len__(self) -> int:
-        return len(self._size)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._size
-
-    @property
-    def total_bytes(self) -> int:
-        return self._bytes
-
     def self_check(self) -> None:
         small, main = self._small, self._main
         assert not (small.keys() & main.keys()), "a key in both S and M"
@@ -202,7 +183,5 @@ class S3FIFOPolicy(EvictionPolicy):
         assert self._size.keys() == self._freq.keys(), "size and counter maps differ"
         assert all(0 <= f <= _MAX_FREQ for f in self._freq.values()), "counter out of range"
         assert not (self._ghost.keys() & self._size.keys()), "a tracked key in the ghost queue"
-        assert self._bytes == sum(self._size.values()), "byte total drifted"
+        self._check_sized(sum(self._size.values()))
         assert self._small_bytes == sum(self._size[k] for k in small), "S byte total drifted"
-        assert all(k in self._size for k in self._pins), "pin on an untracked key"
-        assert all(p is not Pin.NONE for p in self._pins.values()), "Pin.NONE stored"

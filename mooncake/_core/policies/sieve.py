@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from mooncake._core.policies.base import (
     CanEvict,
-    EvictionPolicy,
     Key,
     Pin,
+    SizedPolicy,
     check_size,
-    record_pin,
 )
 
 __all__ = ["SIEVEPolicy"]
@@ -25,7 +24,7 @@ class _Node:
         self.older: _Node | None = None
 
 
-class SIEVEPolicy(EvictionPolicy):
+class SIEVEPolicy(SizedPolicy):
     """SIEVE: new objects enter at the head of a queue; a hit only sets a visited bit.
 
     To evict, a hand walks from the tail (oldest) toward the head: a visited object loses
@@ -44,16 +43,15 @@ class SIEVEPolicy(EvictionPolicy):
     LFU's first victim (``docs/replay.md`` works this through).
     """
 
-    __slots__ = ("_bytes", "_hand", "_head", "_nodes", "_pins", "_tail", "laps")
+    __slots__ = ("_hand", "_head", "_nodes", "_tail", "laps")
     name = "sieve"
 
     def __init__(self) -> None:
         self._nodes: dict[Key, _Node] = {}
+        super().__init__(self._nodes)
         self._head: _Node | None = None  # newest
         self._tail: _Node | None = None  # oldest
         self._hand: _Node | None = None  # next node the hand examines; None = the tail
-        self._pins: dict[Key, Pin] = {}
-        self._bytes = 0
         self.laps = 0
 
     def on_insert(
@@ -96,11 +94,6 @@ class SIEVEPolicy(EvictionPolicy):
         else:
             older.newer = newer
         node.newer = node.older = None
-
-    def set_pin(self, key: Key, pin: Pin) -> None:
-        if key not in self._nodes:
-            raise KeyError(key)
-        record_pin(self._pins, key, pin)
 
     def victims(self, nbytes: int, can_evict: CanEvict) -> list[Key]:
         if nbytes <= 0 or self._tail is None:
@@ -152,16 +145,6 @@ class SIEVEPolicy(EvictionPolicy):
                 break
         return out
 
-    def __len__(self) -> int:
-        return len(self._nodes)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._nodes
-
-    @property
-    def total_bytes(self) -> int:
-        return self._bytes
-
     def self_check(self) -> None:
         seen = 0
         total = 0
@@ -176,8 +159,6 @@ class SIEVEPolicy(EvictionPolicy):
             prev, node = node, node.newer
         assert prev is self._head, "head is not the newest node"
         assert seen == len(self._nodes), "queue length differs from the map"
-        assert total == self._bytes, "byte total drifted"
+        self._check_sized(total)
         hand = self._hand
         assert hand is None or self._nodes.get(hand.key) is hand, "hand on a removed node"
-        assert all(k in self._nodes for k in self._pins), "pin on an untracked key"
-        assert all(p is not Pin.NONE for p in self._pins.values()), "Pin.NONE stored"
