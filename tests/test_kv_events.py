@@ -211,13 +211,15 @@ def _collect(sub: KvEventSubscriber, want: int, timeout: float = 30.0) -> list[A
 
 
 def _wait_subscribed(sub: KvEventSubscriber, address: str, key: str) -> list[Any]:
-    """ZMQ subscriptions are asynchronous: put probe keys until one arrives."""
+    """ZMQ subscriptions are asynchronous: put probe keys until one arrives. Every note of
+    every round is returned (the stream's announcement may come a round before an event)."""
     deadline = time.monotonic() + 30
     i = 0
+    notes: list[Any] = []
     while time.monotonic() < deadline:
         put(address, f"{key}{i}")
         i += 1
-        notes = _collect(sub, 1, timeout=1.0)
+        notes += _collect(sub, 1, timeout=1.0)
         if any(isinstance(n, Received) and n.batch.events for n in notes):
             return notes
     raise AssertionError("the subscriber never got an event")

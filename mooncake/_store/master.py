@@ -61,30 +61,24 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
-from urllib.parse import parse_qs, urlsplit
 
 import anyio
 import anyio.abc
 import anyio.lowlevel
-import h11
-import msgspec
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from mooncake._core import auth, commands, rpc, tenantscope
 from mooncake._core.master import MasterConfig, MasterState
 from mooncake._engine import _accept
-from mooncake._store import drain_http
+from mooncake._store import master_http
 from mooncake._store.keyscan import DEFAULT_BUDGET_S, SCAN_METHODS, KeyScanner
-from mooncake._store.listing_http import admin_listing
 from mooncake._store.rpc_thread import Handoff, RpcThread, usable
 from mooncake._store.serving import ReplyBudget, frame_deadline
 from mooncake._store.tenancy import (
     TenantBindings,
     tenant_metrics,
-    tenant_quotas_http,
-    tenant_status,
 )
 from mooncake.errors import (
     ErrorCode,
@@ -112,10 +106,6 @@ _HEARTBEATS = frozenset({"Ping", "MountSegment", "ReMountSegment"})
 #: heartbeat calls that make a connection its client's heartbeat connection
 HEARTBEAT_CONNECTION_CALLS = 2
 _DEADLINE_SLACK = 0.5  # seconds a connection's wait deadline may fire late (5 % at most)
-_HTTP_MAX_HEAD = 16 << 10
-_HTTP_IDLE_S = 30.0
-_HTTP_MAX_CONNECTIONS = 64
-_REASONS = {200: b"OK", 404: b"Not Found", 405: b"Method Not Allowed"}
 AUTH_REQUIRED = (
     "authentication required: this master needs the cluster secret (MOONCAKE_CLUSTER_SECRET)"
 )
@@ -218,7 +208,7 @@ class MasterServer:
         self.replies = ReplyBudget(config.reply_budget)
         self.secret = auth.load_secret(config.cluster_secret)
         self.auth_failures = 0
-        self.http_slots = _accept.Slots(_HTTP_MAX_CONNECTIONS, "master-http")
+        self.http_slots = _accept.Slots(master_http.HTTP_MAX_CONNECTIONS, "master-http")
         self.scanner = KeyScanner(config.regex_budget)
         # One receive buffer for every connection (each copies what it got into its decoder
         # before it awaits): a fresh recv(256 KiB) allocation per request was an mmap, mremap
@@ -718,175 +708,23 @@ class MasterServer:
             except Exception:
                 log.exception("master: sweep failed")
 
-    # -- HTTP (/metrics, /health) ----------------------------------------------------------
+    # -- HTTP (/metrics, /health, /status, admin routes: mooncake._store.master_http) ----------
 
     def http_response(self, method: str, target: str, body: bytes = b"") -> tuple[int, str, bytes]:
         """(status, content type, body) for one admin HTTP request."""
-        if drain_http.handles(target):
-            return drain_http.response(self, method, target, body)
-        url = urlsplit(target)
-        if url.path == "/api/v1/tenant_quotas":
-            return tenant_quotas_http(self, method, url.query)
-        if method not in ("GET", "HEAD"):
-            return 405, "text/plain", b"method not allowed\n"
-        if url.path == "/metrics":
-            return 200, "text/plain; version=0.0.4; charset=utf-8", generate_latest(self.registry)
-        if url.path == "/health":
-            return 200, "text/plain", b"OK\n"
-        if url.path == "/status":
-            return 200, "application/json", msgspec.json.encode(self.status())
-        if url.path == "/role":
-            role = self.ha_node.status()["role"] if self.ha_node is not None else "leader"
-            return 200, "text/plain", role.encode() + b"\n"
-        if url.path == "/ha_status":
-            return 200, "application/json", msgspec.json.encode(self.ha_status())
-        if url.path == "/kv_events/status":
-            pub = self.kv_publisher
-            doc = pub.stats() if pub is not None else {"enabled": False}
-            return 200, "application/json", msgspec.json.encode(doc)
-        if url.path in ("/query_key", "/get_all_keys", "/get_all_segments") and self.ha:
-            refusal = self.ha.refusal()  # a standby's (or a deposed leader's) state may lag
-            if refusal is not None:
-                return 503, "text/plain", refusal.encode() + b"\n"
-        if url.path == "/query_key":
-            query = parse_qs(url.query)
-            key = query.get("key", [""])[0]
-            try:  # ?tenant=NAME: that tenant's key (default: the default tenant's)
-                info = commands.HANDLERS["QueryKey"](
-                    self.state, rpc.KeyParams(key=key, tenant=query.get("tenant", [""])[0]), 0.0
-                )
-            except MooncakeError as e:
-                body = msgspec.json.encode({"success": False, "error_code": int(e.code)})
-                return 404, "application/json", body
-            body = msgspec.json.encode({"success": True, "data": info})
-            return 200, "application/json", body
-        if url.path in ("/get_all_keys", "/get_all_segments"):
-            return admin_listing(self.state, url.path, parse_qs(url.query))
-        return 404, "text/plain", b"not found\n"
+        return master_http.http_response(self, method, target, body)
 
     def status(self) -> dict[str, Any]:
-        """The ``/status`` document (what ``mooncake top`` shows): totals, tiers, segments,
-        clients and the monotonic counters, as JSON-ready builtins (docs/metrics.md)."""
-        s = self.state
-        segments = []
-        clients: dict[str, dict[str, int]] = {}
-        for info in s.all_segments():
-            loc = info.segment.location or "cpu"
-            tier = "gpu" if loc.startswith("cuda:") else "dram"
-            segments.append(
-                {
-                    "id": info.segment.id,
-                    "name": info.segment.name,
-                    "client_id": info.client_id,
-                    "tier": tier,
-                    "capacity": info.capacity,
-                    "used": info.used,
-                }
-            )
-            c = clients.setdefault(info.client_id, {"segments": 0, "capacity": 0, "used": 0})
-            c["segments"] += 1
-            c["capacity"] += info.capacity
-            c["used"] += info.used
-        tiers: dict[str, dict[str, int]] = {t: dict(d) for t, d in s.segment_tiers().items()}
-        for t, tc in s.tiers.items():
-            tiers.setdefault(t, {}).update(hits=tc.hits, misses=tc.misses, evictions=tc.evictions)
-        st = s.stats
-        return {
-            "time": time.time(),
-            "ha": self.ha_status(),
-            "objects": s.object_count,
-            "clients": s.client_count,
-            "segments": s.segment_count,
-            "capacity_bytes": s.capacity_bytes,
-            "used_bytes": s.used_bytes,
-            "tiers": tiers,
-            "segment_list": segments,
-            "client_list": [{"client_id": k, **v} for k, v in sorted(clients.items())],
-            "tenants": tenant_status(s.tenants),
-            "counters": {
-                "gets": st.gets,
-                "get_misses": st.get_misses,
-                "puts_started": st.puts_started,
-                "puts_ended": st.puts_ended,
-                "evicted_objects": st.evicted_objects,
-                "evicted_bytes": st.evicted_bytes,
-                "removes": st.removes,
-                "lease_refusals": st.lease_refusals,
-                "clients_expired": st.clients_expired,
-            },
-        }
+        """The ``/status`` document (:func:`mooncake._store.master_http.status`)."""
+        return master_http.status(self)
 
     def ha_status(self) -> dict[str, Any]:
         """Role, term/lease, applied seq, log lag, last snapshot (a master without HA leads)."""
-        if self.ha_node is not None:
-            return self.ha_node.status()
-        return {
-            "role": "leader",
-            "enabled": False,
-            "last_snapshot_seq": self.last_snapshot_seq,
-        }
+        return master_http.ha_status(self)
 
     async def serve_http_connection(self, sock: socket.socket, slot: _accept.Slot) -> None:
-        """One admin HTTP connection (keep-alive; at most ``_HTTP_MAX_CONNECTIONS`` live, the
-        longest-idle giving way to a new one at the cap; heads bounded by h11; each request,
-        the first from accept, must be complete within ``_HTTP_IDLE_S``)."""
-        stream = await anyio.abc.SocketStream.from_socket(sock)
-        async with stream:
-            await self._serve_http(stream, slot)
-
-    async def _serve_http(self, stream: anyio.abc.ByteStream, slot: _accept.Slot) -> None:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_HTTP_MAX_HEAD)
-        try:
-            while True:
-                request: h11.Request | None = None
-                slot.rest()
-                with anyio.move_on_after(_HTTP_IDLE_S):  # whole request, body drained
-                    event = await _next_http_event(conn, stream)
-                    if not isinstance(event, h11.Request):
-                        return
-                    body = bytearray()  # only the drain routes take one (small JSON)
-                    while not isinstance(
-                        ev := await _next_http_event(conn, stream), h11.EndOfMessage
-                    ):
-                        if isinstance(ev, h11.Data) and len(body) <= drain_http.MAX_BODY:
-                            body += ev.data
-                    request = event
-                if request is None:
-                    return
-                slot.busy()
-                status, ctype, out = self.http_response(
-                    request.method.decode("ascii", "replace"),
-                    request.target.decode("ascii", "replace"),
-                    bytes(body),
-                )
-                headers = [("content-type", ctype), ("content-length", str(len(out)))]
-                head = h11.Response(
-                    status_code=status, headers=headers, reason=_REASONS.get(status, b"")
-                )
-                data = conn.send(head) or b""
-                if request.method != b"HEAD":
-                    data += conn.send(h11.Data(data=out)) or b""
-                data += conn.send(h11.EndOfMessage()) or b""
-                await stream.send(data)
-                if conn.our_state is h11.MUST_CLOSE:
-                    return
-                conn.start_next_cycle()
-        except (h11.RemoteProtocolError, h11.LocalProtocolError):
-            return
-        except (anyio.BrokenResourceError, anyio.EndOfStream, anyio.ClosedResourceError):
-            return
-
-
-async def _next_http_event(conn: h11.Connection, stream: anyio.abc.ByteStream) -> Any:
-    while True:
-        event = conn.next_event()
-        if event is not h11.NEED_DATA:
-            return event
-        try:
-            data = await stream.receive(65536)
-        except (anyio.EndOfStream, anyio.BrokenResourceError):
-            data = b""
-        conn.receive_data(data)
+        """One admin HTTP connection (:func:`mooncake._store.master_http.serve_http_connection`)."""
+        await master_http.serve_http_connection(self, sock, slot)
 
 
 class _MasterCollector(Collector):
