@@ -50,6 +50,7 @@ class ErrorCode(enum.IntEnum):
     UNAVAILABLE_IN_CURRENT_STATUS = -1010
     UNAVAILABLE_IN_CURRENT_MODE = -1011
     NOT_SUPPORTED = -1012
+    JOB_NOT_FOUND = -1402
     TENANT_QUOTA_EXCEEDED = -1700
 
 
@@ -148,6 +149,12 @@ class SegmentNotFoundError(MooncakeError):
     """No segment of that name is known to the metadata service, or it is malformed."""
 
     code = ErrorCode.SEGMENT_NOT_FOUND
+
+
+class JobNotFoundError(MooncakeError):
+    """No drain job of that id is known to the master (never created, or forgotten)."""
+
+    code = ErrorCode.JOB_NOT_FOUND
 
 
 class MetadataError(MooncakeError):
@@ -392,6 +399,7 @@ _BY_CODE: dict[int, type[MooncakeError]] = {
         NotLeaderError,
         ChecksumMismatchError,
         SegmentNotFoundError,
+        JobNotFoundError,
         InvalidArgumentError,
         NotSupportedError,
         TransferError,
@@ -442,6 +450,7 @@ __all__ = [
     "InvalidReadError",
     "InvalidReplicaError",
     "InvalidWriteError",
+    "JobNotFoundError",
     "LeaseExpiredError",
     "MasterUnreachableError",
     "MetadataError",

@@ -134,3 +134,32 @@ def test_a_move_task_never_targets_a_draining_segment() -> None:
     m.drain_segment("b", "seg1", 0)
     with pytest.raises(SegmentNotFoundError):
         m.create_move_task("k", seg(0).name, seg(1).name, 0)
+
+
+def test_a_drain_job_step_keeps_to_its_targets_and_its_bound() -> None:
+    from mooncake._core import commands
+
+    m = master()
+    for i, c in enumerate("abc"):
+        m.mount_segment(c, seg(i, 8 * MiB), 0)
+    for i in range(5):
+        m.put_start("a", f"k{i}", 4096, ReplicateConfig(preferred_segment=seg(0).name), 0)
+        m.put_end("a", f"k{i}", 0)
+    step = commands.DrainStep(seg(0).name, [seg(2).name], 2, 1.0)
+    replay = commands.decode_commands(commands.encode_commands([step]))[0]
+    status = commands.apply(m, replay)  # through the log's encoding, as a standby applies it
+    assert status.moves == 2 and status.tasks == 5  # two moves, three waiting for a slot
+    units = m.drain_units(seg(0).name)
+    assert units is not None and sorted(busy for _, _, busy in units) == [0, 0, 0, 1, 1]
+    for _ in range(3):
+        run_tasks(m, "a", 1.0)
+        commands.apply(m, step)
+    run_tasks(m, "a", 1.0)
+    assert m.drain_units(seg(0).name) == []
+    for i in range(5):  # every move went to the named target, none to the other segment
+        assert holders(m, f"k{i}", 2) == {seg(2).name}
+    assert m.segment_draining(seg(0).name) is True
+    commands.apply(m, commands.Undrain(seg(0).name, 3.0))
+    assert m.segment_draining(seg(0).name) is False
+    assert m.drain_units("10.0.0.9:1") is None and m.segment_draining("10.0.0.9:1") is None
+    assert commands.apply(m, commands.DrainStep("10.0.0.9:1", [], 0, 3.0)) is None

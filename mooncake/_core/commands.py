@@ -15,6 +15,8 @@ A :class:`Command` is either an RPC call (``kind == "rpc"``: ``method`` and the 
 * :func:`ScanApply` ``(method, params, keys, now)``: a regex method applied to the keys the
   leader matched beforehand (off its loop), so replicas never run the pattern;
 * :func:`SetTenantQuota` ``(tenant, bytes, objects, now)``: a tenant's quota changed;
+* :func:`DrainStep` ``(segment, targets, limit, now)`` and :func:`Undrain` ``(segment, now)``:
+  a master-run drain job's step and its cancellation (:mod:`mooncake._store.drain_jobs`);
 * :func:`Promote` ``(now, seed, genesis)``: a leader took over: leases and client deadlines
   extended (:meth:`MasterState.promote`) and the rng re-seeded from ``seed`` (so the state's
   randomness is fixed by the log, whatever seed each process started with); the cluster's
@@ -48,11 +50,13 @@ __all__ = [
     "Command",
     "ConnectionLost",
     "CreditStall",
+    "DrainStep",
     "Durability",
     "Promote",
     "ScanApply",
     "SetTenantQuota",
     "Sweep",
+    "Undrain",
     "apply",
     "config_fingerprint",
     "decode_commands",
@@ -66,7 +70,8 @@ class Command(msgspec.Struct, array_like=True, frozen=True):
     """One entry of the replicated log (see the module docstring)."""
 
     kind: str
-    """``"rpc"``, ``"sweep"``, ``"stall"``, ``"lost"``, ``"scan"`` or ``"promote"``."""
+    """``"rpc"``, ``"sweep"``, ``"stall"``, ``"lost"``, ``"scan"``, ``"quota"``, ``"drain"``,
+    ``"undrain"`` or ``"promote"``."""
     now: float
     method: str = ""
     params: bytes = b""
@@ -109,6 +114,17 @@ def ScanApply(
 def SetTenantQuota(tenant: str, quota_bytes: int, quota_objects: int, now: float) -> Command:
     """Set ``tenant``'s quota (both 0: none), as ``PUT /api/v1/tenant_quotas`` asks."""
     return Command("quota", now, method=tenant, params=_enc.encode([quota_bytes, quota_objects]))
+
+
+def DrainStep(segment: str, targets: list[str], limit: int, now: float) -> Command:
+    """One step of a drain job on ``segment`` (:meth:`MasterState.drain_job_step`)."""
+    return Command("drain", now, method=segment, params=_enc.encode([list(targets), limit]))
+
+
+def Undrain(segment: str, now: float) -> Command:
+    """A cancelled drain job: ``segment`` takes allocations again
+    (:meth:`MasterState.undrain_segment`)."""
+    return Command("undrain", now, method=segment)
 
 
 def Promote(now: float, seed: int, *, genesis: bool = False, config: str = "") -> Command:
@@ -330,6 +346,8 @@ def apply(
     answer); ``None`` decodes ``command.params``. A mutating RPC/scan command with a request id
     is applied at most once per id and its reply recorded in ``state.dedup``
     (:mod:`mooncake._core.dedup`); a repeated one returns ``None`` and changes nothing.
+    A :func:`DrainStep` returns its :class:`~mooncake._core.store_types.DrainStatus` (None:
+    no such segment).
     ``unrecorded``: the caller has just looked the id up and found it new (the leader does
     before logging), so the ledger is not asked twice.
     """
@@ -351,6 +369,15 @@ def apply(
     if kind == "quota":
         qb, qo = msgspec.msgpack.decode(command.params, type=tuple[int, int])
         state.tenants.set_quota(command.method, qb, qo)
+        return None
+    if kind == "drain":
+        targets, limit = msgspec.msgpack.decode(command.params, type=tuple[list[str], int])
+        try:
+            return state.drain_job_step(command.method, targets, limit, command.now)
+        finally:
+            state.settle()
+    if kind == "undrain":
+        state.undrain_segment(command.method)
         return None
     if kind == "promote":
         state.rng.seed(command.seed)

@@ -18,9 +18,11 @@ HTTP statuses: 400 for ``INVALID_PARAMS`` (bad JSON body, missing or malformed `
 ``segment``), 404 for an unknown segment or job, 409 where the master cannot act in its
 current mode, 405 for the wrong method.
 
-The drain jobs themselves go through :func:`drain_call`, the one entry point a drain
-implementation provides; until then it refuses with ``NOT_SUPPORTED`` (HTTP 501). A segment's
-status is read from the master state (a mounted segment is ``OK``).
+The drain jobs themselves go through :func:`drain_call`, which runs them as the master's
+:class:`~mooncake._store.drain_jobs.DrainJobs` (404 ``JOB_NOT_FOUND`` for an unknown job, 409
+``UNAVAILABLE_IN_CURRENT_STATUS`` for a segment already draining or a cancel the published
+master refuses). A segment's status is ``OK``, ``DRAINING``, or ``DRAINED`` once a draining
+segment holds no object.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ import uuid
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
-from mooncake.errors import ErrorCode, MooncakeError, NotSupportedError, SegmentNotFoundError
+from mooncake._store.drain_jobs import JOB_STATUS as JOB_STATUS
+from mooncake._store.drain_jobs import DrainJobs
+from mooncake.errors import ErrorCode, MooncakeError, NotSupportedError
 
 PREFIX = "/api/v1/"
 #: request bodies above this are refused (the admin port takes small JSON documents only)
@@ -44,10 +48,10 @@ SEGMENT_STATUS = {
     4: "GRACEFULLY_UNMOUNTING",
     5: "UNMOUNTING",
 }
-JOB_STATUS = {0: "CREATED", 1: "PLANNING", 2: "RUNNING", 3: "SUCCEEDED", 4: "FAILED", 5: "CANCELED"}
 _HTTP_STATUS = {
     ErrorCode.INVALID_PARAMS: 400,
     ErrorCode.SEGMENT_NOT_FOUND: 404,
+    ErrorCode.JOB_NOT_FOUND: 404,
     ErrorCode.OBJECT_NOT_FOUND: 404,
     ErrorCode.UNAVAILABLE_IN_CURRENT_MODE: 409,
     ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS: 409,
@@ -63,15 +67,31 @@ class _Master(Protocol):
 
     @property
     def state(self) -> Any: ...
+    @property
+    def ha(self) -> Any: ...
+    @property
+    def drain_jobs(self) -> DrainJobs: ...
+    def now(self) -> float: ...
+    def run_command(self, command: Any) -> Any: ...
 
 
 def drain_call(server: _Master, op: str, args: dict[str, Any]) -> dict[str, Any]:
     """Run drain operation ``op`` (``create``: ``segments``, ``target_segments``,
     ``max_concurrency`` -> ``{"job_id"}``; ``query``: ``job_id`` -> the job's fields;
-    ``cancel``: ``job_id`` -> ``{}``) on ``server``; raises a :class:`MooncakeError`.
-
-    Not supported yet: segment drain is not implemented by this master."""
-    raise NotSupportedError(f"segment drain ({op}) is not supported yet by this master")
+    ``cancel``: ``job_id`` -> ``{}``) on ``server``'s drain jobs; raises a
+    :class:`MooncakeError` (:class:`NotSupportedError` for another ``op``)."""
+    jobs = server.drain_jobs
+    if op == "create":
+        job = jobs.create(
+            server, list(args["segments"]), list(args["target_segments"]), args["max_concurrency"]
+        )
+        return {"job_id": job.id}
+    if op == "query":
+        return jobs.query(str(args["job_id"])).as_dict()
+    if op == "cancel":
+        jobs.cancel(server, str(args["job_id"]))
+        return {}
+    raise NotSupportedError(f"unknown drain operation {op!r}")
 
 
 def _doc(status: int, doc: dict[str, Any]) -> Response:
@@ -100,10 +120,7 @@ def handles(path: str) -> bool:
 
 def segment_status(server: _Master, name: str) -> int:
     """The published ``SegmentStatus`` of ``name`` (``SEGMENT_NOT_FOUND`` when unmounted)."""
-    for info in server.state.all_segments():
-        if info.segment.name == name:
-            return 1
-    raise SegmentNotFoundError(f"segment {name!r} is not mounted")
+    return server.drain_jobs.segment_status(server, name)
 
 
 def response(server: _Master, method: str, target: str, body: bytes) -> Response:

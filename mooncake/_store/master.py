@@ -73,6 +73,7 @@ from mooncake._core import auth, commands, rpc, tenantscope
 from mooncake._core.master import MasterConfig, MasterState
 from mooncake._engine import _accept
 from mooncake._store import master_http
+from mooncake._store.drain_jobs import DrainJobs
 from mooncake._store.keyscan import DEFAULT_BUDGET_S, SCAN_METHODS, KeyScanner
 from mooncake._store.rpc_thread import Handoff, RpcThread, usable
 from mooncake._store.serving import ReplyBudget, frame_deadline
@@ -228,6 +229,8 @@ class MasterServer:
         gone."""
         self.rpc_thread: RpcThread | None = None
         self.kv_publisher: KvEventPublisher | None = None
+        self.drain_jobs = DrainJobs()
+        """The drain jobs of the admin HTTP port (:mod:`mooncake._store.drain_jobs`)."""
 
     # -- RPC -------------------------------------------------------------------------------
 
@@ -345,19 +348,20 @@ class MasterServer:
         own = ha.append(cmd)
         return (own if kind is commands.Durability.MUTATING else ha.barrier), cmd
 
-    def run_command(self, command: commands.Command) -> None:
-        """Apply an internal command (sweep, stall credit), logging it when replicated; one
-        that changed what reads see (objects, bytes, clients, segments) is a mutation."""
+    def run_command(self, command: commands.Command) -> Any:
+        """Apply an internal command (sweep, stall credit, drain step), logging it when
+        replicated; one that changed what reads see (objects, bytes, clients, segments) is a
+        mutation. Returns what :func:`commands.apply` returns."""
         ha = self.ha
         if ha is None:
-            commands.apply(self.state, command)
-            return
+            return commands.apply(self.state, command)
         ha.append(command)
         s = self.state
         before = (s.object_count, s.used_bytes, s.client_count, s.segment_count)
-        commands.apply(s, command)
+        out = commands.apply(s, command)
         if (s.object_count, s.used_bytes, s.client_count, s.segment_count) != before:
             ha.mark_mutated()
+        return out
 
     def close_connections(self) -> None:
         """Shut every client connection (a deposed leader does: clients re-resolve). Their
@@ -958,6 +962,7 @@ async def _serve_master(
             )
             server.http_metadata_port = int(hport)
         tg.start_soon(server.sweeper)
+        tg.start_soon(server.drain_jobs.run, server)
         lsock = await _raw_listener(config.rpc_address, config.rpc_port)
         server.rpc_port = int(lsock.getsockname()[1])
         log.info(

@@ -42,10 +42,83 @@ class _Drain(_StateBase):
                 f"segment {segment_id} belongs to client {seg.client_id}, not {client_id}"
             )
         self._touch_client(client_id, now)
+        return self._drain_plan(seg, now, None, 0)
+
+    def drain_job_step(
+        self, segment_name: str, targets: list[str], limit: int, now: float
+    ) -> DrainStatus | None:
+        """One step of a master-run drain job on the segment named ``segment_name``: the
+        :meth:`drain_segment` rules, with move and copy targets taken from ``targets`` only
+        (empty: any segment) and at most ``limit`` objects of the segment under a task at once
+        (0: no bound). The owner's liveness is not refreshed. None when no segment of that
+        name is mounted (never raises: it is applied from the replicated log)."""
+        seg = self._seg_named(segment_name)
+        if seg is None:
+            return None
+        return self._drain_plan(seg, now, frozenset(targets) if targets else None, limit)
+
+    def undrain_segment(self, segment_name: str) -> bool:
+        """Clear the draining mark of the segment named ``segment_name`` (a cancelled drain
+        job): it takes allocations again. Whether such a segment is mounted."""
+        seg = self._seg_named(segment_name)
+        if seg is None:
+            return False
+        seg.draining = False
+        return True
+
+    def drain_units(self, segment_name: str) -> list[tuple[str, int, bool]] | None:
+        """``(key, size, busy)`` of every object whose readable version has a replica on the
+        segment named ``segment_name`` (``busy``: a task, write or tier move is under way on
+        it); None when no such segment is mounted. A read: changes nothing."""
+        seg = self._seg_named(segment_name)
+        if seg is None:
+            return None
+        out: list[tuple[str, int, bool]] = []
+        objects = self._objects
+        for h in objects.handles_on(seg):
+            obj = objects.by_handle(h)
+            ver = obj.readable
+            if ver is None or not any(r.seg is seg for r in ver.replicas):
+                continue
+            busy = (
+                obj.task is not None
+                or obj.pending is not None
+                or obj.demoting is not None
+                or obj.promoting is not None
+            )
+            out.append((obj.key, ver.size, busy))
+        self.settle()  # the records read are folded back (representation only)
+        return out
+
+    def segment_draining(self, segment_name: str) -> bool | None:
+        """Whether the segment named ``segment_name`` is draining; None when not mounted."""
+        seg = self._seg_named(segment_name)
+        return None if seg is None else seg.draining
+
+    def key_busy(self, key: str) -> bool | None:
+        """Whether the object of ``key`` (the internal, tenant-prefixed key) has a task (a
+        copy or move) under way; None when no object of that key exists. A read."""
+        obj = self._objects.get(key)
+        if obj is None:
+            return None
+        busy = obj.task is not None
+        self.settle()
+        return busy
+
+    def _seg_named(self, name: str) -> _Seg | None:
+        return next((s for s in self._seg_list if s.segment.name == name), None)
+
+    def _drain_plan(
+        self, seg: _Seg, now: float, targets: frozenset[str] | None, limit: int
+    ) -> DrainStatus:
+        """Mark ``seg`` draining and plan its objects (module doc); with ``limit`` > 0 at most
+        that many of its objects are under a task afterwards (the rest wait for a later call)."""
         seg.draining = True
         out = DrainStatus()
         read_until = now
         objects = self._objects
+        planned: list[_Object] = []
+        busy = 0
         for h in objects.handles_on(seg):
             obj = objects.by_handle(h)
             ver = obj.readable
@@ -53,18 +126,28 @@ class _Drain(_StateBase):
                 out.writes += 1
             if ver is None:
                 continue
-            mine = next((r for r in ver.replicas if r.seg is seg), None)
-            if mine is None:
+            if not any(r.seg is seg for r in ver.replicas):
                 continue
             read_until = max(read_until, obj.read_deadline)
-            if obj.task is not None or obj.pending is not None:
+            if (
+                obj.task is not None
+                or obj.pending is not None
+                or obj.demoting is not None
+                or obj.promoting is not None
+            ):
                 out.tasks += 1
+                busy += 1
                 continue
-            if obj.demoting is not None or obj.promoting is not None:
-                out.tasks += 1
-                continue
+            planned.append(obj)
+        for obj in planned:
+            ver = obj.readable
+            assert ver is not None
+            mine = next(r for r in ver.replicas if r.seg is seg)
             others = [r for r in ver.replicas if r.seg is not seg]
-            target = self._drain_target(obj, ver.size)
+            target = self._drain_target(obj, ver.size, targets)
+            if limit > 0 and target is not None and busy >= limit:
+                out.tasks += 1  # waits for a free slot: still in flight for the caller
+                continue
             if others:
                 ver.replicas = others
                 seg.reads_until = max(seg.reads_until, obj.read_deadline)
@@ -76,18 +159,23 @@ class _Drain(_StateBase):
                 if target is not None:
                     self._new_task(obj, TaskType.REPLICA_COPY, others[0], [target], now)
                     out.copies += 1
+                    busy += 1
             elif target is not None:
                 self._new_task(obj, TaskType.REPLICA_MOVE, mine, [target], now)
                 out.moves += 1
                 out.tasks += 1
+                busy += 1
             else:
                 out.stranded += 1
         out.read_wait_s = max(0.0, max(read_until, seg.reads_until) - now)
         return out
 
-    def _drain_target(self, obj: _Object, size: int) -> str | None:
+    def _drain_target(
+        self, obj: _Object, size: int, among: frozenset[str] | None = None
+    ) -> str | None:
         """The name of the segment with the most free bytes (at least ``size``) that is not
-        draining, not quarantined and holds no replica of ``obj``; None when there is none."""
+        draining, not quarantined, holds no replica of ``obj`` and is in ``among`` (None: any
+        segment); None when there is none."""
         assert obj.readable is not None
         held = {id(r.seg) for r in obj.readable.replicas}
         best: _Seg | None = None
@@ -95,6 +183,8 @@ class _Drain(_StateBase):
         quarantined = self.quarantine
         for s in self._seg_list:
             if s.draining or id(s) in held:
+                continue
+            if among is not None and s.segment.name not in among:
                 continue
             if quarantined and s.segment.name in quarantined:
                 continue

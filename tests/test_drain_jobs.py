@@ -1,0 +1,251 @@
+"""Master-run drain jobs over the admin HTTP port, across real processes: a ``python -m mooncake
+master`` with its admin port, store-client processes holding the data
+(tests/helpers/store_client_driver.py) and the test process reading as a pure client."""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from mooncake.errors import ErrorCode
+from mooncake.store import MooncakeDistributedStore
+from tests.helpers.store_client_driver import value
+from tests.helpers.store_procs import Client, _env, _readline
+
+MIB = 1 << 20
+SIZE = 64 << 10
+
+
+def call(port: int, path: str, method: str = "GET", doc: Any = None) -> tuple[int, dict[str, Any]]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        body = None if doc is None else json.dumps(doc).encode()
+        conn.request(method, path, body=body)
+        resp = conn.getresponse()
+        out: dict[str, Any] = json.loads(resp.read())
+        return resp.status, out
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def master() -> Iterator[tuple[str, int]]:
+    """A master process: (rpc address, admin HTTP port)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mooncake", "master", "--rpc-port", "0", "--metrics-port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=_env(),
+    )
+    try:
+        line = _readline(proc, 120)
+        rpc = line.split("rpc=", 1)[1].split()[0]
+        admin = int(line.split("metrics=", 1)[1].split()[0].rsplit(":", 1)[1])
+        yield rpc, admin
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
+
+
+def reader(address: str) -> MooncakeDistributedStore:
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 * MIB, "tcp", "", address) == 0
+    return s
+
+
+def holders(me: MooncakeDistributedStore, key: str) -> set[str]:
+    return {
+        r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+        for r in me.get_replica_desc(key)
+        if r.is_memory_replica
+    }
+
+
+def segment_status(admin: int, name: str) -> str:
+    status, doc = call(admin, f"/api/v1/segments/status?segment={name}")
+    assert status == 200 and doc["success"] is True and doc["segment"] == name, doc
+    return str(doc["status_name"])
+
+
+def wait_job(admin: int, job_id: str, want: str, limit: float = 120.0) -> dict[str, Any]:
+    end = time.monotonic() + limit
+    while True:
+        status, doc = call(admin, f"/api/v1/drain_jobs/query?job_id={job_id}")
+        assert status == 200 and doc["success"] is True, doc
+        if doc["status_name"] == want:
+            return doc
+        assert doc["status_name"] in ("CREATED", "PLANNING", "RUNNING"), doc
+        if time.monotonic() > end:
+            pytest.fail(f"drain job never reached {want}: {doc}")
+        time.sleep(0.05)
+
+
+def test_a_drain_job_moves_everything_off_a_segment_and_reads_keep_working(
+    master: tuple[str, int],
+) -> None:
+    rpc, admin = master
+    a, b, c = Client(rpc, 16), Client(rpc, 16), Client(rpc, 16)
+    me = reader(rpc)
+    try:
+        digests: dict[str, str] = {}
+        for i in range(12):  # sole copies on a
+            key = f"sole{i}"
+            assert a.cmd("put", key=key, seed=i, size=SIZE, preferred=[a.hostname])["rc"] == 0
+            digests[key] = hashlib.sha256(value(i, SIZE)).hexdigest()
+        for i in range(4):  # one copy on a, one on c
+            key = f"rep{i}"
+            rc = a.cmd(
+                "put",
+                key=key,
+                seed=50 + i,
+                size=SIZE,
+                replicas=2,
+                preferred=[a.hostname, c.hostname],
+            )
+            assert rc["rc"] == 0
+            digests[key] = hashlib.sha256(value(50 + i, SIZE)).hexdigest()
+            assert holders(me, key) == {a.hostname, c.hostname}
+        assert segment_status(admin, a.hostname) == "OK"
+        req = {"segments": [a.hostname], "target_segments": [b.hostname], "max_concurrency": 2}
+        status, doc = call(admin, "/api/v1/drain_jobs", "POST", req)
+        assert status == 200 and doc["success"] is True and doc["status"] == "CREATED", doc
+        job_id = str(uuid.UUID(doc["job_id"]))
+        assert segment_status(admin, a.hostname) in ("DRAINING", "DRAINED")
+        # nothing new lands on a draining segment, even where the writer prefers it
+        assert a.cmd("put", key="late", seed=99, size=SIZE, preferred=[a.hostname])["rc"] == 0
+        digests["late"] = hashlib.sha256(value(99, SIZE)).hexdigest()
+        assert a.hostname not in holders(me, "late")
+
+        final = wait_job(admin, job_id, "SUCCEEDED")
+        assert final["job_id"] == job_id and final["type_name"] == "DRAIN"
+        assert final["segments"] == [a.hostname] and final["active_units"] == 0
+        assert final["succeeded_units"] == 16 and final["failed_units"] == 0
+        assert final["migrated_bytes"] == 16 * SIZE
+        assert final["last_updated_at_ms_epoch"] >= final["created_at_ms_epoch"] > 0
+        assert segment_status(admin, a.hostname) == "DRAINED"
+        for key, digest in digests.items():
+            assert hashlib.sha256(me.get(key)).hexdigest() == digest, key
+            assert a.hostname not in holders(me, key), key
+        for i in range(12):  # the sole copies went to the named target only
+            assert holders(me, f"sole{i}") == {b.hostname}
+        for i in range(4):  # the replicated ones keep two copies, the new one on the target
+            assert holders(me, f"rep{i}") == {b.hostname, c.hostname}
+        a.stop()  # the drained holder leaves: nothing is lost
+        for key, digest in digests.items():
+            assert hashlib.sha256(me.get(key)).hexdigest() == digest, key
+        status, doc = call(admin, f"/api/v1/segments/status?segment={a.hostname}")
+        assert status == 404 and doc["error_code"] == int(ErrorCode.SEGMENT_NOT_FOUND)
+    finally:
+        me.close()
+        for x in (a, b, c):
+            x.stop()
+
+
+def test_a_blocked_drain_job_is_cancelled_and_its_segment_takes_writes_again(
+    master: tuple[str, int],
+) -> None:
+    rpc, admin = master
+    a, b = Client(rpc, 16), Client(rpc, 1)  # b is too small for a's objects
+    me = reader(rpc)
+    big = 2 * MIB
+    try:
+        for i in range(2):
+            assert a.cmd("put", key=f"big{i}", seed=i, size=big, preferred=[a.hostname])["rc"] == 0
+        req = {"segments": [a.hostname], "target_segments": [b.hostname], "max_concurrency": 1}
+        status, doc = call(admin, "/api/v1/drain_jobs", "POST", req)
+        assert status == 200, doc
+        job_id = doc["job_id"]
+        running = wait_job(admin, job_id, "RUNNING")
+        assert running["blocked_units"] == 2 and running["active_units"] == 0
+        assert running["succeeded_units"] == 0 and running["message"] == "Drain job running"
+        assert segment_status(admin, a.hostname) == "DRAINING"
+        # a second job on a draining segment is refused as published (409)
+        status, doc = call(admin, "/api/v1/drain_jobs", "POST", req)
+        assert status == 409 and doc["error_code"] == int(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS)
+
+        status, doc = call(admin, f"/api/v1/drain_jobs/cancel?job_id={job_id}", "POST")
+        assert status == 200 and doc == {
+            "success": True,
+            "job_id": job_id,
+            "status": "CANCELED",
+            "error_code": 0,
+            "error_message": "",
+        }
+        assert wait_job(admin, job_id, "CANCELED")["message"] == "Drain job canceled"
+        assert segment_status(admin, a.hostname) == "OK"
+        status, doc = call(admin, f"/api/v1/drain_jobs/cancel?job_id={job_id}", "POST")
+        assert status == 409 and doc["error_code"] == int(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS)
+        for i in range(2):  # nothing was lost, and a takes allocations again
+            assert me.get(f"big{i}") == value(i, big)
+            assert holders(me, f"big{i}") == {a.hostname}
+        assert a.cmd("put", key="again", seed=7, size=SIZE, preferred=[a.hostname])["rc"] == 0
+        assert holders(me, "again") == {a.hostname}
+    finally:
+        me.close()
+        for x in (a, b):
+            x.stop()
+
+
+def test_bad_drain_requests_get_the_published_errors(master: tuple[str, int]) -> None:
+    rpc, admin = master
+    a, b = Client(rpc, 4), Client(rpc, 4)
+    try:
+        seg, other = a.hostname, b.hostname
+        cases: list[tuple[dict[str, Any], int, ErrorCode]] = [
+            ({"segments": [seg, seg]}, 400, ErrorCode.INVALID_PARAMS),
+            ({"segments": [seg], "target_segments": [seg]}, 400, ErrorCode.INVALID_PARAMS),
+            ({"segments": ["10.0.0.9:1"]}, 404, ErrorCode.SEGMENT_NOT_FOUND),
+            (
+                {"segments": [seg], "target_segments": ["10.0.0.9:1"]},
+                404,
+                ErrorCode.SEGMENT_NOT_FOUND,
+            ),
+            ({"segments": [seg], "max_concurrency": -1}, 400, ErrorCode.INVALID_PARAMS),
+            ({"segments": [seg], "target_segments": "x"}, 400, ErrorCode.INVALID_PARAMS),
+        ]
+        for req, want_status, want_code in cases:
+            status, doc = call(admin, "/api/v1/drain_jobs", "POST", req)
+            assert (status, doc["success"], doc["error_code"]) == (
+                want_status,
+                False,
+                int(want_code),
+            ), req
+            assert doc["error_message"], req
+        assert segment_status(admin, seg) == "OK"  # a refused request marks nothing
+        unknown = uuid.uuid4()
+        for path, method in (
+            (f"/api/v1/drain_jobs/query?job_id={unknown}", "GET"),
+            (f"/api/v1/drain_jobs/cancel?job_id={unknown}", "POST"),
+        ):
+            status, doc = call(admin, path, method)
+            assert status == 404 and doc["error_code"] == int(ErrorCode.JOB_NOT_FOUND), doc
+        # an empty segment drains at once; a target that is draining is refused
+        status, doc = call(admin, "/api/v1/drain_jobs", "POST", {"segments": [other]})
+        assert status == 200, doc
+        assert wait_job(admin, doc["job_id"], "SUCCEEDED")["succeeded_units"] == 0
+        assert segment_status(admin, other) == "DRAINED"
+        req = {"segments": [seg], "target_segments": [other]}
+        status, doc = call(admin, "/api/v1/drain_jobs", "POST", req)
+        assert status == 409 and doc["error_code"] == int(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS)
+    finally:
+        for x in (a, b):
+            x.stop()
