@@ -243,6 +243,26 @@ class Replicated(RuleBasedStateMachine):
         )
         self.leader_cmd(call("FetchTasks", rpc.ClientParams(c), self.tick(0.01)))
 
+    @rule(
+        c=st.sampled_from(CLIENTS),
+        i=st.integers(0, 5),
+        onto=st.lists(st.sampled_from([f"{c}:{i}" for c in CLIENTS for i in range(2)])),
+        limit=st.integers(0, 3),
+        undrain=st.booleans(),
+    )
+    def drain_job(self, c: str, i: int, onto: list[str], limit: int, undrain: bool) -> None:
+        """A master-run drain job's step (or its cancel), then its progress read on the leader
+        only: the read must change nothing the followers would not have."""
+        name = f"{c}:{i}"
+        if undrain:
+            self.leader_cmd(commands.Undrain(name, self.tick(0.01)))
+        else:
+            self.leader_cmd(commands.DrainStep(name, onto, limit, self.tick(0.01)))
+        for key, _, _ in self.leader.drain_units(name) or []:
+            self.leader.key_busy(key)
+        self.leader.segment_draining(name)
+        self.leader_cmd(call("FetchTasks", rpc.ClientParams(c), self.tick(0.01)))
+
     @rule(dt=st.floats(0.0, 8.0), stall=st.floats(0.0, 2.0))
     def sweep(self, dt: float, stall: float) -> None:
         now = self.tick(dt)
