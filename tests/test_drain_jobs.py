@@ -249,3 +249,44 @@ def test_bad_drain_requests_get_the_published_errors(master: tuple[str, int]) ->
     finally:
         for x in (a, b):
             x.stop()
+
+
+def test_the_jobs_kept_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In one process (a master server object, no ports): finished jobs are forgotten oldest
+    first to make room; when every kept job is still running a new one is refused."""
+    import anyio
+
+    from mooncake._core.store_types import ReplicateConfig, Segment
+    from mooncake._store import drain_jobs
+    from mooncake._store.master import MasterServer, MasterServerConfig
+    from mooncake.errors import JobNotFoundError, UnavailableError
+
+    monkeypatch.setattr(drain_jobs, "MAX_JOBS", 2)
+
+    async def go() -> None:
+        server = MasterServer(MasterServerConfig())
+        state, now = server.state, server.now()
+        for i in range(5):
+            seg = Segment(id=f"s{i}", name=f"127.0.0.1:{2000 + i}", base=1 << 30, size=MIB)
+            state.mount_segment(f"c{i}", seg, now)
+        jobs = server.drain_jobs
+        done = [jobs.create(server, [f"127.0.0.1:{2000 + i}"], [], 1) for i in range(2)]
+        assert [j.status for j in done] == [drain_jobs.SUCCEEDED] * 2  # empty: drained at once
+        third = jobs.create(server, ["127.0.0.1:2002"], [], 1)
+        with pytest.raises(JobNotFoundError):
+            jobs.query(done[0].id)  # the oldest finished one made room
+        assert set(jobs.jobs) == {done[1].id, third.id}
+        # a sole copy under its move (nobody runs the task here) keeps its job running
+        state.put_start("c3", "k", 4096, ReplicateConfig(preferred_segment="127.0.0.1:2003"), now)
+        state.put_end("c3", "k", now)
+        state.settle()
+        running = jobs.create(server, ["127.0.0.1:2003"], ["127.0.0.1:2004"], 1)
+        assert running.status == drain_jobs.RUNNING and running.active_units == 1
+        assert set(jobs.jobs) == {third.id, running.id}
+        monkeypatch.setattr(drain_jobs, "MAX_JOBS", 1)
+        with pytest.raises(UnavailableError, match="1 drain jobs are running"):
+            jobs.create(server, ["127.0.0.1:2004"], [], 1)
+        assert set(jobs.jobs) == {running.id}  # the finished one went, the running one stays
+        assert state.segment_draining("127.0.0.1:2004") is False  # the refusal marked nothing
+
+    anyio.run(go)

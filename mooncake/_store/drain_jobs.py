@@ -302,13 +302,13 @@ class DrainJobs:
         log.info("drain job %s: %s (%s)", job.id, JOB_STATUS[status], message)
 
     def _make_room(self) -> None:
-        if len(self.jobs) < MAX_JOBS:
-            return
-        for job_id, job in self.jobs.items():  # oldest first
-            if job.status in _DONE:
-                del self.jobs[job_id]
-                return
-        raise UnavailableError(f"{MAX_JOBS} drain jobs are running; wait for one to end")
+        while len(self.jobs) >= MAX_JOBS:
+            oldest = next((i for i, j in self.jobs.items() if j.status in _DONE), None)
+            if oldest is None:
+                raise UnavailableError(
+                    f"{len(self.jobs)} drain jobs are running; wait for one to end"
+                )
+            del self.jobs[oldest]
 
 
 def _leading(server: _Server) -> None:
