@@ -290,3 +290,66 @@ def test_the_jobs_kept_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         assert state.segment_draining("127.0.0.1:2004") is False  # the refusal marked nothing
 
     anyio.run(go)
+
+
+@pytest.mark.etcd
+@pytest.mark.slow
+def test_a_drain_job_on_a_replicated_master_survives_failover(tmp_path: Any) -> None:
+    """On an HA pair: a standby refuses drain jobs (409, -1011); the leader's job logs its
+    steps, so after the leader is SIGKILLed the new leader has the segment draining and the
+    moved objects where the job put them."""
+    from tests import services
+    from tests.helpers.ha_procs import HaMaster, wait_leader
+
+    with services.etcd_cluster(1) as etcd:
+        ms = [HaMaster(etcd.conn, cluster="dj", log=tmp_path / "m0.log")]
+        wait_leader(ms)
+        ms.append(HaMaster(etcd.conn, cluster="dj", log=tmp_path / "m1.log"))
+        holders_: list[Client] = []
+        me = None
+        try:
+            leader = wait_leader(ms)
+            standby = next(m for m in ms if m is not leader)
+            port = int(leader.metrics.rsplit(":", 1)[1])
+            a, b = Client(leader.address, 16), Client(leader.address, 16)
+            holders_ += [a, b]
+            for i in range(6):
+                assert (
+                    a.cmd("put", key=f"k{i}", seed=i, size=SIZE, preferred=[a.hostname])["rc"] == 0
+                )
+            req = {"segments": [a.hostname]}
+            end = time.monotonic() + 30  # the standby knows the segment once it applied it
+            while True:
+                status, doc = call(
+                    int(standby.metrics.rsplit(":", 1)[1]), "/api/v1/drain_jobs", "POST", req
+                )
+                if status == 409 or time.monotonic() > end:
+                    break
+                time.sleep(0.1)
+            assert status == 409 and doc["error_code"] == int(ErrorCode.UNAVAILABLE_IN_CURRENT_MODE)
+            status, doc = call(port, "/api/v1/drain_jobs", "POST", req)
+            assert status == 200, doc
+            done = wait_job(port, doc["job_id"], "SUCCEEDED")
+            assert done["succeeded_units"] == 6
+            target = leader.ha()["applied_seq"]  # the job's steps reach the standby
+            end = time.monotonic() + 30
+            while standby.ha()["applied_seq"] < target and time.monotonic() < end:
+                time.sleep(0.05)
+            st = standby.ha()
+            assert st["applied_seq"] >= target and st["apply_errors"] == 0, st
+            leader.signal(signal.SIGKILL)
+            new = wait_leader([standby], timeout=30)
+            me = reader(new.address)
+            for i in range(6):
+                assert me.get(f"k{i}") == value(i, SIZE)
+                assert holders(me, f"k{i}") == {b.hostname}
+            new_port = int(new.metrics.rsplit(":", 1)[1])
+            assert segment_status(new_port, a.hostname) == "DRAINED"
+        finally:
+            if me is not None:
+                me.close()
+            for c in holders_:
+                c.kill()
+                c.stop()
+            for m in ms:
+                m.stop()
