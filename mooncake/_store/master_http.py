@@ -28,6 +28,7 @@ from mooncake._core import commands, rpc
 from mooncake._core.master import MasterState
 from mooncake._engine import _accept
 from mooncake._store import drain_http
+from mooncake._store.drain_jobs import DrainJobs
 from mooncake._store.listing_http import admin_listing
 from mooncake._store.tenancy import tenant_quotas_http, tenant_status
 from mooncake.errors import MooncakeError
@@ -76,6 +77,10 @@ class AdminHost(Protocol):
     def kv_publisher(self) -> _Publishing | None: ...
     @property
     def last_snapshot_seq(self) -> int: ...
+    @property
+    def drain_jobs(self) -> DrainJobs: ...
+    def now(self) -> float: ...
+    def run_command(self, command: commands.Command) -> Any: ...
 
 
 def http_response(
