@@ -119,29 +119,28 @@ def test_a_flood_that_never_reads_does_not_starve_another_connection(threaded: b
                 await call(setup, 2, "BatchPutStart", put)
                 end = rpc.BatchKeyClientParams(client_id="a", keys=keys)
                 await call(setup, 3, "BatchPutEnd", end)
-            flood = socket.create_connection(("127.0.0.1", server.rpc_port))
-            n = 200  # ~20 MB of answers, far more than the socket buffers hold
-            flood.sendall(
-                b"".join(rpc.encode_request(i, "GetAllKeys", rpc.Empty()) for i in range(n))
-            )
-            await anyio.sleep(0.3)  # the master fills the buffers and waits for the reader
-            other = await anyio.connect_tcp("127.0.0.1", server.rpc_port)
-            async with other:
-                assert await call(other, 1, "ServiceReady", rpc.Empty()) == rpc.VERSION
-            flood.setblocking(True)
-            dec = rpc.MessageDecoder()
-            ids: list[int] = []
-            with anyio.fail_after(60):
-                while len(ids) < n:
-                    data = await anyio.to_thread.run_sync(flood.recv, 1 << 20)
-                    assert data, "the master closed the flooding connection"
-                    dec.feed(data)
-                    for m in dec:
-                        assert isinstance(m, rpc.Response)
-                        assert len(rpc.decode_result("GetAllKeys", m)) == len(keys)
-                        ids.append(m.id)
-            assert ids == list(range(n))
-            flood.close()
+            with socket.create_connection(("127.0.0.1", server.rpc_port)) as flood:
+                n = 200  # ~20 MB of answers, far more than the socket buffers hold
+                flood.sendall(
+                    b"".join(rpc.encode_request(i, "GetAllKeys", rpc.Empty()) for i in range(n))
+                )
+                await anyio.sleep(0.3)  # the master fills the buffers and waits for the reader
+                other = await anyio.connect_tcp("127.0.0.1", server.rpc_port)
+                async with other:
+                    assert await call(other, 1, "ServiceReady", rpc.Empty()) == rpc.VERSION
+                flood.setblocking(True)
+                dec = rpc.MessageDecoder()
+                ids: list[int] = []
+                with anyio.fail_after(60):
+                    while len(ids) < n:
+                        data = await anyio.to_thread.run_sync(flood.recv, 1 << 20)
+                        assert data, "the master closed the flooding connection"
+                        dec.feed(data)
+                        for m in dec:
+                            assert isinstance(m, rpc.Response)
+                            assert len(rpc.decode_result("GetAllKeys", m)) == len(keys)
+                            ids.append(m.id)
+                assert ids == list(range(n))
 
     trio.run(main)
 
