@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from mooncake._structured import msgpack_lite
+from mooncake._structured import inference, msgpack_lite
 from mooncake._structured.model import FieldSchema, StructuredTypeError, optional_module
 from mooncake.errors import InvalidArgumentError, NotSupportedError
 
@@ -67,48 +67,32 @@ def _non_null(values: Sequence[Any]) -> list[Any]:
     return [v for v in values if v is not None]
 
 
-def _is_bytes_like(value: Any) -> bool:
-    return isinstance(value, (bytes, bytearray, memoryview))
-
-
-def _is_tensor(value: Any) -> bool:
-    return _torch is not None and isinstance(value, _torch.Tensor)
-
-
-def _is_pil(value: Any) -> bool:
-    module = getattr(value.__class__, "__module__", None) or ""
-    return module.startswith("PIL.") and hasattr(value, "save")
+_is_bytes_like = inference.is_bytes_like
+_is_tensor = inference.is_tensor
+_is_pil = inference.is_pil_image
 
 
 def _choose(values: Sequence[Any]) -> tuple[str, dict[str, Any]]:
-    """The codec for a column, as the published inference chooses it for flat values."""
+    """The codec for a column: :func:`inference.choose_leaf_codec`'s decision (media lists
+    not recognised), kept where this package writes that codec; dict/list rows and anything
+    the decision refuses or stores otherwise go to ``msgpack_ragged`` or ``json_ragged``."""
     nn = _non_null(values)
     if not nn:
         return "json_ragged", {"decision_reason": "all rows are null or missing"}
-    if all(_is_tensor(v) for v in nn):
-        if len({v.dtype for v in nn}) != 1:
+    decision = inference.choose_leaf_codec(values, media_lists=False)
+    if decision.codec == "ragged_tensor":
+        if not decision.accepted:
             raise InvalidArgumentError(
                 "unsupported structured non-tensor field: mixed tensor dtype"
             )
-        return "ragged_tensor", {"dtype": str(nn[0].dtype)}
-    if all(isinstance(v, np.ndarray) for v in nn):
-        if all(np.issubdtype(v.dtype, np.number) for v in nn):
-            return "typed_ragged", {"recursive_source": "ndarray"}
+        return "ragged_tensor", dict(decision.metadata)
+    if decision.reason == "object ndarray rows":
         raise InvalidArgumentError("unsupported structured non-tensor field: object ndarray rows")
-    if all(isinstance(v, (list, tuple)) for v in nn):
-        try:
-            dtype: np.dtype[Any] | None = np.result_type(*[np.asarray(v).dtype for v in nn])
-        except (TypeError, ValueError, OverflowError):
-            dtype = None
-        if dtype is not None and np.issubdtype(dtype, np.number):
-            return "typed_ragged", {"dtype": str(dtype)}
-    if all(isinstance(v, (bool, int, float, np.number)) for v in nn):
-        return "ndarray", {"dtype": str(np.result_type(*nn))}
-    if all(_is_bytes_like(v) for v in nn):
-        return "bytes_ragged", {}
-    if all(isinstance(v, str) for v in nn):
-        return "utf8_ragged", {}
-    if all(isinstance(v, (dict, list, tuple)) for v in nn):
+    if decision.accepted and decision.codec in ("typed_ragged", "ndarray"):
+        return decision.codec, dict(decision.metadata)
+    if decision.accepted and decision.codec in ("bytes_ragged", "utf8_ragged"):
+        return decision.codec, {}
+    if decision.accepted and decision.codec == "msgpack_ragged":
         if msgpack_lite.NATIVE is None and _json_exact(nn):
             # without the compiled msgpack package, JSON (compiled) reads back far faster
             return "json_ragged", {}
