@@ -153,8 +153,9 @@ def choose_leaf_codec(values: Sequence[Any], *, media_lists: bool = True) -> Cod
     numeric ndarrays, numeric sequences, numeric scalars, bytes-like, PIL images, ``str``,
     then dicts/lists/tuples (``msgpack_ragged``, accepted without serialising them). Anything
     else, and a column with no non-null value, is ``msgpack_ragged`` not accepted.
-    Numeric scalars whose common dtype is not numeric (ints beyond 64 bits) are ``ndarray`` not
-    accepted, where the published function accepts them with dtype ``object``.
+    Numeric scalars that the common dtype cannot hold (ints beyond 64 bits) are ``ndarray`` not
+    accepted, where the published function accepts them (and its writer then fails or stores
+    an object array).
     """
     nn = _non_null(values)
     if not nn:
@@ -197,6 +198,8 @@ def choose_leaf_codec(values: Sequence[Any], *, media_lists: bool = True) -> Cod
         dtype = _common_dtype(nn)
         if dtype is None or not (np.issubdtype(dtype, np.number) or dtype == np.bool_):
             return _reject("ndarray", f"non-numeric dtype: {dtype}", "numeric scalar")
+        if np.issubdtype(dtype, np.integer) and not _ints_fit(nn, dtype):
+            return _reject("ndarray", f"integer out of {dtype} range", "numeric scalar")
         return CodecDecision(
             True, "ndarray", "all rows are numeric scalar", "numeric scalar", {"dtype": str(dtype)}
         )
@@ -218,6 +221,11 @@ def _asarray_dtype(value: Any) -> np.dtype[Any] | None:
         return None
 
 
+def _ints_fit(values: Sequence[Any], dtype: np.dtype[Any]) -> bool:
+    info = np.iinfo(dtype)
+    return all(info.min <= v <= info.max for v in values if type(v) is int)
+
+
 def _common_dtype(items: Sequence[Any]) -> np.dtype[Any] | None:
     if any(item is None for item in items):
         return None
@@ -233,38 +241,42 @@ def escape_key(key: str) -> str:
 
 
 def path_tokens(path: str) -> list[str | int]:
-    """The segments of a path suffix such as ``a.b[2].c\\.d``: keys (unescaped) and indexes.
+    """The segments of a path such as ``root.a[2].c\\.d``: keys (unescaped) and indexes.
 
-    ``path_tokens(escape_key(k)) == [k]`` for every non-empty key ``k``. An index that is not
-    a closed ``[digits]`` raises :class:`InvalidArgumentError` naming the path.
+    Every ``.`` starts a key, empty ones included, so ``path_tokens("r." + escape_key(k))``
+    is ``["r", k]`` for every key ``k`` (the published parser drops empty keys, which the
+    expansion of a row with key ``""`` produces); text before the first ``.``/``[`` is a key
+    when non-empty. An index that is not a closed ``[digits]`` raises
+    :class:`InvalidArgumentError` naming the path.
     """
     tokens: list[str | int] = []
     current: list[str] = []
+    in_key = False  # a "." opened a key that has not been closed yet
     i = 0
     while i < len(path):
         char = path[i]
         if char == "\\" and i + 1 < len(path):
             current.append(path[i + 1])
             i += 2
-        elif char == ".":
-            if current:
+            continue
+        if char in ".[":
+            if current or in_key:
                 tokens.append("".join(current))
                 current = []
-            i += 1
-        elif char == "[":
-            if current:
-                tokens.append("".join(current))
-                current = []
-            end = path.find("]", i)
-            digits = path[i + 1 : end] if end >= 0 else ""
-            if not digits.isdecimal():
-                raise InvalidArgumentError(f"bad index at offset {i} in structured path {path!r}")
-            tokens.append(int(digits))
-            i = end + 1
+            in_key = char == "."
+            if char == "[":
+                end = path.find("]", i)
+                digits = path[i + 1 : end] if end >= 0 else ""
+                if not (digits.isascii() and digits.isdigit()):
+                    raise InvalidArgumentError(
+                        f"bad index at offset {i} in structured path {path!r}"
+                    )
+                tokens.append(int(digits))
+                i = end
         else:
             current.append(char)
-            i += 1
-    if current:
+        i += 1
+    if current or in_key:
         tokens.append("".join(current))
     return tokens
 
