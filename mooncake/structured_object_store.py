@@ -13,7 +13,7 @@ written by one batched multi-buffer call straight from the tensors and arrays gi
 member of a read lands by one batched call straight in the tensors and arrays returned.
 
 What is not here (raises ``NotSupportedError`` by name): nested (jagged) tensor members, and
-the ``structured_recursive`` and ``media_list_ragged`` column codecs.
+the ``media_list_ragged`` column codec.
 ``BundleTransferPolicy`` is validated but the transfer is always one batch (``max_inflight_put``,
 ``put_mode`` and ``copy_mode`` change nothing); ``buffer_pool`` is accepted and unused.
 

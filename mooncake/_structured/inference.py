@@ -18,10 +18,10 @@ fields and paths, so code written against the published names behaves the same h
   of containers) into interior :class:`InferredNode` records and :class:`InferredLeaf` columns
   named by paths (``root.key``, ``root[0]``, keys escaped by :func:`escape_key`). A key absent
   from a row is :data:`MISSING` in the child column, distinct from a ``None`` value, and each
-  node's ``row_mask`` records which rows held a real container. The writer of this package does
-  not store the published ``structured_recursive`` layout built from this expansion (it refuses
-  it by name); the expansion is here for callers and for inspecting what the published writer
-  would do.
+  node's ``row_mask`` records which rows held a real container. The column writer stores a
+  column as this expansion (the published ``structured_recursive`` layout,
+  :mod:`mooncake._structured.recursive`) when it has a node and a tensor, ndarray or bytes
+  leaf, as the published writer does.
 """
 
 from __future__ import annotations
