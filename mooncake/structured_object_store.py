@@ -12,8 +12,9 @@ published client reads what this one wrote and the other way round. Every payloa
 written by one batched multi-buffer call straight from the tensors and arrays given; every
 member of a read lands by one batched call straight in the tensors and arrays returned.
 
-What is not here (raises ``NotSupportedError`` by name): nested (jagged) tensor members, and
-the ``media_list_ragged`` column codec.
+What is not here (raises ``NotSupportedError`` by name): nested (jagged) tensor members and
+PIL images in media lists (``media_list_ragged`` is written only for bytes items inside nested
+columns; a flat column of media lists gets ``msgpack_ragged``/``json_ragged``).
 ``BundleTransferPolicy`` is validated but the transfer is always one batch (``max_inflight_put``,
 ``put_mode`` and ``copy_mode`` change nothing); ``buffer_pool`` is accepted and unused.
 
