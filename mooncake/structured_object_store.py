@@ -12,10 +12,16 @@ published client reads what this one wrote and the other way round. Every payloa
 written by one batched multi-buffer call straight from the tensors and arrays given; every
 member of a read lands by one batched call straight in the tensors and arrays returned.
 
-What is not here (raises ``NotSupportedError`` by name): nested (jagged) tensor members, and
-the ``structured_recursive`` and ``media_list_ragged`` column codecs.
+What is not here (raises ``NotSupportedError`` by name): nested (jagged) tensor members and
+PIL images in media lists (``media_list_ragged`` is written only for bytes items inside nested
+columns; a flat column of media lists gets ``msgpack_ragged``/``json_ragged``).
 ``BundleTransferPolicy`` is validated but the transfer is always one batch (``max_inflight_put``,
 ``put_mode`` and ``copy_mode`` change nothing); ``buffer_pool`` is accepted and unused.
+
+The published codec-inference helpers are here under their published names (``MISSING``,
+``infer_structure``, ``_choose_leaf_codec``, ``_escape_key``, ``_CodecDecision``,
+``_InferredLeaf``, ``_InferredNode``, ``_Missing``, ``_structured_path_tokens``); see
+:mod:`mooncake._structured.inference` for how they relate to the column writer.
 """
 
 from __future__ import annotations
@@ -45,6 +51,17 @@ from mooncake._structured.dataproto import (
     select_fields,
     select_rows,
     split_dataproto,
+)
+from mooncake._structured.inference import (
+    MISSING,
+    CodecDecision,
+    InferredLeaf,
+    InferredNode,
+    Missing,
+    choose_leaf_codec,
+    escape_key,
+    infer_structure,
+    path_tokens,
 )
 from mooncake._structured.io import Part, remove_keys
 from mooncake._structured.model import (
@@ -78,6 +95,7 @@ __all__ = [
     "DATAPROTO_REF_HANDLE_TYPE",
     "DATAPROTO_REF_HANDLE_VERSION",
     "DEFAULT_BUNDLE_CHUNK_BYTES",
+    "MISSING",
     "MISSING_OBJECT_ERROR",
     "STORAGE_GROUP_ID",
     "STRUCTURED_FIELD_SPECS_KEY",
@@ -97,6 +115,7 @@ __all__ = [
     "export_ref",
     "import_dataproto_ref",
     "import_ref",
+    "infer_structure",
     "is_dataproto_ref_handle",
     "raw_destination",
     "tensor_object_buffer",
@@ -104,6 +123,15 @@ __all__ = [
 
 export_ref = export_dataproto_ref
 import_ref = import_dataproto_ref
+
+# the published module's codec-inference names (mooncake._structured.inference)
+_CodecDecision = CodecDecision
+_InferredLeaf = InferredLeaf
+_InferredNode = InferredNode
+_Missing = Missing
+_choose_leaf_codec = choose_leaf_codec
+_escape_key = escape_key
+_structured_path_tokens = path_tokens
 
 
 class BundleStore(Protocol):

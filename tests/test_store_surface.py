@@ -22,13 +22,11 @@ from mooncake.store import MooncakeDistributedStore
 SURFACE = json.loads((Path(__file__).parent / "data" / "published_surface.json").read_text())
 METHODS: dict[str, list[dict[str, Any]]] = SURFACE["store_methods"]
 HAVE_TENSORS = any("tensor" in n for n in dir(MooncakeDistributedStore))
-#: module names of other published modules (buffer pools, the Engram store, NoF registration)
+#: module names of other published modules (buffer pools, NoF registration)
 ELSEWHERE = {
     "BufferLease",
     "BufferLeaseView",
     "BufferPool",
-    "EngramStore",
-    "EngramStoreConfig",
     "MooncakeDistributedNoFRegister",
     "ReadTarget",
     "RegisteredBufferLease",

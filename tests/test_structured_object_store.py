@@ -17,7 +17,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mooncake._structured import msgpack_lite  # noqa: E402
-from mooncake.errors import NotSupportedError  # noqa: E402
 from mooncake.store import MooncakeDistributedStore  # noqa: E402
 from mooncake.structured_object_store import (  # noqa: E402
     FieldSchema,
@@ -223,9 +222,9 @@ def test_schemas_handles_and_policies(store: MooncakeDistributedStore) -> None:
 
     with pytest.raises(ValueError, match="max_inflight_put"):
         t.put_object(np.ones(2), policy=BundleTransferPolicy(max_inflight_put=0))
-    entry = dict(ref.encoded_non_tensor["j"], codec="structured_recursive")
+    entry = dict(ref.encoded_non_tensor["j"], codec="no_such_codec")
     ref.encoded_non_tensor["j"] = entry
-    with pytest.raises(NotSupportedError, match="structured_recursive"):
+    with pytest.raises(ValueError, match="unknown structured non-tensor codec"):
         t.get_dataproto(ref)
     t.cleanup_dataproto(ref)
 

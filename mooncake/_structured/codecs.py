@@ -14,8 +14,11 @@ skipped; chosen for dict and list rows when the compiled ``msgpack`` package is 
 ``nulls``) and ``ragged_tensor`` (a ``typed_ragged`` of tensors) and, by schema only,
 ``ragged_tensor_dict`` (rows that map names to tensors: ``null_mask`` plus one
 ``ragged_tensor`` per name, ``NAME.data`` ...). Reading also understands what the published
-writer produces for these. Not handled here, and refused by name: ``structured_recursive``
-(columns of nested dicts holding tensors, arrays or bytes) and ``media_list_ragged``.
+writer produces for these. ``structured_recursive`` (columns of nested dicts and lists holding
+tensors, arrays or bytes: :mod:`.recursive`) is chosen as the published writer chooses it, its
+leaves stored with the codecs above, ``media_list_ragged`` (lists of bytes: ``data``,
+``row_offsets``, ``byte_offsets``, ``nulls``) among them. A flat column of media lists is still
+written as ``msgpack_ragged``/``json_ragged``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from mooncake._structured import msgpack_lite
+from mooncake._structured import inference, msgpack_lite, recursive
 from mooncake._structured.model import FieldSchema, StructuredTypeError, optional_module
 from mooncake.errors import InvalidArgumentError, NotSupportedError
 
@@ -35,7 +38,6 @@ _torch: Any = optional_module("torch")
 
 __all__ = ["BytesParts", "EncodedColumn", "decode_column", "encode_column", "encode_with_schema"]
 
-_UNSUPPORTED = ("structured_recursive", "media_list_ragged")
 _MAX_SAMPLE_BYTES = 1 << 20
 _MAX_SAMPLE_ROWS = 128
 
@@ -67,48 +69,32 @@ def _non_null(values: Sequence[Any]) -> list[Any]:
     return [v for v in values if v is not None]
 
 
-def _is_bytes_like(value: Any) -> bool:
-    return isinstance(value, (bytes, bytearray, memoryview))
-
-
-def _is_tensor(value: Any) -> bool:
-    return _torch is not None and isinstance(value, _torch.Tensor)
-
-
-def _is_pil(value: Any) -> bool:
-    module = getattr(value.__class__, "__module__", None) or ""
-    return module.startswith("PIL.") and hasattr(value, "save")
+_is_bytes_like = inference.is_bytes_like
+_is_tensor = inference.is_tensor
+_is_pil = inference.is_pil_image
 
 
 def _choose(values: Sequence[Any]) -> tuple[str, dict[str, Any]]:
-    """The codec for a column, as the published inference chooses it for flat values."""
+    """The codec for a column: :func:`inference.choose_leaf_codec`'s decision (media lists
+    not recognised), kept where this package writes that codec; dict/list rows and anything
+    the decision refuses or stores otherwise go to ``msgpack_ragged`` or ``json_ragged``."""
     nn = _non_null(values)
     if not nn:
         return "json_ragged", {"decision_reason": "all rows are null or missing"}
-    if all(_is_tensor(v) for v in nn):
-        if len({v.dtype for v in nn}) != 1:
+    decision = inference.choose_leaf_codec(values, media_lists=False)
+    if decision.codec == "ragged_tensor":
+        if not decision.accepted:
             raise InvalidArgumentError(
                 "unsupported structured non-tensor field: mixed tensor dtype"
             )
-        return "ragged_tensor", {"dtype": str(nn[0].dtype)}
-    if all(isinstance(v, np.ndarray) for v in nn):
-        if all(np.issubdtype(v.dtype, np.number) for v in nn):
-            return "typed_ragged", {"recursive_source": "ndarray"}
+        return "ragged_tensor", dict(decision.metadata)
+    if decision.reason == "object ndarray rows":
         raise InvalidArgumentError("unsupported structured non-tensor field: object ndarray rows")
-    if all(isinstance(v, (list, tuple)) for v in nn):
-        try:
-            dtype: np.dtype[Any] | None = np.result_type(*[np.asarray(v).dtype for v in nn])
-        except (TypeError, ValueError, OverflowError):
-            dtype = None
-        if dtype is not None and np.issubdtype(dtype, np.number):
-            return "typed_ragged", {"dtype": str(dtype)}
-    if all(isinstance(v, (bool, int, float, np.number)) for v in nn):
-        return "ndarray", {"dtype": str(np.result_type(*nn))}
-    if all(_is_bytes_like(v) for v in nn):
-        return "bytes_ragged", {}
-    if all(isinstance(v, str) for v in nn):
-        return "utf8_ragged", {}
-    if all(isinstance(v, (dict, list, tuple)) for v in nn):
+    if decision.accepted and decision.codec in ("typed_ragged", "ndarray"):
+        return decision.codec, dict(decision.metadata)
+    if decision.accepted and decision.codec in ("bytes_ragged", "utf8_ragged"):
+        return decision.codec, {}
+    if decision.accepted and decision.codec == "msgpack_ragged":
         if msgpack_lite.NATIVE is None and _json_exact(nn):
             # without the compiled msgpack package, JSON (compiled) reads back far faster
             return "json_ragged", {}
@@ -347,6 +333,8 @@ def _encode(codec: str, values: list[Any], hint: dict[str, Any]) -> EncodedColum
     elif codec == "json_ragged":
         payload = _bytes_columns([None if v is None else _json_bytes(v) for v in values])
         metadata = {}
+    elif codec == "media_list_ragged":
+        payload, metadata = _encode_media_lists(values)
     elif codec == "msgpack_ragged":
         try:
             packed = [None if v is None else msgpack_lite.packb(v) for v in values]
@@ -355,18 +343,75 @@ def _encode(codec: str, values: list[Any], hint: dict[str, Any]) -> EncodedColum
                 "unsupported structured non-tensor field: msgpack codec cannot encode value"
             ) from e
         payload, metadata = _bytes_columns(packed), {}
-    elif codec in _UNSUPPORTED:
-        raise NotSupportedError(
-            f"structured non-tensor codec {codec!r} is not supported for writing"
-        )
     else:
         raise InvalidArgumentError(f"unsupported schema codec: {codec!r}")
     return EncodedColumn(codec=codec, rows=len(values), payload=payload, metadata=metadata)
 
 
+def _encode_media_lists(values: Sequence[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``media_list_ragged``: rows that are lists of bytes-like items (``None`` rows allowed);
+    all item bytes back to back, ``row_offsets`` (items) and ``byte_offsets`` (bytes)."""
+    row_offsets, byte_offsets, parts = [0], [0], []
+    for value in values:
+        items = [] if value is None else list(value)
+        for item in items:
+            if not _is_bytes_like(item):
+                raise NotSupportedError(
+                    f"media_list_ragged is written for bytes items only, not {type(item).__name__}"
+                )
+            parts.append(bytes(item))
+            byte_offsets.append(byte_offsets[-1] + len(parts[-1]))
+        row_offsets.append(row_offsets[-1] + len(items))
+    payload = {
+        "data": BytesParts((b"".join(parts),)),
+        "row_offsets": np.asarray(row_offsets, dtype=np.int64),
+        "byte_offsets": np.asarray(byte_offsets, dtype=np.int64),
+        "nulls": np.asarray([v is None for v in values], dtype=np.bool_),
+    }
+    metadata = {
+        "encode_source": "raw_pixels_from_object",
+        "media_encodings": [{"kind": "bytes"}] * len(parts),
+    }
+    return payload, metadata
+
+
+def _decode_media_lists(payload: Mapping[str, Any], rows: int) -> list[Any]:
+    """Rows of a ``media_list_ragged`` column; every item as bytes (a PIL image the published
+    writer stored reads back as its raw pixel bytes)."""
+    data = _as_bytes(payload["data"])
+    row_off = np.asarray(payload["row_offsets"]).tolist()
+    byte_off = np.asarray(payload["byte_offsets"]).tolist()
+    nulls = np.asarray(payload["nulls"]).tolist()
+    return [
+        None
+        if nulls[r]
+        else [data[byte_off[i] : byte_off[i + 1]] for i in range(row_off[r], row_off[r + 1])]
+        for r in range(rows)
+    ]
+
+
+def _encode_leaf(
+    codec: str, values: list[Any], hint: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    col = _encode(codec, values, hint)
+    return col.payload, col.metadata
+
+
+def _decode_leaf(
+    codec: str, payload: Mapping[str, Any], rows: int, metadata: Mapping[str, Any]
+) -> list[Any]:
+    return decode_column({"codec": codec, "metadata": metadata}, payload, rows)
+
+
 def encode_column(path: str, value: np.ndarray) -> EncodedColumn:
     """Encode an object-dtype column with the codec inferred from its values."""
     values = list(value)
+    try:
+        nested = recursive.encode_recursive(path, values, _encode_leaf)
+    except (InvalidArgumentError, NotSupportedError, TypeError, ValueError, OverflowError):
+        nested = None  # as published: a column the layout cannot take gets a flat codec
+    if nested is not None:
+        return EncodedColumn("structured_recursive", len(values), nested[0], nested[1])
     codec, hint = _choose(values)
     col = _encode(codec, values, hint)
     col.metadata.update(
@@ -496,10 +541,10 @@ def decode_column(encoded: Mapping[str, Any], payload: Mapping[str, Any], rows: 
     """The row values of an encoded column, from its handle entry and payload members."""
     codec = encoded.get("codec")
     metadata = encoded.get("metadata") or {}
-    if codec in _UNSUPPORTED:
-        raise NotSupportedError(
-            f"structured non-tensor codec {codec!r} is not supported for reading"
-        )
+    if codec == "structured_recursive":
+        return recursive.decode_recursive(metadata, payload, rows, _decode_leaf)
+    if codec == "media_list_ragged":
+        return _decode_media_lists(payload, rows)
     if codec == "ndarray":
         return _decode_numeric(payload)
     if codec == "ragged_tensor_dict":

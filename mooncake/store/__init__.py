@@ -21,6 +21,7 @@ The class is composed of one module per family, all on the async client's reques
 ``_admin``                replica descriptors, ``batch_replica_clear``, copy/move tasks
 ``_dummy``                ``setup_dummy`` (a client of a ``mooncake_client`` process)
 ``_standalone``           the ``mooncake_client`` side and the wire between the two
+``_engram``               ``EngramStore`` / ``EngramStoreConfig`` (head tables over the calls above)
 ``_types``                task and parallelism types, ``MooncakeHostMemAllocator``, helpers
 ========================  ==============================================================
 
@@ -54,6 +55,7 @@ from mooncake._store.tensor_support import (
 from mooncake.store._admin import AdminMethods
 from mooncake.store._bytes import BufferHandle
 from mooncake.store._dummy import DummyMethods
+from mooncake.store._engram import EngramStore, EngramStoreConfig
 from mooncake.store._multi import MultiBufferMethods
 from mooncake.store._ranges import RangeMethods
 from mooncake.store._segments import SegmentMethods
@@ -151,6 +153,8 @@ __all__ = [
     "BufferHandle",
     "Descriptor",
     "DiskDescriptor",
+    "EngramStore",
+    "EngramStoreConfig",
     "MemoryDescriptor",
     "MooncakeDistributedStore",
     "MooncakeHostMemAllocator",
