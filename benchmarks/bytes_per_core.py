@@ -41,7 +41,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
-from sidemaster import free_port, start_master  # noqa: E402
+from sidemaster import free_port, start_master, wait_serving  # noqa: E402
 
 MIB = 1 << 20
 TICK = os.sysconf("SC_CLK_TCK")
@@ -77,6 +77,24 @@ def _buffer(nbytes: int) -> Any:
     buf = np.empty(nbytes, dtype=np.uint8)
     buf[:] = 1  # pre-fault every page
     return buf
+
+
+def _timed_window(step: Any, nbytes: int, seconds: float) -> None:
+    """Say ready; on the next line run ``step`` (``nbytes`` a call; it returns an error text or
+    None) for ``seconds``, say how many bytes in how long (or the error); wait for quit."""
+    _say({"ready": True})
+    sys.stdin.readline()
+    moved, n = 0, 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds or n == 0:
+        err = step()
+        if err is not None:
+            _say({"error": err})
+            return
+        moved += nbytes
+        n += 1
+    _say({"bytes": moved, "seconds": time.perf_counter() - t0, "calls": n})
+    sys.stdin.readline()
 
 
 def role_holder(args: argparse.Namespace) -> None:
@@ -125,24 +143,15 @@ def role_reader(args: argparse.Namespace) -> None:
     ptrs = [base + j * size for j in range(batch)]
     sizes = [size] * batch
     names = [f"v{i}" for i in range(keys)]
-    _say({"ready": True})
-    sys.stdin.readline()
-    moved, n, i = 0, 0, 0
-    t0 = time.perf_counter()
-    while True:
-        chunk = [names[(i + j) % keys] for j in range(batch)]
-        i += batch
-        got = s.batch_get_into(chunk, ptrs, sizes)
+    start = iter(range(0, 1 << 62, batch))
+
+    def step() -> str | None:
+        i = next(start)
+        got = s.batch_get_into([names[(i + j) % keys] for j in range(batch)], ptrs, sizes)
         bad = [g for g in got if g != size]
-        if bad:
-            _say({"error": f"batch_get_into returned {bad[:3]}"})
-            return
-        moved += size * batch
-        n += 1
-        if time.perf_counter() - t0 >= args.seconds:
-            break
-    _say({"bytes": moved, "seconds": time.perf_counter() - t0, "calls": n})
-    sys.stdin.readline()
+        return f"batch_get_into returned {bad[:3]}" if bad else None
+
+    _timed_window(step, size * batch, args.seconds)
     s.unregister_buffer(base)
     s.close()
 
@@ -181,24 +190,15 @@ def role_initiator(args: argparse.Namespace) -> None:
     locals_ = [base + j * piece for j in range(batch)]
     remotes = [remote + j * piece for j in range(batch)]
     lengths = [piece] * batch
-    _say({"ready": True})
-    sys.stdin.readline()
-    moved, n = 0, 0
-    t0 = time.perf_counter()
-    while True:
+
+    def step() -> str | None:
         if batch == 1:
             rc = e.transfer_sync_read(session, base, remote, piece)
         else:
             rc = e.batch_transfer_sync_read(session, locals_, remotes, lengths)
-        if rc != 0:
-            _say({"error": f"read rc={rc}"})
-            return
-        moved += piece * batch
-        n += 1
-        if time.perf_counter() - t0 >= args.seconds:
-            break
-    _say({"bytes": moved, "seconds": time.perf_counter() - t0, "calls": n})
-    sys.stdin.readline()
+        return f"read rc={rc}" if rc != 0 else None
+
+    _timed_window(step, piece * batch, args.seconds)
 
 
 ROLES = {
@@ -319,17 +319,7 @@ def _start_side_master(side: Side) -> tuple[subprocess.Popen[bytes], int]:
         )
     )
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import socket
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", rpc), 0.2).close()
-            return proc, rpc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("published master did not start")
+    return wait_serving(proc, rpc), rpc
 
 
 def engine_case(side: Side, piece: int, batch: int, args: argparse.Namespace) -> dict[str, float]:
@@ -373,7 +363,16 @@ def iperf3_case(seconds: float) -> dict[str, float]:
         try:
             time.sleep(0.3)
             r = subprocess.run(
-                ["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(seconds), "-J"],
+                [
+                    "iperf3",
+                    "-c",
+                    "127.0.0.1",
+                    "-p",
+                    str(port),
+                    "-t",
+                    str(max(1, round(seconds))),
+                    "-J",
+                ],
                 capture_output=True,
                 text=True,
             )

@@ -52,13 +52,21 @@ def start_master(published: bool, timeout: float = 60.0) -> tuple[subprocess.Pop
     proc = subprocess.Popen(
         master_command(published, rpc), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
+    return wait_serving(proc, rpc, timeout), rpc
+
+
+def wait_serving(
+    proc: subprocess.Popen[bytes], rpc: int, timeout: float = 60.0
+) -> subprocess.Popen[bytes]:
+    """``proc`` once loopback ``rpc`` accepts connections; ``RuntimeError`` (after killing it)
+    if it exits first or the port does not open within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"master exited with {proc.returncode} before serving")
         try:
             socket.create_connection(("127.0.0.1", rpc), 0.2).close()
-            return proc, rpc
+            return proc
         except OSError:
             time.sleep(0.05)
     proc.kill()
