@@ -397,13 +397,17 @@ try:
     seg = create_shared_segment("kv", blocks, world_size=2, rank_id=rank, comm_group=dist.group.WORLD)
 except SharedSegmentError as e:
     print("ERR", e, flush=True)
-    sys.exit(0)
-k = seg.tensors("k")
-if rank == 0:
-    k[1].copy_(torch.arange(k[1].numel(), dtype=torch.int32))
-dist.barrier()
-print("SUM", int(k[1].sum()), flush=True)
-dist.barrier()
+else:
+    k = seg.tensors("k")
+    if rank == 0:
+        k[1].copy_(torch.arange(k[1].numel(), dtype=torch.int32))
+    dist.barrier()
+    print("SUM", int(k[1].sum()), flush=True)
+    dist.barrier()
+# gloo's threads must be joined before the interpreter exits: left running, their destructor
+# can abort the process (std::terminate) after the output above was written
+dist.destroy_process_group()
+os._exit(0)
 """
 
 
