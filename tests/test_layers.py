@@ -34,6 +34,7 @@ FLOORS: dict[str, int] = {
     "_groups": 2,
     "_unsupported": 2,
     "_nof_cli": 2,
+    "_restserver": 2,
     # 3: the sans-I/O core
     "_core": 3,
     # 4: the engine's drivers, trace replay
@@ -66,6 +67,7 @@ FLOORS: dict[str, int] = {
     "dataproto_catalog": 7,
     "transfer_engine_topology_dump": 7,
     "vllm_v1_proxy_server": 7,
+    "mooncake_store_service": 7,
     # 8: entry points
     "__main__": 8,
     "cli": 8,
