@@ -17,9 +17,14 @@ Bounds, every one answered in JSON before the connection is closed:
 * request head :data:`MAX_HEAD` bytes (h11's limit: ``431``/``400``);
 * request body ``max_body`` bytes (``413``, from ``Content-Length`` before reading, or once the
   body read so far passes it; the role of aiohttp's ``client_max_size``);
-* ``max_connections`` served at once: a further connection is answered ``503`` and closed;
+* ``max_connections`` served at once: a further connection is answered ``503`` and closed
+  (at most as many again are being refused at once; beyond that they are closed unanswered);
 * a request must arrive whole within :data:`REQUEST_S` of its first byte (``408``), and an idle
   keep-alive connection is closed after :data:`IDLE_S`.
+
+An answer that ends the connection (these, and a malformed request) is followed by a
+half-close and up to :data:`LINGER_S` of reading what the peer still sends, so that the peer
+reads the answer instead of a connection reset.
 """
 
 from __future__ import annotations
@@ -43,8 +48,12 @@ log = logging.getLogger(__name__)
 MAX_HEAD = 64 << 10
 #: a request must be received whole within this many seconds of its first byte
 REQUEST_S = 120.0
-#: an idle keep-alive connection is closed after this many seconds
-IDLE_S = 300.0
+#: an idle keep-alive connection is closed after this many seconds (aiohttp's default)
+IDLE_S = 75.0
+#: after an error answer that ends a connection, what the peer still sends is read and dropped
+#: (up to this many bytes, for up to LINGER_S) so that closing does not reset the answer away
+LINGER_BYTES = 1 << 20
+LINGER_S = 2.0
 _RECV = 1 << 16
 _JSON = "application/json"
 _REASONS = {
@@ -224,6 +233,23 @@ class _Conn:
         await self.send(h11.EndOfMessage())
 
 
+async def _linger(conn: _Conn) -> None:
+    """Half-close ``conn`` and drop what its peer still sends (up to :data:`LINGER_BYTES`, for
+    up to :data:`LINGER_S`), so the close that follows does not reset the answer away."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + LINGER_S
+    with contextlib.suppress(OSError, RuntimeError):
+        if conn.writer.can_write_eof():
+            conn.writer.write_eof()
+    left = LINGER_BYTES
+    with contextlib.suppress(OSError, asyncio.TimeoutError):
+        while left > 0:
+            data = await asyncio.wait_for(conn.reader.read(_RECV), max(0.0, end - loop.time()))
+            if not data:
+                return
+            left -= len(data)
+
+
 class RestServer:
     """Serve ``routes`` (see the module docstring) on one TCP listener."""
 
@@ -244,7 +270,13 @@ class RestServer:
         self.host = ""
         self.port = 0
         self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()  # every connection's task
+        self._served = 0  # connections being served (the others are being refused)
+
+    @property
+    def served(self) -> int:
+        """Connections being served now (not counting those being refused)."""
+        return self._served
 
     async def start(self, host: str, port: int) -> int:
         """Listen on exactly ``host:port`` (port 0: a free one); the bound port.
@@ -277,21 +309,25 @@ class RestServer:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         conn = _Conn(reader, writer)
+        served = False
+        if task is not None:
+            self._tasks.add(task)
         try:
-            if len(self._tasks) >= self.max_connections:
-                await conn.respond(
-                    json_response(
-                        503, {"error": f"more than {self.max_connections} connections open"}
-                    ),
-                    close=True,
-                )
+            if self._served >= self.max_connections:
+                # refused: answered (unless as many are being refused already) and closed
+                if len(self._tasks) - self._served <= self.max_connections:
+                    error = f"more than {self.max_connections} connections open"
+                    await conn.respond(json_response(503, {"error": error}), close=True)
+                    await _linger(conn)
                 return
-            if task is not None:
-                self._tasks.add(task)
+            served = True
+            self._served += 1
             await self._serve(conn)
         except (ConnectionError, OSError, h11.ProtocolError) as e:
             log.debug("%s connection ended: %s", self.name, e)
         finally:
+            if served:
+                self._served -= 1
             if task is not None:
                 self._tasks.discard(task)
             writer.close()
@@ -311,6 +347,7 @@ class RestServer:
             except _Reject as e:
                 if conn.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                     await conn.respond(json_response(e.status, {"error": e.message}), close=True)
+                    await _linger(conn)
                 return
             await conn.respond(await self._dispatch(req))
             if conn.h11.our_state is not h11.DONE or conn.h11.their_state is not h11.DONE:

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -248,6 +249,38 @@ def test_sigterm_closes_the_store_and_exits_0(master: str, tmp_path: Path) -> No
         s.close()
 
 
+def test_a_busy_port_is_one_line_and_exit_1(master: str, tmp_path: Path) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text(
+        json.dumps(
+            {
+                "local_hostname": "127.0.0.1",
+                "metadata_server": "P2PHANDSHAKE",
+                "master_server_address": master,
+                "global_segment_size": "16mb",
+                "local_buffer_size": "16mb",
+            }
+        )
+    )
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        cmd = [sys.executable, "-m", "mooncake.mooncake_store_service", "--config", str(cfg)]
+        out = subprocess.run(
+            [*cmd, "--port", str(port)],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=STARTUP_S,
+        )
+    assert out.returncode == 1, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("mc_store_rest_server: Failed to start HTTP service: cannot listen on")
+    assert f"127.0.0.1:{port}" in last
+    assert "Traceback" not in out.stderr and "Mooncake service stopped" in out.stderr
+
+
 def test_startup_errors_are_one_line_and_exit_1(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -266,6 +299,11 @@ def test_startup_errors_are_one_line_and_exit_1(
     assert sync_main(["--config", str(cfg), "-Dglobal_segment_size=lots"]) == 1
     err = capsys.readouterr().err
     assert "global_segment_size='lots'" in err
+
+
+async def _until_idle(server: RestServer) -> None:
+    while server.served:  # noqa: ASYNC110 (the server has no event for it: polled)
+        await asyncio.sleep(0.01)
 
 
 async def _echo_raw(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
@@ -307,6 +345,15 @@ def test_rest_server_bounds_and_routes() -> None:
                 assert r.status_code == 500 and r.json() == {"error": "RuntimeError: handler broke"}
                 r = await c.post("/echo/", content=b"")
                 assert r.status_code == 404
+            # a request that is not HTTP: 400, then the connection ends
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+            await writer.drain()
+            answer = await reader.read()
+            assert answer.startswith(b"HTTP/1.1 400") and b"bad request" in answer
+            writer.close()
+            await writer.wait_closed()
+            await asyncio.wait_for(_until_idle(server), 60)  # the server saw those closes
             # over the connection cap: answered 503, the held ones keep working
             held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
             for reader, writer in held:  # each served once: both are being served now
