@@ -43,10 +43,13 @@ Deliberate differences from the published module:
   they answer a :class:`~mooncake._restserver.Response` with ``status``, ``text``, ``body``).
   Bodies are bounded at :data:`MAX_BODY` (100 MiB, the published ``client_max_size``: 413);
   connections at :data:`MAX_CONNECTIONS`;
+* an unknown path is 404 and a wrong method 405 with ``{"error": ...}`` naming them (aiohttp:
+  ``text/plain`` ``404: Not Found``);
 * a body that is not JSON, or not a JSON object, is 400 ``Malformed JSON body: ...`` /
   ``Request body must be a JSON object`` on every route (published: only on
   ``/api/unmount_local_disk``; elsewhere a 500 with Python's exception text); so are a
-  non-string ``key``/``value``, a ``size`` that is not a positive integer, ``segment_ids`` that
+  non-string ``key``/``value``, a ``size`` that is not a positive integer (published
+  ``mount_shm`` with size 0: 200 with no segment), ``segment_ids`` that
   are not strings, and a ``grace_period_seconds`` outside 0..3600 on the unmount routes;
 * store calls run in worker threads (the published handlers block the event loop);
 * ``-D`` values are converted to the field's type (``-Dglobal_segment_size=4gb``) and checked as
