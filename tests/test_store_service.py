@@ -37,7 +37,12 @@ def _env() -> dict[str, str]:
 class Service:
     """``python -m mooncake.mooncake_store_service --port 0`` for ``master``; its log in a file."""
 
-    def __init__(self, master: str, tmp: Path, *extra: str) -> None:
+    def __init__(self, master: str, tmp: Path, *extra: str, from_env: bool = False) -> None:
+        """``from_env``: configured by ``MOONCAKE_*`` variables instead of ``--config``."""
+        env = _env()
+        for k in list(env):
+            if k.startswith("MOONCAKE_"):
+                del env[k]
         cfg = tmp / "mooncake.json"
         cfg.write_text(
             json.dumps(
@@ -55,16 +60,20 @@ class Service:
             sys.executable,
             "-m",
             "mooncake.mooncake_store_service",
-            "--config",
-            str(cfg),
             "--port",
             "0",
-            "-Dglobal_segment_size=32mb",
-            "-Dlocal_buffer_size=16mb",
             *extra,
         ]
+        if from_env:  # as the Kubernetes guides upstream run it
+            env["MOONCAKE_MASTER"] = master
+            env["MOONCAKE_LOCAL_HOSTNAME"] = "127.0.0.1"
+            env["MOONCAKE_TE_META_DATA_SERVER"] = "P2PHANDSHAKE"
+            env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] = "32mb"
+            env["MOONCAKE_LOCAL_BUFFER_SIZE"] = str(16 * MIB)
+        else:
+            cmd += ["--config", str(cfg), "-Dglobal_segment_size=32mb", "-Dlocal_buffer_size=16mb"]
         with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env())
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + STARTUP_S
         while True:
             m = _READY.search(self.log.read_text(errors="replace"))
@@ -229,7 +238,7 @@ def test_reconfigure_decode_mounts_a_shm_file_and_prefill_unmounts_it(
 
 
 def test_sigterm_closes_the_store_and_exits_0(master: str, tmp_path: Path) -> None:
-    s = Service(master, tmp_path)
+    s = Service(master, tmp_path, from_env=True)
     try:
         assert s.http.put("/api/put", json={"key": "held", "value": "v" * 100}).is_success
         other = _other_client(master)
