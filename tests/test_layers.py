@@ -81,16 +81,6 @@ MODULE_FLOORS: dict[str, int] = {
 
 #: Import circles still to be cut, each as the set of its modules. Nothing else may form one.
 ALLOWED_CIRCLES: set[frozenset[str]] = {
-    # the master and HA write each other's state; the rpc thread calls server privates; the
-    # replica stream serves through the master's connection code
-    frozenset(
-        {
-            "mooncake._store.master",
-            "mooncake._store.ha",
-            "mooncake._store.ha_stream",
-            "mooncake._store.rpc_thread",
-        }
-    ),
     # the compiled CUDA runtime imports check()/driver_address_range() from the Python module
     # that loads it lazily (seen only when reading the .pyx)
     frozenset({"mooncake._fast.cuda", "mooncake._fast._cuda"}),

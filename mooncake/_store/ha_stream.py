@@ -40,11 +40,11 @@ import anyio
 import anyio.abc
 import msgspec
 
-from mooncake._engine.metadata.etcd import _b64, _unb64
+from mooncake._core.commitlog import MAX_ENTRY
 from mooncake.errors import MetadataError, ProtocolError
 
 if TYPE_CHECKING:
-    from mooncake._store.ha import HaNode
+    from mooncake._store.ha_base import StreamNode
 
 log = logging.getLogger("mooncake.master.ha")
 
@@ -127,7 +127,7 @@ class _Peer:
 class ReplicaLeader:
     """The leader's half: the stream listener, the entries not yet in etcd, the in-sync set."""
 
-    def __init__(self, node: HaNode) -> None:
+    def __init__(self, node: StreamNode) -> None:
         self.node = node
         self.term = node.term
         self.port = 0
@@ -203,8 +203,6 @@ class ReplicaLeader:
         waits until its first entry is ``etcd_linger`` seconds old, :data:`MAX_TXN_ENTRIES`
         entries are waiting, or :attr:`hurry` is set, so one txn (one fsync, one watch event
         for each master) carries many entries instead of one."""
-        from mooncake._store.ha import MAX_ENTRY
-
         node = self.node
         linger = node.config.etcd_linger
         while node.role == "leader":
@@ -340,7 +338,7 @@ class ReplicaLeader:
                 self.node.replica_progress()
 
 
-async def follow_stream(node: HaNode) -> None:
+async def follow_stream(node: StreamNode) -> None:
     """A standby's half: stream the entries of the leader it follows into ``node.held``."""
     while True:
         try:
@@ -350,24 +348,19 @@ async def follow_stream(node: HaNode) -> None:
             await anyio.sleep(1.0)
 
 
-async def _follow_once(node: HaNode) -> None:
+async def _follow_once(node: StreamNode) -> None:
     while True:
         await anyio.sleep(_CHECK_S * 2)
         term = node.stream_term()
         if not term:
             continue
         try:
-            obj = await node.etcd.call("/v3/kv/range", {"key": _b64(node.stream_key)})
+            spec = await node.log.read_stream()
         except MetadataError:
             continue
-        kvs = obj.get("kvs") or []
-        if not kvs:
+        if spec is None:
             continue
-        try:
-            spec = json.loads(_unb64(kvs[0].get("value", "")))
-            addr, sterm = str(spec["addr"]), int(spec["term"])
-        except (ValueError, KeyError, TypeError):
-            continue
+        addr, sterm = spec
         if sterm != term:
             continue
         host, _, port = addr.rpartition(":")
@@ -388,7 +381,7 @@ async def _follow_once(node: HaNode) -> None:
                 await stream.aclose()
 
 
-async def _stream(node: HaNode, stream: anyio.abc.SocketStream, term: int, addr: str) -> None:
+async def _stream(node: StreamNode, stream: anyio.abc.SocketStream, term: int, addr: str) -> None:
     async with anyio.create_task_group() as tg:
 
         async def watch() -> None:

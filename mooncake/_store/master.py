@@ -60,7 +60,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -74,6 +74,7 @@ from mooncake._core.master import MasterConfig, MasterState
 from mooncake._engine import _accept
 from mooncake._store import master_http
 from mooncake._store.drain_jobs import DrainJobs
+from mooncake._store.ha_base import Replication
 from mooncake._store.keyscan import DEFAULT_BUDGET_S, SCAN_METHODS, KeyScanner
 from mooncake._store.rpc_thread import Handoff, RpcThread, usable
 from mooncake._store.serving import ReplyBudget, frame_deadline
@@ -89,13 +90,14 @@ from mooncake.errors import (
 )
 
 if TYPE_CHECKING:
-    from mooncake._store.ha import HaConfig, HaNode
+    from mooncake._store.ha import HaNode
+    from mooncake._store.ha_base import HaConfig
     from mooncake._store.kv_events import KvEventPublisher, KvEventsConfig
     from mooncake._store.snapshots import SnapshotConfig
 
 log = logging.getLogger("mooncake.master")
 
-__all__ = ["MasterServer", "MasterServerConfig", "serve_master"]
+__all__ = ["MasterServer", "MasterServerConfig", "Replication", "serve_master"]
 
 DEFAULT_RPC_PORT = 50051
 DEFAULT_METRICS_PORT = 9003
@@ -160,29 +162,6 @@ class MasterServerConfig:
 HA_SWEEP_INTERVAL = 0.2
 #: params of one logged call are at most this large (an etcd value holds ~1.5 MiB)
 MAX_LOGGED_PARAMS = 1 << 20
-
-
-class Replication(Protocol):
-    """What the server asks of the replication layer (:mod:`mooncake._store.ha`)."""
-
-    def refusal(self) -> str | None:
-        """None while this master leads and may answer; else why it may not (naming the
-        leader when it knows one)."""
-
-    def append(self, command: commands.Command) -> int:
-        """Queue an applied command for the log; its ticket (increasing)."""
-
-    @property
-    def barrier(self) -> int:
-        """The ticket of the last mutating command queued."""
-
-    def mark_mutated(self) -> None:
-        """The command queued last changed what clients can see (a sweep that evicted or
-        expired something): later answers wait for it as for a mutation."""
-
-    async def wait_durable(self, ticket: int) -> bool:
-        """Until every command up to ``ticket`` is durable (True), or this master was deposed
-        first (False: say nothing to the client)."""
 
 
 class MasterServer:
@@ -431,9 +410,9 @@ class MasterServer:
             if stopping:
                 self._heartbeats.pop(sock, None)
             else:
-                self._connection_closed(sock)
+                self.connection_closed(sock)
 
-    def _connection_closed(self, sock: socket.socket, now: float | None = None) -> None:
+    def connection_closed(self, sock: socket.socket, now: float | None = None) -> None:
         """``sock`` closed: if it was the last connection a client sent heartbeats on, that
         client's segments are quarantined and its writes in flight discarded at once
         (:func:`commands.ConnectionLost`) instead of at its client TTL. ``now``: the state's
@@ -531,7 +510,7 @@ class MasterServer:
                     if not isinstance(msg, rpc.Request):
                         raise ProtocolError("a client sent a response frame")
                     if not authed or msg.method in rpc.AUTH_METHODS:
-                        reply, authed, nonces, close = self._auth_step(msg, authed, nonces, sock)
+                        reply, authed, nonces, close = self.auth_step(msg, authed, nonces, sock)
                         out.append(reply)
                         if close:
                             scope.deadline = math.inf
@@ -620,7 +599,7 @@ class MasterServer:
         finally:
             self.replies.give(left)
 
-    def _auth_step(
+    def auth_step(
         self,
         req: rpc.Request,
         authed: bool,
