@@ -88,7 +88,6 @@ from typing import Any
 
 import anyio
 import anyio.abc
-import anyio.lowlevel
 
 from mooncake._core import commands
 from mooncake._core.commands import Command
@@ -102,11 +101,12 @@ from mooncake._store.ha_base import (
     CommandLog,
     Election,
     HaConfig,
+    LogGap,
     ReplicaHost,
     view_key,
 )
 from mooncake._store.ha_probe import LeaderProbe, probe_connect
-from mooncake._store.ha_stream import MAX_TXN_ENTRIES, ReplicaLeader, follow_stream
+from mooncake._store.ha_stream import HeldEntries, ReplicaLeader, follow_stream, start_replica
 from mooncake._store.snapshots import DirSnapshots, EtcdSnapshots, ForkedSnapshot, Snapshot
 from mooncake.errors import InvalidArgumentError, MetadataError, MooncakeError
 
@@ -130,8 +130,7 @@ _WATCH_CHECK_S = 0.05
 _RANGE_LIMIT = 64
 
 
-class _Gap(Exception):
-    """The log no longer holds the entry after the applied one (compacted by a snapshot)."""
+_Gap = LogGap  # its name inside this module (and to the tests that load through it)
 
 
 class HaNode:
@@ -188,9 +187,7 @@ class HaNode:
         self._view_rev = 0
         self._probe = LeaderProbe(self.election.revoke_term, self._probe_target, self._revoked)
         self._lease_check = anyio.Event()
-        self.applied_seq = 0
-        self.latest_seq = 0
-        self.snapshot_seq = 0
+        self.applied_seq = self.latest_seq = self.snapshot_seq = 0
         self.last_now = 0.0
         self._last_now_local = 0.0
         self._from_scratch = True
@@ -199,23 +196,15 @@ class HaNode:
         self._flush_now = anyio.Event()
         self._deposed = anyio.Event()
         self._wake = anyio.Event()
-        self._snap_due = False
+        self._snap_due = self._snap_busy = False
         self._snap_last = 0.0
-        self._snap_busy = False
         # counters
-        self.batches = 0
-        self.entries_applied = 0
-        self.stepdowns = 0
-        self.elections_won = 0
-        self.apply_errors = 0
+        self.batches = self.entries_applied = self.stepdowns = self.elections_won = 0
+        self.apply_errors = self.early_revokes = 0
         self.config_mismatch = False
-        self.early_revokes = 0
         self.adopted = 0
         """Entries a new leader held from the stream beyond the etcd log and appended."""
-        self.stream_applied = 0
-        """``replica`` standby: entries applied from the stream (the rest came from etcd)."""
-        self._commit_target = 0
-        self._apply_wanted = anyio.Event()
+        self.held_apply = HeldEntries(self)
 
     # -- what the server asks ------------------------------------------------------------
 
@@ -233,7 +222,7 @@ class HaNode:
     def refusal(self) -> str | None:
         if self.role == "leader":
             if anyio.current_time() >= self.lease_deadline:
-                self._step_down("lease not renewed in time")
+                self.step_down("lease not renewed in time")
             elif self.serving:
                 return None
             else:
@@ -276,7 +265,7 @@ class HaNode:
         if not q.may_answer(ticket, epoch):
             return False
         if anyio.current_time() >= self.lease_deadline:  # durable, but say nothing this late
-            self._step_down("lease not renewed in time")
+            self.step_down("lease not renewed in time")
             return False
         return True
 
@@ -299,7 +288,7 @@ class HaNode:
                     tg.start_soon(self._probe.run)
                 if self.config.ack_mode == "replica":
                     tg.start_soon(follow_stream, self)
-                    tg.start_soon(self._apply_stream)
+                    tg.start_soon(self.held_apply.run)
                 while True:
                     try:
                         await self._load()
@@ -314,12 +303,12 @@ class HaNode:
                         await self._lead()
                     except (MetadataError, _Gap) as e:
                         log.warning("master HA: %s; retrying", e)
-                        self._step_down(str(e))
+                        self.step_down(str(e))
                         self.role = "standby"
                         await anyio.sleep(0.5)
                     except Exception:  # a bug must not take the master down: start over
                         log.exception("master HA: unexpected failure; reloading")
-                        self._step_down("unexpected failure")
+                        self.step_down("unexpected failure")
                         self.role = "standby"
                         await anyio.sleep(1.0)
                     finally:
@@ -334,34 +323,17 @@ class HaNode:
         return self.role == "standby" and not self.streaming
 
     def apply_held(self, committed: int) -> None:
-        """``replica`` standby: the leader says etcd holds its log up to ``committed``: the
-        held entries up to there are applied (:meth:`_apply_stream`)."""
-        if self.role != "standby" or committed <= self._commit_target:
-            return
-        self.latest_seq = max(self.latest_seq, committed)
-        self._commit_target = committed
-        self._apply_wanted.set()
+        """``replica`` standby: etcd holds the leader's log up to ``committed``
+        (:class:`~mooncake._store.ha_stream.HeldEntries`)."""
+        self.held_apply.durable_upto(committed)
 
-    async def _apply_stream(self) -> None:
-        """Apply held entries up to the leader's etcd watermark, one per scheduler turn (so
-        the stream reader acknowledges what arrives meanwhile without waiting for a burst);
-        a seq not held (from before the stream began) or one that does not decode wakes the
-        follow loop, which reads it from etcd (and reloads on a bad one)."""
-        while True:
-            await self._apply_wanted.wait()
-            self._apply_wanted = anyio.Event()
-            while self.role == "standby" and self.applied_seq < self._commit_target:
-                data = self.held.get(self.applied_seq + 1)
-                if data is None:
-                    self._wake.set()
-                    break
-                try:
-                    self._apply_entry(self.applied_seq + 1, data)
-                except _Gap:
-                    self._wake.set()
-                    break
-                self.stream_applied += 1
-                await anyio.lowlevel.checkpoint()
+    def wake(self) -> None:
+        """Wake the follow loop (it reads the log now)."""
+        self._wake.set()
+
+    @property
+    def listen_host(self) -> str:
+        return self.server.config.rpc_address
 
     async def _watch(self, is_log: bool) -> None:
         """Wake the follow loop on a change of the log (``is_log``: applying an entry that
@@ -378,7 +350,7 @@ class HaNode:
                     return
                 if seq == self.applied_seq + 1:
                     try:
-                        self._apply_entry(seq, value)
+                        self.apply_entry(seq, value)
                         return  # in order: nothing for the follow loop to read again
                     except _Gap:
                         pass  # the poll meets it too, and reloads
@@ -453,11 +425,13 @@ class HaNode:
                     continue
                 if seq != self.applied_seq + 1:
                     raise _Gap(f"log entry {self.applied_seq + 1} is gone (next is {seq})")
-                self._apply_entry(seq, data)
+                self.apply_entry(seq, data)
             if not more:
                 return
 
-    def _apply_entry(self, seq: int, data: bytes) -> None:
+    def apply_entry(self, seq: int, data: bytes) -> None:
+        """Apply log entry ``seq`` (the next one) to the state; :class:`LogGap` if it does not
+        decode (this master reloads)."""
         try:
             batch = commands.decode_commands(data)
         except InvalidArgumentError as e:
@@ -539,9 +513,13 @@ class HaNode:
             try:
                 await self._catch_up()  # the old leader is fenced: this is the whole log
             except (_Gap, MetadataError) as e:
-                self._step_down(f"cannot finish the log: {e}")
+                self.step_down(f"cannot finish the log: {e}")
             if self.role == "leader" and self.config.ack_mode == "replica":
-                await self._start_replica(tg)
+                rep = await start_replica(self, tg)  # what the last leader acknowledged first
+                if rep is not None:
+                    self.replica = rep
+                    tg.start_soon(rep.write_etcd)
+                    tg.start_soon(rep.keep_isr)
             if self.role == "leader":
                 loop_now = anyio.current_time()
                 target = self.last_now
@@ -580,41 +558,6 @@ class HaNode:
             return 0
         return self._view_rev
 
-    async def _start_replica(self, tg: anyio.abc.TaskGroup) -> None:
-        """Append and apply the entries this master holds beyond the etcd log (every entry the
-        last leader acknowledged), then open the stream and name it with an empty in-sync
-        set."""
-        held, self.held = self.held, {}
-        first = seq = self.applied_seq + 1
-        while seq in held:
-            chunk: list[tuple[int, bytes]] = []
-            size = 0
-            while seq in held and len(chunk) < MAX_TXN_ENTRIES:
-                if chunk and size + len(held[seq]) > MAX_ENTRY:
-                    break
-                chunk.append((seq, held[seq]))
-                size += len(held[seq])
-                seq += 1
-            refused = await self.append_entries(chunk)  # several a txn, as the stream wrote
-            if refused is not None:
-                self._step_down(refused)
-                return
-            for s, data in chunk:
-                self._apply_entry(s, data)
-                self.latest_seq = s
-        self.adopted += seq - first
-        if seq > first:
-            log.info("master HA: appended %d held entries (%d to %d)", seq - first, first, seq - 1)
-        rep = ReplicaLeader(self)
-        await tg.start(rep.serve, self.server.config.rpc_address)
-        host = self.address.rpartition(":")[0]
-        if not await self.write_replica_keys(frozenset(), f"{host}:{rep.port}"):
-            self._step_down("a newer leader holds master_view (stream key fenced)")
-            return
-        self.replica = rep
-        tg.start_soon(rep.write_etcd)
-        tg.start_soon(rep.keep_isr)
-
     def replica_progress(self) -> None:
         """Acknowledge every batch up to the replica's acknowledged seq."""
         rep = self.replica
@@ -632,9 +575,7 @@ class HaNode:
         return False
 
     def step_down(self, why: str) -> None:
-        self._step_down(why)
-
-    def _step_down(self, why: str) -> None:
+        """Stop leading at once (no answers, every client connection closed)."""
         if self.role != "leader":
             return
         log.warning("master HA: stepping down (term %d): %s", self.term, why)
@@ -664,7 +605,7 @@ class HaNode:
                 log.warning("master HA: lease keep-alive failed: %s", e)
                 continue
             if not alive:
-                self._step_down("the lease expired in etcd")
+                self.step_down("the lease expired in etcd")
                 return
             self.lease_deadline = max(self.lease_deadline, sent + ttl - LEASE_MARGIN)
 
@@ -708,7 +649,7 @@ class HaNode:
                     refused = await self.append_entries([(seq, data)])
                     if refused is not None:
                         self._snap_busy = False
-                        self._step_down(refused)
+                        self.step_down(refused)
                         return
                     q.committed(len(batch))
                     self._durable_moved()
@@ -786,31 +727,36 @@ class HaNode:
 
     def status(self) -> dict[str, Any]:
         """The ``ha`` part of ``/status`` (and ``/ha_status``)."""
-        now = anyio.current_time()
-        leader = self.role == "leader" and self.serving
-        lag = self.queue.lag if leader else max(0, self.latest_seq - self.applied_seq)
-        return {
-            "role": "leader" if leader else "standby",
-            "leader": self.leader_addr or "",
-            "address": self.address,
-            "cluster_id": self.config.cluster_id,
-            "term": self.term if self.role == "leader" else 0,
-            "lease_ttl": self.config.lease_ttl,
-            "lease_remaining": max(0.0, self.lease_deadline - now) if leader else 0.0,
-            "applied_seq": self.applied_seq,
-            "log_lag": lag,
-            "last_snapshot_seq": self.snapshot_seq,
-            "batches": self.batches,
-            "entries_applied": self.entries_applied,
-            "elections_won": self.elections_won,
-            "stepdowns": self.stepdowns,
-            "apply_errors": self.apply_errors,
-            "config_mismatch": self.config_mismatch,
-            "fast_failover": self.config.fast_failover,
-            "early_revokes": self.early_revokes,
-            "ack_mode": self.config.ack_mode,
-            "in_sync": len(self.replica.isr) if self.replica is not None else 0,
-            "held": len(self.held),
-            "adopted": self.adopted,
-            "stream_applied": self.stream_applied,
-        }
+        return node_status(self)
+
+
+def node_status(node: HaNode) -> dict[str, Any]:
+    """What :meth:`HaNode.status` reports: role, term and lease, log positions, counters."""
+    now = anyio.current_time()
+    leader = node.role == "leader" and node.serving
+    lag = node.queue.lag if leader else max(0, node.latest_seq - node.applied_seq)
+    return {
+        "role": "leader" if leader else "standby",
+        "leader": node.leader_addr or "",
+        "address": node.address,
+        "cluster_id": node.config.cluster_id,
+        "term": node.term if node.role == "leader" else 0,
+        "lease_ttl": node.config.lease_ttl,
+        "lease_remaining": max(0.0, node.lease_deadline - now) if leader else 0.0,
+        "applied_seq": node.applied_seq,
+        "log_lag": lag,
+        "last_snapshot_seq": node.snapshot_seq,
+        "batches": node.batches,
+        "entries_applied": node.entries_applied,
+        "elections_won": node.elections_won,
+        "stepdowns": node.stepdowns,
+        "apply_errors": node.apply_errors,
+        "config_mismatch": node.config_mismatch,
+        "fast_failover": node.config.fast_failover,
+        "early_revokes": node.early_revokes,
+        "ack_mode": node.config.ack_mode,
+        "in_sync": len(node.replica.isr) if node.replica is not None else 0,
+        "held": len(node.held),
+        "adopted": node.adopted,
+        "stream_applied": node.held_apply.applied,
+    }

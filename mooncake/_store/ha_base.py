@@ -36,6 +36,7 @@ __all__ = [
     "CommandLog",
     "Election",
     "HaConfig",
+    "LogGap",
     "ReplicaHost",
     "Replication",
     "StreamNode",
@@ -104,6 +105,11 @@ class HaConfig:
             )
         if self.snapshot_interval <= 0 or self.snapshot_log_entries < 1:
             raise InvalidArgumentError("snapshot interval and log-length trigger must be > 0")
+
+
+class LogGap(Exception):
+    """The log no longer holds the entry after the applied one (compacted by a snapshot), or
+    an entry does not decode: the master reloads from the newest snapshot."""
 
 
 class Replication(Protocol):
@@ -244,6 +250,8 @@ class StreamNode(Protocol):
     role: str
     term: int
     applied_seq: int
+    latest_seq: int
+    adopted: int
     held: dict[int, bytes]
     held_term: int
     streaming: bool
@@ -268,3 +276,14 @@ class StreamNode(Protocol):
 
     def apply_held(self, committed: int) -> None:
         """The leader says its log is durable up to ``committed``: apply the held entries."""
+
+    def apply_entry(self, seq: int, data: bytes) -> None:
+        """Apply entry ``seq`` (the one after :attr:`applied_seq`); :class:`LogGap` if it does
+        not decode."""
+
+    def wake(self) -> None:
+        """Wake the follow loop (it reads what it lacks from the log)."""
+
+    @property
+    def listen_host(self) -> str:
+        """The host the leader's stream listener binds (its RPC address)."""

@@ -38,9 +38,11 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import msgspec
 
 from mooncake._core.commitlog import MAX_ENTRY
+from mooncake._store.ha_base import LogGap
 from mooncake.errors import MetadataError, ProtocolError
 
 if TYPE_CHECKING:
@@ -48,7 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mooncake.master.ha")
 
-__all__ = ["ReplicaLeader", "follow_stream", "read_isr"]
+__all__ = ["HeldEntries", "ReplicaLeader", "follow_stream", "read_isr", "start_replica"]
 
 _LEN = struct.Struct(">I")
 #: what ends a replication connection (logged, never raised out of its task)
@@ -336,6 +338,84 @@ class ReplicaLeader:
                     log.warning("master HA: standbys %s left the in-sync set", sorted(drop))
                 self.isr = members
                 self.node.replica_progress()
+
+
+async def start_replica(node: StreamNode, tg: anyio.abc.TaskGroup) -> ReplicaLeader | None:
+    """A new ``replica`` leader, before it serves: append and apply the entries it holds
+    beyond the log (every entry the last leader acknowledged), then open the stream (in
+    ``tg``) and name it with an empty in-sync set. None: it stepped down meanwhile; else the
+    stream's leader half, whose :meth:`~ReplicaLeader.write_etcd` and
+    :meth:`~ReplicaLeader.keep_isr` the caller runs."""
+    held, node.held = node.held, {}
+    first = seq = node.applied_seq + 1
+    while seq in held:
+        chunk: list[tuple[int, bytes]] = []
+        size = 0
+        while seq in held and len(chunk) < MAX_TXN_ENTRIES:
+            if chunk and size + len(held[seq]) > MAX_ENTRY:
+                break
+            chunk.append((seq, held[seq]))
+            size += len(held[seq])
+            seq += 1
+        refused = await node.append_entries(chunk)  # several a txn, as the stream wrote
+        if refused is not None:
+            node.step_down(refused)
+            return None
+        for s, data in chunk:
+            node.apply_entry(s, data)
+            node.latest_seq = s
+    node.adopted += seq - first
+    if seq > first:
+        log.info("master HA: appended %d held entries (%d to %d)", seq - first, first, seq - 1)
+    rep = ReplicaLeader(node)
+    await tg.start(rep.serve, node.listen_host)
+    host = node.address.rpartition(":")[0]
+    if not await node.write_replica_keys(frozenset(), f"{host}:{rep.port}"):
+        node.step_down("a newer leader holds master_view (stream key fenced)")
+        return None
+    return rep
+
+
+class HeldEntries:
+    """A ``replica`` standby's streamed entries, applied up to the leader's etcd watermark."""
+
+    def __init__(self, node: StreamNode) -> None:
+        self.node = node
+        self.target = 0
+        self.applied = 0
+        """Entries applied from the stream (the rest came from the log)."""
+        self._wanted = anyio.Event()
+
+    def durable_upto(self, committed: int) -> None:
+        """The leader says its log holds every entry up to ``committed``."""
+        node = self.node
+        if node.role != "standby" or committed <= self.target:
+            return
+        node.latest_seq = max(node.latest_seq, committed)
+        self.target = committed
+        self._wanted.set()
+
+    async def run(self) -> None:
+        """Apply held entries up to the watermark, one per scheduler turn (so the stream
+        reader acknowledges what arrives meanwhile without waiting for a burst); a seq not
+        held (from before the stream began) or one that does not decode wakes the follow
+        loop, which reads it from the log (and reloads on a bad one)."""
+        node = self.node
+        while True:
+            await self._wanted.wait()
+            self._wanted = anyio.Event()
+            while node.role == "standby" and node.applied_seq < self.target:
+                data = node.held.get(node.applied_seq + 1)
+                if data is None:
+                    node.wake()
+                    break
+                try:
+                    node.apply_entry(node.applied_seq + 1, data)
+                except LogGap:
+                    node.wake()
+                    break
+                self.applied += 1
+                await anyio.lowlevel.checkpoint()
 
 
 async def follow_stream(node: StreamNode) -> None:
