@@ -70,7 +70,7 @@ from prometheus_client import CollectorRegistry
 from mooncake._core import auth, commands, rpc, tenantscope
 from mooncake._core.master import MasterConfig, MasterState
 from mooncake._engine import _accept
-from mooncake._store import master_http
+from mooncake._store import master_auth, master_http
 from mooncake._store.drain_jobs import DrainJobs
 from mooncake._store.ha_base import Replication
 from mooncake._store.keyscan import DEFAULT_BUDGET_S, SCAN_METHODS, KeyScanner
@@ -105,9 +105,7 @@ _HEARTBEATS = frozenset({"Ping", "MountSegment", "ReMountSegment"})
 #: heartbeat calls that make a connection its client's heartbeat connection
 HEARTBEAT_CONNECTION_CALLS = 2
 _DEADLINE_SLACK = 0.5  # seconds a connection's wait deadline may fire late (5 % at most)
-AUTH_REQUIRED = (
-    "authentication required: this master needs the cluster secret (MOONCAKE_CLUSTER_SECRET)"
-)
+AUTH_REQUIRED = master_auth.AUTH_REQUIRED
 
 
 @dataclass
@@ -603,59 +601,9 @@ class MasterServer:
         sock: socket.socket | None = None,
     ) -> tuple[bytes, bool, tuple[bytes, bytes] | None, bool]:
         """One request of a connection not yet authenticated (or an auth method):
-        (reply, authenticated now, pending nonces, close the connection after the reply)."""
-        mf = self.config.max_frame
-
-        def refuse(text: str) -> tuple[bytes, bool, None, bool]:
-            self.auth_failures += 1
-            log.warning("master: refusing a connection: %s", text)
-            return (
-                rpc.encode_error(req.id, ErrorCode.RPC_FAIL, text, max_frame=mf),
-                False,
-                None,
-                True,
-            )
-
-        if self.secret is None and self.tenant_bindings.secret is None:
-            text = "no cluster secret is configured on this master"
-            return (
-                rpc.encode_error(req.id, ErrorCode.NOT_SUPPORTED, text, max_frame=mf),
-                authed,
-                None,
-                False,
-            )
-        try:
-            params = rpc.decode_params(req)
-        except MooncakeError:
-            params = None
-        if authed and not self.tenant_bindings.binding_hello(params, nonces):
-            return (
-                rpc.encode_error(req.id, ErrorCode.RPC_FAIL, "already authenticated", max_frame=mf),
-                True,
-                None,
-                False,
-            )
-        if req.method == "AuthHello" and isinstance(params, rpc.AuthHelloParams) and nonces is None:
-            if len(params.nonce) != auth.NONCE_BYTES:
-                return refuse("bad client nonce")
-            try:  # a tenant's key instead of the secret: the connection is bound to it
-                key = self.tenant_bindings.hello_key(self.secret, sock, params.tenant)
-            except MooncakeError as e:
-                return refuse(str(e))
-            sn = auth.new_nonce()
-            proof = auth.server_proof(key, "rpc", params.nonce, sn)
-            reply = rpc.encode_result(
-                req.id, rpc.AuthChallenge(nonce=sn, proof=proof), max_frame=mf
-            )
-            return reply, False, (params.nonce, sn), False
-        if req.method == "AuthProve" and isinstance(params, rpc.AuthProveParams) and nonces:
-            key, tenant = self.tenant_bindings.prove_key(self.secret, sock)
-            expected = auth.client_proof(key, "rpc", nonces[0], nonces[1])
-            if not auth.verify(expected, params.proof):
-                return refuse("authentication failed: wrong cluster secret")
-            self.tenant_bindings.bind(sock, tenant)
-            return rpc.encode_result(req.id, None, max_frame=mf), True, None, False
-        return refuse(AUTH_REQUIRED)
+        (reply, authenticated now, pending nonces, close the connection after the reply)
+        (:func:`mooncake._store.master_auth.auth_step`)."""
+        return master_auth.auth_step(self, req, authed, nonces, sock)
 
     async def sweeper(self) -> None:
         """Periodic time-driven work on the state (see :meth:`MasterState.sweep`).
