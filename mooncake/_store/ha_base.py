@@ -36,6 +36,7 @@ __all__ = [
     "CommandLog",
     "Election",
     "HaConfig",
+    "HostConfig",
     "LogGap",
     "ReplicaHost",
     "Replication",
