@@ -103,8 +103,14 @@ class CommitQueue:
         (``GetReplicaListByRegex`` over many keys), which is queued as several scans of parts
         of its keys: applying them one after the other is applying it once."""
         size = command_size(command)
-        if size <= self.max_entry:
-            return self._queue(command, size)
+        if size <= self.max_entry:  # _queue, inlined: this runs for every logged call
+            self.pending.append(command)
+            self.pending_bytes += size
+            self.ticket += 1
+            if is_mutating(command):
+                self.barrier = self.ticket
+                return self.ticket, True
+            return self.ticket, False
         parts = split_scan(command, self.max_entry // 2) if not is_mutating(command) else None
         if parts is None:
             raise InvalidArgumentError(
