@@ -3,6 +3,12 @@ from typing import Any
 
 COMPILED: bool
 HARDWARE: bool
+KERNELS: tuple[str, ...]
+AVAILABLE: tuple[str, ...]
+KERNEL: str
+ENV: str
+
+def set_kernel(name: str) -> str: ...
 
 def crc32c_at(addr: int, n: int, crc: int = 0) -> int: ...
 def crc32c(buf: Any, crc: int = 0) -> int: ...

@@ -1,7 +1,10 @@
 # cython: language_level=3
-"""CRC32C on raw addresses and buffers: the SSE4.2 / ARMv8 CRC instructions from C.
+"""CRC32C on raw addresses and buffers: carry-less multiply folding (VPCLMULQDQ / PCLMULQDQ)
+and the SSE4.2 / ARMv8 CRC instructions from C.
 
-See ``csrc/mc_crc32c.h`` for the method. Every function takes the CRC so far (``crc``, 0 to
+See ``csrc/mc_crc32c.h`` for the method. The kernel is chosen at import from what the CPU has
+(``KERNEL``, one of ``KERNELS``); ``MOONCAKE_CRC_KERNEL`` (a name from ``KERNELS``) or
+:func:`set_kernel` picks another, at most the best this CPU has (tests run every one). Every function takes the CRC so far (``crc``, 0 to
 start) and returns it extended, so a value in parts checksums as the concatenation:
 ``crc32c(b, crc32c(a)) == crc32c(a + b)``. The GIL is released for 64 KiB and more.
 The pure-Python twin is ``_crc32c_pure`` (same results, table driven, far slower).
@@ -12,9 +15,15 @@ from libc.stdint cimport uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
+import os
+
 cdef extern from "mc_crc32c.h" nogil:
     void mc_crc32c_init()
     int mc_crc_hw
+    int mc_crc_best
+    int mc_crc_default
+    int mc_crc32c_set_kernel(int want)
+    int MC_CRC_HAVE_FOLD
     uint32_t mc_crc32c(uint32_t crc, const void *p, size_t n)
     uint32_t mc_copy_crc32c(void *dst, const void *src, size_t n, uint32_t crc)
     uint32_t mc_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2)
@@ -22,8 +31,34 @@ cdef extern from "mc_crc32c.h" nogil:
 mc_crc32c_init()
 
 COMPILED = True
+KERNELS = ("table", "sse42", "pclmul", "avx512") if MC_CRC_HAVE_FOLD else ("table", "armv8")
+"""Every kernel, slowest first: slice-by-8 tables, the CRC instruction on three streams,
+PCLMULQDQ folding of 128-bit lanes, VPCLMULQDQ (AVX-512) folding of 512-bit lanes (on
+aarch64: tables and the ARMv8 CRC32C instructions)."""
+AVAILABLE = KERNELS[: mc_crc_best + 1]
+"""The kernels this CPU can run."""
+ENV = "MOONCAKE_CRC_KERNEL"
+
+
+def set_kernel(name):
+    """Use kernel ``name`` (one of ``KERNELS``; the best available if this CPU lacks it) for
+    every later checksum; returns the kernel in use. Not for use while checksums run."""
+    global KERNEL, HARDWARE
+    if name not in KERNELS:
+        raise ValueError(f"crc32c kernel {name!r}: not one of {', '.join(KERNELS)}")
+    KERNEL = KERNELS[mc_crc32c_set_kernel(KERNELS.index(name))]
+    HARDWARE = bool(mc_crc_hw)
+    return KERNEL
+
+
+KERNEL = KERNELS[mc_crc_default]
+"""The kernel in use."""
 HARDWARE = bool(mc_crc_hw)
-"""Whether the CPU's CRC32C instruction is used (else slice-by-8 tables in C)."""
+"""Whether a hardware kernel is used (else slice-by-8 tables in C)."""
+if os.environ.get(ENV):
+    if os.environ[ENV] not in KERNELS:
+        raise ValueError(f"{ENV}={os.environ[ENV]!r}: not one of {', '.join(KERNELS)}")
+    set_kernel(os.environ[ENV])
 
 DEF _NOGIL_AT = 65536
 
@@ -71,7 +106,8 @@ def crc32c_parts(object parts, uint32_t crc=0):
 
 def copy_crc32c(uintptr_t dst, uintptr_t src, Py_ssize_t n, uint32_t crc=0):
     """memcpy ``n`` bytes from ``src`` to ``dst`` and return the CRC32C of what landed at
-    ``dst`` (extending ``crc``), in one pass (cache-sized chunks copied, then checksummed)."""
+    ``dst`` (extending ``crc``), in one pass: each byte loaded once, stored and checksummed
+    (the table kernel: cache-sized chunks copied, then checksummed)."""
     if n < 0:
         raise ValueError(f"copy_crc32c: negative length {n}")
     if n and (not dst or not src):
