@@ -12,6 +12,20 @@ from typing import Any
 
 COMPILED = False
 HARDWARE = False
+KERNELS = ("pure",)
+"""The one kernel of the twin (the compiled module's are ``table``, ``sse42``, ...)."""
+AVAILABLE = KERNELS
+KERNEL = "pure"
+ENV = "MOONCAKE_CRC_KERNEL"
+
+
+def set_kernel(name: str) -> str:
+    """The compiled module's kernel switch: here every name selects the one pure kernel;
+    returns ``"pure"``. A name that is no kernel of either module is a ``ValueError``."""
+    if name not in ("pure", "table", "sse42", "pclmul", "avx512", "armv8"):
+        raise ValueError(f"crc32c kernel {name!r}: not a kernel name")
+    return KERNEL
+
 
 _POLY = 0x82F63B78
 
