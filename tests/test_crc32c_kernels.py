@@ -82,11 +82,12 @@ def test_every_kernel_equals_the_pure_twin(
         assert compiled.crc32c_combine(head, tail, n - split) == pure.crc32c(data)
         dst = np.zeros(n + 128, dtype=np.uint8)
         d = int(dst.ctypes.data) + dst_off
-        assert compiled.copy_crc32c(d, a, n, init) == want, (k, n, src_off, dst_off)
+        stream = bool(seed & 1)  # non-temporal stores (4 KiB and more) or not
+        assert compiled.copy_crc32c(d, a, n, init, stream) == want, (k, n, src_off, dst_off)
         assert ctypes.string_at(d, n) == data
         # nothing written outside [dst_off, dst_off + n)
         assert not dst[:dst_off].any() and not dst[dst_off + n :].any()
-        got = compiled.copy_crc32c_batch([d], [a + split], [n - split], [True])
+        got = compiled.copy_crc32c_batch([d], [a + split], [n - split], [True], not stream)
         assert got == [pure.crc32c(data[split:])]
 
 

@@ -26,6 +26,7 @@ cdef extern from "mc_crc32c.h" nogil:
     int MC_CRC_HAVE_FOLD
     uint32_t mc_crc32c(uint32_t crc, const void *p, size_t n)
     uint32_t mc_copy_crc32c(void *dst, const void *src, size_t n, uint32_t crc)
+    uint32_t mc_copy_crc32c_ex(void *dst, const void *src, size_t n, uint32_t crc, int stream)
     uint32_t mc_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2)
 
 mc_crc32c_init()
@@ -104,19 +105,21 @@ def crc32c_parts(object parts, uint32_t crc=0):
     return crc
 
 
-def copy_crc32c(uintptr_t dst, uintptr_t src, Py_ssize_t n, uint32_t crc=0):
+def copy_crc32c(uintptr_t dst, uintptr_t src, Py_ssize_t n, uint32_t crc=0, bint stream=False):
     """memcpy ``n`` bytes from ``src`` to ``dst`` and return the CRC32C of what landed at
     ``dst`` (extending ``crc``), in one pass: each byte loaded once, stored and checksummed
-    (the table kernel: cache-sized chunks copied, then checksummed)."""
+    (the table kernel: cache-sized chunks copied, then checksummed). With ``stream`` (a
+    destination not read again soon) the folding kernels write 4 KiB and more with
+    non-temporal stores."""
     if n < 0:
         raise ValueError(f"copy_crc32c: negative length {n}")
     if n and (not dst or not src):
         raise ValueError("copy_crc32c: null address")
     if n >= _NOGIL_AT:
         with nogil:
-            crc = mc_copy_crc32c(<void *>dst, <const void *>src, <size_t>n, crc)
+            crc = mc_copy_crc32c_ex(<void *>dst, <const void *>src, <size_t>n, crc, stream)
         return crc
-    return mc_copy_crc32c(<void *>dst, <const void *>src, <size_t>n, crc)
+    return mc_copy_crc32c_ex(<void *>dst, <const void *>src, <size_t>n, crc, stream)
 
 
 def crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2):
@@ -126,10 +129,11 @@ def crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2):
     return mc_crc32c_combine(crc1, crc2, len2)
 
 
-def copy_crc32c_batch(dsts, srcs, lens, sums):
+def copy_crc32c_batch(dsts, srcs, lens, sums, bint stream=False):
     """Copy ``lens[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` for every ``i`` (GIL released for
     the whole batch), each in one pass with its CRC32C where ``sums[i]`` is true; the CRC of
-    each range as it landed (``-1`` where not asked)."""
+    each range as it landed (``-1`` where not asked). ``stream``: as :func:`copy_crc32c`,
+    for the summed ranges."""
     cdef Py_ssize_t n = len(dsts), i
     if not (len(srcs) == n and len(lens) == n and len(sums) == n):
         raise ValueError("copy_crc32c_batch: sequences of different lengths")
@@ -150,8 +154,8 @@ def copy_crc32c_batch(dsts, srcs, lens, sums):
         with nogil:
             for i in range(n):
                 if t[4 * i + 3]:
-                    t[4 * i + 3] = 2 + mc_copy_crc32c(
-                        <void *>t[4 * i], <const void *>t[4 * i + 1], t[4 * i + 2], 0
+                    t[4 * i + 3] = 2 + mc_copy_crc32c_ex(
+                        <void *>t[4 * i], <const void *>t[4 * i + 1], t[4 * i + 2], 0, stream
                     )
                 elif t[4 * i + 2]:
                     memcpy(<void *>t[4 * i], <const void *>t[4 * i + 1], t[4 * i + 2])

@@ -78,8 +78,9 @@ def crc32c_parts(parts: Iterable[tuple[int, int]], crc: int = 0) -> int:
     return crc
 
 
-def copy_crc32c(dst: int, src: int, n: int, crc: int = 0) -> int:
-    """memcpy ``n`` bytes from ``src`` to ``dst``; the CRC32C of what landed at ``dst``."""
+def copy_crc32c(dst: int, src: int, n: int, crc: int = 0, stream: bool = False) -> int:
+    """memcpy ``n`` bytes from ``src`` to ``dst``; the CRC32C of what landed at ``dst``.
+    ``stream`` (non-temporal stores in the compiled module) changes nothing here."""
     _check(n, "copy_crc32c")
     if not n:
         return crc
@@ -132,7 +133,11 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 
 
 def copy_crc32c_batch(
-    dsts: Sequence[int], srcs: Sequence[int], lens: Sequence[int], sums: Sequence[bool]
+    dsts: Sequence[int],
+    srcs: Sequence[int],
+    lens: Sequence[int],
+    sums: Sequence[bool],
+    stream: bool = False,
 ) -> list[int]:
     """Copy each range; the CRC32C of each as it landed where ``sums[i]`` (else ``-1``)."""
     if not (len(dsts) == len(srcs) == len(lens) == len(sums)):

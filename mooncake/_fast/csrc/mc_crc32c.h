@@ -306,14 +306,19 @@ mc_crc_tail(unsigned char *dst, const unsigned char *src, size_t len, uint64_t c
     return c;
 }
 
-#define MC_LD(p) _mm_load_si128((const __m128i *)(const void *)(p))
-#define MC_ST(p, v) _mm_storeu_si128((__m128i *)(void *)(p), (v))
+#define MC_LD(p)                                                     \
+    (nt ? _mm_loadu_si128((const __m128i *)(const void *)(p))        \
+        : _mm_load_si128((const __m128i *)(const void *)(p)))
+#define MC_ST(p, v)                                                  \
+    (nt ? _mm_stream_si128((__m128i *)(void *)(p), (v))              \
+        : _mm_storeu_si128((__m128i *)(void *)(p), (v)))
 
 MC_CLMUL_TARGET static inline __attribute__((always_inline)) uint64_t
 mc_crc_clmul_body(unsigned char *dst, const unsigned char *src, size_t len, uint64_t c,
-                  const int copy) {
+                  const int copy, const int nt) {
     if (len >= 64 + 15) {
-        size_t head = (size_t)(-(uintptr_t)src & 15); /* aligned loads from here on */
+        /* aligned loads from here on (aligned non-temporal stores with nt) */
+        size_t head = (size_t)(-(uintptr_t)(nt ? (const unsigned char *)dst : src) & 15);
         c = mc_crc_tail(dst, src, head, c, copy);
         src += head, len -= head;
         if (copy) dst += head;
@@ -348,18 +353,21 @@ mc_crc_clmul_body(unsigned char *dst, const unsigned char *src, size_t len, uint
             x0 = _mm_xor_si128(mc_fold128(x0, k), y);
             src += 16, len -= 16;
         }
+        if (nt) _mm_sfence();
         c = mc_fold_finish(x0);
     }
     return mc_crc_tail(dst, src, len, c, copy);
 }
 
 MC_CLMUL_TARGET static uint32_t mc_crc32c_clmul(uint32_t crc, const unsigned char *p, size_t len) {
-    return (uint32_t)mc_crc_clmul_body(NULL, p, len, crc ^ 0xffffffffu, 0) ^ 0xffffffffu;
+    return (uint32_t)mc_crc_clmul_body(NULL, p, len, crc ^ 0xffffffffu, 0, 0) ^ 0xffffffffu;
 }
 
 MC_CLMUL_TARGET static uint32_t mc_copy_crc32c_clmul(unsigned char *dst, const unsigned char *src,
-                                                     size_t len, uint32_t crc) {
-    return (uint32_t)mc_crc_clmul_body(dst, src, len, crc ^ 0xffffffffu, 1) ^ 0xffffffffu;
+                                                     size_t len, uint32_t crc, int nt) {
+    uint64_t c = crc ^ 0xffffffffu;
+    c = nt ? mc_crc_clmul_body(dst, src, len, c, 1, 1) : mc_crc_clmul_body(dst, src, len, c, 1, 0);
+    return (uint32_t)c ^ 0xffffffffu;
 }
 
 MC_AVX512_TARGET static inline __m512i mc_fold512(__m512i z, __m512i k, __m512i y) {
@@ -368,13 +376,15 @@ MC_AVX512_TARGET static inline __m512i mc_fold512(__m512i z, __m512i k, __m512i 
 }
 
 #define MC_LDZ(p) _mm512_loadu_si512((const void *)(p))
-#define MC_STZ(p, v) _mm512_storeu_si512((void *)(p), (v))
+#define MC_STZ(p, v) \
+    (nt ? _mm512_stream_si512((void *)(p), (v)) : _mm512_storeu_si512((void *)(p), (v)))
 
 MC_AVX512_TARGET static inline __attribute__((always_inline)) uint64_t
 mc_crc_avx512_body(unsigned char *dst, const unsigned char *src, size_t len, uint64_t c,
-                   const int copy) {
+                   const int copy, const int nt) {
     if (len >= 256 + 63) {
-        size_t head = (size_t)(-(uintptr_t)src & 63); /* whole-line loads from here on */
+        /* whole-line loads from here on (whole-line non-temporal stores with nt) */
+        size_t head = (size_t)(-(uintptr_t)(nt ? (const unsigned char *)dst : src) & 63);
         c = mc_crc_tail(dst, src, head, c, copy);
         src += head, len -= head;
         if (copy) dst += head;
@@ -411,6 +421,7 @@ mc_crc_avx512_body(unsigned char *dst, const unsigned char *src, size_t len, uin
             z0 = mc_fold512(z0, k, y);
             src += 64, len -= 64;
         }
+        if (nt) _mm_sfence();
         /* the four 128-bit lanes of z0 into its last */
         __m128i x = _mm512_extracti32x4_epi32(z0, 3);
         x = _mm_xor_si128(x, mc_fold128(_mm512_extracti32x4_epi32(z0, 0), mc_fold_k(2)));
@@ -419,25 +430,28 @@ mc_crc_avx512_body(unsigned char *dst, const unsigned char *src, size_t len, uin
         __m128i k16 = mc_fold_k(0);
         while (len >= 16) {
             __m128i y = _mm_loadu_si128((const __m128i *)(const void *)src);
-            if (copy) MC_ST(dst, y), dst += 16;
+            if (copy) _mm_storeu_si128((__m128i *)(void *)dst, y), dst += 16;
             x = _mm_xor_si128(mc_fold128(x, k16), y);
             src += 16, len -= 16;
         }
         c = mc_fold_finish(x);
         return mc_crc_tail(dst, src, len, c, copy);
     }
-    return mc_crc_clmul_body(dst, src, len, c, copy);
+    return mc_crc_clmul_body(dst, src, len, c, copy, 0);
 }
 
 MC_AVX512_TARGET static uint32_t mc_crc32c_avx512(uint32_t crc, const unsigned char *p,
                                                   size_t len) {
-    return (uint32_t)mc_crc_avx512_body(NULL, p, len, crc ^ 0xffffffffu, 0) ^ 0xffffffffu;
+    return (uint32_t)mc_crc_avx512_body(NULL, p, len, crc ^ 0xffffffffu, 0, 0) ^ 0xffffffffu;
 }
 
 MC_AVX512_TARGET static uint32_t mc_copy_crc32c_avx512(unsigned char *dst,
                                                        const unsigned char *src, size_t len,
-                                                       uint32_t crc) {
-    return (uint32_t)mc_crc_avx512_body(dst, src, len, crc ^ 0xffffffffu, 1) ^ 0xffffffffu;
+                                                       uint32_t crc, int nt) {
+    uint64_t c = crc ^ 0xffffffffu;
+    c = nt ? mc_crc_avx512_body(dst, src, len, c, 1, 1)
+           : mc_crc_avx512_body(dst, src, len, c, 1, 0);
+    return (uint32_t)c ^ 0xffffffffu;
 }
 #undef MC_LD
 #undef MC_ST
@@ -534,18 +548,34 @@ static uint32_t mc_copy_crc32c_chunked(void *dst, const void *src, size_t len, u
     return crc;
 }
 
-static uint32_t mc_copy_crc32c(void *dst, const void *src, size_t len, uint32_t crc) {
+/* with stream (a destination not read again soon: a put into a store segment), the folding
+ * kernels write copies of MC_CRC_STREAM_AT bytes and more with non-temporal stores (no read
+ * of the destination lines first: a third less memory traffic once out of cache); the other
+ * kernels ignore it */
+#define MC_CRC_STREAM_AT 4096
+
+static uint32_t mc_copy_crc32c_ex(void *dst, const void *src, size_t len, uint32_t crc,
+                                  int stream) {
 #if MC_CRC_HAVE_FOLD
+    int nt = stream && len >= MC_CRC_STREAM_AT;
     if (mc_crc_kernel == MC_CRC_K_AVX512)
-        return mc_copy_crc32c_avx512((unsigned char *)dst, (const unsigned char *)src, len, crc);
+        return mc_copy_crc32c_avx512((unsigned char *)dst, (const unsigned char *)src, len, crc,
+                                     nt);
     if (mc_crc_kernel == MC_CRC_K_PCLMUL)
-        return mc_copy_crc32c_clmul((unsigned char *)dst, (const unsigned char *)src, len, crc);
+        return mc_copy_crc32c_clmul((unsigned char *)dst, (const unsigned char *)src, len, crc,
+                                    nt);
+#else
+    (void)stream;
 #endif
 #if MC_CRC_HAVE_HW
     if (mc_crc_hw)
         return mc_copy_crc32c_hw((unsigned char *)dst, (const unsigned char *)src, len, crc);
 #endif
     return mc_copy_crc32c_chunked(dst, src, len, crc);
+}
+
+static uint32_t mc_copy_crc32c(void *dst, const void *src, size_t len, uint32_t crc) {
+    return mc_copy_crc32c_ex(dst, src, len, crc, 0);
 }
 
 #endif
