@@ -87,6 +87,7 @@ def test_every_kernel_equals_the_pure_twin(
         assert ctypes.string_at(d, n) == data
         # nothing written outside [dst_off, dst_off + n)
         assert not dst[:dst_off].any() and not dst[dst_off + n :].any()
+        assert compiled.bytes_crc32c(a, n, init) == (data, want)
         got = compiled.copy_crc32c_batch([d], [a + split], [n - split], [True], not stream)
         assert got == [pure.crc32c(data[split:])]
 
@@ -139,3 +140,17 @@ def test_bad_kernel_name_is_refused(restore_kernel: None) -> None:
     with pytest.raises(ValueError, match="'fast'"):
         pure.set_kernel("fast")
     assert pure.set_kernel("avx512") == "pure"
+
+
+def test_bytes_crc32c_twins_agree_and_refuse_bad_input() -> None:
+    assert compiled is not None
+    src = _block(5000, 11)
+    a = int(src.ctypes.data)
+    data = src[3:4003].tobytes()
+    for m in (compiled, pure):
+        assert m.bytes_crc32c(a + 3, 4000, 5) == (data, pure.crc32c(data, 5))
+        assert m.bytes_crc32c(a, 0, 7) == (b"", 7)
+        with pytest.raises(ValueError, match="bytes_crc32c: negative length"):
+            m.bytes_crc32c(a, -1)
+        with pytest.raises(ValueError, match="bytes_crc32c: null address"):
+            m.bytes_crc32c(0, 4)

@@ -47,6 +47,7 @@ PUBLIC_API: dict[str, tuple[str, dict[str, str], tuple[str, ...]]] = {
         "_crc32c_pure",
         {"COMPILED": "CRC_COMPILED", "HARDWARE": "CRC_HARDWARE"},
         (
+            "bytes_crc32c",
             "copy_crc32c",
             "copy_crc32c_batch",
             "crc32c",
@@ -78,6 +79,7 @@ if TYPE_CHECKING:  # what the checker sees: the compiled modules' stubs (the twi
     from ._crc32c import COMPILED as CRC_COMPILED
     from ._crc32c import HARDWARE as CRC_HARDWARE
     from ._crc32c import (
+        bytes_crc32c,
         copy_crc32c,
         copy_crc32c_batch,
         crc32c,
@@ -142,6 +144,7 @@ __all__ = [
     "ObjectTable",
     "RegionTable",
     "ServeConn",
+    "bytes_crc32c",
     "copy_crc32c",
     "copy_crc32c_batch",
     "crc32c",

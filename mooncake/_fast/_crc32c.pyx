@@ -11,6 +11,7 @@ The pure-Python twin is ``_crc32c_pure`` (same results, table driven, far slower
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdint cimport uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
@@ -120,6 +121,23 @@ def copy_crc32c(uintptr_t dst, uintptr_t src, Py_ssize_t n, uint32_t crc=0, bint
             crc = mc_copy_crc32c_ex(<void *>dst, <const void *>src, <size_t>n, crc, stream)
         return crc
     return mc_copy_crc32c_ex(<void *>dst, <const void *>src, <size_t>n, crc, stream)
+
+
+def bytes_crc32c(uintptr_t src, Py_ssize_t n, uint32_t crc=0):
+    """``(data, crc)``: a new ``bytes`` of the ``n`` bytes at ``src`` and the CRC32C of what
+    landed in it (extending ``crc``), copied and checksummed in one pass."""
+    if n < 0:
+        raise ValueError(f"bytes_crc32c: negative length {n}")
+    if n and not src:
+        raise ValueError("bytes_crc32c: null address")
+    out = PyBytes_FromStringAndSize(NULL, n)
+    cdef char *d = PyBytes_AS_STRING(out)
+    if n >= _NOGIL_AT:
+        with nogil:
+            crc = mc_copy_crc32c(<void *>d, <const void *>src, <size_t>n, crc)
+    elif n:
+        crc = mc_copy_crc32c(<void *>d, <const void *>src, <size_t>n, crc)
+    return out, crc
 
 
 def crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2):

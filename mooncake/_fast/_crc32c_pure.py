@@ -90,6 +90,17 @@ def copy_crc32c(dst: int, src: int, n: int, crc: int = 0, stream: bool = False) 
     return crc32c_at(dst, n, crc)
 
 
+def bytes_crc32c(src: int, n: int, crc: int = 0) -> tuple[bytes, int]:
+    """``(data, crc)``: a new ``bytes`` of the ``n`` bytes at ``src`` and its CRC32C."""
+    _check(n, "bytes_crc32c")
+    if not n:
+        return b"", crc
+    if not src:
+        raise ValueError("bytes_crc32c: null address")
+    data = ctypes.string_at(src, n)
+    return data, _update(crc, data)
+
+
 def _times(mat: list[int], vec: int) -> int:
     s = 0
     i = 0
