@@ -154,3 +154,29 @@ def test_bytes_crc32c_twins_agree_and_refuse_bad_input() -> None:
             m.bytes_crc32c(a, -1)
         with pytest.raises(ValueError, match="bytes_crc32c: null address"):
             m.bytes_crc32c(0, 4)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_verification_default_follows_the_kernel(kernel: str) -> None:
+    """Verified reads are on by default only with a kernel measured fast enough (avx512);
+    MOONCAKE_STORE_CHECKSUM=0 still turns them off, =1 on."""
+    code = (
+        "from mooncake._store import verify as v; from mooncake._fast import _crc32c as c; "
+        "print(c.KERNEL, v.DEFAULT, v.ReadVerifier().enabled)"
+    )
+    for env, want in (("", kernel == "avx512"), ("0", False), ("1", True)):
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            env={
+                **os.environ,
+                "PYTHONPATH": str(ROOT),
+                "MOONCAKE_CRC_KERNEL": kernel,
+                "MOONCAKE_STORE_CHECKSUM": env,
+            },
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == [kernel, str(kernel == "avx512"), str(want)], env

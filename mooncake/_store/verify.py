@@ -17,12 +17,12 @@ read unverified and counted (``unverified``). :class:`ReadVerifier` holds the sw
 counters (exported by :mod:`mooncake._store.metrics`).
 
 Switch: ``open_store(verify=...)``, else ``MOONCAKE_STORE_CHECKSUM`` (the published client's
-variable; ``1`` on, ``0`` off). The default is **off**: measured, the checksum costs more than
-the 5 % of batch throughput it was allowed at 1 MiB x 32 (its CRC32C runs at ~20 GB/s, the
-copies it rides on at memory speed; ``docs/benchmarks.md``, verified reads), though only
-~1 us on a 4 KiB get. On the pure-Python twin (``MOONCAKE_NO_EXTENSIONS=1``, a few MB/s) it
-is for tests only. Off: writers send no CRC, readers check none (and count the read
-unverified).
+variable; ``1`` on, ``0`` off), else :data:`DEFAULT`: **on** where this process's CRC32C runs
+a kernel measured to cost within the goal (<= 5 % of batch CPU at 1 MiB x 32, <= 1 us on a
+4 KiB get: the AVX-512 VPCLMULQDQ folding kernel, whose fused copy runs at ``memcpy``'s speed;
+``docs/benchmarks.md``, verified reads), **off** elsewhere (the SSE4.2 / ARMv8 CRC instruction
+at ~20-28 GB/s costs ~+45 % of that CPU, the tables and the pure-Python twin far more).
+Off: writers send no CRC, readers check none (and count the read unverified).
 """
 
 from __future__ import annotations
@@ -46,8 +46,13 @@ NO_CRC = -1
 ENV = "MOONCAKE_STORE_CHECKSUM"
 
 
-#: verified reads when neither ``open_store(verify=...)`` nor the variable says (see above)
-DEFAULT = False
+#: the CRC32C kernels (``mooncake._fast._crc32c.KERNELS``) fast enough for verification on
+#: by default (measured: docs/benchmarks.md)
+FAST_KERNELS = ("avx512",)
+
+#: verified reads when neither ``open_store(verify=...)`` nor the variable says (see above):
+#: whether the CRC32C kernel chosen at import is one of :data:`FAST_KERNELS`
+DEFAULT = _fast.CRC_KERNEL in FAST_KERNELS
 
 
 def default_enabled() -> bool:
