@@ -17,12 +17,13 @@ read unverified and counted (``unverified``). :class:`ReadVerifier` holds the sw
 counters (exported by :mod:`mooncake._store.metrics`).
 
 Switch: ``open_store(verify=...)``, else ``MOONCAKE_STORE_CHECKSUM`` (the published client's
-variable; ``1`` on, ``0`` off), else :data:`DEFAULT`: **on** where this process's CRC32C runs
-a kernel measured to cost within the goal (<= 5 % of batch CPU at 1 MiB x 32, <= 1 us on a
-4 KiB get: the AVX-512 VPCLMULQDQ folding kernel, whose fused copy runs at ``memcpy``'s speed;
-``docs/benchmarks.md``, verified reads), **off** elsewhere (the SSE4.2 / ARMv8 CRC instruction
-at ~20-28 GB/s costs ~+45 % of that CPU, the tables and the pure-Python twin far more).
-Off: writers send no CRC, readers check none (and count the read unverified).
+variable; ``1`` on, ``0`` off), else :data:`DEFAULT`: on where this process's CRC32C kernel
+is one of :data:`FAST_KERNELS`, the kernels measured to cost within the goal (<= 5 % of batch
+CPU at 1 MiB x 32 put and get, <= 1 us on a 4 KiB get). None is, so the default is **off**:
+with the AVX-512 VPCLMULQDQ folding kernel (its fused copy at ``memcpy``'s speed) a verified
+put costs ~0 % and a 4 KiB get <= ~1 us, but a verified 1 MiB x 32 ``batch_get_into`` still
+~+7 % CPU; with the SSE4.2 / ARMv8 CRC instruction ~+28-48 % (``docs/benchmarks.md``,
+verified reads). Off: writers send no CRC, readers check none (and count the read unverified).
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ NO_CRC = -1
 ENV = "MOONCAKE_STORE_CHECKSUM"
 
 
-#: the CRC32C kernels (``mooncake._fast._crc32c.KERNELS``) fast enough for verification on
-#: by default (measured: docs/benchmarks.md)
-FAST_KERNELS = ("avx512",)
+#: the CRC32C kernels (``mooncake._fast._crc32c.KERNELS``) measured fast enough for
+#: verification on by default (docs/benchmarks.md): none yet ("avx512" misses the batch get)
+FAST_KERNELS: tuple[str, ...] = ()
 
 #: verified reads when neither ``open_store(verify=...)`` nor the variable says (see above):
 #: whether the CRC32C kernel chosen at import is one of :data:`FAST_KERNELS`
