@@ -1,6 +1,6 @@
 /* CRC32C (Castagnoli, reflected polynomial 0x82F63B78), hardware accelerated.
  *
- * Kernels, the best the CPU has chosen at run time (mc_crc_kernel; each compiled with a
+ * Kernels, the fastest the CPU has chosen at run time (mc_crc_kernel; each compiled with a
  * target attribute, never global -m flags, so the module runs on any x86-64):
  *   MC_CRC_K_AVX512  VPCLMULQDQ folding of four 512-bit registers (256 bytes a step),
  *   MC_CRC_K_PCLMUL  PCLMULQDQ folding of four 128-bit registers (64 bytes a step),
@@ -15,8 +15,8 @@
  * memcpy's speed; pclmul ~14 GB/s (slower than sse42's ~25, so not the default);
  * mc_crc32c_set_kernel() chooses another (tests, MOONCAKE_CRC_KERNEL).
  *
- * x86-64 without PCLMULQDQ: SSE4.2 `crc32` instruction (_mm_crc32_u64), three independent streams over
- * 8 KiB / 256 B blocks combined by "append zeros" operators (Mark Adler's method), so the
+ * MC_CRC_K_SSE42: the SSE4.2 `crc32` instruction (_mm_crc32_u64), three independent streams
+ * over 8 KiB / 256 B blocks combined by "append zeros" operators (Mark Adler's method), so the
  * instruction's 3-cycle latency is hidden: ~3x one stream. aarch64: the ARMv8 CRC32C
  * instructions (__crc32cd) in the same shape. Anything else, or a CPU without them (checked
  * at run time): slice-by-8 tables.
@@ -25,9 +25,10 @@
  * xor 0xFFFFFFFF, so mc_crc32c(mc_crc32c(0, a), b) == mc_crc32c(0, a || b) and
  * mc_crc32c(0, "123456789") == 0xE3069283.
  *
- * mc_copy_crc32c copies and checksums in one pass over the data: with the CRC instruction each
- * 8-byte word is loaded once, checksummed and stored; without it, chunks small enough to stay
- * in the core's cache are copied, then checksummed from the copy. mc_crc32c_combine gives
+ * mc_copy_crc32c copies and checksums in one pass over the data: the folding kernels load each
+ * 64-byte line (16 bytes for pclmul) once, store it and fold it (mc_copy_crc32c_ex with stream:
+ * non-temporal stores from 4 KiB); the CRC instruction each 8-byte word; the tables copy chunks
+ * small enough to stay in the core's cache, then checksum the copy. mc_crc32c_combine gives
  * crc(A || B) from crc(A), crc(B) and len(B).
  */
 #ifndef MC_CRC32C_H
