@@ -334,9 +334,10 @@ class FastPath:
             got = NO_CRC
             try:
                 if into is None:
-                    data = ctypes.string_at(src, n)
-                    if want != NO_CRC:
-                        got = _fast.crc32c(data)
+                    if want != NO_CRC:  # one pass: the new bytes and their CRC32C
+                        data, got = _fast.bytes_crc32c(src, n)
+                    else:
+                        data = ctypes.string_at(src, n)
                 else:
                     data = b""
                     if want != NO_CRC:  # one pass: the copy and the CRC32C of what landed
@@ -551,7 +552,7 @@ class FastPath:
                     srcs += ptrs[i]
                     lens += plens[i]
             if sdsts:
-                got = _fast.copy_crc32c_batch(sdsts, ssrcs, slens, [True] * len(sdsts))
+                got = _fast.copy_crc32c_batch(sdsts, ssrcs, slens, [True] * len(sdsts), stream=True)
             if dsts:  # into segments: not read again soon, so non-temporal stores
                 _fast.memcpy_batch(dsts, srcs, lens, stream=True)
         except BaseException:
