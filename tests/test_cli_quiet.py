@@ -29,6 +29,12 @@ HTTP_METADATA = _script("mooncake._cli.published:http_metadata_server_main")
 BENCH = _script("mooncake._cli.published:transfer_engine_bench_main")
 
 
+_SIGINT_DEFAULT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
 def _run(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         argv, capture_output=True, text=True, env=clean_env(), cwd=str(ROOT), timeout=timeout
@@ -60,24 +66,27 @@ def busy_port() -> Iterator[int]:
 )
 def test_ctrl_c_exits_quietly(argv: list[str]) -> None:
     argv = [a.replace("@", str(free_port())) for a in argv]
-    proc = subprocess.Popen(
-        argv,
+    # A terminal's Ctrl-C meets a process whose SIGINT is the default; a suite started in the
+    # background of a non-interactive shell hands its children SIGINT *ignored* (POSIX), and an
+    # ignored SIGINT stays ignored across exec, so the server is started with it reset
+    with subprocess.Popen(
+        [PY, "-c", _SIGINT_DEFAULT, *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=clean_env(),
         cwd=str(ROOT),
-    )
-    try:
-        assert proc.stdout is not None
-        first = proc.stdout.readline()  # printed once every port is bound
-        assert first, "the server did not start"
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            first = proc.stdout.readline()  # printed once every port is bound
+            assert first, "the server did not start"
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert proc.returncode == 0, err[-2000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
 
