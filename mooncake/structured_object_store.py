@@ -775,8 +775,8 @@ class MooncakeBundleTransfer:
                 elif sel is not None and sel.indices is not None:
                     hi = max(sel.indices) + 1 if sel.indices else 0
                     spec = spec.slice_member(loc.member, 0, lo, hi)
-            result = self.materialize_into(
-                spec.select_members(list(dict.fromkeys(members))), stage_dests
+            result = self._structured.materialize(
+                spec.select_members(list(dict.fromkeys(members))), stage_dests, bytes_as_array=True
             )
             for name in names:
                 loc = ref.field_index[name]

@@ -608,9 +608,16 @@ class StructuredLayer:
         return decode_json(self.bundles.read_bytes(manifest["meta"]), "structured metadata")
 
     def materialize(
-        self, spec: StructuredObjectReadSpec, destinations: Mapping[str, Any] | None = None
+        self,
+        spec: StructuredObjectReadSpec,
+        destinations: Mapping[str, Any] | None = None,
+        *,
+        bytes_as_array: bool = False,
     ) -> StructuredObjectResult:
-        """Read the selected members: every full read in one batched get, slices by range."""
+        """Read the selected members: every full read in one batched get, slices by range.
+
+        A bytes member comes back as ``bytes`` (as it was given); with ``bytes_as_array``, as
+        the uint8 array it was read into (no copy; the column decoders read it so)."""
         if spec.member_names is not None and not spec.member_names:
             raise InvalidArgumentError("structured read spec selected no members")
         manifest = self.bundles.resolve(spec.ref)
@@ -635,6 +642,7 @@ class StructuredLayer:
                 slices.get(name),
                 dests.get(name),
                 reads,
+                bytes_as_array,
             )
         self.bundles.io.get_many(reads)
         objects = {name: (f() if callable(f) else f) for name, f in finish.items()}
@@ -650,6 +658,7 @@ class StructuredLayer:
         mslice: StructuredMemberSlice | None,
         dest: Any,
         reads: list[tuple[str, list[Part]]],
+        bytes_as_array: bool,
     ) -> Any:
         encoding = fspec.get("encoding", "bytes")
         total = int(pspec["bytes"])
@@ -667,7 +676,7 @@ class StructuredLayer:
             reads.extend(
                 _scatter(chunks, [Part(int(out.ctypes.data), total, out)] if total else [])
             )
-            return lambda: out
+            return (lambda: out) if bytes_as_array else out.tobytes
         if encoding == "ndarray":
             return self._plan_ndarray(name, pspec, fspec, mslice, dest, reads)
         if encoding != "torch_tensor":
