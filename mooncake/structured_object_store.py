@@ -52,6 +52,7 @@ from mooncake._structured.dataproto import (
     select_rows,
     split_dataproto,
 )
+from mooncake._structured.destinations import rows_into
 from mooncake._structured.inference import (
     MISSING,
     CodecDecision,
@@ -747,8 +748,9 @@ class MooncakeBundleTransfer:
         sel = select_rows(rows, ref.batch_size)
         batch_names, nt_names = select_fields(ref, fields, batch_fields, non_tensor_fields)
         dests = dict(destinations or {})
-        if sel is not None and sel.indices is not None and dests:
-            raise NotSupportedError("destinations cannot be combined with row indices")
+        # with explicit row indices, the covering span is read and the picked rows are
+        # written into the caller's destination afterwards
+        gathered = sel is not None and sel.indices is not None
         by_stage: dict[str, list[str]] = {}
         for name in [*batch_names, *nt_names]:
             by_stage.setdefault(ref.field_index[name].stage, []).append(name)
@@ -767,7 +769,7 @@ class MooncakeBundleTransfer:
                     members.extend(enc["payload_members"].values())
                     continue
                 members.append(loc.member)
-                if name in dests:
+                if name in dests and not gathered:
                     stage_dests[loc.member] = dests[name]
                 if sel is not None and sel.member_slice is not None:
                     s = sel.member_slice
@@ -785,6 +787,8 @@ class MooncakeBundleTransfer:
                     value = result.objects[loc.member]
                     if sel is not None and sel.indices is not None:
                         value = _take_rows(value, sel.indices, lo) if sel.indices else value[:0]
+                        if name in dests:
+                            value = rows_into(name, dests[name], value)
                     values[name] = value
                     continue
                 payload = {p: result.objects[m] for p, m in enc["payload_members"].items()}

@@ -25,6 +25,7 @@ from mooncake.structured_object_store import (  # noqa: E402
     export_ref,
     import_ref,
     raw_destination,
+    tensor_object_buffer,
 )
 from tests.conftest import ROOT, anchor_python  # noqa: E402
 from tests.helpers.store_procs import Master  # noqa: E402
@@ -115,6 +116,40 @@ def test_rows_slices_and_indices(store: MooncakeDistributedStore) -> None:
         t.get_dataproto(ref, rows=[8])
     with pytest.raises(KeyError):
         t.get_dataproto(ref, fields=["nope"])
+    t.cleanup_dataproto(ref)
+
+
+def test_row_indices_into_destinations(store: MooncakeDistributedStore) -> None:
+    """Rows picked by index land in the caller's ndarray, tensor, raw memory or tensor object
+    buffer; a destination of the wrong shape is refused by name."""
+    from mooncake.store import _deserialize_tensor
+
+    t = MooncakeBundleTransfer(store, default_chunk_bytes=100)  # rows span several chunks
+    arr = np.arange(12 * 7, dtype=np.int64).reshape(12, 7)
+    ten = torch.randn(12, 3, generator=torch.Generator().manual_seed(3))
+    ref = t.put_dataproto({"batch": {"arr": arr, "ten": ten}, "non_tensor_batch": {}})
+    rows = [11, 3, 3, 0]
+    into = np.empty((4, 7), dtype=np.int64)
+    tdest = torch.empty(4, 3)
+    got = t.get_dataproto(ref, rows=rows, destinations={"arr": into, "ten": tdest})
+    assert got["batch"]["arr"] is into and np.array_equal(into, arr[rows])
+    assert got["batch"]["ten"] is tdest and torch.equal(tdest, ten[rows])
+    raw = np.zeros(4 * 7 * 8, dtype=np.uint8)
+    got = t.get_dataproto(
+        ref,
+        batch_fields=["arr"],
+        rows=rows,
+        destinations={"arr": raw_destination(int(raw.ctypes.data), raw.nbytes, raw)},
+    )
+    assert np.array_equal(raw.view(np.int64).reshape(4, 7), arr[rows])
+    assert np.array_equal(got["batch"]["arr"], arr[rows])
+    blob = np.zeros(4096, dtype=np.uint8)
+    buf = tensor_object_buffer(int(blob.ctypes.data), blob.nbytes, blob)
+    got = t.get_dataproto(ref, batch_fields=["ten"], rows=rows, destinations={"ten": buf})
+    assert got["batch"]["ten"] is buf
+    assert torch.equal(_deserialize_tensor(blob.tobytes()[: 304 + 4 * 3 * 4]), ten[rows])
+    with pytest.raises(ValueError, match="arr destination shape mismatch"):
+        t.get_dataproto(ref, rows=[0, 1, 2], destinations={"arr": np.empty((2, 7), np.int64)})
     t.cleanup_dataproto(ref)
 
 
