@@ -233,6 +233,12 @@ def test_materialize_into_destinations_and_slices(store: MooncakeDistributedStor
     spec = t.read_spec(ref).select_members(["a"])
     t.materialize_into(spec, {"a": raw_destination(int(raw.ctypes.data), raw.nbytes, raw)})
     assert np.array_equal(raw.view(np.float32).reshape(400, 10), arr)
+    # a tensor read into a tensor object buffer answers the tensor viewing that memory
+    blob = np.zeros(int(ref.manifest["buffers"]["t"]["bytes"]), np.uint8)
+    spec = t.read_spec(ref).select_members(["t"])
+    buf = tensor_object_buffer(int(blob.ctypes.data), blob.nbytes, blob, batch_size=400)
+    view = t.materialize_into(spec, {"t": buf}).objects["t"]
+    assert torch.equal(view, torch.arange(400.0)) and view.data_ptr() == blob.ctypes.data + 304
     sl = t.materialize(
         t.read_spec(ref).slice_member("a", 0, 33, 390, 7).slice_member("t", 0, 5, 260)
     )

@@ -521,6 +521,15 @@ def _empty_tensor(shape: tuple[int, ...], dtype: Any) -> Any:
     return _torch.from_numpy(host_buffer(numel * item)).view(dtype).reshape(shape)
 
 
+def _tensor_view(ptr: int, shape: tuple[int, ...], dtype: Any) -> Any:
+    numel = int(np.prod(shape, dtype=np.int64))
+    nbytes = numel * _torch.empty(0, dtype=dtype).element_size()
+    if not nbytes:
+        return _torch.empty(shape, dtype=dtype)
+    raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
+    return _torch.frombuffer(raw, dtype=_torch.uint8).view(dtype).reshape(shape)
+
+
 def _norm_slice(s: StructuredMemberSlice, rows: int) -> tuple[int, int, int]:
     if s.step <= 0:
         raise InvalidArgumentError("structured ndarray slicing step must be positive")
@@ -767,7 +776,12 @@ class StructuredLayer:
                     f"tensor destination has {dest.size} bytes, expected at least {total}"
                 )
             reads.extend(_scatter(chunks, [Part(dest.ptr, total, dest.owner)] if total else []))
-            return dest
+            shape, dtype = fspec.get("shape"), fspec.get("dtype")
+            if pspec.get("kind") != "tensor" or not isinstance(shape, list) or header < 0:
+                return dest
+            # a tensor object read into caller memory answers the tensor viewing that memory
+            # (as ``get_tensor_into`` does); the caller keeps the memory alive
+            return lambda: _tensor_view(dest.ptr + header, tuple(shape), _torch_dtype(str(dtype)))
         shape = fspec.get("shape")
         element_size = int(fspec.get("element_size", 0))
         if header < 0 or not isinstance(shape, list) or element_size <= 0:
