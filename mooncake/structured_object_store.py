@@ -39,7 +39,6 @@ from mooncake._structured.bundles import (
     StructuredLayer,
     _bytes_source,
     check_chunk_bytes,
-    check_policy,
     normalize_key_prefix,
 )
 from mooncake._structured.dataproto import (
@@ -66,6 +65,7 @@ from mooncake._structured.inference import (
 )
 from mooncake._structured.io import Part, remove_keys
 from mooncake._structured.model import (
+    AUTO_PARALLEL_MIN_BYTES,
     DATAPROTO_REF_HANDLE_TYPE,
     DATAPROTO_REF_HANDLE_VERSION,
     DEFAULT_BUNDLE_CHUNK_BYTES,
@@ -90,9 +90,11 @@ from mooncake._structured.model import (
     resolve_dataproto_ref,
     tensor_object_buffer,
 )
+from mooncake._structured.policy import check_policy, check_zero_copy
 from mooncake.errors import InvalidArgumentError, NotSupportedError
 
 __all__ = [
+    "AUTO_PARALLEL_MIN_BYTES",
     "DATAPROTO_REF_HANDLE_TYPE",
     "DATAPROTO_REF_HANDLE_VERSION",
     "DEFAULT_BUNDLE_CHUNK_BYTES",
@@ -238,7 +240,7 @@ class MooncakeBundleTransfer:
         config: Any = None,
     ) -> RemoteBundleRef:
         """Store raw ``meta`` bytes plus named bytes-like buffers as a low-level bundle."""
-        check_policy(policy, max_inflight_put)
+        check_zero_copy(check_policy(policy, max_inflight_put), buffers)
         sources = {}
         for name, value in buffers.items():
             if isinstance(value, TensorObjectBuffer):
@@ -265,7 +267,7 @@ class MooncakeBundleTransfer:
         config: Any = None,
     ) -> RemoteBundleRef:
         """Store JSON metadata plus named members (tensors, ndarrays, bytes-like)."""
-        check_policy(policy, max_inflight_put)
+        check_zero_copy(check_policy(policy, max_inflight_put), payload.buffers)
         return self._structured.put(
             payload, partition=partition, chunk_bytes=chunk_bytes, config=config
         )
@@ -589,7 +591,7 @@ class MooncakeBundleTransfer:
         field_schemas: Mapping[str, FieldSchema] | None = None,
         config: Any = None,
     ) -> MooncakeDataProtoRef:
-        check_policy(policy)
+        effective_policy = check_policy(policy)
         batch, non_tensor, meta_info = split_dataproto(data)
         check_schema_sections(batch, non_tensor, meta_info, field_schemas)
         from mooncake._structured.dataproto import batch_size as _batch_size
@@ -696,6 +698,7 @@ class MooncakeBundleTransfer:
             },
             buffers=buffers,
         )
+        check_zero_copy(effective_policy, buffers)
         existing = ref.stage_refs.get(stage) if ref is not None else None
         stage_ref = self._structured.put(
             payload,

@@ -388,6 +388,30 @@ class _FailingManifestPut:
         return -1
 
 
+def test_zero_copy_puts_only_tensor_object_buffers() -> None:
+    """``copy_mode="zero_copy"`` takes tensor-object buffers (and empty members) only; a plain
+    tensor is a ValueError, other members a RuntimeError, both before anything is written."""
+    from mooncake.structured_object_store import BundleTransferPolicy
+
+    store = _DictStore()
+    t = MooncakeBundleTransfer(store)
+    zero = BundleTransferPolicy(copy_mode="zero_copy")
+    with pytest.raises(ValueError, match=r"BufferPool tensor-object buffer.*'t'"):
+        t.put_structured_object(StructuredObjectPayload({}, {"t": torch.ones(3)}), policy=zero)
+    with pytest.raises(RuntimeError, match=r"zero-copy put requires tensor-object buffers.*'b'"):
+        t.put_structured_object(StructuredObjectPayload({}, {"b": b"data"}), policy=zero)
+    rows = np.empty(2, dtype=object)
+    rows[:] = [np.arange(2, dtype=np.int32), np.arange(1, dtype=np.int32)]
+    with pytest.raises(RuntimeError, match="zero-copy put"):
+        t.put_dataproto({"non_tensor_batch": {"tokens": rows}}, policy=zero)
+    assert store.objects == {}
+    blob = np.frombuffer(b"\x07" * 16, dtype=np.uint8).copy()
+    buf = tensor_object_buffer(int(blob.ctypes.data), blob.nbytes, blob)
+    ref = t.put_bundle(b"m", {"raw": buf, "empty": b""}, policy=zero)
+    assert store.objects[ref.manifest["buffers"]["raw"]["key"]] == b"\x07" * 16
+    t.remove_bundle(ref)
+
+
 def test_a_failed_put_leaves_no_keys(store: MooncakeDistributedStore) -> None:
     wrapper = _FailingManifestPut(store)
     t = MooncakeBundleTransfer(wrapper)  # type: ignore[arg-type]

@@ -29,7 +29,6 @@ from mooncake._structured.codecs import BytesParts
 from mooncake._structured.io import BatchIO, Part, buffer_address, grouped_config, remove_keys
 from mooncake._structured.model import (
     STRUCTURED_FIELD_SPECS_KEY,
-    BundleTransferPolicy,
     RawDestination,
     RemoteBundleRef,
     StructuredKeyError,
@@ -46,7 +45,7 @@ from mooncake.errors import InvalidArgumentError, NotSupportedError
 
 _torch: Any = optional_module("torch")
 
-__all__ = ["ManifestStore", "StructuredLayer", "check_policy", "normalize_key_prefix"]
+__all__ = ["ManifestStore", "StructuredLayer", "normalize_key_prefix"]
 
 _HEADER_BYTES = 304
 
@@ -69,22 +68,6 @@ def check_chunk_bytes(chunk_bytes: int) -> int:
     if chunk_bytes <= 0:
         raise InvalidArgumentError("chunk_bytes must be positive")
     return chunk_bytes
-
-
-def check_policy(
-    policy: BundleTransferPolicy | None, max_inflight_put: int | None = None
-) -> BundleTransferPolicy:
-    """The policy to use (defaults filled in), validated as the published module does."""
-    result = policy or BundleTransferPolicy()
-    if max_inflight_put is not None:
-        result = BundleTransferPolicy(max_inflight_put, result.put_mode, result.copy_mode)
-    if result.max_inflight_put < 1:
-        raise InvalidArgumentError("max_inflight_put must be positive")
-    if result.put_mode not in ("auto", "batch", "parallel"):
-        raise InvalidArgumentError(f"unsupported put_mode: {result.put_mode}")
-    if result.copy_mode not in ("auto", "zero_copy", "copy"):
-        raise InvalidArgumentError(f"unsupported copy_mode: {result.copy_mode}")
-    return result
 
 
 def encode_json(value: Mapping[str, Any], label: str) -> bytes:

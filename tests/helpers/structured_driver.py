@@ -53,6 +53,13 @@ def data() -> dict[str, Any]:
             "turns": np.array([list(range(i)) for i in range(N)], dtype=object),
             "raw": np.array([bytes([i]) * i if i % 3 else None for i in range(N)], dtype=object),
             "ints": np.arange(N, dtype=np.int32) * 3,
+            # ndarray rows (typed_ragged): 1-D of varying length with a null, and 2-D rows
+            "tok": _column(
+                [None if i == 1 else np.arange(i, dtype=np.int32) * 7 for i in range(N)]
+            ),
+            "patch": _column(
+                [np.arange(2 * (i + 1), dtype=np.float32).reshape(i + 1, 2) for i in range(N)]
+            ),
             "mm": _column(
                 [
                     None
