@@ -388,6 +388,27 @@ class _FailingManifestPut:
         return -1
 
 
+@pytest.mark.parametrize("fail_on", [1, 2, 3, 4])
+def test_a_raising_plain_put_leaves_no_keys(fail_on: int) -> None:
+    """A store whose ``put`` raises part way (chunked payload, metadata or manifest write)
+    keeps nothing of the bundle: the keys written before are removed, the error propagates."""
+
+    class Raising(_DictStore):
+        calls = 0
+
+        def put(self, key: str, value: Any, config: Any = None) -> int:
+            self.calls += 1
+            if self.calls == fail_on:
+                raise RuntimeError("injected put failure")
+            return super().put(key, value, config)
+
+    store = Raising()
+    t = MooncakeBundleTransfer(store)
+    with pytest.raises(RuntimeError, match="injected put failure"):
+        t.put_bundle(b"meta", {"payload": b"data"}, chunk_bytes=2)
+    assert store.objects == {}
+
+
 def test_zero_copy_puts_only_tensor_object_buffers() -> None:
     """``copy_mode="zero_copy"`` takes tensor-object buffers (and empty members) only; a plain
     tensor is a ValueError, other members a RuntimeError, both before anything is written."""
