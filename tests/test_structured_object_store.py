@@ -388,6 +388,27 @@ class _FailingManifestPut:
         return -1
 
 
+def test_zero_dimensional_arrays_keep_their_shape() -> None:
+    """A 0-d ndarray member and 0-d rows of a typed_ragged column read back 0-d (not (1,)),
+    whole and picked by row; such a column (0-d beside 1-D rows) keeps the general layout."""
+    t = MooncakeBundleTransfer(_DictStore())
+    obj = t.get_object(t.put_object(np.asarray(2.5, dtype=np.float32)))
+    assert obj.shape == () and obj.dtype == np.float32 and float(obj) == 2.5
+    rows = [np.asarray(7, np.int32), np.arange(3, dtype=np.int32), None, np.asarray(1, np.int32)]
+    schema = {"v": FieldSchema(codec="typed_ragged", metadata={"section": "non_tensor_batch"})}
+    ref = t.put({"v": rows}, field_schemas=schema, type="dict")
+    assert "physical_layout" not in ref.encoded_non_tensor["v"]["metadata"]
+    got = t.get(ref, type="dict")["v"]
+    assert [None if r is None else (r.shape, r.tolist()) for r in got] == [
+        ((), 7),
+        ((3,), [0, 1, 2]),
+        None,
+        ((), 1),
+    ]
+    picked = t.get_dataproto(ref, non_tensor_fields=["v"], rows=[3, 0])["non_tensor_batch"]["v"]
+    assert [r.shape for r in picked] == [(), ()]
+
+
 @pytest.mark.parametrize("fail_on", [1, 2, 3, 4])
 def test_a_raising_plain_put_leaves_no_keys(fail_on: int) -> None:
     """A store whose ``put`` raises part way (chunked payload, metadata or manifest write)

@@ -170,7 +170,7 @@ def encode_member(name: str, value: Any) -> tuple[dict[str, Any], _Source]:
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
             raise StructuredTypeError(f"{name} must be bytes-like, got an object ndarray")
-        array = np.ascontiguousarray(value)
+        array = np.asarray(value, order="C")  # 0-d stays 0-d
         spec = {"encoding": "ndarray", "dtype": array.dtype.str, "shape": list(array.shape)}
         return spec, _Source(
             [Part(int(array.ctypes.data), int(array.nbytes), array)] if array.nbytes else []

@@ -170,7 +170,7 @@ def _encode_typed_ragged(
     if dtype.hasobject:
         raise InvalidArgumentError("typed_ragged codec requires non-object dtype")
     arrays = [
-        np.empty(0, dtype=dtype) if v is None else np.ascontiguousarray(np.asarray(v, dtype=dtype))
+        np.empty(0, dtype=dtype) if v is None else np.asarray(v, dtype=dtype, order="C")
         for v in values
     ]
     max_ndim = max((a.ndim for a in arrays), default=0)
@@ -544,7 +544,7 @@ def _decode_ragged_tensor(
         None
         if v is None
         else (
-            _torch.from_numpy(np.ascontiguousarray(v))
+            _torch.from_numpy(np.asarray(v, order="C"))
             if isinstance(v, np.ndarray)
             else _torch.as_tensor(v, dtype=tdtype)
         ).to(tdtype)
