@@ -15,8 +15,9 @@ member of a read lands by one batched call straight in the tensors and arrays re
 What is not here (raises ``NotSupportedError`` by name): nested (jagged) tensor members and
 PIL images in media lists (``media_list_ragged`` is written only for bytes items inside nested
 columns; a flat column of media lists gets ``msgpack_ragged``/``json_ragged``).
-``BundleTransferPolicy`` is validated but the transfer is always one batch (``max_inflight_put``,
-``put_mode`` and ``copy_mode`` change nothing); ``buffer_pool`` is accepted and unused.
+``BundleTransferPolicy`` is validated but the transfer is always one batch (``max_inflight_put``
+and ``put_mode`` change nothing; ``copy_mode="zero_copy"`` admits tensor-object buffers only,
+see :mod:`mooncake._structured.policy`); ``buffer_pool`` is accepted and unused.
 
 The published codec-inference helpers are here under their published names (``MISSING``,
 ``infer_structure``, ``_choose_leaf_codec``, ``_escape_key``, ``_CodecDecision``,
