@@ -12,7 +12,8 @@ published client reads what this one wrote and the other way round. Every payloa
 written by one batched multi-buffer call straight from the tensors and arrays given; every
 member of a read lands by one batched call straight in the tensors and arrays returned.
 
-What is not here (raises ``NotSupportedError`` by name): nested (jagged) tensor members and
+Nested (jagged) tensor members are stored in the published ``tensor_parts`` format
+(:mod:`mooncake._structured.nested`). What is not here (raises ``NotSupportedError`` by name):
 PIL images in media lists (``media_list_ragged`` is written only for bytes items inside nested
 columns; a flat column of media lists gets ``msgpack_ragged``/``json_ragged``).
 ``BundleTransferPolicy`` is validated but the transfer is always one batch (``max_inflight_put``
@@ -91,6 +92,7 @@ from mooncake._structured.model import (
     resolve_dataproto_ref,
     tensor_object_buffer,
 )
+from mooncake._structured.nested import is_nested, select_nested_rows
 from mooncake._structured.policy import check_policy, check_zero_copy
 from mooncake.errors import InvalidArgumentError, NotSupportedError
 
@@ -204,6 +206,8 @@ def _new_group_id(config: Any) -> str | None:
 
 def _take_rows(value: Any, indices: Sequence[int], offset: int) -> Any:
     picks = [i - offset for i in indices]
+    if is_nested(value):
+        return select_nested_rows(value, picks)
     if isinstance(value, np.ndarray):
         return value[np.asarray(picks, dtype=np.int64)]
     import torch
@@ -790,7 +794,7 @@ class MooncakeBundleTransfer:
                 if enc is None or loc.section != "non_tensor_batch":
                     value = result.objects[loc.member]
                     if sel is not None and sel.indices is not None:
-                        value = _take_rows(value, sel.indices, lo) if sel.indices else value[:0]
+                        value = _take_rows(value, sel.indices, lo)
                         if name in dests:
                             value = rows_into(name, dests[name], value)
                     values[name] = value

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -386,6 +387,41 @@ class _FailingManifestPut:
 
     def put(self, key: str, value: Any, config: Any = None) -> int:
         return -1
+
+
+def test_jagged_nested_tensor_members(store: MooncakeDistributedStore) -> None:
+    """A jagged nested tensor in ``batch`` round-trips (whole, sliced, picked, no rows) in the
+    published ``tensor_parts`` format, 1-D and 2-D rows (``_ragged_idx`` kept); a strided one
+    is refused by name."""
+    rows = [torch.arange(2), torch.arange(10, 14), torch.arange(20, 21)]
+    nested = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    t = MooncakeBundleTransfer(store, default_chunk_bytes=256)  # payload over several chunks
+    ref = t.put_dataproto({"batch": {"tokens": nested}, "non_tensor_batch": {}})
+    spec = t.dataproto_manifest_view(ref)["batch_fields"]["tokens"]["spec"]
+    assert spec["nested"] is True and spec["format"] == "tensor_parts"
+    assert len(spec["part_bytes"]) == 2 and spec["dtype"] == "torch.int64"
+    for sel, want in (
+        (None, rows),
+        (slice(1, 3), rows[1:3]),
+        ([2, 0], [rows[2], rows[0]]),
+        ([], []),
+    ):
+        got = t.get_dataproto(ref, rows=sel)["batch"]["tokens"]
+        assert got.is_nested and got.layout == torch.jagged and len(got) == len(want)
+        assert all(torch.equal(a, b) for a, b in zip(got.unbind(), want, strict=True))
+    m_rows = [torch.arange(6).reshape(2, 3), torch.arange(10).reshape(2, 5)]
+    m = torch.nested.as_nested_tensor(m_rows, layout=torch.jagged)
+    mref = t.put_dataproto({"batch": {"pos": m}, "non_tensor_batch": {}})
+    got = t.get_dataproto(mref)["batch"]["pos"]
+    assert got._ragged_idx == 2
+    assert all(torch.equal(a, b) for a, b in zip(got.unbind(), m_rows, strict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: the strided layout is a prototype
+        strided = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(ValueError, match=r"torch\.jagged layout"):
+        t.put_structured_object(StructuredObjectPayload({}, {"s": strided}))
+    t.cleanup_dataproto(ref)
+    t.cleanup_dataproto(mref)
 
 
 def test_zero_dimensional_arrays_keep_their_shape() -> None:

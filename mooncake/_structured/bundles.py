@@ -41,6 +41,7 @@ from mooncake._structured.model import (
     TensorObjectBuffer,
     optional_module,
 )
+from mooncake._structured.nested import decode_nested, encode_nested, select_nested_rows
 from mooncake.errors import InvalidArgumentError, NotSupportedError
 
 _torch: Any = optional_module("torch")
@@ -127,7 +128,14 @@ def encode_member(name: str, value: Any) -> tuple[dict[str, Any], _Source]:
         )
     if _torch is not None and isinstance(value, _torch.Tensor):
         if value.is_nested:
-            raise NotSupportedError(f"structured member {name}: nested tensors are not supported")
+            nspec, tensor_parts = encode_nested(name, value)
+            nparts: list[Part] = []
+            for header, ptr, n, owner in tensor_parts:
+                head = np.frombuffer(bytes(header), dtype=np.uint8)
+                nparts.append(Part(int(head.ctypes.data), len(header), head))
+                if n:
+                    nparts.append(Part(int(ptr), int(n), owner))
+            return nspec, _Source(nparts)
         spec = {
             "encoding": "torch_tensor",
             "dtype": str(value.dtype),
@@ -674,7 +682,18 @@ class StructuredLayer:
         if encoding != "torch_tensor":
             raise InvalidArgumentError(f"unsupported structured field encoding: {encoding}")
         if fspec.get("nested"):
-            raise NotSupportedError(f"structured member {name}: nested tensors are not supported")
+            if dest is not None:
+                raise InvalidArgumentError(
+                    f"structured nested tensor member {name} does not support destinations"
+                )
+            nested = decode_nested(self.bundles.read_bytes(pspec), dict(fspec))
+            if mslice is None:
+                return nested
+            if mslice.axis != 0:
+                raise InvalidArgumentError(
+                    "structured nested tensor slicing currently supports axis=0 only"
+                )
+            return select_nested_rows(nested, range(*_norm_slice(mslice, len(nested))))
         if pspec.get("format") == "torch_save":
             if dest is not None:
                 raise InvalidArgumentError(

@@ -84,7 +84,13 @@ def _column(values: list[Any]) -> np.ndarray:
 
 def appended() -> dict[str, Any]:
     g = torch.Generator().manual_seed(8)
-    return {"batch": {"advantages": torch.randn(N, 33, generator=g)}}
+    jag = [torch.randn(i % 3 + 1, 2, generator=g) for i in range(N)]  # jagged rows, 2-D
+    return {
+        "batch": {
+            "advantages": torch.randn(N, 33, generator=g),
+            "jag": torch.nested.as_nested_tensor(jag, layout=torch.jagged),
+        }
+    }
 
 
 def _plain(v: Any) -> Any:
@@ -106,6 +112,9 @@ def _plain(v: Any) -> Any:
 def digest(dp: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, t in sorted(dp["batch"].items()):
+        if t.is_nested:
+            out[name] = [str(t.dtype), "nested", t._ragged_idx, _plain(list(t.unbind()))]
+            continue
         raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         out[name] = [str(t.dtype), list(t.shape), hashlib.sha256(raw).hexdigest()]
     for name, col in sorted(dp["non_tensor_batch"].items()):
