@@ -38,7 +38,6 @@ import numpy as np
 from mooncake._structured import codecs
 from mooncake._structured.bundles import (
     ManifestStore,
-    StructuredLayer,
     _bytes_source,
     check_chunk_bytes,
     normalize_key_prefix,
@@ -66,6 +65,7 @@ from mooncake._structured.inference import (
     path_tokens,
 )
 from mooncake._structured.io import Part, remove_keys
+from mooncake._structured.layer import StructuredLayer
 from mooncake._structured.model import (
     AUTO_PARALLEL_MIN_BYTES,
     DATAPROTO_REF_HANDLE_TYPE,

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from mooncake._structured.bundles import _ndarray_destination, _tensor_helpers
+from mooncake._structured.bundles import _tensor_helpers
+from mooncake._structured.layer import ndarray_destination
 from mooncake._structured.model import (
     RawDestination,
     StructuredTypeError,
@@ -42,7 +43,7 @@ def rows_into(name: str, dest: Any, rows: Any) -> Any:
                 f"structured ndarray field {name} destination must be a numpy.ndarray "
                 "or raw_destination"
             )
-        out = _ndarray_destination(name, dest, rows.dtype, tuple(rows.shape))
+        out = ndarray_destination(name, dest, rows.dtype, tuple(rows.shape))
         out[...] = rows
         return out if isinstance(dest, RawDestination) else dest
     if isinstance(dest, (RawDestination, TensorObjectBuffer)):
