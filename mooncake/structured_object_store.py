@@ -52,7 +52,6 @@ from mooncake._structured.dataproto import (
     select_rows,
     split_dataproto,
 )
-from mooncake._structured.destinations import rows_into
 from mooncake._structured.inference import (
     MISSING,
     CodecDecision,
@@ -92,8 +91,8 @@ from mooncake._structured.model import (
     resolve_dataproto_ref,
     tensor_object_buffer,
 )
-from mooncake._structured.nested import is_nested, select_nested_rows
 from mooncake._structured.policy import check_policy, check_zero_copy
+from mooncake._structured.reads import read_fields
 from mooncake.errors import InvalidArgumentError, NotSupportedError
 
 __all__ = [
@@ -202,17 +201,6 @@ def _new_group_id(config: Any) -> str | None:
     if not isinstance(group, str):
         raise InvalidArgumentError("structured object store config.group_ids must contain strings")
     return group or None
-
-
-def _take_rows(value: Any, indices: Sequence[int], offset: int) -> Any:
-    picks = [i - offset for i in indices]
-    if is_nested(value):
-        return select_nested_rows(value, picks)
-    if isinstance(value, np.ndarray):
-        return value[np.asarray(picks, dtype=np.int64)]
-    import torch
-
-    return value[torch.as_tensor(picks, dtype=torch.long)]
 
 
 class MooncakeBundleTransfer:
@@ -755,58 +743,9 @@ class MooncakeBundleTransfer:
         ref = resolve_dataproto_ref(ref_like)
         sel = select_rows(rows, ref.batch_size)
         batch_names, nt_names = select_fields(ref, fields, batch_fields, non_tensor_fields)
-        dests = dict(destinations or {})
-        # with explicit row indices, the covering span is read and the picked rows are
-        # written into the caller's destination afterwards
-        gathered = sel is not None and sel.indices is not None
-        by_stage: dict[str, list[str]] = {}
-        for name in [*batch_names, *nt_names]:
-            by_stage.setdefault(ref.field_index[name].stage, []).append(name)
-        values: dict[str, Any] = {}
-        for stage, names in by_stage.items():
-            spec = self.read_spec(ref.stage_refs[stage])
-            members: list[str] = []
-            stage_dests: dict[str, Any] = {}
-            lo = 0
-            if sel is not None and sel.indices:
-                lo = min(sel.indices)
-            for name in names:
-                loc = ref.field_index[name]
-                enc = ref.encoded_non_tensor.get(name)
-                if enc is not None and loc.section == "non_tensor_batch":
-                    members.extend(enc["payload_members"].values())
-                    continue
-                members.append(loc.member)
-                if name in dests and not gathered:
-                    stage_dests[loc.member] = dests[name]
-                if sel is not None and sel.member_slice is not None:
-                    s = sel.member_slice
-                    spec = spec.slice_member(loc.member, s.axis, s.start, s.end, s.step)
-                elif sel is not None and sel.indices is not None:
-                    hi = max(sel.indices) + 1 if sel.indices else 0
-                    spec = spec.slice_member(loc.member, 0, lo, hi)
-            result = self._structured.materialize(
-                spec.select_members(list(dict.fromkeys(members))), stage_dests, bytes_as_array=True
-            )
-            for name in names:
-                loc = ref.field_index[name]
-                enc = ref.encoded_non_tensor.get(name)
-                if enc is None or loc.section != "non_tensor_batch":
-                    value = result.objects[loc.member]
-                    if sel is not None and sel.indices is not None:
-                        value = _take_rows(value, sel.indices, lo)
-                        if name in dests:
-                            value = rows_into(name, dests[name], value)
-                    values[name] = value
-                    continue
-                payload = {p: result.objects[m] for p, m in enc["payload_members"].items()}
-                column = codecs.decode_column(enc, payload, ref.batch_size)
-                if sel is not None and sel.member_slice is not None:
-                    s = sel.member_slice
-                    column = column[slice(*slice(s.start, s.end, s.step).indices(ref.batch_size))]
-                elif sel is not None and sel.indices is not None:
-                    column = [column[i] for i in sel.indices]
-                values[name] = column if flat else codecs.object_column(column)
+        values = read_fields(
+            self._structured, ref, sel, batch_names, nt_names, destinations or {}, flat=flat
+        )
         meta = (
             dict(ref.meta_info)
             if meta_info_keys is None
