@@ -12,11 +12,13 @@ published client reads what this one wrote and the other way round. Every payloa
 written by one batched multi-buffer call straight from the tensors and arrays given; every
 member of a read lands by one batched call straight in the tensors and arrays returned.
 
-What is not here (raises ``NotSupportedError`` by name): nested (jagged) tensor members and
+Nested (jagged) tensor members are stored in the published ``tensor_parts`` format
+(:mod:`mooncake._structured.nested`). What is not here (raises ``NotSupportedError`` by name):
 PIL images in media lists (``media_list_ragged`` is written only for bytes items inside nested
 columns; a flat column of media lists gets ``msgpack_ragged``/``json_ragged``).
-``BundleTransferPolicy`` is validated but the transfer is always one batch (``max_inflight_put``,
-``put_mode`` and ``copy_mode`` change nothing); ``buffer_pool`` is accepted and unused.
+``BundleTransferPolicy`` is validated but the transfer is always one batch (``max_inflight_put``
+and ``put_mode`` change nothing; ``copy_mode="zero_copy"`` admits tensor-object buffers only,
+see :mod:`mooncake._structured.policy`); ``buffer_pool`` is accepted and unused.
 
 The published codec-inference helpers are here under their published names (``MISSING``,
 ``infer_structure``, ``_choose_leaf_codec``, ``_escape_key``, ``_CodecDecision``,
@@ -36,10 +38,8 @@ import numpy as np
 from mooncake._structured import codecs
 from mooncake._structured.bundles import (
     ManifestStore,
-    StructuredLayer,
     _bytes_source,
     check_chunk_bytes,
-    check_policy,
     normalize_key_prefix,
 )
 from mooncake._structured.dataproto import (
@@ -64,7 +64,9 @@ from mooncake._structured.inference import (
     path_tokens,
 )
 from mooncake._structured.io import Part, remove_keys
+from mooncake._structured.layer import StructuredLayer
 from mooncake._structured.model import (
+    AUTO_PARALLEL_MIN_BYTES,
     DATAPROTO_REF_HANDLE_TYPE,
     DATAPROTO_REF_HANDLE_VERSION,
     DEFAULT_BUNDLE_CHUNK_BYTES,
@@ -89,9 +91,12 @@ from mooncake._structured.model import (
     resolve_dataproto_ref,
     tensor_object_buffer,
 )
+from mooncake._structured.policy import check_policy, check_zero_copy
+from mooncake._structured.reads import read_fields
 from mooncake.errors import InvalidArgumentError, NotSupportedError
 
 __all__ = [
+    "AUTO_PARALLEL_MIN_BYTES",
     "DATAPROTO_REF_HANDLE_TYPE",
     "DATAPROTO_REF_HANDLE_VERSION",
     "DEFAULT_BUNDLE_CHUNK_BYTES",
@@ -198,15 +203,6 @@ def _new_group_id(config: Any) -> str | None:
     return group or None
 
 
-def _take_rows(value: Any, indices: Sequence[int], offset: int) -> Any:
-    picks = [i - offset for i in indices]
-    if isinstance(value, np.ndarray):
-        return value[np.asarray(picks, dtype=np.int64)]
-    import torch
-
-    return value[torch.as_tensor(picks, dtype=torch.long)]
-
-
 class MooncakeBundleTransfer:
     """Structured objects and DataProto-like bundles through Mooncake (see the module doc)."""
 
@@ -237,7 +233,7 @@ class MooncakeBundleTransfer:
         config: Any = None,
     ) -> RemoteBundleRef:
         """Store raw ``meta`` bytes plus named bytes-like buffers as a low-level bundle."""
-        check_policy(policy, max_inflight_put)
+        check_zero_copy(check_policy(policy, max_inflight_put), buffers)
         sources = {}
         for name, value in buffers.items():
             if isinstance(value, TensorObjectBuffer):
@@ -264,7 +260,7 @@ class MooncakeBundleTransfer:
         config: Any = None,
     ) -> RemoteBundleRef:
         """Store JSON metadata plus named members (tensors, ndarrays, bytes-like)."""
-        check_policy(policy, max_inflight_put)
+        check_zero_copy(check_policy(policy, max_inflight_put), payload.buffers)
         return self._structured.put(
             payload, partition=partition, chunk_bytes=chunk_bytes, config=config
         )
@@ -588,7 +584,7 @@ class MooncakeBundleTransfer:
         field_schemas: Mapping[str, FieldSchema] | None = None,
         config: Any = None,
     ) -> MooncakeDataProtoRef:
-        check_policy(policy)
+        effective_policy = check_policy(policy)
         batch, non_tensor, meta_info = split_dataproto(data)
         check_schema_sections(batch, non_tensor, meta_info, field_schemas)
         from mooncake._structured.dataproto import batch_size as _batch_size
@@ -695,6 +691,7 @@ class MooncakeBundleTransfer:
             },
             buffers=buffers,
         )
+        check_zero_copy(effective_policy, buffers)
         existing = ref.stage_refs.get(stage) if ref is not None else None
         stage_ref = self._structured.put(
             payload,
@@ -746,55 +743,9 @@ class MooncakeBundleTransfer:
         ref = resolve_dataproto_ref(ref_like)
         sel = select_rows(rows, ref.batch_size)
         batch_names, nt_names = select_fields(ref, fields, batch_fields, non_tensor_fields)
-        dests = dict(destinations or {})
-        if sel is not None and sel.indices is not None and dests:
-            raise NotSupportedError("destinations cannot be combined with row indices")
-        by_stage: dict[str, list[str]] = {}
-        for name in [*batch_names, *nt_names]:
-            by_stage.setdefault(ref.field_index[name].stage, []).append(name)
-        values: dict[str, Any] = {}
-        for stage, names in by_stage.items():
-            spec = self.read_spec(ref.stage_refs[stage])
-            members: list[str] = []
-            stage_dests: dict[str, Any] = {}
-            lo = 0
-            if sel is not None and sel.indices:
-                lo = min(sel.indices)
-            for name in names:
-                loc = ref.field_index[name]
-                enc = ref.encoded_non_tensor.get(name)
-                if enc is not None and loc.section == "non_tensor_batch":
-                    members.extend(enc["payload_members"].values())
-                    continue
-                members.append(loc.member)
-                if name in dests:
-                    stage_dests[loc.member] = dests[name]
-                if sel is not None and sel.member_slice is not None:
-                    s = sel.member_slice
-                    spec = spec.slice_member(loc.member, s.axis, s.start, s.end, s.step)
-                elif sel is not None and sel.indices is not None:
-                    hi = max(sel.indices) + 1 if sel.indices else 0
-                    spec = spec.slice_member(loc.member, 0, lo, hi)
-            result = self.materialize_into(
-                spec.select_members(list(dict.fromkeys(members))), stage_dests
-            )
-            for name in names:
-                loc = ref.field_index[name]
-                enc = ref.encoded_non_tensor.get(name)
-                if enc is None or loc.section != "non_tensor_batch":
-                    value = result.objects[loc.member]
-                    if sel is not None and sel.indices is not None:
-                        value = _take_rows(value, sel.indices, lo) if sel.indices else value[:0]
-                    values[name] = value
-                    continue
-                payload = {p: result.objects[m] for p, m in enc["payload_members"].items()}
-                column = codecs.decode_column(enc, payload, ref.batch_size)
-                if sel is not None and sel.member_slice is not None:
-                    s = sel.member_slice
-                    column = column[slice(*slice(s.start, s.end, s.step).indices(ref.batch_size))]
-                elif sel is not None and sel.indices is not None:
-                    column = [column[i] for i in sel.indices]
-                values[name] = column if flat else codecs.object_column(column)
+        values = read_fields(
+            self._structured, ref, sel, batch_names, nt_names, destinations or {}, flat=flat
+        )
         meta = (
             dict(ref.meta_info)
             if meta_info_keys is None

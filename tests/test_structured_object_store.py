@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from mooncake.structured_object_store import (  # noqa: E402
     export_ref,
     import_ref,
     raw_destination,
+    tensor_object_buffer,
 )
 from tests.conftest import ROOT, anchor_python  # noqa: E402
 from tests.helpers.store_procs import Master  # noqa: E402
@@ -118,6 +120,40 @@ def test_rows_slices_and_indices(store: MooncakeDistributedStore) -> None:
     t.cleanup_dataproto(ref)
 
 
+def test_row_indices_into_destinations(store: MooncakeDistributedStore) -> None:
+    """Rows picked by index land in the caller's ndarray, tensor, raw memory or tensor object
+    buffer; a destination of the wrong shape is refused by name."""
+    from mooncake.store import _deserialize_tensor
+
+    t = MooncakeBundleTransfer(store, default_chunk_bytes=100)  # rows span several chunks
+    arr = np.arange(12 * 7, dtype=np.int64).reshape(12, 7)
+    ten = torch.randn(12, 3, generator=torch.Generator().manual_seed(3))
+    ref = t.put_dataproto({"batch": {"arr": arr, "ten": ten}, "non_tensor_batch": {}})
+    rows = [11, 3, 3, 0]
+    into = np.empty((4, 7), dtype=np.int64)
+    tdest = torch.empty(4, 3)
+    got = t.get_dataproto(ref, rows=rows, destinations={"arr": into, "ten": tdest})
+    assert got["batch"]["arr"] is into and np.array_equal(into, arr[rows])
+    assert got["batch"]["ten"] is tdest and torch.equal(tdest, ten[rows])
+    raw = np.zeros(4 * 7 * 8, dtype=np.uint8)
+    got = t.get_dataproto(
+        ref,
+        batch_fields=["arr"],
+        rows=rows,
+        destinations={"arr": raw_destination(int(raw.ctypes.data), raw.nbytes, raw)},
+    )
+    assert np.array_equal(raw.view(np.int64).reshape(4, 7), arr[rows])
+    assert np.array_equal(got["batch"]["arr"], arr[rows])
+    blob = np.zeros(4096, dtype=np.uint8)
+    buf = tensor_object_buffer(int(blob.ctypes.data), blob.nbytes, blob)
+    got = t.get_dataproto(ref, batch_fields=["ten"], rows=rows, destinations={"ten": buf})
+    assert got["batch"]["ten"] is buf
+    assert torch.equal(_deserialize_tensor(blob.tobytes()[: 304 + 4 * 3 * 4]), ten[rows])
+    with pytest.raises(ValueError, match="arr destination shape mismatch"):
+        t.get_dataproto(ref, rows=[0, 1, 2], destinations={"arr": np.empty((2, 7), np.int64)})
+    t.cleanup_dataproto(ref)
+
+
 def test_append_keeps_the_old_handle_and_cleanup_of_the_append(
     store: MooncakeDistributedStore,
 ) -> None:
@@ -163,9 +199,26 @@ def test_flat_dict_and_objects(store: MooncakeDistributedStore) -> None:
             else np.array_equal(obj, value)
         )
     mapping = t.get_object(t.put_object({"a": b"bytes!", "b": np.ones(3, np.float32)}))
-    assert mapping["a"].tobytes() == b"bytes!" and np.array_equal(
-        mapping["b"], np.ones(3, np.float32)
-    )
+    assert mapping["a"] == b"bytes!" and np.array_equal(mapping["b"], np.ones(3, np.float32))
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_a_bytes_member_reads_back_as_bytes(store: MooncakeDistributedStore, chunk: Any) -> None:
+    """A bytes-like member (``bytes``, ``bytearray``, ``memoryview``, empty) is read back as
+    ``bytes`` with the same content, whole and chunked, through the real store and a plain one."""
+    members = {
+        "b": b"payload",
+        "ba": bytearray(b"\x00\xffab"),
+        "mv": memoryview(b"0123456789"),
+        "empty": b"",
+    }
+    for backend in (store, _DictStore()):
+        t = MooncakeBundleTransfer(backend, default_chunk_bytes=chunk or 64 * MIB)
+        ref = t.put_structured_object(StructuredObjectPayload({"k": 1}, dict(members)))
+        got = t.materialize(t.read_spec(ref)).objects
+        for name, value in members.items():
+            assert type(got[name]) is bytes and got[name] == bytes(value), (backend, name)
+        t.remove_bundle(ref)
 
 
 def test_materialize_into_destinations_and_slices(store: MooncakeDistributedStore) -> None:
@@ -181,6 +234,12 @@ def test_materialize_into_destinations_and_slices(store: MooncakeDistributedStor
     spec = t.read_spec(ref).select_members(["a"])
     t.materialize_into(spec, {"a": raw_destination(int(raw.ctypes.data), raw.nbytes, raw)})
     assert np.array_equal(raw.view(np.float32).reshape(400, 10), arr)
+    # a tensor read into a tensor object buffer answers the tensor viewing that memory
+    blob = np.zeros(int(ref.manifest["buffers"]["t"]["bytes"]), np.uint8)
+    spec = t.read_spec(ref).select_members(["t"])
+    buf = tensor_object_buffer(int(blob.ctypes.data), blob.nbytes, blob, batch_size=400)
+    view = t.materialize_into(spec, {"t": buf}).objects["t"]
+    assert torch.equal(view, torch.arange(400.0)) and view.data_ptr() == blob.ctypes.data + 304
     sl = t.materialize(
         t.read_spec(ref).slice_member("a", 0, 33, 390, 7).slice_member("t", 0, 5, 260)
     )
@@ -328,6 +387,107 @@ class _FailingManifestPut:
 
     def put(self, key: str, value: Any, config: Any = None) -> int:
         return -1
+
+
+def test_jagged_nested_tensor_members(store: MooncakeDistributedStore) -> None:
+    """A jagged nested tensor in ``batch`` round-trips (whole, sliced, picked, no rows) in the
+    published ``tensor_parts`` format, 1-D and 2-D rows (``_ragged_idx`` kept); a strided one
+    is refused by name."""
+    rows = [torch.arange(2), torch.arange(10, 14), torch.arange(20, 21)]
+    nested = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    t = MooncakeBundleTransfer(store, default_chunk_bytes=256)  # payload over several chunks
+    ref = t.put_dataproto({"batch": {"tokens": nested}, "non_tensor_batch": {}})
+    spec = t.dataproto_manifest_view(ref)["batch_fields"]["tokens"]["spec"]
+    assert spec["nested"] is True and spec["format"] == "tensor_parts"
+    assert len(spec["part_bytes"]) == 2 and spec["dtype"] == "torch.int64"
+    for sel, want in (
+        (None, rows),
+        (slice(1, 3), rows[1:3]),
+        ([2, 0], [rows[2], rows[0]]),
+        ([], []),
+    ):
+        got = t.get_dataproto(ref, rows=sel)["batch"]["tokens"]
+        assert got.is_nested and got.layout == torch.jagged and len(got) == len(want)
+        assert all(torch.equal(a, b) for a, b in zip(got.unbind(), want, strict=True))
+    m_rows = [torch.arange(6).reshape(2, 3), torch.arange(10).reshape(2, 5)]
+    m = torch.nested.as_nested_tensor(m_rows, layout=torch.jagged)
+    mref = t.put_dataproto({"batch": {"pos": m}, "non_tensor_batch": {}})
+    got = t.get_dataproto(mref)["batch"]["pos"]
+    assert got._ragged_idx == 2
+    assert all(torch.equal(a, b) for a, b in zip(got.unbind(), m_rows, strict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: the strided layout is a prototype
+        strided = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(ValueError, match=r"torch\.jagged layout"):
+        t.put_structured_object(StructuredObjectPayload({}, {"s": strided}))
+    t.cleanup_dataproto(ref)
+    t.cleanup_dataproto(mref)
+
+
+def test_zero_dimensional_arrays_keep_their_shape() -> None:
+    """A 0-d ndarray member and 0-d rows of a typed_ragged column read back 0-d (not (1,)),
+    whole and picked by row; such a column (0-d beside 1-D rows) keeps the general layout."""
+    t = MooncakeBundleTransfer(_DictStore())
+    obj = t.get_object(t.put_object(np.asarray(2.5, dtype=np.float32)))
+    assert obj.shape == () and obj.dtype == np.float32 and float(obj) == 2.5
+    rows = [np.asarray(7, np.int32), np.arange(3, dtype=np.int32), None, np.asarray(1, np.int32)]
+    schema = {"v": FieldSchema(codec="typed_ragged", metadata={"section": "non_tensor_batch"})}
+    ref = t.put({"v": rows}, field_schemas=schema, type="dict")
+    assert "physical_layout" not in ref.encoded_non_tensor["v"]["metadata"]
+    got = t.get(ref, type="dict")["v"]
+    assert [None if r is None else (r.shape, r.tolist()) for r in got] == [
+        ((), 7),
+        ((3,), [0, 1, 2]),
+        None,
+        ((), 1),
+    ]
+    picked = t.get_dataproto(ref, non_tensor_fields=["v"], rows=[3, 0])["non_tensor_batch"]["v"]
+    assert [r.shape for r in picked] == [(), ()]
+
+
+@pytest.mark.parametrize("fail_on", [1, 2, 3, 4])
+def test_a_raising_plain_put_leaves_no_keys(fail_on: int) -> None:
+    """A store whose ``put`` raises part way (chunked payload, metadata or manifest write)
+    keeps nothing of the bundle: the keys written before are removed, the error propagates."""
+
+    class Raising(_DictStore):
+        calls = 0
+
+        def put(self, key: str, value: Any, config: Any = None) -> int:
+            self.calls += 1
+            if self.calls == fail_on:
+                raise RuntimeError("injected put failure")
+            return super().put(key, value, config)
+
+    store = Raising()
+    t = MooncakeBundleTransfer(store)
+    with pytest.raises(RuntimeError, match="injected put failure"):
+        t.put_bundle(b"meta", {"payload": b"data"}, chunk_bytes=2)
+    assert store.objects == {}
+
+
+def test_zero_copy_puts_only_tensor_object_buffers() -> None:
+    """``copy_mode="zero_copy"`` takes tensor-object buffers (and empty members) only; a plain
+    tensor is a ValueError, other members a RuntimeError, both before anything is written."""
+    from mooncake.structured_object_store import BundleTransferPolicy
+
+    store = _DictStore()
+    t = MooncakeBundleTransfer(store)
+    zero = BundleTransferPolicy(copy_mode="zero_copy")
+    with pytest.raises(ValueError, match=r"BufferPool tensor-object buffer.*'t'"):
+        t.put_structured_object(StructuredObjectPayload({}, {"t": torch.ones(3)}), policy=zero)
+    with pytest.raises(RuntimeError, match=r"zero-copy put requires tensor-object buffers.*'b'"):
+        t.put_structured_object(StructuredObjectPayload({}, {"b": b"data"}), policy=zero)
+    rows = np.empty(2, dtype=object)
+    rows[:] = [np.arange(2, dtype=np.int32), np.arange(1, dtype=np.int32)]
+    with pytest.raises(RuntimeError, match="zero-copy put"):
+        t.put_dataproto({"non_tensor_batch": {"tokens": rows}}, policy=zero)
+    assert store.objects == {}
+    blob = np.frombuffer(b"\x07" * 16, dtype=np.uint8).copy()
+    buf = tensor_object_buffer(int(blob.ctypes.data), blob.nbytes, blob)
+    ref = t.put_bundle(b"m", {"raw": buf, "empty": b""}, policy=zero)
+    assert store.objects[ref.manifest["buffers"]["raw"]["key"]] == b"\x07" * 16
+    t.remove_bundle(ref)
 
 
 def test_a_failed_put_leaves_no_keys(store: MooncakeDistributedStore) -> None:

@@ -170,7 +170,7 @@ def _encode_typed_ragged(
     if dtype.hasobject:
         raise InvalidArgumentError("typed_ragged codec requires non-object dtype")
     arrays = [
-        np.empty(0, dtype=dtype) if v is None else np.ascontiguousarray(np.asarray(v, dtype=dtype))
+        np.empty(0, dtype=dtype) if v is None else np.asarray(v, dtype=dtype, order="C")
         for v in values
     ]
     max_ndim = max((a.ndim for a in arrays), default=0)
@@ -194,16 +194,27 @@ def _encode_typed_ragged(
         row_format = "mixed"
     else:
         row_format = "list"
+    metadata: dict[str, Any] = {
+        "dtype": str(dtype),
+        "max_ndim": int(max_ndim),
+        "shape_policy": "ragged",
+        "row_format": row_format,
+        "ndarray_rows": is_array if row_format == "mixed" else None,
+    }
     return (
         {"data": data, "offsets": offsets, "shapes": shapes, "ndims": ndims, "nulls": nulls},
-        {
-            "dtype": str(dtype),
-            "max_ndim": int(max_ndim),
-            "shape_policy": "ragged",
-            "row_format": row_format,
-            "ndarray_rows": is_array if row_format == "mixed" else None,
-        },
+        metadata,
     )
+
+
+def _view_decodable(payload: Mapping[str, Any], metadata: Mapping[str, Any]) -> bool:
+    """Whether the published module's view decoder (taken for ``contiguous_flat`` columns)
+    reads these rows back exactly: with ``max_ndim`` 1 it makes every row 1-D, so a 0-d row
+    among them must keep the general layout; with more dimensions it checks for itself."""
+    if int(metadata["max_ndim"]) != 1:
+        return True
+    ndims, nulls = payload["ndims"], payload["nulls"]
+    return bool(np.all(ndims[~nulls] == 1))
 
 
 def _encode_ragged_tensor(values: Sequence[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -321,6 +332,10 @@ def _encode(codec: str, values: list[Any], hint: dict[str, Any]) -> EncodedColum
     elif codec == "typed_ragged":
         dt = hint.get("dtype")
         payload, metadata = _encode_typed_ragged(values, None if dt is None else np.dtype(dt))
+        if metadata["row_format"] == "ndarray" and _view_decodable(payload, metadata):
+            # ndarray rows lie back to back in ``data``: the published module marks such a
+            # column so (its readers then return the rows as views; the layout is the same)
+            metadata["physical_layout"] = "contiguous_flat"
     elif codec == "ragged_tensor":
         payload, metadata = _encode_ragged_tensor(values)
     elif codec in ("bytes_ragged", "media_bytes"):
@@ -529,7 +544,7 @@ def _decode_ragged_tensor(
         None
         if v is None
         else (
-            _torch.from_numpy(np.ascontiguousarray(v))
+            _torch.from_numpy(np.asarray(v, order="C"))
             if isinstance(v, np.ndarray)
             else _torch.as_tensor(v, dtype=tdtype)
         ).to(tdtype)

@@ -209,10 +209,17 @@ class BatchIO:
         if not keys:
             return
         if not self.zero_copy:
-            for k in keys:
-                value = b"".join(ctypes.string_at(p.ptr, p.size) for p in k.parts)
-                code = _call(self.store.put, k.key, value, config=grouped_config(config, 1))
-                _check(code, "put", k.key)
+            written: list[str] = []
+            try:
+                for k in keys:
+                    value = b"".join(ctypes.string_at(p.ptr, p.size) for p in k.parts)
+                    code = _call(self.store.put, k.key, value, config=grouped_config(config, 1))
+                    _check(code, "put", k.key)
+                    written.append(k.key)
+            except BaseException:
+                # a failed code or a raising store: nothing of this call stays behind
+                remove_keys(self.store, written, strict=False)
+                raise
             return
         registered, staging = self._plan(keys)
         buf, buf_registered = self._staging_buffer(staging)

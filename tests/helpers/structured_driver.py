@@ -53,6 +53,13 @@ def data() -> dict[str, Any]:
             "turns": np.array([list(range(i)) for i in range(N)], dtype=object),
             "raw": np.array([bytes([i]) * i if i % 3 else None for i in range(N)], dtype=object),
             "ints": np.arange(N, dtype=np.int32) * 3,
+            # ndarray rows (typed_ragged): 1-D of varying length with a null, and 2-D rows
+            "tok": _column(
+                [None if i == 1 else np.arange(i, dtype=np.int32) * 7 for i in range(N)]
+            ),
+            "patch": _column(
+                [np.arange(2 * (i + 1), dtype=np.float32).reshape(i + 1, 2) for i in range(N)]
+            ),
             "mm": _column(
                 [
                     None
@@ -77,7 +84,13 @@ def _column(values: list[Any]) -> np.ndarray:
 
 def appended() -> dict[str, Any]:
     g = torch.Generator().manual_seed(8)
-    return {"batch": {"advantages": torch.randn(N, 33, generator=g)}}
+    jag = [torch.randn(i % 3 + 1, 2, generator=g) for i in range(N)]  # jagged rows, 2-D
+    return {
+        "batch": {
+            "advantages": torch.randn(N, 33, generator=g),
+            "jag": torch.nested.as_nested_tensor(jag, layout=torch.jagged),
+        }
+    }
 
 
 def _plain(v: Any) -> Any:
@@ -99,6 +112,9 @@ def _plain(v: Any) -> Any:
 def digest(dp: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, t in sorted(dp["batch"].items()):
+        if t.is_nested:
+            out[name] = [str(t.dtype), "nested", t._ragged_idx, _plain(list(t.unbind()))]
+            continue
         raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         out[name] = [str(t.dtype), list(t.shape), hashlib.sha256(raw).hexdigest()]
     for name, col in sorted(dp["non_tensor_batch"].items()):
