@@ -29,6 +29,7 @@ PUBLISHED_SCRIPTS = {
     "mooncake_client": "mooncake.cli_client:main",
     "transfer_engine_bench": "mooncake.cli_bench:main",
     "transfer_engine_topology_dump": "mooncake.transfer_engine_topology_dump:main",
+    "mc_store_rest_server": "mooncake.mooncake_store_service:sync_main",
 }
 
 

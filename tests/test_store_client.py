@@ -143,8 +143,16 @@ def test_read_finishing_after_its_window_fails_closed(monkeypatch: pytest.Monkey
             clock.jump(30)  # the copy "takes" 30 s: past any read window and the lease
         await real(copies)
 
+    real_crc = moves_mod._memcpy_many_crc
+
+    async def crc_then_stall(copies: Any, sums: Any) -> list[int]:
+        if slow["on"]:
+            clock.jump(30)
+        return await real_crc(copies, sums)
+
     for mod in (moves_mod, writes_mod):  # the read and the write paths
         monkeypatch.setattr(mod, "_memcpy_many", copy_then_stall)
+    monkeypatch.setattr(moves_mod, "_memcpy_many_crc", crc_then_stall)  # verified copies
 
     async def main() -> None:
         async with (
@@ -176,8 +184,16 @@ def test_cancelled_put_is_revoked(monkeypatch: pytest.MonkeyPatch) -> None:
             await anyio.sleep_forever()
         await real(copies)
 
+    real_crc = moves_mod._memcpy_many_crc
+
+    async def maybe_stall_crc(copies: Any, sums: Any) -> list[int]:
+        if stall["on"]:
+            await anyio.sleep_forever()
+        return await real_crc(copies, sums)
+
     for mod in (moves_mod, writes_mod):  # the read and the write paths
         monkeypatch.setattr(mod, "_memcpy_many", maybe_stall)
+    monkeypatch.setattr(moves_mod, "_memcpy_many_crc", maybe_stall_crc)  # verified copies
 
     async def main() -> None:
         async with (

@@ -45,8 +45,9 @@ PUBLIC_API: dict[str, tuple[str, dict[str, str], tuple[str, ...]]] = {
     "_objtable": ("_objtable_pure", {"COMPILED": "OBJTABLE_COMPILED"}, ("ObjectTable",)),
     "_crc32c": (
         "_crc32c_pure",
-        {"COMPILED": "CRC_COMPILED", "HARDWARE": "CRC_HARDWARE"},
+        {"COMPILED": "CRC_COMPILED", "HARDWARE": "CRC_HARDWARE", "KERNEL": "CRC_KERNEL"},
         (
+            "bytes_crc32c",
             "copy_crc32c",
             "copy_crc32c_batch",
             "crc32c",
@@ -77,7 +78,9 @@ if TYPE_CHECKING:  # what the checker sees: the compiled modules' stubs (the twi
     from ._copyq import CopyQueue
     from ._crc32c import COMPILED as CRC_COMPILED
     from ._crc32c import HARDWARE as CRC_HARDWARE
+    from ._crc32c import KERNEL as CRC_KERNEL
     from ._crc32c import (
+        bytes_crc32c,
         copy_crc32c,
         copy_crc32c_batch,
         crc32c,
@@ -124,6 +127,7 @@ __all__ = [
     "COPYQ_COMPILED",
     "CRC_COMPILED",
     "CRC_HARDWARE",
+    "CRC_KERNEL",
     "DONE",
     "E_PROTO",
     "INTMAP_COMPILED",
@@ -142,6 +146,7 @@ __all__ = [
     "ObjectTable",
     "RegionTable",
     "ServeConn",
+    "bytes_crc32c",
     "copy_crc32c",
     "copy_crc32c_batch",
     "crc32c",

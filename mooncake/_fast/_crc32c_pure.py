@@ -12,6 +12,20 @@ from typing import Any
 
 COMPILED = False
 HARDWARE = False
+KERNELS = ("pure",)
+"""The one kernel of the twin (the compiled module's are ``table``, ``sse42``, ...)."""
+AVAILABLE = KERNELS
+KERNEL = "pure"
+ENV = "MOONCAKE_CRC_KERNEL"
+
+
+def set_kernel(name: str) -> str:
+    """The compiled module's kernel switch: here every name selects the one pure kernel;
+    returns ``"pure"``. A name that is no kernel of either module is a ``ValueError``."""
+    if name not in ("pure", "table", "sse42", "pclmul", "avx512", "armv8"):
+        raise ValueError(f"crc32c kernel {name!r}: not a kernel name")
+    return KERNEL
+
 
 _POLY = 0x82F63B78
 
@@ -64,8 +78,9 @@ def crc32c_parts(parts: Iterable[tuple[int, int]], crc: int = 0) -> int:
     return crc
 
 
-def copy_crc32c(dst: int, src: int, n: int, crc: int = 0) -> int:
-    """memcpy ``n`` bytes from ``src`` to ``dst``; the CRC32C of what landed at ``dst``."""
+def copy_crc32c(dst: int, src: int, n: int, crc: int = 0, stream: bool = False) -> int:
+    """memcpy ``n`` bytes from ``src`` to ``dst``; the CRC32C of what landed at ``dst``.
+    ``stream`` (non-temporal stores in the compiled module) changes nothing here."""
     _check(n, "copy_crc32c")
     if not n:
         return crc
@@ -73,6 +88,17 @@ def copy_crc32c(dst: int, src: int, n: int, crc: int = 0) -> int:
         raise ValueError("copy_crc32c: null address")
     ctypes.memmove(dst, src, n)
     return crc32c_at(dst, n, crc)
+
+
+def bytes_crc32c(src: int, n: int, crc: int = 0) -> tuple[bytes, int]:
+    """``(data, crc)``: a new ``bytes`` of the ``n`` bytes at ``src`` and its CRC32C."""
+    _check(n, "bytes_crc32c")
+    if not n:
+        return b"", crc
+    if not src:
+        raise ValueError("bytes_crc32c: null address")
+    data = ctypes.string_at(src, n)
+    return data, _update(crc, data)
 
 
 def _times(mat: list[int], vec: int) -> int:
@@ -118,7 +144,11 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 
 
 def copy_crc32c_batch(
-    dsts: Sequence[int], srcs: Sequence[int], lens: Sequence[int], sums: Sequence[bool]
+    dsts: Sequence[int],
+    srcs: Sequence[int],
+    lens: Sequence[int],
+    sums: Sequence[bool],
+    stream: bool = False,
 ) -> list[int]:
     """Copy each range; the CRC32C of each as it landed where ``sums[i]`` (else ``-1``)."""
     if not (len(dsts) == len(srcs) == len(lens) == len(sums)):

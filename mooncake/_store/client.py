@@ -311,7 +311,8 @@ async def open_store(
     the master then binds every connection of this client to ``tenant``, so it cannot act as
     another tenant (docs/security.md).
 
-    ``verify`` turns verified reads on or off (default: ``MOONCAKE_STORE_CHECKSUM``, else off):
+    ``verify`` turns verified reads on or off (default: ``MOONCAKE_STORE_CHECKSUM``, else
+    :data:`mooncake._store.verify.DEFAULT`, off):
     writers record each value's CRC32C, every read checks the bytes it landed against it
     (:mod:`mooncake._store.verify`, docs/store.md).
     """

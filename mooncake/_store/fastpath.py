@@ -217,9 +217,10 @@ class FastPath:
             got = NO_CRC
             try:
                 if into is None:
-                    data = ctypes.string_at(src, n)
-                    if want != NO_CRC:
-                        got = _fast.crc32c(data)
+                    if want != NO_CRC:  # one pass: the new bytes and their CRC32C
+                        data, got = _fast.bytes_crc32c(src, n)
+                    else:
+                        data = ctypes.string_at(src, n)
                 else:
                     data = b""
                     if want != NO_CRC:  # one pass: the copy and the CRC32C of what landed

@@ -222,7 +222,7 @@ def put_parts_local(
                 srcs += ptrs[i]
                 lens += plens[i]
         if sdsts:
-            got = _fast.copy_crc32c_batch(sdsts, ssrcs, slens, [True] * len(sdsts))
+            got = _fast.copy_crc32c_batch(sdsts, ssrcs, slens, [True] * len(sdsts), stream=True)
         if dsts:  # into segments: not read again soon, so non-temporal stores
             _fast.memcpy_batch(dsts, srcs, lens, stream=True)
     except BaseException:

@@ -3,7 +3,7 @@
 
 The decision (when refusals mean a dead leader) is :mod:`mooncake._core.leader_probe`; this
 module does the I/O: :func:`probe_connect` and :class:`LeaderProbe`, which asks its master
-through two callables what to probe, so it imports nothing of the HA node (the contract of
+through callables what to probe and how to revoke, so it imports nothing of the HA node (the contract of
 *why* a live leader is never revoked is in :mod:`mooncake._store.ha`).
 """
 
@@ -12,12 +12,11 @@ from __future__ import annotations
 import errno
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import anyio
 
 from mooncake._core.leader_probe import PROBE_INTERVAL, DeathDetector, ProbeOutcome
-from mooncake._engine.metadata.etcd import EtcdKV, _b64
 from mooncake.errors import MetadataError
 
 log = logging.getLogger("mooncake.master.ha")
@@ -27,18 +26,18 @@ __all__ = ["LeaderProbe", "probe_connect"]
 
 class LeaderProbe:
     """Probe the leader that ``target()`` names, ``(address, term)``, or nothing (None: this
-    master is not a standby following another master). A revoke that deleted the term's key
-    calls ``on_revoke()``."""
+    master is not a standby following another master). Once the detector calls the leader
+    dead, ``revoke(term, address)`` revokes that term's lease if the view still belongs to it
+    (:meth:`mooncake._store.ha_base.Election.revoke_term`); one that did calls
+    ``on_revoke()``."""
 
     def __init__(
         self,
-        etcd: EtcdKV,
-        view_key: str,
+        revoke: Callable[[int, str], Awaitable[bool]],
         target: Callable[[], tuple[str, int] | None],
         on_revoke: Callable[[], None],
     ) -> None:
-        self.etcd = etcd
-        self.view_key = view_key
+        self.revoke = revoke
         self.target = target
         self.on_revoke = on_revoke
         self.detector = DeathDetector()
@@ -57,34 +56,10 @@ class LeaderProbe:
                 continue  # the view changed while the probe ran: the outcome is stale
             if self.detector.observe(term, addr, outcome):
                 try:
-                    await self.revoke_dead_leader(term, addr)
+                    if await self.revoke(term, addr):
+                        self.on_revoke()
                 except MetadataError as e:
                     log.warning("master HA: revoking the dead leader's lease: %s", e)
-
-    async def revoke_dead_leader(self, term: int, addr: str) -> bool:
-        """Revoke the lease of term ``term`` if the view key still belongs to it."""
-        obj = await self.etcd.call("/v3/kv/range", {"key": _b64(self.view_key)})
-        kvs = obj.get("kvs") or []
-        if not kvs or int(kvs[0].get("create_revision", 0) or 0) != term:
-            return False  # gone already, or a newer leader: nothing of ours to revoke
-        lid = str(kvs[0].get("lease", "0") or "0")
-        if lid == "0":
-            return False  # not bound to a lease (not written by a master): leave it
-        log.warning(
-            "master HA: leader %s (term %d) refuses connections: revoking its lease %s",
-            addr,
-            term,
-            lid,
-        )
-        # lease ids are unique: this deletes the key of that term only
-        try:
-            await self.etcd.call("/v3/lease/revoke", {"ID": lid})
-        except MetadataError as e:
-            if "not found" not in str(e):
-                raise
-            return False  # another standby (or the expiry) was first
-        self.on_revoke()
-        return True
 
 
 def _split_address(addr: str) -> tuple[str, int] | None:

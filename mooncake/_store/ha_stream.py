@@ -38,17 +38,19 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import msgspec
 
-from mooncake._engine.metadata.etcd import _b64, _unb64
+from mooncake._core.commitlog import MAX_ENTRY
+from mooncake._store.ha_base import LogGap
 from mooncake.errors import MetadataError, ProtocolError
 
 if TYPE_CHECKING:
-    from mooncake._store.ha import HaNode
+    from mooncake._store.ha_base import StreamNode
 
 log = logging.getLogger("mooncake.master.ha")
 
-__all__ = ["ReplicaLeader", "follow_stream", "read_isr"]
+__all__ = ["HeldEntries", "ReplicaLeader", "follow_stream", "read_isr", "start_replica"]
 
 _LEN = struct.Struct(">I")
 #: what ends a replication connection (logged, never raised out of its task)
@@ -127,7 +129,7 @@ class _Peer:
 class ReplicaLeader:
     """The leader's half: the stream listener, the entries not yet in etcd, the in-sync set."""
 
-    def __init__(self, node: HaNode) -> None:
+    def __init__(self, node: StreamNode) -> None:
         self.node = node
         self.term = node.term
         self.port = 0
@@ -203,8 +205,6 @@ class ReplicaLeader:
         waits until its first entry is ``etcd_linger`` seconds old, :data:`MAX_TXN_ENTRIES`
         entries are waiting, or :attr:`hurry` is set, so one txn (one fsync, one watch event
         for each master) carries many entries instead of one."""
-        from mooncake._store.ha import MAX_ENTRY
-
         node = self.node
         linger = node.config.etcd_linger
         while node.role == "leader":
@@ -340,7 +340,85 @@ class ReplicaLeader:
                 self.node.replica_progress()
 
 
-async def follow_stream(node: HaNode) -> None:
+async def start_replica(node: StreamNode, tg: anyio.abc.TaskGroup) -> ReplicaLeader | None:
+    """A new ``replica`` leader, before it serves: append and apply the entries it holds
+    beyond the log (every entry the last leader acknowledged), then open the stream (in
+    ``tg``) and name it with an empty in-sync set. None: it stepped down meanwhile; else the
+    stream's leader half, whose :meth:`~ReplicaLeader.write_etcd` and
+    :meth:`~ReplicaLeader.keep_isr` the caller runs."""
+    held, node.held = node.held, {}
+    first = seq = node.applied_seq + 1
+    while seq in held:
+        chunk: list[tuple[int, bytes]] = []
+        size = 0
+        while seq in held and len(chunk) < MAX_TXN_ENTRIES:
+            if chunk and size + len(held[seq]) > MAX_ENTRY:
+                break
+            chunk.append((seq, held[seq]))
+            size += len(held[seq])
+            seq += 1
+        refused = await node.append_entries(chunk)  # several a txn, as the stream wrote
+        if refused is not None:
+            node.step_down(refused)
+            return None
+        for s, data in chunk:
+            node.apply_entry(s, data)
+            node.latest_seq = s
+    node.adopted += seq - first
+    if seq > first:
+        log.info("master HA: appended %d held entries (%d to %d)", seq - first, first, seq - 1)
+    rep = ReplicaLeader(node)
+    await tg.start(rep.serve, node.listen_host)
+    host = node.address.rpartition(":")[0]
+    if not await node.write_replica_keys(frozenset(), f"{host}:{rep.port}"):
+        node.step_down("a newer leader holds master_view (stream key fenced)")
+        return None
+    return rep
+
+
+class HeldEntries:
+    """A ``replica`` standby's streamed entries, applied up to the leader's etcd watermark."""
+
+    def __init__(self, node: StreamNode) -> None:
+        self.node = node
+        self.target = 0
+        self.applied = 0
+        """Entries applied from the stream (the rest came from the log)."""
+        self._wanted = anyio.Event()
+
+    def durable_upto(self, committed: int) -> None:
+        """The leader says its log holds every entry up to ``committed``."""
+        node = self.node
+        if node.role != "standby" or committed <= self.target:
+            return
+        node.latest_seq = max(node.latest_seq, committed)
+        self.target = committed
+        self._wanted.set()
+
+    async def run(self) -> None:
+        """Apply held entries up to the watermark, one per scheduler turn (so the stream
+        reader acknowledges what arrives meanwhile without waiting for a burst); a seq not
+        held (from before the stream began) or one that does not decode wakes the follow
+        loop, which reads it from the log (and reloads on a bad one)."""
+        node = self.node
+        while True:
+            await self._wanted.wait()
+            self._wanted = anyio.Event()
+            while node.role == "standby" and node.applied_seq < self.target:
+                data = node.held.get(node.applied_seq + 1)
+                if data is None:
+                    node.wake()
+                    break
+                try:
+                    node.apply_entry(node.applied_seq + 1, data)
+                except LogGap:
+                    node.wake()
+                    break
+                self.applied += 1
+                await anyio.lowlevel.checkpoint()
+
+
+async def follow_stream(node: StreamNode) -> None:
     """A standby's half: stream the entries of the leader it follows into ``node.held``."""
     while True:
         try:
@@ -350,24 +428,19 @@ async def follow_stream(node: HaNode) -> None:
             await anyio.sleep(1.0)
 
 
-async def _follow_once(node: HaNode) -> None:
+async def _follow_once(node: StreamNode) -> None:
     while True:
         await anyio.sleep(_CHECK_S * 2)
         term = node.stream_term()
         if not term:
             continue
         try:
-            obj = await node.etcd.call("/v3/kv/range", {"key": _b64(node.stream_key)})
+            spec = await node.log.read_stream()
         except MetadataError:
             continue
-        kvs = obj.get("kvs") or []
-        if not kvs:
+        if spec is None:
             continue
-        try:
-            spec = json.loads(_unb64(kvs[0].get("value", "")))
-            addr, sterm = str(spec["addr"]), int(spec["term"])
-        except (ValueError, KeyError, TypeError):
-            continue
+        addr, sterm = spec
         if sterm != term:
             continue
         host, _, port = addr.rpartition(":")
@@ -388,7 +461,7 @@ async def _follow_once(node: HaNode) -> None:
                 await stream.aclose()
 
 
-async def _stream(node: HaNode, stream: anyio.abc.SocketStream, term: int, addr: str) -> None:
+async def _stream(node: StreamNode, stream: anyio.abc.SocketStream, term: int, addr: str) -> None:
     async with anyio.create_task_group() as tg:
 
         async def watch() -> None:

@@ -60,27 +60,24 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
 import anyio.lowlevel
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from mooncake._core import auth, commands, rpc, tenantscope
 from mooncake._core.master import MasterConfig, MasterState
 from mooncake._engine import _accept
-from mooncake._store import master_http
+from mooncake._store import master_auth, master_http
 from mooncake._store.drain_jobs import DrainJobs
+from mooncake._store.ha_base import Replication
 from mooncake._store.keyscan import DEFAULT_BUDGET_S, SCAN_METHODS, KeyScanner
+from mooncake._store.master_metrics import MasterCollector
 from mooncake._store.rpc_thread import Handoff, RpcThread, usable
 from mooncake._store.serving import ReplyBudget, frame_deadline
-from mooncake._store.tenancy import (
-    TenantBindings,
-    tenant_metrics,
-)
+from mooncake._store.tenancy import TenantBindings
 from mooncake.errors import (
     ErrorCode,
     InvalidArgumentError,
@@ -89,13 +86,14 @@ from mooncake.errors import (
 )
 
 if TYPE_CHECKING:
-    from mooncake._store.ha import HaConfig, HaNode
+    from mooncake._store.ha import HaNode
+    from mooncake._store.ha_base import HaConfig
     from mooncake._store.kv_events import KvEventPublisher, KvEventsConfig
     from mooncake._store.snapshots import SnapshotConfig
 
 log = logging.getLogger("mooncake.master")
 
-__all__ = ["MasterServer", "MasterServerConfig", "serve_master"]
+__all__ = ["MasterServer", "MasterServerConfig", "Replication", "serve_master"]
 
 DEFAULT_RPC_PORT = 50051
 DEFAULT_METRICS_PORT = 9003
@@ -107,9 +105,7 @@ _HEARTBEATS = frozenset({"Ping", "MountSegment", "ReMountSegment"})
 #: heartbeat calls that make a connection its client's heartbeat connection
 HEARTBEAT_CONNECTION_CALLS = 2
 _DEADLINE_SLACK = 0.5  # seconds a connection's wait deadline may fire late (5 % at most)
-AUTH_REQUIRED = (
-    "authentication required: this master needs the cluster secret (MOONCAKE_CLUSTER_SECRET)"
-)
+AUTH_REQUIRED = master_auth.AUTH_REQUIRED
 
 
 @dataclass
@@ -162,29 +158,6 @@ HA_SWEEP_INTERVAL = 0.2
 MAX_LOGGED_PARAMS = 1 << 20
 
 
-class Replication(Protocol):
-    """What the server asks of the replication layer (:mod:`mooncake._store.ha`)."""
-
-    def refusal(self) -> str | None:
-        """None while this master leads and may answer; else why it may not (naming the
-        leader when it knows one)."""
-
-    def append(self, command: commands.Command) -> int:
-        """Queue an applied command for the log; its ticket (increasing)."""
-
-    @property
-    def barrier(self) -> int:
-        """The ticket of the last mutating command queued."""
-
-    def mark_mutated(self) -> None:
-        """The command queued last changed what clients can see (a sweep that evicted or
-        expired something): later answers wait for it as for a mutation."""
-
-    async def wait_durable(self, ticket: int) -> bool:
-        """Until every command up to ``ticket`` is durable (True), or this master was deposed
-        first (False: say nothing to the client)."""
-
-
 class MasterServer:
     """A running master: its state, bound ports and per-method counters."""
 
@@ -204,7 +177,7 @@ class MasterServer:
         self.metrics_port: int | None = None
         self.http_metadata_port: int | None = None
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_MasterCollector(self))
+        self.registry.register(MasterCollector(self))
         self.slots = _accept.Slots(config.max_connections, "master")
         self.replies = ReplyBudget(config.reply_budget)
         self.secret = auth.load_secret(config.cluster_secret)
@@ -431,9 +404,9 @@ class MasterServer:
             if stopping:
                 self._heartbeats.pop(sock, None)
             else:
-                self._connection_closed(sock)
+                self.connection_closed(sock)
 
-    def _connection_closed(self, sock: socket.socket, now: float | None = None) -> None:
+    def connection_closed(self, sock: socket.socket, now: float | None = None) -> None:
         """``sock`` closed: if it was the last connection a client sent heartbeats on, that
         client's segments are quarantined and its writes in flight discarded at once
         (:func:`commands.ConnectionLost`) instead of at its client TTL. ``now``: the state's
@@ -531,7 +504,7 @@ class MasterServer:
                     if not isinstance(msg, rpc.Request):
                         raise ProtocolError("a client sent a response frame")
                     if not authed or msg.method in rpc.AUTH_METHODS:
-                        reply, authed, nonces, close = self._auth_step(msg, authed, nonces, sock)
+                        reply, authed, nonces, close = self.auth_step(msg, authed, nonces, sock)
                         out.append(reply)
                         if close:
                             scope.deadline = math.inf
@@ -620,7 +593,7 @@ class MasterServer:
         finally:
             self.replies.give(left)
 
-    def _auth_step(
+    def auth_step(
         self,
         req: rpc.Request,
         authed: bool,
@@ -628,59 +601,9 @@ class MasterServer:
         sock: socket.socket | None = None,
     ) -> tuple[bytes, bool, tuple[bytes, bytes] | None, bool]:
         """One request of a connection not yet authenticated (or an auth method):
-        (reply, authenticated now, pending nonces, close the connection after the reply)."""
-        mf = self.config.max_frame
-
-        def refuse(text: str) -> tuple[bytes, bool, None, bool]:
-            self.auth_failures += 1
-            log.warning("master: refusing a connection: %s", text)
-            return (
-                rpc.encode_error(req.id, ErrorCode.RPC_FAIL, text, max_frame=mf),
-                False,
-                None,
-                True,
-            )
-
-        if self.secret is None and self.tenant_bindings.secret is None:
-            text = "no cluster secret is configured on this master"
-            return (
-                rpc.encode_error(req.id, ErrorCode.NOT_SUPPORTED, text, max_frame=mf),
-                authed,
-                None,
-                False,
-            )
-        try:
-            params = rpc.decode_params(req)
-        except MooncakeError:
-            params = None
-        if authed and not self.tenant_bindings.binding_hello(params, nonces):
-            return (
-                rpc.encode_error(req.id, ErrorCode.RPC_FAIL, "already authenticated", max_frame=mf),
-                True,
-                None,
-                False,
-            )
-        if req.method == "AuthHello" and isinstance(params, rpc.AuthHelloParams) and nonces is None:
-            if len(params.nonce) != auth.NONCE_BYTES:
-                return refuse("bad client nonce")
-            try:  # a tenant's key instead of the secret: the connection is bound to it
-                key = self.tenant_bindings.hello_key(self.secret, sock, params.tenant)
-            except MooncakeError as e:
-                return refuse(str(e))
-            sn = auth.new_nonce()
-            proof = auth.server_proof(key, "rpc", params.nonce, sn)
-            reply = rpc.encode_result(
-                req.id, rpc.AuthChallenge(nonce=sn, proof=proof), max_frame=mf
-            )
-            return reply, False, (params.nonce, sn), False
-        if req.method == "AuthProve" and isinstance(params, rpc.AuthProveParams) and nonces:
-            key, tenant = self.tenant_bindings.prove_key(self.secret, sock)
-            expected = auth.client_proof(key, "rpc", nonces[0], nonces[1])
-            if not auth.verify(expected, params.proof):
-                return refuse("authentication failed: wrong cluster secret")
-            self.tenant_bindings.bind(sock, tenant)
-            return rpc.encode_result(req.id, None, max_frame=mf), True, None, False
-        return refuse(AUTH_REQUIRED)
+        (reply, authenticated now, pending nonces, close the connection after the reply)
+        (:func:`mooncake._store.master_auth.auth_step`)."""
+        return master_auth.auth_step(self, req, authed, nonces, sock)
 
     async def sweeper(self) -> None:
         """Periodic time-driven work on the state (see :meth:`MasterState.sweep`).
@@ -729,149 +652,6 @@ class MasterServer:
     async def serve_http_connection(self, sock: socket.socket, slot: _accept.Slot) -> None:
         """One admin HTTP connection (:func:`mooncake._store.master_http.serve_http_connection`)."""
         await master_http.serve_http_connection(self, sock, slot)
-
-
-class _MasterCollector(Collector):
-    """Prometheus view of a master (names follow Mooncake's ``master_*`` metrics)."""
-
-    def __init__(self, server: MasterServer) -> None:
-        self.server = server
-
-    def collect(self) -> Iterator[Metric]:
-        s = self.server.state
-        st = s.stats
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, value=value)
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(name, doc, value=value)
-
-        yield from tenant_metrics(s.tenants)
-        yield gauge("master_key_count", "Objects with a readable version", s.object_count)
-        yield gauge("master_allocated_bytes", "Bytes allocated in mounted segments", s.used_bytes)
-        yield gauge(
-            "master_total_capacity_bytes", "Bytes of all mounted segments", s.capacity_bytes
-        )
-        yield gauge("master_active_clients", "Clients alive (pinging)", s.client_count)
-        yield gauge("master_mounted_segments", "Mounted segments", s.segment_count)
-        yield counter("master_put_start", "PutStart/UpsertStart that allocated", st.puts_started)
-        yield counter("master_put_end", "Writes made readable", st.puts_ended)
-        yield counter("master_put_revoke", "Writes revoked", st.puts_revoked)
-        yield counter(
-            "master_put_no_space", "PutStart refused for lack of space", st.put_failures_no_space
-        )
-        yield counter("master_get_replica_list", "Successful replica lookups", st.gets)
-        yield counter("master_get_miss", "Replica lookups of absent objects", st.get_misses)
-        yield counter("master_removed_keys", "Objects removed explicitly", st.removes)
-        yield counter("master_evicted_keys", "Objects evicted", st.evicted_objects)
-        yield counter("master_evicted_bytes", "Object bytes evicted", st.evicted_bytes)
-        yield counter("master_eviction_runs", "Eviction passes", st.eviction_runs)
-        yield counter(
-            "master_lease_refusals", "Removals refused because of a lease", st.lease_refusals
-        )
-        yield counter(
-            "master_zombie_puts_discarded", "Zombie writes pre-empted", st.zombies_discarded
-        )
-        yield counter("master_zombie_puts_released", "Zombie writes released", st.zombies_released)
-        yield counter(
-            "master_clients_expired", "Clients dropped after client_ttl", st.clients_expired
-        )
-        yield counter(
-            "master_corrupt_replicas_dropped",
-            "Replicas dropped because a reader found their bytes failing the writer's CRC32C",
-            st.corrupt_replicas_dropped,
-        )
-        yield counter(
-            "master_corrupt_objects_removed",
-            "Objects removed because their last replica was reported corrupt",
-            st.corrupt_objects_removed,
-        )
-        yield counter(
-            "master_stall_seconds",
-            "Time the master could not serve, credited to every client's TTL",
-            st.stall_seconds,
-        )
-        q = s.quarantine.stats
-        for name, doc, value in (
-            ("reports", "Transfer failures to a segment reported by clients", q.reports),
-            ("started", "Segments quarantined on a client's report", q.started),
-            ("ignored", "Reports ignored (reporter refuted on that segment)", q.ignored),
-            ("lifted", "Quarantines lifted by the holder's heartbeat", q.lifted),
-            ("ended", "Quarantines ended with the segment (owner expired)", q.ended),
-        ):
-            yield counter(f"master_quarantine_{name}", doc, value)
-        yield GaugeMetricFamily(
-            "master_quarantined_segments",
-            "Segment names quarantined now",
-            value=len(s.quarantine.names),
-        )
-        yield counter(
-            "master_rpc_deduplicated",
-            "Retried mutating calls answered from the dedup ledger, not applied again",
-            self.server.deduplicated,
-        )
-        yield gauge(
-            "master_dedup_ledger_bytes",
-            "Bytes of recorded replies the dedup ledger holds",
-            s.dedup.nbytes,
-        )
-        yield counter(
-            "master_regex_timeouts",
-            "Regex requests refused past their budget",
-            self.server.scanner.timeouts,
-        )
-        ha = self.server.ha_status()
-        yield gauge("master_ha_is_leader", "1 if this master leads", ha["role"] == "leader")
-        for name, doc in (
-            ("term", "HA term (create revision of the leader's master_view key; 0 standby)"),
-            ("applied_seq", "Last log batch applied"),
-            ("log_lag", "Leader: commands not yet durable; standby: batches not yet applied"),
-            ("last_snapshot_seq", "Log seq of the newest snapshot"),
-            ("lease_remaining", "Seconds of the leader's lease left (as it knows)"),
-        ):
-            if name in ha:
-                yield gauge(f"master_ha_{name}", doc, float(ha[name]))
-        for name in ("stepdowns", "elections_won", "batches", "apply_errors", "early_revokes"):
-            if name in ha:
-                yield counter(f"master_ha_{name}", f"HA {name.replace('_', ' ')}", ha[name])
-        misses = CounterMetricFamily(
-            "master_misses",
-            "Replica lookups of absent objects, by why the object is absent",
-            labels=["reason", "policy", "tier"],
-        )
-        for (reason, policy, tier), n in sorted(s.misses.counts().items()):
-            misses.add_metric([reason, policy, tier], n)
-        yield misses
-        for what in ("hits", "misses", "evictions", "demotions", "promotions"):
-            fam = CounterMetricFamily(
-                f"master_tier_{what}", f"Per-tier {what} as the master sees them", labels=["tier"]
-            )
-            for tier, c in s.tiers.items():
-                fam.add_metric([tier], getattr(c, what))
-            yield fam
-        by_tier = s.segment_tiers()
-        for what, name, doc in (
-            ("segments", "master_tier_segments", "Mounted segments by memory tier (dram, gpu)"),
-            ("capacity", "master_tier_capacity_bytes", "Mounted segment bytes by memory tier"),
-            ("used", "master_tier_used_bytes", "Allocated segment bytes by memory tier"),
-        ):
-            g = GaugeMetricFamily(name, doc, labels=["tier"])
-            for tier, d in by_tier.items():
-                g.add_metric([tier], d[what])
-            yield g
-        req = CounterMetricFamily(
-            "master_rpc_requests", "RPC requests by method", labels=["method"]
-        )
-        fail = CounterMetricFamily(
-            "master_rpc_failures", "RPC error answers by method", labels=["method"]
-        )
-        for name, n in self.server.requests.items():
-            req.add_metric([name], n)
-        for name, n in self.server.failures.items():
-            fail.add_metric([name], n)
-        yield req
-        yield fail
 
 
 async def _raw_listener(host: str, port: int) -> socket.socket:

@@ -31,7 +31,7 @@ Contracts kept from the loop path (:meth:`MasterServer._serve_socket`):
   while a reply waits to be sent (without a byte going out), and the frame's whole bound
   (:func:`~mooncake._store.serving.frame_deadline`), ``idle_timeout`` between frames;
   checked every :data:`_CHECK_S` (so they fire at most that late, never early);
-* authentication (:meth:`MasterServer._auth_step`) runs here; a regex method (it matches in a
+* authentication (:meth:`MasterServer.auth_step`) runs here; a regex method (it matches in a
   worker thread of the loop) hands the connection, its decoder, the requests decoded after
   it and the answers not yet sent back to the loop path, which serves it from then on;
 * descriptors: a thread serves a connection through a ``dup`` of its socket's descriptor,
@@ -56,7 +56,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -67,11 +67,11 @@ from mooncake.errors import ProtocolError
 
 if TYPE_CHECKING:
     from mooncake._engine import _accept
-    from mooncake._store.master import MasterServer
+    from mooncake._store.serving import ReplyBudget
 
 log = logging.getLogger("mooncake.master")
 
-__all__ = ["Handoff", "RpcThread", "usable"]
+__all__ = ["Handoff", "RpcHost", "RpcThread", "usable"]
 
 _RECV = 256 << 10
 #: seconds between deadline checks (a deadline fires at most this late)
@@ -91,6 +91,58 @@ class Handoff:
     nonces: tuple[bytes, bytes] | None
     requests: list[rpc.Message]
     out: list[bytes] = field(default_factory=list)
+
+
+class ServingConfig(Protocol):
+    """The part of the master's configuration a serving thread reads."""
+
+    @property
+    def request_timeout(self) -> float: ...
+    @property
+    def progress_timeout(self) -> float: ...
+    @property
+    def idle_timeout(self) -> float: ...
+    @property
+    def min_rate(self) -> float: ...
+    @property
+    def reply_batch(self) -> int: ...
+
+
+class RpcHost(Protocol):
+    """What the serving threads ask of the master (a
+    :class:`~mooncake._store.master.MasterServer`); what reads or changes the state is called
+    holding :attr:`RpcThread.lock`."""
+
+    connections_dropped: int
+    clock_offset: float
+
+    @property
+    def config(self) -> ServingConfig: ...
+    @property
+    def secret(self) -> bytes | None: ...
+    @property
+    def replies(self) -> ReplyBudget: ...
+
+    def execute(
+        self,
+        req: rpc.Request,
+        now: float,
+        matched: list[str] | None = None,
+        sock: socket.socket | None = None,
+    ) -> tuple[bytes, int]:
+        """(framed reply, log ticket) for one request (never raises for request errors)."""
+
+    def auth_step(
+        self,
+        req: rpc.Request,
+        authed: bool,
+        nonces: tuple[bytes, bytes] | None,
+        sock: socket.socket | None = None,
+    ) -> tuple[bytes, bool, tuple[bytes, bytes] | None, bool]:
+        """One request of a connection not yet authenticated (or an auth method)."""
+
+    def connection_closed(self, sock: socket.socket, now: float | None = None) -> None:
+        """``sock`` (the loop's socket of the connection) was closed by its peer."""
 
 
 def _own(msg: rpc.Message) -> rpc.Message:
@@ -188,12 +240,12 @@ class RpcThread:
     :meth:`start` and :meth:`stop` run on the loop; :meth:`serve` is a connection's handler.
     """
 
-    def __init__(self, server: MasterServer, threads: int = 2) -> None:
+    def __init__(self, server: RpcHost, threads: int = 2) -> None:
         import trio
 
         self.server = server
         self.lock = threading.Lock()
-        self._clock = trio.lowlevel.current_clock()
+        self.clock = trio.lowlevel.current_clock()
         self._token = trio.lowlevel.current_trio_token()
         self._instrument: Any = None
         self._workers = [_Worker(self, i) for i in range(max(1, threads))]
@@ -450,8 +502,8 @@ class _Worker:
             # (or another) answers anyone else, not when the loop gets round to the handler
             with self.owner.lock:
                 server = self.server
-                server._connection_closed(
-                    c.origin, self.owner._clock.current_time() + server.clock_offset
+                server.connection_closed(
+                    c.origin, self.owner.clock.current_time() + server.clock_offset
                 )
             self._finish(c)
             return
@@ -488,7 +540,7 @@ class _Worker:
         handoff = None
         rest: list[rpc.Message] = []
         with self.owner.lock:  # the state, only while answering (not around the I/O)
-            now = self.owner._clock.current_time() + server.clock_offset
+            now = self.owner.clock.current_time() + server.clock_offset
             for i, msg in enumerate(msgs):
                 if size >= batch:  # the rest waits until this batch is sent
                     rest = msgs[i:] if owned else [_own(m) for m in msgs[i:]]
@@ -497,7 +549,7 @@ class _Worker:
                 if not isinstance(msg, rpc.Request):
                     raise ProtocolError("a client sent a response frame")
                 if not c.authed or msg.method in rpc.AUTH_METHODS:
-                    reply, c.authed, c.nonces, close = server._auth_step(
+                    reply, c.authed, c.nonces, close = server.auth_step(
                         msg, c.authed, c.nonces, c.origin
                     )
                     out.append(reply)
@@ -568,4 +620,4 @@ class _Worker:
             if end < c.deadline:
                 c.deadline, c.what = end, "frame not done within its bound"
         if c.idle:
-            c.slot.since = self.owner._clock.current_time()
+            c.slot.since = self.owner.clock.current_time()

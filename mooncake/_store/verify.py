@@ -17,12 +17,13 @@ read unverified and counted (``unverified``). :class:`ReadVerifier` holds the sw
 counters (exported by :mod:`mooncake._store.metrics`).
 
 Switch: ``open_store(verify=...)``, else ``MOONCAKE_STORE_CHECKSUM`` (the published client's
-variable; ``1`` on, ``0`` off). The default is **off**: measured, the checksum costs more than
-the 5 % of batch throughput it was allowed at 1 MiB x 32 (its CRC32C runs at ~20 GB/s, the
-copies it rides on at memory speed; ``docs/benchmarks.md``, verified reads), though only
-~1 us on a 4 KiB get. On the pure-Python twin (``MOONCAKE_NO_EXTENSIONS=1``, a few MB/s) it
-is for tests only. Off: writers send no CRC, readers check none (and count the read
-unverified).
+variable; ``1`` on, ``0`` off), else :data:`DEFAULT`: on where this process's CRC32C kernel
+is one of :data:`FAST_KERNELS`, the kernels measured to cost within the goal (<= 5 % of batch
+CPU at 1 MiB x 32 put and get, <= 1 us on a 4 KiB get). None is, so the default is **off**:
+with the AVX-512 VPCLMULQDQ folding kernel (its fused copy at ``memcpy``'s speed) a verified
+put costs ~0 % and a 4 KiB get <= ~1 us, but a verified 1 MiB x 32 ``batch_get_into`` still
+~+7 % CPU; with the SSE4.2 / ARMv8 CRC instruction ~+28-48 % (``docs/benchmarks.md``,
+verified reads). Off: writers send no CRC, readers check none (and count the read unverified).
 """
 
 from __future__ import annotations
@@ -46,8 +47,13 @@ NO_CRC = -1
 ENV = "MOONCAKE_STORE_CHECKSUM"
 
 
-#: verified reads when neither ``open_store(verify=...)`` nor the variable says (see above)
-DEFAULT = False
+#: the CRC32C kernels (``mooncake._fast._crc32c.KERNELS``) measured fast enough for
+#: verification on by default (docs/benchmarks.md): none yet ("avx512" misses the batch get)
+FAST_KERNELS: tuple[str, ...] = ()
+
+#: verified reads when neither ``open_store(verify=...)`` nor the variable says (see above):
+#: whether the CRC32C kernel chosen at import is one of :data:`FAST_KERNELS`
+DEFAULT = _fast.CRC_KERNEL in FAST_KERNELS
 
 
 def default_enabled() -> bool:
