@@ -146,11 +146,11 @@ def test_stopped_leader_does_not_hold_caller_thread_puts(
     timeout is raised to an hour, so only the leader change can free the thread."""
     import threading
 
-    from mooncake._store import fastpath
+    from mooncake._store import sync_master
     from mooncake.store import MooncakeDistributedStore
 
     monkeypatch.setenv("MC_STORE_CLUSTER_ID", CLUSTER)
-    monkeypatch.setattr(fastpath, "RPC_TIMEOUT_S", 3600.0)
+    monkeypatch.setattr(sync_master, "RPC_TIMEOUT_S", 3600.0)
     flags = ("--ha-lease-ttl", "2", "--ha-ack-mode", ack)
     masters = [HaMaster(etcd1.conn, *flags, cluster=CLUSTER) for _ in range(2)]
     store = MooncakeDistributedStore()

@@ -99,13 +99,13 @@ async def test_region_replaced_during_peer_lookup_pins_the_new_one(
         await engine.peer(target.segment_name)  # cached: the gate is the only await left
         gate = _gate_peer_lookup(engine, monkeypatch)
         seen: list[int] = []
-        real_execute = engine._execute
+        real_execute = engine.batches._execute
 
         async def spy(*args: Any) -> None:
             seen.append(engine.registry.get(addr(local)).users)
             await real_execute(*args)
 
-        monkeypatch.setattr(engine, "_execute", spy)
+        monkeypatch.setattr(engine.batches, "_execute", spy)
         out: list[Any] = []
 
         async def run() -> None:
@@ -136,13 +136,13 @@ async def test_cancelled_unregister_leaves_the_region_registered(
         local = np.zeros(1 << 20, dtype=np.uint8)
         region = await engine.register(local)
         hold = anyio.Event()
-        real_execute = engine._execute
+        real_execute = engine.batches._execute
 
         async def held(*args: Any) -> None:
             await hold.wait()  # a transfer in flight, pinning the region
             await real_execute(*args)
 
-        monkeypatch.setattr(engine, "_execute", held)
+        monkeypatch.setattr(engine.batches, "_execute", held)
         async with anyio.create_task_group() as tg:
             tg.start_soon(
                 engine.transfer, target.segment_name, [R.read(addr(local), tbuf.addr, 4096)]

@@ -36,42 +36,41 @@ its bytes may have moved.
 from __future__ import annotations
 
 import collections
-import fcntl
 import logging
-import math
-import mmap
 import os
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from functools import partial
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import anyio
 import anyio.abc
-import numpy as np
 
-from mooncake import _fast
 from mooncake._core.descriptor import BufferDesc, SegmentDescriptor, now_timestamp
-from mooncake._core.gpu import device_of, parse_location
 from mooncake._core.handshake import Frame, FrameType
-from mooncake._core.hostmem import check_backable
-from mooncake._core.memory import MemoryRegistry, Region, check_range
+from mooncake._core.memory import MemoryRegistry, Region
 from mooncake._core.transfer import (
     Opcode,
     TransferRequest,
     TransferResult,
     TransferStatus,
-    completed,
-    failed,
 )
 from mooncake._engine import telemetry as _tel
 from mooncake._engine import tracing as _tracing
+from mooncake._engine.batch import Batches, _op
+from mooncake._engine.gpu import Gpu
 from mooncake._engine.handshake import HandshakeServer
+from mooncake._engine.memory import (
+    Buffer,
+    DeviceMemory,
+    Memory,
+    Pins,
+    buffer_address,
+    device_array_address,
+)
 from mooncake._engine.metadata import MetadataBackend, open_backend
 from mooncake._engine.metrics import (
-    LOG_MAX,
     EngineMetrics,
     MetricsServer,
     make_registry,
@@ -79,24 +78,29 @@ from mooncake._engine.metrics import (
 )
 from mooncake._engine.metrics import enabled as metrics_enabled
 from mooncake._engine.metrics import env_port as metrics_env_port
+from mooncake._engine.peers import PeerCache
 from mooncake._engine.transports.base import PeerInfo, Transport
 from mooncake._groups import unwrapped
 from mooncake.errors import (
     ClosedError,
-    CudaError,
     InvalidArgumentError,
     MooncakeError,
-    NotSupportedError,
-    PeerDiedError,
-    PeerUnreachableError,
-    RegistrationError,
-    RemoteAccessError,
-    TransferError,
 )
 
 if TYPE_CHECKING:
     from mooncake._engine.cudaio import Completions, Stager
     from mooncake._fast.cuda import CudaRuntime
+
+__all__ = [
+    "Buffer",
+    "DeviceMemory",
+    "Engine",
+    "Notify",
+    "TransferHandle",
+    "buffer_address",
+    "device_array_address",
+    "open_engine",
+]
 
 log = logging.getLogger("mooncake.engine")
 
@@ -109,125 +113,6 @@ class Notify:
 
     name: str
     msg: str
-
-
-def buffer_address(obj: Any, *, writable: bool = True) -> tuple[int, int, memoryview]:
-    """Address and byte length of a C-contiguous buffer export, and the export that pins it."""
-    try:
-        mv = memoryview(obj)
-    except TypeError:
-        raise InvalidArgumentError(
-            f"expected a buffer (numpy array, bytearray, mmap...) or (addr, length), "
-            f"got {type(obj).__name__}"
-        ) from None
-    if not mv.c_contiguous:
-        raise InvalidArgumentError("buffer must be C-contiguous")
-    if writable and mv.readonly:
-        raise InvalidArgumentError("buffer is read-only; peers could not write into it")
-    flat = mv.cast("B") if mv.nbytes else mv
-    if mv.nbytes == 0:
-        raise InvalidArgumentError("buffer is empty")
-    arr = np.frombuffer(flat, dtype=np.uint8)
-    return int(arr.ctypes.data), mv.nbytes, mv
-
-
-def device_array_address(obj: Any, *, writable: bool = True) -> tuple[int, int] | None:
-    """``(ptr, nbytes)`` of an object exposing ``__cuda_array_interface__``, else None."""
-    cai = getattr(obj, "__cuda_array_interface__", None)
-    if cai is None:
-        return None
-    try:
-        shape = tuple(int(d) for d in cai["shape"])
-        itemsize = int(str(cai["typestr"])[2:])
-        ptr, readonly = cai["data"]
-        strides = cai.get("strides")
-    except (KeyError, TypeError, ValueError) as e:
-        raise InvalidArgumentError(f"malformed __cuda_array_interface__: {e}") from None
-    n = itemsize
-    for d in shape:
-        n *= d
-    if strides is not None:
-        expect, step = [], itemsize
-        for d in reversed(shape):
-            expect.append(step)
-            step *= d
-        if tuple(strides) != tuple(reversed(expect)):
-            raise InvalidArgumentError("device array must be C-contiguous")
-    if n == 0 or not ptr:
-        raise InvalidArgumentError("device array is empty")
-    if writable and readonly:
-        raise InvalidArgumentError("device array is read-only; peers could not write into it")
-    return int(ptr), n
-
-
-class DeviceMemory:
-    """Engine-allocated, registered device memory (``engine.allocate(n, location="cuda:N")``)."""
-
-    def __init__(self, rt: CudaRuntime, region: Region, device: int) -> None:
-        self._rt = rt
-        self.region = region
-        self.addr = region.addr
-        self.length = region.length
-        self.device = device
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __repr__(self) -> str:
-        return f"<DeviceMemory cuda:{self.device} {self.addr:#x} +{self.length}>"
-
-
-class Buffer(mmap.mmap):
-    """Engine-allocated, registered, pre-faulted memory (``engine.allocate``).
-
-    It is the shared mapping itself, so it supports the buffer protocol: ``memoryview(buf)``,
-    ``np.frombuffer(buf, np.uint8)``, ``bytes(buf[:16])`` and ``buf[0:4] = b"abcd"`` all work on
-    the registered bytes (``buf.view`` and ``buf.numpy()`` are the same views). ``buf.addr`` is
-    its address for transfer requests, ``len(buf)`` its length (a whole number of pages).
-
-    Backed by a memfd where the kernel has them (``fd``; else -1), so that a same-host peer's
-    ``shm`` transport can map it; the engine closes the mapping and the fd on unregister/close.
-    ``close()`` is refused: unmapping registered memory under the engine would let a transfer
-    write into freed pages (``await engine.unregister(buf)`` releases it).
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # mmap's arguments, set in __new__
-        self.region: Region | None = None
-        self.addr = 0
-        self.length = 0
-        self.fd = -1
-
-    def _attach(self, region: Region, fd: int) -> None:
-        self.region = region
-        self.addr = region.addr
-        self.length = region.length
-        self.fd = fd
-
-    def close(self) -> None:
-        raise InvalidArgumentError(
-            "an engine Buffer is closed by the engine: await engine.unregister(buf) (or leave "
-            "the open_engine block)"
-        )
-
-    def _close(self) -> None:
-        """Unmap (``BufferError`` while a view is exported) and close the memfd either way:
-        a mapping that outlives this keeps its pages without the fd."""
-        try:
-            mmap.mmap.close(self)
-        finally:
-            if self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
-
-    @property
-    def view(self) -> memoryview:
-        return memoryview(self)
-
-    def numpy(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        return np.frombuffer(self, dtype=np.uint8)
-
-    def __repr__(self) -> str:
-        return f"<Buffer {self.addr:#x} +{self.length}>"
 
 
 class TransferHandle:
@@ -312,14 +197,16 @@ class Engine:
         self._transport_names = tuple(transports)
         self._tcp_lanes = tcp_lanes
         self.transports: list[Transport] = []
-        self._peers: dict[str, PeerInfo] = {}
-        self._peer_locks: dict[str, anyio.Lock] = collections.defaultdict(anyio.Lock)
         self._notifies: collections.deque[Notify] = collections.deque(maxlen=MAX_NOTIFIES)
-        self._buffers: dict[int, Buffer] = {}
-        self._device_mem: dict[int, DeviceMemory] = {}
-        self._cuda = cuda_runtime
-        self._completions: Completions | None = None
-        self._stager: Stager | None = None
+        # the object families, each on the narrow part of this engine it needs
+        self.gpu = Gpu(self, cuda_runtime)
+        self.memory = Memory(self, self.registry)
+        self.pins: Pins = self.memory.pins
+        self.peer_cache = PeerCache(self)
+        self.batches = Batches(self, self.peer_cache)
+        # the same dicts, by their old names (the sync path and tests read them)
+        self._peers: dict[str, PeerInfo] = self.peer_cache.table
+        self._buffers: dict[int, Buffer] = self.memory.buffers
         self._closed = False
         self._desc_cache: dict[str, Any] | None = None
         self.metrics: EngineMetrics | None = EngineMetrics(self) if metrics_enabled() else None
@@ -358,7 +245,7 @@ class Engine:
             self.transports.append(t)
         self.transports.sort(key=lambda t: -t.priority)
         await self.metadata.start(self)
-        await self._publish()
+        await self.publish()
         log.info(
             "engine %s up (transports: %s)", self.segment_name, [t.name for t in self.transports]
         )
@@ -378,37 +265,12 @@ class Engine:
             self.telemetry.close()
         with anyio.CancelScope(shield=True):
             await self.metadata.aclose()
-            for peer in self._peers.values():
-                for t in self.transports:
-                    t.forget_peer(peer)
+            self.peer_cache.forget_all_state()
             for t in self.transports:
                 await t.aclose()
-            for region in self.registry.regions():
-                region.closing = True  # a stale lookup re-validates and finds nothing
-            for buf in list(self._buffers.values()):
-                self.registry.remove(buf.addr)
-                try:
-                    buf._close()
-                except BufferError:
-                    # still viewed (e.g. a numpy array the caller holds): the mapping goes
-                    # away with its last view instead of under it
-                    pass
-            self._buffers.clear()
-            if self._stager is not None:
-                for pool in (self._stager.pool, self._stager.server_pool):
-                    for chunk in pool.chunks:
-                        if self.registry.find(chunk, 1) is not None:
-                            self.registry.remove(chunk)
-                self._stager.close()
-            if self._completions is not None:
-                self._completions.close()
-            for dm in list(self._device_mem.values()):
-                self.registry.remove(dm.addr)
-                try:
-                    dm._rt.free(dm.addr)
-                except CudaError as e:
-                    log.warning("freeing %r at close failed: %s", dm, e)
-            self._device_mem.clear()
+            self.memory.close_buffers()
+            self.gpu.close(self.registry)
+            self.memory.free_device_memory()
 
     async def _withdraw(self) -> None:
         """First step of closing, while the servers still run: refuse new users of every
@@ -425,14 +287,15 @@ class Engine:
         """Serve :attr:`metrics_registry` at ``http://host:port/metrics`` until the engine
         closes (port 0: a free one); returns the port. A second call returns the running
         exporter's port."""
-        self._check_open()
+        self.check_open()
         if self.metrics is None:
             raise InvalidArgumentError("metrics are off (MC_METRICS=0)")
         if self.metrics_server is None:
             self.metrics_server = serve_metrics(self.metrics_registry, port, host)
         return self.metrics_server.port
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise :class:`~mooncake.errors.ClosedError` once the engine is closed."""
         if self._closed:
             raise ClosedError("engine is closed")
 
@@ -441,66 +304,17 @@ class Engine:
     @property
     def cuda(self) -> CudaRuntime:
         """The CUDA runtime (loaded on first use; :class:`~mooncake.errors.NoGpuError` if none)."""
-        if self._cuda is None:
-            from mooncake._fast import cuda
-
-            self._cuda = cuda.runtime()
-        return self._cuda
+        return self.gpu.runtime
 
     @property
     def cuda_completions(self) -> Completions:
         """The engine's bridge from CUDA stream completion to the event loop."""
-        if self._completions is None:
-            from mooncake._engine.cudaio import Completions
-
-            self._completions = Completions(self.cuda)
-        return self._completions
+        return self.gpu.completions
 
     @property
     def staging(self) -> Stager:
         """Pinned host chunks for moving device memory over host-only transports."""
-        if self._stager is None:
-            from mooncake._engine.cudaio import Stager
-
-            self._stager = Stager(
-                self.cuda, self.cuda_completions, on_new_chunk=self._register_staging_chunk
-            )
-        return self._stager
-
-    async def _register_staging_chunk(self, addr: int, length: int) -> None:
-        # Local-only registered memory like any other: every transport sees it (an RDMA
-        # transport registers a memory region for it), peers never do.
-        await self.register((addr, length), location="cpu:0", remote_accessible=False)
-
-    def _check_device_range(self, addr: int, length: int, location: str) -> None:
-        from mooncake._fast.cuda import MEMORY_DEVICE, MEMORY_MANAGED
-
-        _, dev = parse_location(location)
-        rt = self.cuda
-        n = rt.get_device_count()
-        if dev >= n:
-            raise InvalidArgumentError(f"location {location!r}: this process sees {n} GPU(s)")
-        for p in (addr, addr + length - 1):
-            kind, pdev = rt.pointer_get_attributes(p)
-            if kind not in (MEMORY_DEVICE, MEMORY_MANAGED):
-                raise InvalidArgumentError(
-                    f"[{addr:#x}, +{length}) is not device memory, but location is {location!r}"
-                )
-            if pdev != dev:
-                raise InvalidArgumentError(
-                    f"[{addr:#x}, +{length}) is on cuda:{pdev}, but location is {location!r}"
-                )
-
-    def _auto_location(self, addr: int) -> str:
-        """``*``: ask the runtime when one is loaded (never load CUDA just for this)."""
-        from mooncake._fast import cuda
-
-        rt = self._cuda or cuda.loaded_runtime()
-        if rt is not None:
-            kind, dev = rt.pointer_get_attributes(addr)
-            if kind in (cuda.MEMORY_DEVICE, cuda.MEMORY_MANAGED) and dev >= 0:
-                return f"cuda:{dev}"
-        return "cpu:0"
+        return self.gpu.staging
 
     # -- descriptor -----------------------------------------------------------------------
 
@@ -532,7 +346,13 @@ class Engine:
             self._desc_cache = self.descriptor().to_json()
         return self._desc_cache
 
-    async def _publish(self) -> None:
+    def descriptor_changed(self) -> None:
+        """Forget the cached descriptor (the registered buffers changed)."""
+        self._desc_cache = None
+
+    async def publish(self) -> None:
+        """Publish the current descriptor where the metadata mode has a service (P2P peers
+        ask for it instead)."""
         self._desc_cache = None
         if not self.metadata.p2p:
             await self.metadata.publish(
@@ -568,51 +388,9 @@ class Engine:
         runtime's answer when CUDA is already loaded, else ``cpu:0``). A ``cuda:N`` location is
         checked against the runtime: the whole range must be device memory of device N.
         """
-        self._check_open()
-        dev_arr = device_array_address(obj, writable=remote_accessible)
-        if dev_arr is not None:
-            addr, length = dev_arr
-            check_range(addr, length, "register")
-            owner: Any = obj
-            if location in ("*", ""):
-                _, dev = self.cuda.pointer_get_attributes(addr)
-                location = f"cuda:{dev}"
-        elif isinstance(obj, tuple):
-            if len(obj) != 2:
-                raise InvalidArgumentError("expected (addr, length)")
-            addr, length = obj
-            check_range(addr, length, "register")
-            owner = None
-            if location in ("*", ""):
-                location = self._auto_location(addr)
-        else:
-            addr, length, owner = buffer_address(obj, writable=remote_accessible)
-            if device_of(location) is not None:
-                raise InvalidArgumentError(
-                    f"a host buffer ({type(obj).__name__}) cannot have location {location!r}"
-                )
-        if location in ("*", ""):
-            location = "cpu:0"
-        if location.startswith("cuda"):
-            self._check_device_range(addr, length, location)
-        region = self.registry.add(Region(addr, length, location, owner, remote_accessible))
-        done: list[Transport] = []
-        try:
-            for t in self.transports:
-                await t.on_register(region)
-                done.append(t)
-        except BaseException:
-            # roll back on the transports that took it (they may hold pins, exports...)
-            with anyio.CancelScope(shield=True):
-                for t in reversed(done):
-                    try:
-                        await t.on_unregister(region)
-                    except MooncakeError as e:
-                        log.warning("rolling back registration on %s: %s", t.name, e)
-            self.registry.remove(addr)
-            raise
-        await self._publish()
-        return region
+        return await self.memory.register(
+            obj, location=location, remote_accessible=remote_accessible
+        )
 
     async def unregister(self, obj: Any) -> None:
         """Unregister by start address, region, buffer or the registered object itself.
@@ -624,61 +402,15 @@ class Engine:
         transfers, it leaves the region registered as before; once they are done, it finishes
         the teardown even if cancelled.
         """
-        if isinstance(obj, (Region, Buffer, DeviceMemory)):
-            addr = obj.addr
-        elif isinstance(obj, int):
-            addr = obj
-        elif (dev_arr := device_array_address(obj, writable=False)) is not None:
-            addr = dev_arr[0]
-        else:
-            addr = buffer_address(obj, writable=False)[0]
-        region = self.registry.get(addr)
-        if region.closing:
-            raise RegistrationError(f"region at {addr:#x} is already being unregistered")
-        region.closing = True
-        for t in self.transports:
-            t.abort_users(region)  # peers quiet mid-request on it cannot hold it
-        try:
-            while region.users:
-                released = region.meta["released"] = anyio.Event()
-                await released.wait()
-        except BaseException:
-            # cancelled before anything was torn down: the region stays registered and usable
-            region.closing = False
-            region.meta.pop("released", None)
-            for t in self.transports:
-                t.reopen_users(region)
-            raise
-        # Past this point the teardown runs to the end even when cancelled: a region half
-        # unregistered (some transports still serving it, or closing forever) is worse than a
-        # late return. Each transport bounds its own step (shm: the revoke acknowledgement).
-        with anyio.CancelScope(shield=True):
-            try:
-                for t in self.transports:
-                    await t.on_unregister(region)
-            finally:
-                self.registry.remove(addr)
-                self._desc_cache = None
-                region.owner = None
-                buf = self._buffers.pop(addr, None)
-                if buf is not None:
-                    buf._close()
-                dm = self._device_mem.pop(addr, None)
-                if dm is not None:
-                    dm._rt.free(dm.addr)
-        await self._publish()
+        await self.memory.unregister(obj)
 
     def acquire_region(self, addr: int, length: int, what: str = "local") -> Region:
-        region = self.registry.require(addr, length, what)
-        region.users += 1
-        return region
+        """Pin the region holding ``[addr, +length)`` (see :class:`Pins`)."""
+        return self.pins.acquire(addr, length, what)
 
     def release_region(self, region: Region) -> None:
-        region.users -= 1
-        if region.users == 0 and region.closing:
-            released = region.meta.get("released")
-            if released is not None:
-                released.set()
+        """Drop a pin taken by :meth:`acquire_region`."""
+        self.pins.release(region)
 
     @overload
     async def allocate(self, length: int) -> Buffer: ...
@@ -690,62 +422,13 @@ class Engine:
         Host (``cpu:N``): page-aligned, pre-faulted :class:`Buffer`. Device (``cuda:N``):
         ``cudaMalloc`` memory as :class:`DeviceMemory`, freed by ``unregister`` or at close.
         """
-        self._check_open()
-        if length <= 0:
-            raise InvalidArgumentError(f"allocate: length must be positive, got {length}")
-        kind, dev = parse_location(location)
-        if kind == "cuda":
-            rt = self.cuda
-            rt.set_device(dev)
-            ptr = rt.malloc(length)
-            try:
-                region = await self.register((ptr, length), location=location)
-            except BaseException:
-                rt.free(ptr)
-                raise
-            dm = DeviceMemory(rt, region, dev)
-            region.owner = dm
-            self._device_mem[ptr] = dm
-            return dm
-        size = math.ceil(length / mmap.PAGESIZE) * mmap.PAGESIZE
-        check_backable(size, "a buffer")  # pre-faulted: too large would end in the OOM killer
-        buf, fd = _map_shared(size, Buffer)
-        try:
-            addr = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
-            await anyio.to_thread.run_sync(_fast.prefault, addr, size)
-            region = await self.register((addr, size), location=location)
-        except BaseException:
-            mmap.mmap.close(buf)
-            if fd >= 0:
-                os.close(fd)
-            raise
-        region.owner = buf
-        if fd >= 0:
-            region.meta["memfd"] = fd
-        buf._attach(region, fd)
-        self._buffers[addr] = buf
-        return buf
+        return await self.memory.allocate(length, location=location)
 
     # -- peers ----------------------------------------------------------------------------
 
     async def peer(self, segment: str, *, refresh: bool = False) -> PeerInfo:
         """The (cached) descriptor and connection state of ``segment``."""
-        self._check_open()
-        peer = self._peers.get(segment)
-        if peer is not None and not refresh:
-            return peer
-        async with self._peer_locks[segment]:
-            peer = self._peers.get(segment)
-            if peer is not None and not refresh:
-                return peer
-            rec = await self.metadata.lookup(segment, self.descriptor_json())
-            if peer is None:
-                peer = PeerInfo(segment, rec.descriptor, rec.rpc_host, rec.rpc_port)
-                self._peers[segment] = peer
-            else:
-                peer.descriptor = rec.descriptor
-                peer.rpc_host, peer.rpc_port = rec.rpc_host, rec.rpc_port
-            return peer
+        return await self.peer_cache.get(segment, refresh=refresh)
 
     def cached_peer(self, segment: str) -> PeerInfo | None:
         """The cached :class:`PeerInfo` of ``segment``, or ``None``; never looks it up."""
@@ -757,65 +440,15 @@ class Engine:
 
     def forget(self, segment: str) -> None:
         """Drop the cached descriptor and connections of ``segment``."""
-        peer = self._peers.pop(segment, None)
-        if peer is not None:
-            for t in self.transports:
-                t.forget_peer(peer)
+        self.peer_cache.forget(segment)
 
     def _pick(self, peer: PeerInfo, name: str | None) -> Transport:
-        if name:
-            for t in self.transports:
-                if t.name == name:
-                    if not t.can_reach(peer):
-                        raise NotSupportedError(f"transport {name!r} cannot reach {peer.segment}")
-                    return t
-            raise NotSupportedError(
-                f"transport {name!r} is not installed (have {[t.name for t in self.transports]})"
-            )
-        for t in self.transports:
-            if t.can_reach(peer):
-                return t
-        raise NotSupportedError(f"no installed transport reaches {peer.segment}")
+        return self.peer_cache.pick(peer, name)
 
     # -- transfers ------------------------------------------------------------------------
 
     def _validate(self, requests: Iterable[TransferRequest]) -> list[TransferRequest]:
-        return self._validate_regions(requests)[0]
-
-    def _validate_regions(
-        self, requests: Iterable[TransferRequest]
-    ) -> tuple[list[TransferRequest], list[Region]]:
-        """Check every request; returns them and the local region of each.
-
-        Hot path: a batch's requests usually share one local region, so the last one found is
-        tried first, and plain-int ranges skip the general checks (same outcomes, fewer calls).
-        """
-        out: list[TransferRequest] = []
-        regs: list[Region] = []
-        last: Region | None = None
-        for i, r in enumerate(requests):
-            if not isinstance(r, TransferRequest):
-                raise InvalidArgumentError(
-                    f"requests[{i}] is {type(r).__name__}, not TransferRequest"
-                )
-            la, ra, n = r.local_addr, r.remote_addr, r.length
-            if not (
-                type(la) is int
-                and type(ra) is int
-                and type(n) is int
-                and n > 0
-                and la >= 0
-                and ra >= 0
-                and la + n <= _U64
-                and ra + n <= _U64
-            ):
-                check_range(la, n, f"requests[{i}] local")
-                check_range(ra, n, f"requests[{i}] remote")
-            if last is None or last.closing or la < last.addr or la + n > last.addr + last.length:
-                last = self.registry.require(la, n, f"requests[{i}] local")
-            out.append(r)
-            regs.append(last)
-        return out, regs
+        return self.batches.validate(requests)
 
     @_tracing.traced(
         "mooncake.transfer",
@@ -839,12 +472,12 @@ class Engine:
         ``telemetry.CURRENT.get()`` in the calling task."""
         tel = self.telemetry
         if tel is None:
-            return await self._transfer(segment, requests, transport)
+            return await self.batches.run(segment, requests, transport)
         try:
             op = _op(requests) if requests else ""
             nbytes = sum(r.length for r in requests)
-        except (AttributeError, TypeError):  # not requests: _transfer says what is wrong
-            return await self._transfer(segment, requests, transport)
+        except (AttributeError, TypeError):  # not requests: run() says what is wrong
+            return await self.batches.run(segment, requests, transport)
         rec = tel.begin(segment, op, len(requests), nbytes)
         if _queued_since is not None:
             rec.queued_s = rec.t0 - _queued_since
@@ -852,7 +485,7 @@ class Engine:
         _tel.CURRENT.set(rec)
         verdict, err = "error", ""
         try:
-            out = await self._transfer(segment, requests, transport)
+            out = await self.batches.run(segment, requests, transport)
             bad = next((r for r in out if not r.ok), None)
             verdict = "completed" if bad is None else "failed"
             err = "" if bad is None else f"{bad.error}"
@@ -866,264 +499,11 @@ class Engine:
         finally:
             tel.finish(rec, verdict, err)
 
-    async def _transfer(
-        self,
-        segment: str,
-        requests: Sequence[TransferRequest],
-        transport: str | None = None,
-    ) -> list[TransferResult]:
-        self._check_open()
-        reqs, regs = self._validate_regions(requests)
-        if not reqs:
-            return []
-        if segment == self.segment_name:
-            return await self._local(reqs, regs)
-        try:
-            peer = await self.peer(segment)
-            missing = _uncovered(peer.descriptor, reqs, range(len(reqs)))
-            if missing:  # the peer may have registered more since we cached its descriptor
-                rec = _tel.CURRENT.get()
-                if rec is not None:
-                    rec.retries += 1
-                peer = await self.peer(segment, refresh=True)
-                missing = _uncovered(peer.descriptor, reqs, missing)
-        except InvalidArgumentError:
-            raise
-        except MooncakeError as e:  # unreachable, unknown or malformed: every request fails
-            self.forget(segment)
-            if self.metrics is not None:
-                self.metrics.failed_batch("", segment, _op(reqs), len(reqs), e)
-            return [failed(e) for _ in reqs]
-        results: list[TransferResult | None] = [None] * len(reqs)
-        for i in missing:
-            r = reqs[i]
-            results[i] = failed(
-                RemoteAccessError(
-                    f"{segment}: [{r.remote_addr:#x}, +{r.length}) is not inside one "
-                    "of its registered buffers"
-                )
-            )
-        if missing and self.metrics is not None:
-            err = results[missing[0]]
-            assert err is not None and err.error is not None
-            self.metrics.failed_batch("", segment, _op(reqs), len(missing), err.error)
-        send_idx = (
-            [i for i in range(len(reqs)) if results[i] is None]
-            if missing
-            else list(range(len(reqs)))
-        )
-        if send_idx:
-            # The peer lookup above awaited: a local region may have been unregistered (or
-            # replaced at the same address) since validation. Re-validate and pin in one step,
-            # with no await in between; unregister waits for the pins.
-            held = self._pin_locals(reqs, regs, send_idx)
-            try:
-                routes = self._route(peer, reqs, send_idx, transport, results)
-                if len(routes) == 1:
-                    ((t, idx),) = routes.items()
-                    await self._execute(t, peer, reqs, regs, idx, results)
-                elif routes:
-                    async with anyio.create_task_group() as tg:
-                        for t, idx in routes.items():
-                            tg.start_soon(self._execute_part, t, peer, reqs, regs, idx, results)
-            finally:
-                self._release_all(held)
-            for i in send_idx:
-                res = results[i]
-                if res is not None and isinstance(res.error, (PeerDiedError, PeerUnreachableError)):
-                    self.forget(segment)
-                    break
-        return [r if r is not None else failed(TransferError("not attempted")) for r in results]
-
-    def _route(
-        self,
-        peer: PeerInfo,
-        reqs: list[TransferRequest],
-        idx: list[int],
-        name: str | None,
-        results: list[TransferResult | None],
-    ) -> dict[Transport, list[int]]:
-        """Pick a transport per request: the first (by priority) that reaches the peer and
-        accepts the buffer holding the remote range. Unroutable requests get a failed result."""
-        cands = (
-            [self._pick(peer, name)] if name else [t for t in self.transports if t.can_reach(peer)]
-        )
-        if not cands:
-            raise NotSupportedError(f"no installed transport reaches {peer.segment}")
-        routes: dict[Transport, list[int]] = {}
-        for i in idx:
-            r = reqs[i]
-            buf = peer.descriptor.find_buffer(r.remote_addr, r.length)
-            assert buf is not None
-            t = next((t for t in cands if t.accepts(peer, buf)), None)
-            if t is None:
-                results[i] = failed(
-                    NotSupportedError(
-                        f"{peer.segment}: no transport among {[c.name for c in cands]} reaches "
-                        f"its {buf.name} buffer [{buf.addr:#x}, +{buf.length})"
-                    )
-                )
-            else:
-                routes.setdefault(t, []).append(i)
-        return routes
-
-    async def _execute_part(
-        self,
-        t: Transport,
-        peer: PeerInfo,
-        reqs: list[TransferRequest],
-        regs: list[Region],
-        idx: list[int],
-        results: list[TransferResult | None],
-    ) -> None:
-        """One transport's share of a batch split over several: a batch-level failure of that
-        transport fails its requests only (and never leaves as an exception group)."""
-        try:
-            await self._execute(t, peer, reqs, regs, idx, results)
-        except MooncakeError as e:
-            for i in idx:
-                results[i] = failed(e)
-
-    async def _execute(
-        self,
-        t: Transport,
-        peer: PeerInfo,
-        reqs: list[TransferRequest],
-        regs: list[Region],
-        idx: list[int],
-        results: list[TransferResult | None],
-    ) -> None:
-        sub = [reqs[i] for i in idx]
-        t0 = perf_counter()
-        # the local regions were looked up (and pinned) by transfer(): no second lookup here
-        devices = [] if t.device_memory else [device_of(regs[i].location) for i in idx]
-        try:
-            if t.device_memory or all(d is None for d in devices):
-                out = await t.execute(peer, sub)
-            else:
-                out = await self.staging.run(partial(t.execute, peer), sub, devices)
-        except MooncakeError as e:
-            if self.metrics is not None:
-                self.metrics.failed_batch(t.name, peer.segment, _op(sub), len(sub), e)
-            raise
-        t1 = perf_counter()
-        rec = _tel.CURRENT.get()
-        if rec is not None:
-            rec.add_group(
-                t.name,
-                _nic(t, self.hostname),
-                len(sub),
-                sum(r.length for r in sub),
-                t0,
-                t1,
-                sum(1 for r in out if not r.ok),
-            )
-        m = self.metrics
-        if m is not None:
-            m.log.append((t.name, peer.segment, sub, out, t1 - t0))
-            if len(m.log) > LOG_MAX:
-                m.drain()
-        for i, res in zip(idx, out, strict=True):
-            results[i] = res
-
-    def _pin_locals(
-        self, reqs: Sequence[TransferRequest], regs: list[Region], idx: Iterable[int]
-    ) -> list[Region]:
-        """Pin the local region of every ``reqs[i]`` (``i`` in ``idx``); returns the pins.
-
-        The pinning rule, for every path that touches memory: a region is pinned from a lookup
-        made with no ``await`` since, until no thread, peer or device can touch it any more.
-        ``regs`` comes from a lookup that may be stale (an ``await`` since): a region that
-        started closing is looked up again (it may have been replaced at the same address) and
-        ``regs`` updated; a range no longer registered raises :class:`NotRegisteredError`,
-        leaving nothing pinned.
-        """
-        held: list[Region] = []
-        try:
-            for i in idx:
-                region = regs[i]
-                if region.closing:
-                    r = reqs[i]
-                    region = regs[i] = self.registry.require(r.local_addr, r.length, "local")
-                region.users += 1
-                held.append(region)
-        except BaseException:
-            self._release_all(held)
-            raise
-        return held
-
-    def _release_all(self, held: Iterable[Region]) -> None:
-        for region in held:
-            self.release_region(region)
-
-    async def _local(self, reqs: list[TransferRequest], regs: list[Region]) -> list[TransferResult]:
-        """Requests against this engine's own segment: copies between two local regions.
-
-        Both regions of every request are pinned (looked up with no ``await`` since) before the
-        first copy and released once the last one is done, so ``unregister`` of either waits
-        for the copies, worker-thread ones included.
-        """
-        results: list[TransferResult | None] = [None] * len(reqs)
-        t0 = perf_counter()
-        held = self._pin_locals(reqs, regs, range(len(reqs)))
-        remotes: list[Region | None] = []
-        try:
-            for i, r in enumerate(reqs):
-                remote = self.registry.find(r.remote_addr, r.length)
-                if remote is None or not remote.remote_accessible:
-                    results[i] = failed(
-                        RemoteAccessError(f"[{r.remote_addr:#x}, +{r.length}) not registered")
-                    )
-                    remotes.append(None)
-                    continue
-                remote.users += 1
-                held.append(remote)
-                remotes.append(remote)
-            for i, r in enumerate(reqs):
-                remote = remotes[i]
-                if remote is None:
-                    continue
-                src, dst = (
-                    (r.remote_addr, r.local_addr)
-                    if r.opcode is Opcode.READ
-                    else (r.local_addr, r.remote_addr)
-                )
-                dev = device_of(regs[i].location)
-                if dev is None:
-                    dev = device_of(remote.location)
-                if dev is not None:
-                    try:
-                        await self.staging.copy(dst, src, r.length, dev)  # shielded wait
-                    except MooncakeError as e:
-                        results[i] = failed(e)
-                        continue
-                elif r.length >= (1 << 20):
-                    # not abandoned on cancellation: returns only once the thread is done
-                    await anyio.to_thread.run_sync(_fast.memcpy_at, dst, src, r.length)
-                else:
-                    _fast.memcpy_at(dst, src, r.length)
-                results[i] = completed(r.length)
-        finally:
-            self._release_all(held)
-        out = [r if r is not None else failed(TransferError("not attempted")) for r in results]
-        t1 = perf_counter()
-        rec = _tel.CURRENT.get()
-        if rec is not None:
-            nbytes = sum(r.length for r in reqs)
-            nfail = sum(1 for r in out if not r.ok)
-            rec.add_group("local", self.hostname, len(reqs), nbytes, t0, t1, nfail)
-        m = self.metrics
-        if m is not None:
-            m.log.append(("local", self.segment_name, reqs, out, t1 - t0))
-            if len(m.log) > LOG_MAX:
-                m.drain()
-        return out
-
     def submit(
         self, segment: str, requests: Sequence[TransferRequest], *, transport: str | None = None
     ) -> TransferHandle:
         """Start a batch in the engine's task group; the handle reports its outcome."""
-        self._check_open()
+        self.check_open()
         reqs = self._validate(requests)
         handle = TransferHandle(len(reqs))
         since = perf_counter()
@@ -1208,9 +588,6 @@ class Engine:
             return False
 
 
-_U64 = 1 << 64
-
-
 def _start_exporter(engine: Engine, port: int, host: str, from_env: bool) -> None:
     """Start ``engine``'s metrics exporter; a port from ``MC_METRICS_PORT`` that is taken
     (another engine of this process serves it) is logged, not an error."""
@@ -1220,69 +597,6 @@ def _start_exporter(engine: Engine, port: int, host: str, from_env: bool) -> Non
         if not from_env:
             raise
         log.warning("MC_METRICS_PORT: %s; this engine serves none", e)
-
-
-def _nic(t: Transport, host: str) -> str:
-    """The NIC(s) a transport's share could use: an RDMA transport's rails, else the host."""
-    nics = getattr(t, "nics", None)
-    if nics:
-        return ",".join(str(getattr(n, "name", n)) for n in nics)
-    return host
-
-
-def _op(reqs: Sequence[TransferRequest]) -> str:
-    """The ``op`` metrics label of a batch: ``read``, ``write`` or ``mixed``."""
-    first = reqs[0].opcode
-    if len(reqs) > 1 and any(r.opcode is not first for r in reqs):
-        return "mixed"
-    return "read" if first is Opcode.READ else "write"
-
-
-def _uncovered(
-    desc: SegmentDescriptor, reqs: Sequence[TransferRequest], idx: Iterable[int]
-) -> list[int]:
-    """Indices of ``idx`` whose remote range is not inside one buffer of ``desc``."""
-    out = []
-    last: BufferDesc | None = None
-    for i in idx:
-        r = reqs[i]
-        ra = r.remote_addr
-        if last is not None and last.addr <= ra and ra + r.length <= last.addr + last.length:
-            continue
-        last = desc.find_buffer(ra, r.length)
-        if last is None:
-            out.append(i)
-    return out
-
-
-_M = TypeVar("_M", bound=mmap.mmap)
-
-
-def _map_shared(size: int, cls: type[_M]) -> tuple[_M, int]:
-    """A shared mapping (a ``cls``) of ``size`` bytes: memfd-backed where possible (fd, else -1).
-
-    The memfd is sealed at its size (no shrink, no grow, no further seals): a peer mapping it
-    (``shm``) can never be made to fault past its end by a truncate, and checks the seal.
-    """
-    memfd_create = getattr(os, "memfd_create", None)
-    if memfd_create is not None:
-        try:
-            fd = memfd_create("mooncake-buffer", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        except OSError:
-            fd = -1
-        if fd >= 0:
-            try:
-                os.ftruncate(fd, size)
-                fcntl.fcntl(
-                    fd,
-                    fcntl.F_ADD_SEALS,
-                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL,
-                )
-                return cls(fd, size, flags=mmap.MAP_SHARED), fd
-            except BaseException:
-                os.close(fd)
-                raise
-    return cls(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS), -1
 
 
 @asynccontextmanager

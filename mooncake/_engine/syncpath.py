@@ -55,7 +55,7 @@ from mooncake._core.memory import Region
 from mooncake._core.transfer import Opcode, TransferRequest, TransferResult
 from mooncake._engine import _sockio, _unix
 from mooncake._engine.metrics import LOG_MAX
-from mooncake._engine.transports import shm as shm_mod
+from mooncake._engine.transports import shm_session as shm_mod
 from mooncake._engine.transports import tcp as tcp_mod
 from mooncake._engine.transports.base import PeerInfo
 from mooncake.errors import MooncakeError

@@ -30,7 +30,7 @@ fails with :class:`~mooncake.errors.MasterUnreachableError`, and it is retried:
   :class:`~mooncake.errors.MasterUnreachableError` naming the cluster and the last error. A
   leader change seen by :meth:`follow` (the key deleted, or naming another master) closes the
   connection to the old leader at once, and shuts every blocking socket registered with
-  :meth:`register_sync` (the caller-thread path, :class:`mooncake._store.fastpath.SyncMaster`),
+  :meth:`register_sync` (the caller-thread path, :class:`mooncake._store.sync_master.SyncMaster`),
   so a call blocked on a stopped or partitioned leader fails at once and is resumed here.
 
 The master's error answers raise the matching :mod:`mooncake.errors` class
