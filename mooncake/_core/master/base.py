@@ -53,6 +53,8 @@ class _StateBase:
     _seg_list: list[_Seg]
     _clients: dict[str, _Client]
     _deferred: list[_Deferred]
+    #: set by a PutStart refused for lack of space: when held space would be back (0: none)
+    space_held_until: float
     _defer_seq: int
     _in_use: dict[str, tuple[Segment, _InUse]]
     _soft_pinned: KeySet

@@ -68,6 +68,7 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks, _Verify, _Drain,
         self._clients: dict[str, _Client] = {}
         self._deferred: list[_Deferred] = []  # a heap (see _defer)
         self._defer_seq = 0
+        self.space_held_until = 0.0  # see _held_back_at
         # segment id -> (segment as mounted, extents still in use when its owner expired)
         self._in_use: dict[str, tuple[Segment, _InUse]] = {}
         self._soft_pinned = KeySet()
