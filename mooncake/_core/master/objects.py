@@ -148,7 +148,7 @@ class _Objects(_StateBase):
                 f"({len(self._seg_list)} segments)"
             )
         if (
-            self._used - self._demoting_bytes + size
+            self._used - self._demoting_bytes - self._held_bytes() + size
             > self.config.eviction_high_watermark_ratio * self._capacity
         ):
             self.evict(now, need=size, limit=self._put_round)
@@ -203,6 +203,16 @@ class _Objects(_StateBase):
             if held >= size:
                 return until
         return 0.0
+
+    def _held_bytes(self) -> int:
+        """Bytes of the deferred frees (they come back by themselves: eviction does not count
+        them as used). Recounted only when the deferred heap changed since the last call."""
+        stamp = (self._defer_seq, len(self._deferred))
+        if self._held_cache[0] == stamp:
+            return self._held_cache[1]
+        held = sum(r.length for _, _, reps in self._deferred for r in reps)
+        self._held_cache = (stamp, held)
+        return held
 
     def _held_note(self, now: float) -> str:
         """What of the used bytes is only *held* (a deferred free: space of revoked, cancelled,
