@@ -62,3 +62,16 @@ def test_batch_put_after_reading_and_removing_gets_the_space(
         assert store.get_batch(keys) == values
         assert store.remove_all(True) == 2
     assert store.is_exist("b2a") == 0
+
+
+def test_held_space_does_not_make_the_watermark_evict(store: MooncakeDistributedStore) -> None:
+    data = _value(1, VALUE)
+    assert store.put("a", data) == 0
+    assert store.get("a") == data
+    assert store.remove("a", True) == 0  # 64 MiB held for the read window
+    kept = _value(2, 30 * MIB)
+    assert store.put("b", kept) == 0
+    # 64 held + 30 + 5 MiB is over the 95 % watermark, but only counting the held bytes
+    assert store.put("c", _value(3, 5 * MIB)) == 0
+    assert store.is_exist("b") == 1
+    assert store.get("b") == kept
