@@ -189,7 +189,8 @@ class MasterServer:
         # before it awaits): a fresh recv(256 KiB) allocation per request was an mmap, mremap
         # and munmap each (~0.1 ms a request on the development VM).
         self._scratch = memoryview(bytearray(_RECV))
-        self.ha: Replication | None = None
+        self._ha: Replication | None = None
+        self.state.held_waits = True  # see heldwait; off once replication is on
         self.ha_node: HaNode | None = None
         self.last_snapshot_seq = 0
         self.clock_offset = 0.0
@@ -302,6 +303,18 @@ class MasterServer:
             return rpc.encode_error(
                 req.id, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}", max_frame=max_frame
             ), ticket
+
+    @property
+    def ha(self) -> Replication | None:
+        """The replication this master logs its mutations to (None: a plain master)."""
+        return self._ha
+
+    @ha.setter
+    def ha(self, ha: Replication | None) -> None:
+        self._ha = ha
+        # a replicated master never waits out held space (its standbys would skip the repeated
+        # request id), so its batches must not be undone whole for it either
+        self.state.held_waits = ha is None
 
     def held_refusal(self) -> float:
         """When the space the last put-start was refused for comes back (0.0: it was not

@@ -55,6 +55,7 @@ class _StateBase:
     _deferred: list[_Deferred]
     #: set by a PutStart refused for lack of space: when held space would be back (0: none)
     space_held_until: float
+    held_waits: bool
     _held_cache: tuple[tuple[int, int], int]
     _defer_seq: int
     _in_use: dict[str, tuple[Segment, _InUse]]

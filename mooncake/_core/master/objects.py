@@ -357,7 +357,7 @@ class _Objects(_StateBase):
                 out.append(Item(code=0, value=start(client_id, key, size, cfg, now)))
             except MooncakeError as e:
                 out.append(Item(code=int(e.code)))
-        if 0 < self.space_held_until <= now + self.config.default_kv_lease_ttl:
+        if self.held_waits and 0 < self.space_held_until <= now + self.config.default_kv_lease_ttl:
             # Some keys wait for held space: the whole batch is answered again once it is
             # back, so the writes started here are undone (never handed out: freed at once).
             for key, item in zip(keys, out, strict=True):

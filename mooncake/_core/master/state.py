@@ -69,6 +69,10 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks, _Verify, _Drain,
         self._deferred: list[_Deferred] = []  # a heap (see _defer)
         self._defer_seq = 0
         self.space_held_until = 0.0  # see _held_back_at
+        #: whether the server waits out a put refused for held space and runs it again
+        #: (:mod:`mooncake._store.heldwait`): only then is a batch refused in part for held
+        #: space undone whole; off for a state not served, and on a replicated master
+        self.held_waits = False
         self._held_cache = ((-1, -1), 0)  # see _held_bytes
         # segment id -> (segment as mounted, extents still in use when its owner expired)
         self._in_use: dict[str, tuple[Segment, _InUse]] = {}
