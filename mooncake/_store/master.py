@@ -73,6 +73,7 @@ from mooncake._engine import _accept
 from mooncake._store import master_auth, master_http
 from mooncake._store.drain_jobs import DrainJobs
 from mooncake._store.ha_base import Replication
+from mooncake._store.heldwait import PUT_STARTS, answer_put_start, held_refusal
 from mooncake._store.keyscan import DEFAULT_BUDGET_S, SCAN_METHODS, KeyScanner
 from mooncake._store.master_metrics import MasterCollector
 from mooncake._store.rpc_thread import Handoff, RpcThread, usable
@@ -188,7 +189,8 @@ class MasterServer:
         # before it awaits): a fresh recv(256 KiB) allocation per request was an mmap, mremap
         # and munmap each (~0.1 ms a request on the development VM).
         self._scratch = memoryview(bytearray(_RECV))
-        self.ha: Replication | None = None
+        self._ha: Replication | None = None
+        self.state.held_waits = True  # see heldwait; off once replication is on
         self.ha_node: HaNode | None = None
         self.last_snapshot_seq = 0
         self.clock_offset = 0.0
@@ -229,9 +231,13 @@ class MasterServer:
         now: float,
         matched: list[str] | None = None,
         sock: socket.socket | None = None,
+        *,
+        fresh: bool = False,
     ) -> tuple[bytes, int]:
         """(framed reply, log ticket): with replication on, the reply may be sent only once
         :meth:`Replication.wait_durable` of the ticket returned True (0: send at once).
+        ``fresh``: run a retried call again instead of answering it from the dedup ledger
+        (:mod:`mooncake._store.heldwait`: its recorded refusal changed nothing).
 
         A mutating call waits for its own log entry, any other call for the entries of the
         mutations before it (so nothing not yet durable is ever shown to a client)."""
@@ -256,7 +262,7 @@ class MasterServer:
                     return rpc.encode_error(
                         req.id, ErrorCode.UNAVAILABLE_IN_CURRENT_MODE, refusal, max_frame=max_frame
                     ), 0
-            if rid is not None:
+            if rid is not None and not fresh:
                 # a retried call: answered from the dedup ledger, neither applied nor logged
                 # again (its reply still waits until everything before it is durable)
                 recorded = self.state.dedup.lookup(rid)
@@ -297,6 +303,28 @@ class MasterServer:
             return rpc.encode_error(
                 req.id, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}", max_frame=max_frame
             ), ticket
+
+    @property
+    def ha(self) -> Replication | None:
+        """The replication this master logs its mutations to (None: a plain master)."""
+        return self._ha
+
+    @ha.setter
+    def ha(self, ha: Replication | None) -> None:
+        self._ha = ha
+        # a replicated master never waits out held space (its standbys would skip the repeated
+        # request id), so its batches must not be undone whole for it either
+        self.state.held_waits = ha is None
+
+    def held_refusal(self) -> float:
+        """When the space the last put-start was refused for comes back (0.0: it was not
+        refused for held space); resets the mark (:mod:`mooncake._store.heldwait`)."""
+        return held_refusal(self.state)
+
+    def _held_limit(self) -> float:
+        """How long a put-start refused for held space may wait (:mod:`~mooncake._store.heldwait`);
+        a replicated master does not wait (its standbys would skip the repeated request id)."""
+        return 0.0 if self.ha is not None else float(self.state.config.default_kv_lease_ttl)
 
     def _log_call(
         self, ha: Replication, req: rpc.Request, now: float, matched: list[str] | None
@@ -444,6 +472,7 @@ class MasterServer:
         frame_start = anyio.current_time()
         # the requests still to answer when a batch stopped at ``reply_batch`` (no recv first)
         more: Iterator[rpc.Message] | None = None
+        held: tuple[bytes, float] | None = None  # a serving thread's held refusal
         # One cancel scope for the connection's life instead of one per wait: its deadline is
         # moved only when it drifts out of [want, want + 2 slack] (a connection with steady
         # traffic never touches it), so a deadline fires at most 2 slack late and never
@@ -455,7 +484,7 @@ class MasterServer:
                 fresh = False
                 if resume is not None:  # first its request, then what is still buffered
                     msgs, out = itertools.chain(resume.requests, decoder), resume.out
-                    resume = None
+                    held, resume = resume.held, None
                     n = -1
                 elif more is not None:
                     msgs, more = more, None
@@ -514,6 +543,21 @@ class MasterServer:
                         slot.busy()
                         scope.deadline = math.inf
                         reply, t = await self.handle_scan(msg, sock)
+                        out.append(reply)
+                        ticket = max(ticket, t)
+                    elif msg.method in PUT_STARTS:
+                        scope.deadline = math.inf
+                        first_reply, until = held if held is not None else (None, 0.0)
+                        held = None
+                        reply, t = await answer_put_start(
+                            self,
+                            msg,
+                            sock,
+                            limit_s=self._held_limit(),
+                            sweep_s=cfg.sweep_interval,
+                            refused_until=until,
+                            reply=first_reply,
+                        )
                         out.append(reply)
                         ticket = max(ticket, t)
                     else:

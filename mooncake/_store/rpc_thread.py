@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from mooncake._core import rpc
+from mooncake._store.heldwait import PUT_STARTS
 from mooncake._store.keyscan import SCAN_METHODS
 from mooncake._store.serving import frame_deadline
 from mooncake.errors import ProtocolError
@@ -91,6 +92,9 @@ class Handoff:
     nonces: tuple[bytes, bytes] | None
     requests: list[rpc.Message]
     out: list[bytes] = field(default_factory=list)
+    #: the first request is a put-start refused for held space: (its answer, when the space
+    #: is back), for the loop path to wait out (:mod:`mooncake._store.heldwait`)
+    held: tuple[bytes, float] | None = None
 
 
 class ServingConfig(Protocol):
@@ -143,6 +147,10 @@ class RpcHost(Protocol):
 
     def connection_closed(self, sock: socket.socket, now: float | None = None) -> None:
         """``sock`` (the loop's socket of the connection) was closed by its peer."""
+
+    def held_refusal(self) -> float:
+        """When the space the last put-start was refused for comes back (0.0: not refused
+        for held space; :mod:`mooncake._store.heldwait`)."""
 
 
 def _own(msg: rpc.Message) -> rpc.Message:
@@ -563,6 +571,10 @@ class _Worker:
                     handoff = Handoff(c.decoder, c.authed, c.nonces, requests, out)
                     break
                 reply = server.execute(msg, now, sock=c.origin)[0]
+                if msg.method in PUT_STARTS and (until := server.held_refusal()) > 0:
+                    requests = msgs[i:] if owned else [_own(m) for m in msgs[i:]]
+                    handoff = Handoff(c.decoder, c.authed, c.nonces, requests, out, (reply, until))
+                    break
                 out.append(reply)
                 size += len(reply)
         if handoff is not None:

@@ -292,7 +292,7 @@ class _Leases(_StateBase):
         # Bytes being demoted come back when their owners confirm: count them as freed, or
         # every put would push another victim into demotion.
         pending = self._demoting_bytes
-        used = self._used - pending
+        used = self._used - pending - self._held_bytes()  # held bytes come back by themselves
         if self._evict_goal <= 0:  # a new run
             self._evict_goal = max(int(ratio * cap), int(used - wm * cap + ratio * cap)) - pending
         target = max(self._evict_goal, need - pending)

@@ -148,7 +148,7 @@ class _Objects(_StateBase):
                 f"({len(self._seg_list)} segments)"
             )
         if (
-            self._used - self._demoting_bytes + size
+            self._used - self._demoting_bytes - self._held_bytes() + size
             > self.config.eviction_high_watermark_ratio * self._capacity
         ):
             self.evict(now, need=size, limit=self._put_round)
@@ -165,6 +165,12 @@ class _Objects(_StateBase):
         if not replicas:
             self.stats.put_failures_no_space += 1
             self._forget_if_empty(key, obj)
+            back = self._held_back_at(size)
+            if back > 0:
+                # The space comes back by itself: the eviction run this refusal began must not
+                # go on in the sweeps and evict the very object the retried put then writes.
+                self._evict_goal = 0
+                self.space_held_until = max(self.space_held_until, back)
             raise NoAvailableHandleError(
                 f"no mounted segment has {size} free bytes for {key!r} "
                 f"({len(self._seg_list)} segments, {self._used}/{self._capacity} bytes used, "
@@ -181,6 +187,32 @@ class _Objects(_StateBase):
         self._writing[key] = obj.pending
         self.stats.puts_started += 1
         return [r.descriptor(ReplicaStatus.PROCESSING) for r in replicas]
+
+    def _held_back_at(self, size: int) -> float:
+        """When enough held bytes (deferred frees: read windows, revoked or replaced writes)
+        have come back for an object of ``size`` bytes to have a chance to fit, counting
+        only extents on segments that could hold it; 0.0 if what is held is not enough.
+
+        The server waits for that time before answering a refused PutStart
+        (:mod:`mooncake._store.heldwait`): Mooncake frees a force-removed object at once, so a
+        put right after a remove must not fail only because of a read window."""
+        big = {id(seg) for seg in self._seg_list if seg.alloc.size >= size}
+        held = 0
+        for until, _, reps in sorted(self._deferred):
+            held += sum(r.length for r in reps if id(r.seg) in big)
+            if held >= size:
+                return until
+        return 0.0
+
+    def _held_bytes(self) -> int:
+        """Bytes of the deferred frees (they come back by themselves: eviction does not count
+        them as used). Recounted only when the deferred heap changed since the last call."""
+        stamp = (self._defer_seq, len(self._deferred))
+        if self._held_cache[0] == stamp:
+            return self._held_cache[1]
+        held = sum(r.length for _, _, reps in self._deferred for r in reps)
+        self._held_cache = (stamp, held)
+        return held
 
     def _held_note(self, now: float) -> str:
         """What of the used bytes is only *held* (a deferred free: space of revoked, cancelled,
@@ -315,6 +347,8 @@ class _Objects(_StateBase):
             raise InvalidArgumentError(f"{len(groups)} group_ids for {len(keys)} keys")
         start = self.upsert_start if upsert else self.put_start
         out: list[Item[list[ReplicaDescriptor]]] = []
+        held_before = self.space_held_until
+        self.space_held_until = 0.0
         for n, (key, size) in enumerate(zip(keys, sizes, strict=True)):
             cfg = (
                 config if groups is None else msgspec.structs.replace(config, group_ids=[groups[n]])
@@ -323,7 +357,29 @@ class _Objects(_StateBase):
                 out.append(Item(code=0, value=start(client_id, key, size, cfg, now)))
             except MooncakeError as e:
                 out.append(Item(code=int(e.code)))
+        if self.held_waits and 0 < self.space_held_until <= now + self.config.default_kv_lease_ttl:
+            # Some keys wait for held space: the whole batch is answered again once it is
+            # back, so the writes started here are undone (never handed out: freed at once).
+            for key, item in zip(keys, out, strict=True):
+                if item.code == 0:
+                    self._undo_start(key)
+            out = [Item(code=int(NoAvailableHandleError.code)) for _ in keys]
+        self.space_held_until = max(held_before, self.space_held_until)
         return out
+
+    def _undo_start(self, key: str) -> None:
+        """Take back the write of ``key`` this call just started (its extents were never
+        handed out, so they are free again at once)."""
+        obj = self._objects.get(key)
+        if obj is None or obj.pending is None:
+            return
+        pending = obj.pending
+        obj.pending = None
+        self._writing.pop(key, None)
+        self._free_replicas(pending.version.replicas)
+        if obj.readable is None:
+            del self._objects[key]
+        self.stats.puts_started -= 1
 
     def batch_put_end(self, client_id: str, keys: list[str], now: float) -> list[int]:
         return _codes(lambda k: self.put_end(client_id, k, now), keys)

@@ -68,6 +68,12 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks, _Verify, _Drain,
         self._clients: dict[str, _Client] = {}
         self._deferred: list[_Deferred] = []  # a heap (see _defer)
         self._defer_seq = 0
+        self.space_held_until = 0.0  # see _held_back_at
+        #: whether the server waits out a put refused for held space and runs it again
+        #: (:mod:`mooncake._store.heldwait`): only then is a batch refused in part for held
+        #: space undone whole; off for a state not served, and on a replicated master
+        self.held_waits = False
+        self._held_cache = ((-1, -1), 0)  # see _held_bytes
         # segment id -> (segment as mounted, extents still in use when its owner expired)
         self._in_use: dict[str, tuple[Segment, _InUse]] = {}
         self._soft_pinned = KeySet()
@@ -165,7 +171,7 @@ class MasterState(_Objects, _Leases, _Segments, _Tiers, _Tasks, _Verify, _Drain,
         self._expire_tier_moves(now)
         if self._evict_goal > 0 or (
             self._capacity
-            and self._used - self._demoting_bytes
+            and self._used - self._demoting_bytes - self._held_bytes()
             > self.config.eviction_high_watermark_ratio * self._capacity
         ):
             self.evict(now)  # one round of the run (at most eviction_round_objects objects)
