@@ -45,7 +45,7 @@ from mooncake._cli.master_flags import (
     parse_gflags,
 )
 from mooncake._core.master import ALLOCATION_STRATEGIES, MasterConfig
-from mooncake._store.master import (
+from mooncake._store.master_config import (
     DEFAULT_METRICS_PORT,
     DEFAULT_RPC_PORT,
     MasterServerConfig,

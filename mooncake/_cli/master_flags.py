@@ -20,7 +20,7 @@ from typing import Any
 from mooncake._cli._published_flags import FRAMEWORK_FLAGS, PUBLISHED_FLAGS
 from mooncake._core.master import MasterConfig
 from mooncake._core.master.config import parse_tenant_quotas
-from mooncake._store.master import DEFAULT_RPC_PORT, MasterServerConfig
+from mooncake._store.master_config import DEFAULT_RPC_PORT, MasterServerConfig
 from mooncake.errors import InvalidArgumentError
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*$")
