@@ -112,14 +112,14 @@ def test_sync_fast_path_refuses_addresses_outside_its_own_segment(proc_master: M
         assert me.get("k") == b"y" * 4096
         fast = me._fast
         assert fast is not None
-        real = fast._master
-        fast._master = lambda: _Doctored(real())  # type: ignore[method-assign]
+        real = fast.master
+        fast.master = lambda: _Doctored(real())  # type: ignore[method-assign]
         assert me.get("k") == b""  # an error, reported as the published client does
         code = me.get_into("k", buf.ctypes.data, buf.nbytes)
         assert code == int(ErrorCode.TRANSFER_FAIL)
         # a put whose replica is outside the segment is revoked, not written
         assert me.put("k2", b"z" * 4096) == int(ErrorCode.TRANSFER_FAIL)
-        fast._master = real  # type: ignore[method-assign]
+        fast.master = real  # type: ignore[method-assign]
         assert me.get("k") == b"y" * 4096
         assert me.is_exist("k2") == 0
     finally:

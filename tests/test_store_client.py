@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -18,6 +19,7 @@ from mooncake._store import moves as moves_mod
 from mooncake._store import writes as writes_mod
 from mooncake._store.master import MasterServerConfig, serve_master
 from mooncake.errors import (
+    ErrorCode,
     InvalidArgumentError,
     LeaseExpiredError,
     NoAvailableHandleError,
@@ -222,3 +224,42 @@ def test_asyncio_backend_smoke() -> None:
             assert await s.health() == 0
 
     anyio.run(main, backend="asyncio")
+
+
+def test_ranged_read_fenced_by_its_window_is_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ranged read that outlives its read window is read once more with a fresh
+    GetReplicaList (as ``get``): the caller gets the bytes, the fence is counted; a read
+    fenced twice gives LEASE_EXPIRED."""
+    clock = trio.testing.MockClock()
+    real = moves_mod._memcpy_many
+    stalls = {"left": 0}
+
+    async def copy_then_stall(copies: Any) -> None:
+        if stalls["left"] > 0:
+            stalls["left"] -= 1
+            clock.jump(30)  # the copy "takes" 30 s: past any read window and the lease
+        await real(copies)
+
+    monkeypatch.setattr(moves_mod, "_memcpy_many", copy_then_stall)
+    monkeypatch.setenv("MOONCAKE_STORE_CHECKSUM", "0")  # the plain copy path is the one stalled
+
+    async def main() -> None:
+        async with (
+            master(client_ttl=1000.0) as addr,
+            mooncake.open_store(addr, segment_size=4 * MIB, local_buffer_size=MIB) as s,
+        ):
+            v = pattern(65536)
+            await s.put("k", v)
+            dst = await s.engine.allocate(8192)
+            args = ([dst.addr], [["k"]], [[[0, 4096]]], [[[100, 60000]]], [[[4096, 4096]]])
+            stalls["left"] = 1
+            assert await s.get_into_ranges(*args) == [[[4096, 4096]]]
+            got = bytes((ctypes.c_char * 8192).from_address(dst.addr))
+            assert got == v[100:4196] + v[60000:64096]
+            assert s.lease_fences == 1, s.lease_fences
+            stalls["left"] = 2  # fenced again on the second try: the error, no stale bytes
+            code = int(ErrorCode.LEASE_EXPIRED)
+            assert await s.get_into_ranges(*args) == [[[code, code]]]
+            assert s.lease_fences == 3, s.lease_fences
+
+    run(main, clock=clock)

@@ -18,7 +18,7 @@ from mooncake._core import store_types as st
 from mooncake._store.config import to_wire
 from mooncake._store.moves import Config, _check_key, _Op, _read_ttl
 from mooncake._store.reads import _Reads
-from mooncake.errors import ErrorCode, MooncakeError
+from mooncake.errors import ErrorCode, LeaseExpiredError, MooncakeError
 
 log = logging.getLogger("mooncake.store")
 
@@ -38,7 +38,8 @@ class _Ranges(_Reads):
         ``i`` copies ``all_sizes[i][j][k]`` bytes from object offset ``all_src[i][j][k]`` to
         ``buffers[i] + all_dst[i][j][k]``. Result per range: bytes copied or a negative code
         (``INVALID_PARAMS`` for a range outside the buffer or the object, or mismatched
-        lists; the key's error code where it could not be read)."""
+        lists; the key's error code where it could not be read). A key fenced by its read
+        window is read once more with a fresh lease (:meth:`_reread_fenced`)."""
         self._check_open()
         bad = int(ErrorCode.INVALID_PARAMS)
         # shaped as the published client shapes it: one row per buffer, one range where the
@@ -94,10 +95,50 @@ class _Ranges(_Reads):
         errs = await self._read_many(
             e_resps, [0] * len(entries), [0] * len(entries), t0, e_parts, keys=e_keys
         )
+        await self._reread_fenced(errs, e_parts, e_keys)
         for (i, j, idx), err, part in zip(entries, errs, e_parts, strict=True):
             for kk, (_, ln, _) in zip(idx, part, strict=True):
                 results[i][j][kk] = int(err.code) if err is not None else ln
         return results
+
+    async def _reread_fenced(
+        self,
+        errs: list[MooncakeError | None],
+        parts: Sequence[Sequence[tuple[int, int, int]]],
+        keys: Sequence[str],
+    ) -> None:
+        """Read once more, with a fresh ``GetReplicaList``, the entries fenced by their read
+        window (finished after their lease: the bytes may be stale, the object is not gone),
+        as :meth:`get` does; ``errs`` is updated in place. An entry whose object is now too
+        small for its ranges, or is gone, keeps its fenced error or takes the fresh one."""
+        fenced = [n for n, err in enumerate(errs) if isinstance(err, LeaseExpiredError)]
+        if not fenced:
+            return
+        uniq = list(dict.fromkeys(keys[n] for n in fenced))
+        try:
+            resps, t1 = await self._batch_query(uniq)
+        except MooncakeError:
+            return
+        fresh = dict(zip(uniq, resps, strict=True))
+        redo: list[int] = []
+        for n in fenced:
+            r = fresh[keys[n]]
+            if isinstance(r, MooncakeError):
+                errs[n] = r
+            elif all(so + ln <= self._size_of(r) for _, ln, so in parts[n]):
+                redo.append(n)
+        if not redo:
+            return
+        again = await self._read_many(
+            [fresh[keys[n]] for n in redo],
+            [0] * len(redo),
+            [0] * len(redo),
+            t1,
+            [parts[n] for n in redo],
+            keys=[keys[n] for n in redo],
+        )
+        for n, err in zip(redo, again, strict=True):
+            errs[n] = err
 
     async def get_session_start(self, keys: Sequence[str]) -> list[int]:
         """Query ``keys`` once and keep their replicas for ranged reads; a code per key."""
