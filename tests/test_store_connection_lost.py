@@ -112,20 +112,21 @@ def test_cut_master_connections_of_a_live_holder(master: Master) -> None:
                 assert got["sha"] == want  # never other bytes
             readable = 1 if got["len"] else 0
             states.append((exist, readable))
-            if exist == 1 and readable == 1 and any(s == (0, 0) for s in states):
+            if exist == 1 and readable == 1 and any(r == 0 for _, r in states):
                 break
             time.sleep(0.05)
-        # the cut was seen (the key stopped being served for a while) ...
-        assert (0, 0) in states, states[:20]
+        # the cut was seen (the key stopped being served for a while: a holder that reconnects
+        # fast may leave only one (1, 0), the master learning of the cut between the two calls) ...
+        assert any(r == 0 for _, r in states), states[:20]
         # ... and the holder came back on its own: new connections, the key served again
         assert states[-1] == (1, 1), states[-20:]
         assert relay.accepted > before
         # once the master had seen the cut, exist said 1 only when a get right after it read the
-        # bytes. A (1, 0) before that is the master learning of the cut between the two calls; a
-        # (0, 1) later is the holder's heartbeat landing between them; never exist 1 then a
-        # failed get while nothing changes
-        seen = states.index((0, 0))
-        assert (1, 0) not in states[seen:], states
+        # bytes. The first unreadable state may be (1, 0): the master learning of the cut between
+        # the two calls; a (0, 1) later is the holder's remount landing between them; never
+        # exist 1 then a failed get while nothing changes
+        seen = next(i for i, (_, r) in enumerate(states) if r == 0)
+        assert (1, 0) not in states[seen + 1 :], states
         assert holder.cmd("digest", key="k")["sha"] == want
     finally:
         for c in (holder, reader):
