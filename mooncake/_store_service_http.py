@@ -127,3 +127,20 @@ def _segment_ids(data: dict[str, Any]) -> list[str] | Response:
     if not isinstance(segment_ids, list) or not all(isinstance(s, str) for s in segment_ids):
         return _error(400, "Invalid segment_ids, must be a string or a list of strings")
     return list(segment_ids)
+
+
+async def _unmount_request(request: Any) -> tuple[list[str], int] | Response:
+    """``(segment_ids, grace_period_seconds)`` of an unmount route's body (the grace period
+    defaults to 0), or the 400 answer for the first thing wrong: the body, the ids, the grace
+    period."""
+    data = await _json_object(request)
+    if isinstance(data, Response):
+        return data
+    segment_ids = _segment_ids(data)
+    if isinstance(segment_ids, Response):
+        return segment_ids
+    grace_period_seconds = data.get("grace_period_seconds", 0)
+    bad = _grace_error(grace_period_seconds)
+    if bad is not None:
+        return bad
+    return segment_ids, grace_period_seconds

@@ -82,9 +82,9 @@ from mooncake._store_service_http import (
     _json_object,
     _ok,
     _positive_int,
-    _segment_ids,
     _shm_name_to_path,
     _timed_handler,
+    _unmount_request,
 )
 from mooncake.mooncake_config import MooncakeConfig, _parse_bool, _parse_segment_size
 from mooncake.store import MooncakeDistributedStore
@@ -452,16 +452,10 @@ class MooncakeStoreService:
 
     @_errors_answer_500("UNMOUNT_SHM")
     async def handle_unmount_shm(self, request: Any) -> Response:
-        data = await _json_object(request)
-        if isinstance(data, Response):
-            return data
-        segment_ids = _segment_ids(data)
-        if isinstance(segment_ids, Response):
-            return segment_ids
-        grace_period_seconds = data.get("grace_period_seconds", 0)
-        bad = _grace_error(grace_period_seconds)
-        if bad is not None:
-            return bad
+        args = await _unmount_request(request)
+        if isinstance(args, Response):
+            return args
+        segment_ids, grace_period_seconds = args
 
         failed_segment_ids = []
         async with self._state_lock:
@@ -504,16 +498,10 @@ class MooncakeStoreService:
 
     @_errors_answer_500("UNMOUNT")
     async def handle_unmount(self, request: Any) -> Response:
-        data = await _json_object(request)
-        if isinstance(data, Response):
-            return data
-        segment_ids = _segment_ids(data)
-        if isinstance(segment_ids, Response):
-            return segment_ids
-        grace_period_seconds = data.get("grace_period_seconds", 0)
-        bad = _grace_error(grace_period_seconds)
-        if bad is not None:
-            return bad
+        args = await _unmount_request(request)
+        if isinstance(args, Response):
+            return args
+        segment_ids, grace_period_seconds = args
         ret = await self._call(
             self.store.unmount_and_free_segment, segment_ids, grace_period_seconds
         )
