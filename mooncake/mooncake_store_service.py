@@ -32,6 +32,9 @@ Routes, bodies and answers are the published ones (every answer is JSON but a ``
 
 A failed store call answers 500 ``{"error": ...}`` with the published text (``PUT operation
 failed``, ``Mount failed, ret=N`` ...) and, where the store returned a code, ``"ret": N``.
+An exception in a handler is logged (``PUT error: ...``) and answered 500 ``{"error": str(e)}``,
+as published (:mod:`mooncake._store_service_http` holds that wrapper, the JSON answers and the
+request checks).
 
 Deliberate differences from the published module:
 
@@ -62,15 +65,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mooncake._restserver import Response, RestServer
+from mooncake._store_service_http import (
+    _answer,
+    _error,
+    _errors_answer_500,
+    _grace_error,
+    _Handler,
+    _json_object,
+    _ok,
+    _positive_int,
+    _shm_name_to_path,
+    _timed_handler,
+    _unmount_request,
+)
 from mooncake.mooncake_config import MooncakeConfig, _parse_bool, _parse_segment_size
 from mooncake.store import MooncakeDistributedStore
 
@@ -84,10 +99,6 @@ __all__ = [
     "sync_main",
 ]
 
-# Caps a caller's /api/unmount_local_disk grace period so a malformed value
-# (e.g. milliseconds passed where seconds are expected) blocks a preStop hook
-# for minutes rather than hours.
-_MAX_UNMOUNT_LOCAL_DISK_GRACE_PERIOD_SECONDS = 3600
 #: request bodies above this are refused with 413 (the published aiohttp ``client_max_size``)
 MAX_BODY = 1024 * 1024 * 100
 #: connections served at once; a further one is answered 503
@@ -95,37 +106,10 @@ MAX_CONNECTIONS = 128
 #: the address the REST API binds unless told otherwise (published: always 0.0.0.0)
 DEFAULT_HOST = "127.0.0.1"
 
-_JSON = "application/json"
-_Handler = Callable[[Any], Awaitable[Response]]
 #: ``-D`` fields that are not strings, and how their text is read
 _SIZE_FIELDS = ("global_segment_size", "local_buffer_size")
 _BOOL_FIELDS = ("enable_ssd_offload", "enable_client_http_server")
 _INT_FIELDS = ("client_http_port",)
-
-
-def _timed_handler(operation_name: str, handler: _Handler) -> _Handler:
-    """``handler``, logging how long each call took (as published)."""
-
-    async def wrapper(request: Any) -> Response:
-        start_time = time.perf_counter()
-        try:
-            return await handler(request)
-        finally:
-            elapsed_ms = (time.perf_counter() - start_time) * 1000
-            logging.info(f"{operation_name} operation completed in {elapsed_ms:.2f} ms")
-
-    return wrapper
-
-
-def _shm_name_to_path(name: object) -> str | None:
-    """``/dev/shm/<name>`` for a POSIX shared-memory name (one leading ``/`` allowed); None
-    for anything else (not a string, empty, ``.``/``..``, a nested path)."""
-    if not isinstance(name, str) or not name:
-        return None
-    normalized = name[1:] if name.startswith("/") else name
-    if not normalized or "/" in normalized or normalized in {".", ".."}:
-        return None
-    return f"/dev/shm/{normalized}"
 
 
 def _unblock_shutdown_signals() -> None:
@@ -154,56 +138,6 @@ def _install_shutdown_signal_handlers(
                 sig,
                 lambda signum, _frame: loop.call_soon_threadsafe(request_shutdown, signum),
             )
-
-
-def _answer(status: int, doc: dict[str, Any]) -> Response:
-    return Response(status=status, text=json.dumps(doc), content_type=_JSON)
-
-
-def _error(status: int, message: str, **extra: Any) -> Response:
-    return _answer(status, {"error": message, **extra})
-
-
-def _ok(**extra: Any) -> Response:
-    return _answer(200, {"status": "success", **extra})
-
-
-async def _json_object(request: Any) -> dict[str, Any] | Response:
-    """The request's JSON object body, or the 400 answer saying why there is none."""
-    try:
-        data = await request.json()
-    except Exception as e:
-        return _error(400, f"Malformed JSON body: {e}")
-    if not isinstance(data, dict):
-        return _error(400, "Request body must be a JSON object")
-    return data
-
-
-def _positive_int(value: object) -> bool:
-    return type(value) is int and value > 0
-
-
-def _grace_error(value: object) -> Response | None:
-    """The 400 answer for a ``grace_period_seconds`` outside 0..3600 (or not an int)."""
-    if type(value) is int and 0 <= value <= _MAX_UNMOUNT_LOCAL_DISK_GRACE_PERIOD_SECONDS:
-        return None
-    return _error(
-        400,
-        "Invalid grace_period_seconds, must be a non-negative integer no greater than "
-        f"{_MAX_UNMOUNT_LOCAL_DISK_GRACE_PERIOD_SECONDS}",
-    )
-
-
-def _segment_ids(data: dict[str, Any]) -> list[str] | Response:
-    """``segment_ids`` (one string or a list of strings), or the 400 answer."""
-    segment_ids = data.get("segment_ids", [])
-    if isinstance(segment_ids, str):
-        segment_ids = [segment_ids]
-    if not segment_ids:
-        return _error(400, "Missing segment_ids")
-    if not isinstance(segment_ids, list) or not all(isinstance(s, str) for s in segment_ids):
-        return _error(400, "Invalid segment_ids, must be a string or a list of strings")
-    return list(segment_ids)
 
 
 def _apply_overrides(config: MooncakeConfig, overrides: dict[str, Any]) -> None:
@@ -406,32 +340,29 @@ class MooncakeStoreService:
 
     # -- REST API handlers -------------------------------------------------------------
 
+    @_errors_answer_500("RECONFIGURE")
     async def handle_reconfigure(self, request: Any) -> Response:
-        try:
-            data = await _json_object(request)
-            if isinstance(data, Response):
-                return data
-            mode = data.get("mode", "")
-            mode = mode.lower() if isinstance(mode, str) else ""
+        data = await _json_object(request)
+        if isinstance(data, Response):
+            return data
+        mode = data.get("mode", "")
+        mode = mode.lower() if isinstance(mode, str) else ""
 
-            if mode == "decode":
-                return await self._reconfigure_decode(data)
-            if mode == "prefill":
-                async with self._state_lock:
-                    if self.mounted_segment_ids:
-                        ret = await self._call(
-                            self.store.unmount_segment, list(self.mounted_segment_ids)
-                        )
-                        if ret != 0:
-                            return _error(500, f"Unmount failed, ret={ret}")
-                        self.mounted_segment_ids.clear()
-                    self.current_mode = "prefill"
-                    self.last_mount_info.clear()
-                return _ok(mode=self.current_mode)
-            return _error(400, "Invalid mode. Use 'decode' or 'prefill'")
-        except Exception as e:
-            logging.error("RECONFIGURE error: %s", e)
-            return _error(500, str(e))
+        if mode == "decode":
+            return await self._reconfigure_decode(data)
+        if mode == "prefill":
+            async with self._state_lock:
+                if self.mounted_segment_ids:
+                    ret = await self._call(
+                        self.store.unmount_segment, list(self.mounted_segment_ids)
+                    )
+                    if ret != 0:
+                        return _error(500, f"Unmount failed, ret={ret}")
+                    self.mounted_segment_ids.clear()
+                self.current_mode = "prefill"
+                self.last_mount_info.clear()
+            return _ok(mode=self.current_mode)
+        return _error(400, "Invalid mode. Use 'decode' or 'prefill'")
 
     async def _reconfigure_decode(self, data: dict[str, Any]) -> Response:
         path = data.get("path")
@@ -499,113 +430,86 @@ class MooncakeStoreService:
             }
         return _ok(mode=self.current_mode, segment_ids=self.mounted_segment_ids)
 
+    @_errors_answer_500("MOUNT_SHM")
     async def handle_mount_shm(self, request: Any) -> Response:
-        try:
-            data = await _json_object(request)
-            if isinstance(data, Response):
-                return data
-            path = _shm_name_to_path(data.get("name"))
-            offset = data.get("offset", 0)
-            size = data.get("size")
-            protocol = data.get("protocol", self.config.protocol)
-            location = data.get("location", "")
-            if not path or not _positive_int(size):
-                return _error(400, "Missing or invalid name or size")
-            if type(offset) is not int or offset < 0:
-                return _error(400, "Invalid offset, must be a non-negative integer")
+        data = await _json_object(request)
+        if isinstance(data, Response):
+            return data
+        path = _shm_name_to_path(data.get("name"))
+        offset = data.get("offset", 0)
+        size = data.get("size")
+        protocol = data.get("protocol", self.config.protocol)
+        location = data.get("location", "")
+        if not path or not _positive_int(size):
+            return _error(400, "Missing or invalid name or size")
+        if type(offset) is not int or offset < 0:
+            return _error(400, "Invalid offset, must be a non-negative integer")
 
-            result = await self._call(
-                self.store.mount_segment, path, size, offset, protocol, location
-            )
-            if result["ret"] != 0:
-                return _error(500, f"Mount failed, ret={result['ret']}")
-            return _ok(segment_ids=list(result["segment_ids"]))
-        except Exception as e:
-            logging.error("MOUNT_SHM error: %s", e)
-            return _error(500, str(e))
+        result = await self._call(self.store.mount_segment, path, size, offset, protocol, location)
+        if result["ret"] != 0:
+            return _error(500, f"Mount failed, ret={result['ret']}")
+        return _ok(segment_ids=list(result["segment_ids"]))
 
+    @_errors_answer_500("UNMOUNT_SHM")
     async def handle_unmount_shm(self, request: Any) -> Response:
-        try:
-            data = await _json_object(request)
-            if isinstance(data, Response):
-                return data
-            segment_ids = _segment_ids(data)
-            if isinstance(segment_ids, Response):
-                return segment_ids
-            grace_period_seconds = data.get("grace_period_seconds", 0)
-            bad = _grace_error(grace_period_seconds)
-            if bad is not None:
-                return bad
+        args = await _unmount_request(request)
+        if isinstance(args, Response):
+            return args
+        segment_ids, grace_period_seconds = args
 
-            failed_segment_ids = []
-            async with self._state_lock:
-                for sid in segment_ids:
-                    ret = await self._call(self.store.unmount_segment, [sid], grace_period_seconds)
-                    if ret != 0:
-                        failed_segment_ids.append(sid)
-                        continue
-                    if sid in self.mounted_segment_ids:
-                        self.mounted_segment_ids.remove(sid)
-                if not self.mounted_segment_ids:
-                    self.current_mode = "prefill"
+        failed_segment_ids = []
+        async with self._state_lock:
+            for sid in segment_ids:
+                ret = await self._call(self.store.unmount_segment, [sid], grace_period_seconds)
+                if ret != 0:
+                    failed_segment_ids.append(sid)
+                    continue
+                if sid in self.mounted_segment_ids:
+                    self.mounted_segment_ids.remove(sid)
+            if not self.mounted_segment_ids:
+                self.current_mode = "prefill"
 
-            if failed_segment_ids:
-                return _error(
-                    500,
-                    "Unmount failed for one or more segments",
-                    failed_segment_ids=failed_segment_ids,
-                )
-            return _ok()
-        except Exception as e:
-            logging.error("UNMOUNT_SHM error: %s", e)
-            return _error(500, str(e))
+        if failed_segment_ids:
+            return _error(
+                500,
+                "Unmount failed for one or more segments",
+                failed_segment_ids=failed_segment_ids,
+            )
+        return _ok()
 
+    @_errors_answer_500("MOUNT")
     async def handle_mount(self, request: Any) -> Response:
-        try:
-            data = await _json_object(request)
-            if isinstance(data, Response):
-                return data
-            size = data.get("size")
-            protocol = data.get("protocol", self.config.protocol)
-            location = data.get("location", "")
-            if not _positive_int(size):
-                return _error(400, "Invalid size, must be a positive integer")
+        data = await _json_object(request)
+        if isinstance(data, Response):
+            return data
+        size = data.get("size")
+        protocol = data.get("protocol", self.config.protocol)
+        location = data.get("location", "")
+        if not _positive_int(size):
+            return _error(400, "Invalid size, must be a positive integer")
 
-            result = await self._call(
-                self.store.allocate_and_mount_segment, size, protocol, location
-            )
-            if result["ret"] != 0:
-                return _error(500, f"Allocate and mount failed, ret={result['ret']}")
-            return _ok(
-                segment_ids=list(result["segment_ids"]),
-                allocated_size=result["allocated_size"],
-            )
-        except Exception as e:
-            logging.error("MOUNT error: %s", e)
-            return _error(500, str(e))
+        result = await self._call(self.store.allocate_and_mount_segment, size, protocol, location)
+        if result["ret"] != 0:
+            return _error(500, f"Allocate and mount failed, ret={result['ret']}")
+        return _ok(
+            segment_ids=list(result["segment_ids"]),
+            allocated_size=result["allocated_size"],
+        )
 
+    @_errors_answer_500("UNMOUNT")
     async def handle_unmount(self, request: Any) -> Response:
-        try:
-            data = await _json_object(request)
-            if isinstance(data, Response):
-                return data
-            segment_ids = _segment_ids(data)
-            if isinstance(segment_ids, Response):
-                return segment_ids
-            grace_period_seconds = data.get("grace_period_seconds", 0)
-            bad = _grace_error(grace_period_seconds)
-            if bad is not None:
-                return bad
-            ret = await self._call(
-                self.store.unmount_and_free_segment, segment_ids, grace_period_seconds
-            )
-            if ret != 0:
-                return _error(500, f"Unmount and free failed, ret={ret}")
-            return _ok()
-        except Exception as e:
-            logging.error("UNMOUNT error: %s", e)
-            return _error(500, str(e))
+        args = await _unmount_request(request)
+        if isinstance(args, Response):
+            return args
+        segment_ids, grace_period_seconds = args
+        ret = await self._call(
+            self.store.unmount_and_free_segment, segment_ids, grace_period_seconds
+        )
+        if ret != 0:
+            return _error(500, f"Unmount and free failed, ret={ret}")
+        return _ok()
 
+    @_errors_answer_500("UNMOUNT_LOCAL_DISK")
     async def handle_unmount_local_disk(self, request: Any) -> Response:
         """Deregister this store's SSD offload tier before the process goes away.
 
@@ -621,90 +525,71 @@ class MooncakeStoreService:
         bad = _grace_error(grace_period_seconds)
         if bad is not None:
             return bad
-        try:
-            ret = await self._call(self.store.unmount_local_disk_segment, grace_period_seconds)
-            if ret != 0:
-                return _error(500, f"Unmount local disk failed, ret={ret}")
-            return _ok()
-        except Exception as e:
-            logging.error("UNMOUNT_LOCAL_DISK error: %s", e)
-            return _error(500, str(e))
+        ret = await self._call(self.store.unmount_local_disk_segment, grace_period_seconds)
+        if ret != 0:
+            return _error(500, f"Unmount local disk failed, ret={ret}")
+        return _ok()
 
+    @_errors_answer_500("PUT")
     async def handle_put(self, request: Any) -> Response:
-        try:
-            data = await _json_object(request)
-            if isinstance(data, Response):
-                return data
-            key = data.get("key")
-            raw_value = data.get("value")
-            if not key or raw_value is None:
-                return _error(400, "Missing key or value")
-            if not isinstance(key, str) or not isinstance(raw_value, str):
-                return _error(400, "Invalid key or value, both must be strings")
+        data = await _json_object(request)
+        if isinstance(data, Response):
+            return data
+        key = data.get("key")
+        raw_value = data.get("value")
+        if not key or raw_value is None:
+            return _error(400, "Missing key or value")
+        if not isinstance(key, str) or not isinstance(raw_value, str):
+            return _error(400, "Invalid key or value, both must be strings")
 
-            ret = await self._call(self.store.put, key, raw_value.encode())
-            if ret != 0:
-                return _error(500, "PUT operation failed", ret=ret)
-            return _ok()
-        except Exception as e:
-            logging.error("PUT error: %s", e)
-            return _error(500, str(e))
+        ret = await self._call(self.store.put, key, raw_value.encode())
+        if ret != 0:
+            return _error(500, "PUT operation failed", ret=ret)
+        return _ok()
 
+    @_errors_answer_500("GET")
     async def handle_get(self, request: Any) -> Response:
-        try:
-            key = request.match_info["key"]
+        key = request.match_info["key"]
+        exists = await self._call(self.store.is_exist, key)
+        if exists == 0:
+            return _error(404, "Key not found")
+        if exists < 0:
+            return _error(500, "Exist check failed", ret=int(exists))
+
+        value = await self._call(self.store.get, key)
+        if value is None:
+            return _error(500, "GET operation failed")
+        if value == b"":
+            # an empty value, or the key went away between the two calls
             exists = await self._call(self.store.is_exist, key)
             if exists == 0:
                 return _error(404, "Key not found")
             if exists < 0:
                 return _error(500, "Exist check failed", ret=int(exists))
+        return Response(status=200, body=value, content_type="application/octet-stream")
 
-            value = await self._call(self.store.get, key)
-            if value is None:
-                return _error(500, "GET operation failed")
-            if value == b"":
-                # an empty value, or the key went away between the two calls
-                exists = await self._call(self.store.is_exist, key)
-                if exists == 0:
-                    return _error(404, "Key not found")
-                if exists < 0:
-                    return _error(500, "Exist check failed", ret=int(exists))
-            return Response(status=200, body=value, content_type="application/octet-stream")
-        except Exception as e:
-            logging.error("GET error: %s", e)
-            return _error(500, str(e))
-
+    @_errors_answer_500("EXIST")
     async def handle_exist(self, request: Any) -> Response:
-        try:
-            key = request.match_info["key"]
-            exists = await self._call(self.store.is_exist, key)
-            if exists < 0:
-                return _error(500, "Exist check failed")
-            return _answer(200, {"exists": exists > 0})
-        except Exception as e:
-            logging.error("EXIST error: %s", e)
-            return _error(500, str(e))
+        key = request.match_info["key"]
+        exists = await self._call(self.store.is_exist, key)
+        if exists < 0:
+            return _error(500, "Exist check failed")
+        return _answer(200, {"exists": exists > 0})
 
+    @_errors_answer_500("REMOVE")
     async def handle_remove(self, request: Any) -> Response:
-        try:
-            key = request.match_info["key"]
-            ret = await self._call(self.store.remove, key)
-            if ret != 0:
-                return _error(500, "Remove operation failed", ret=ret)
-            return _ok()
-        except Exception as e:
-            logging.error("REMOVE error: %s", e)
-            return _error(500, str(e))
+        key = request.match_info["key"]
+        ret = await self._call(self.store.remove, key)
+        if ret != 0:
+            return _error(500, "Remove operation failed", ret=ret)
+        return _ok()
 
+    @_errors_answer_500("REMOVE_ALL")
     async def handle_remove_all(self, request: Any) -> Response:
-        try:
-            ret = await self._call(self.store.remove_all)
-            if ret < 0:
-                return _error(500, "RemoveAll operation failed", ret=ret)
-            return _answer(200, {"status": "success removed " + str(ret) + " keys"})
-        except Exception as e:
-            logging.error("REMOVE_ALL error: %s", e)
-            return _error(500, str(e))
+        ret = await self._call(self.store.remove_all)
+        if ret < 0:
+            return _error(500, "RemoveAll operation failed", ret=ret)
+        return _answer(200, {"status": "success removed " + str(ret) + " keys"})
 
     async def stop(self) -> None:
         """Stop the REST API and close the store (each once; a second call does nothing)."""

@@ -68,6 +68,7 @@ FLOORS: dict[str, int] = {
     "transfer_engine_topology_dump": 7,
     "vllm_v1_proxy_server": 7,
     "mooncake_store_service": 7,
+    "_store_service_http": 7,
     # 8: entry points
     "__main__": 8,
     "cli": 8,
@@ -312,7 +313,6 @@ MAX_MODULE_LINES = 800
 #: (module paths relative to ``mooncake/``; classes as ``path:Class``).
 OVERSIZED: dict[str, int] = {
     "_core/rpc.py": 884,
-    "mooncake_store_service.py": 822,
 }
 
 

@@ -219,6 +219,10 @@ def test_upsert_family_inserts_replaces_in_place_and_reallocates(
     assert store.upsert("u", b"FIRST") == 0 and store.get("u") == b"FIRST"  # same size
     assert store.upsert_parts("u", b"long", b"er value") == 0
     assert store.get("u") == b"longer value"
+    # a part without the buffer protocol: the invalid-argument code, the value kept
+    assert store.upsert_parts("u", b"x", object()) == INVALID
+    assert store.put_parts("nope", object()) == INVALID and store.is_exist("nope") == 0
+    assert store.get("u") == b"longer value"
     assert store.upsert_batch(["u", "v"], [b"1", b"22"]) == 0
     assert store.get_batch(["u", "v"]) == [b"1", b"22"]
     b = Buf(store, 4096)

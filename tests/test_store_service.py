@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from mooncake._restserver import Request, Response, RestServer
-from mooncake.mooncake_store_service import sync_main
+from mooncake.mooncake_store_service import MooncakeStoreService, sync_main
 from mooncake.store import MooncakeDistributedStore
 from tests.helpers.store_procs import ROOT, STARTUP_S, Master
 
@@ -377,3 +377,30 @@ def test_rest_server_bounds_and_routes() -> None:
             await server.close()
 
     asyncio.run(run())
+
+
+def test_a_handler_that_raises_is_logged_and_answered_500(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store call that raises: the published ``"<OP> error: ..."`` log line and 500
+    ``{"error": str(exception)}``; a returned answer passes through unchanged."""
+
+    class Broken:
+        def remove(self, key: str) -> int:
+            raise RuntimeError(f"no store for {key}")
+
+        def remove_all(self) -> int:
+            return 3
+
+    class Req:
+        match_info = {"key": "k1"}
+
+    svc = object.__new__(MooncakeStoreService)
+    svc.store = Broken()
+    with caplog.at_level("ERROR"):
+        r = asyncio.run(svc.handle_remove(Req()))
+    assert (r.status, json.loads(r.text)) == (500, {"error": "no store for k1"})
+    logged = [m.getMessage() for m in caplog.records if m.name == "root"]
+    assert logged == ["REMOVE error: no store for k1"]
+    r = asyncio.run(svc.handle_remove_all(Req()))
+    assert (r.status, json.loads(r.text)) == (200, {"status": "success removed 3 keys"})

@@ -158,8 +158,8 @@ _OWN_DEFAULTS = {
     "rpc_address": "127.0.0.1",
     "metrics_host": "127.0.0.1",
     "http_metadata_server_host": "127.0.0.1",
-    "kv_events_bind_endpoint": '"tcp://127.0.0.1:5557"',
-    "kv_events_backend_id": '"mooncake-master"',
+    "kv_events_bind_endpoint": f'"{KvFlags.bind_endpoint}"',
+    "kv_events_backend_id": f'"{KvFlags.backend_id}"',
 }
 
 
@@ -201,18 +201,22 @@ _OWN_FLAGS: dict[str, tuple[str, str, str]] = {
     ),
     "kv_events_replay_endpoint": (
         "string",
-        "",
+        KvFlags.replay_endpoint,
         "ZMQ ROUTER address serving replays of recent KV event batches (vLLM's protocol)",
     ),
-    "kv_events_buffer_steps": ("int32", "10000", "KV event batches kept for replay"),
+    "kv_events_buffer_steps": (
+        "int32",
+        str(KvFlags.buffer_steps),
+        "KV event batches kept for replay",
+    ),
     "kv_events_flush_delay": (
         "double",
-        "0.001",
+        f"{KvFlags.flush_delay:g}",
         "seconds the KV event publisher waits for more events once woken (fuller batches)",
     ),
     "kv_events_heartbeat_interval": (
         "double",
-        "1",
+        f"{KvFlags.heartbeat_interval:g}",
         "seconds between empty KV event batches on an idle stream (0: none)",
     ),
     "ha_etcd_linger_ms": (
@@ -408,7 +412,11 @@ def register(sub: Any) -> None:
     )
     k.add_argument("--kv-events-backend-id", default=KvFlags.backend_id)
     k.add_argument("--kv-events-tenant-id", default=KvFlags.tenant_id)
-    k.add_argument("--kv-events-replay-endpoint", default="", help="ZMQ ROUTER for replays")
+    k.add_argument(
+        "--kv-events-replay-endpoint",
+        default=KvFlags.replay_endpoint,
+        help="ZMQ ROUTER for replays",
+    )
     k.add_argument("--kv-events-buffer-steps", type=int, default=KvFlags.buffer_steps)
     k.add_argument("--kv-events-queue-capacity", type=int, default=KvFlags.queue_capacity)
     k.add_argument(

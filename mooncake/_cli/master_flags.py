@@ -14,12 +14,13 @@ import difflib
 import re
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from mooncake._cli._published_flags import FRAMEWORK_FLAGS, PUBLISHED_FLAGS
 from mooncake._core.master import MasterConfig
 from mooncake._core.master.config import parse_tenant_quotas
+from mooncake._store.kv_events import KvEventsConfig
 from mooncake._store.master_config import DEFAULT_RPC_PORT, MasterServerConfig
 from mooncake.errors import InvalidArgumentError
 
@@ -227,21 +228,13 @@ class HaFlags:
 
 
 @dataclass
-class KvFlags:
-    """The KV event publisher's flags (upstream's ``kv_events_*``, defaults as upstream's but
-    for the bind address: loopback, and a backend id)."""
+class KvFlags(KvEventsConfig):
+    """The KV event publisher's flags (upstream's ``kv_events_*``): the fields of
+    :class:`~mooncake._store.kv_events.KvEventsConfig`, its defaults the flags' (upstream's but
+    for the bind address: loopback, and a backend id), plus the switch and a sink for the
+    legacy flags upstream accepts and ignores. :func:`kv_settings` checks and applies them."""
 
     enable_kv_events: bool = False
-    bind_endpoint: str = "tcp://127.0.0.1:5557"
-    backend_id: str = "mooncake-master"
-    tenant_id: str = "default"
-    emit_legacy_compat: bool = True
-    emit_object_key: bool = True
-    queue_capacity: int = 65536
-    replay_endpoint: str = ""
-    buffer_steps: int = 10000
-    heartbeat_interval: float = 1.0
-    flush_delay: float = 0.001
     ignored: Any = None
 
 
@@ -249,20 +242,7 @@ def kv_settings(flags: KvFlags, server: MasterServerConfig) -> None:
     """Fill ``server.kv_events`` from the flags (checked: :class:`InvalidArgumentError`)."""
     if not flags.enable_kv_events:
         return
-    from mooncake._store.kv_events import KvEventsConfig
-
-    cfg = KvEventsConfig(
-        bind_endpoint=flags.bind_endpoint,
-        backend_id=flags.backend_id,
-        tenant_id=flags.tenant_id,
-        emit_legacy_compat=flags.emit_legacy_compat,
-        emit_object_key=flags.emit_object_key,
-        queue_capacity=flags.queue_capacity,
-        replay_endpoint=flags.replay_endpoint,
-        buffer_steps=flags.buffer_steps,
-        heartbeat_interval=flags.heartbeat_interval,
-        flush_delay=flags.flush_delay,
-    )
+    cfg = KvEventsConfig(**{f.name: getattr(flags, f.name) for f in fields(KvEventsConfig)})
     cfg.validate()
     server.kv_events = cfg
 

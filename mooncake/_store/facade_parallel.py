@@ -34,7 +34,11 @@ from mooncake._store.tensor_support import TorchMissingError
 from mooncake.errors import ErrorCode, InvalidArgumentError, MooncakeError
 
 if TYPE_CHECKING:
+    from mooncake._store.tensor_host import TensorHost as _Host
+
     _Item = tuple[str, bytes, Any]
+else:
+    _Host = object
 
 log = logging.getLogger("mooncake.store")
 
@@ -42,13 +46,14 @@ _INVALID = int(ErrorCode.INVALID_PARAMS)
 _EXISTS = int(ErrorCode.OBJECT_ALREADY_EXISTS)
 
 
-class ParallelTensorMethods:
-    """Mixin: ``put/upsert/get_tensor_with_parallelism`` and their batch and buffer forms."""
+class ParallelTensorMethods(_Host):
+    """Mixin: ``put/upsert/get_tensor_with_parallelism`` and their batch and buffer forms.
+
+    While type checking it derives from :class:`~mooncake._store.tensor_host.TensorHost` (the
+    byte-level methods the facade's other mixins provide); at run time from ``object``."""
 
     if TYPE_CHECKING:
 
-        def put(self, key: str, value: Any, config: Any = None) -> int: ...
-        def upsert(self, key: str, value: Any, config: Any = None) -> int: ...
         def get_tensor(self, key: str) -> Any: ...
         def get_tensor_into(self, key: str, buffer_ptr: int, size: int) -> Any: ...
         def _tm_write(self, items: Sequence[_Item], config: Any, upsert: bool) -> list[int]: ...

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mooncake._core import tensor_layout as tl
 from mooncake._store import tensor_io as tio
@@ -77,28 +77,8 @@ def _code(fn: Callable[[], int]) -> int:
 
 
 class TensorMethods(ParallelTensorMethods):
-    """Mixin: the published tensor API over the byte-level methods of ``self``."""
-
-    if TYPE_CHECKING:
-
-        def put(self, key: str, value: Any, config: Any = None) -> int: ...
-        def upsert(self, key: str, value: Any, config: Any = None) -> int: ...
-        def put_from(self, key: str, buffer_ptr: int, size: int, config: Any = None) -> int: ...
-        def upsert_from(self, key: str, buffer_ptr: int, size: int, config: Any = None) -> int: ...
-        def batch_put_from(
-            self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: Any = None
-        ) -> list[int]: ...
-        def batch_upsert_from(
-            self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: Any = None
-        ) -> list[int]: ...
-        def get_into(self, key: str, buffer_ptr: int, size: int) -> int: ...
-        def get_size(self, key: str) -> int: ...
-        def batch_get_into(
-            self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
-        ) -> list[int]: ...
-        def batch_get_buffer(self, keys: list[str]) -> list[Any]: ...
-        def register_buffer(self, buffer_ptr: int, size: int) -> int: ...
-        def unregister_buffer(self, buffer_ptr: int) -> int: ...
+    """Mixin: the published tensor API over the byte-level methods of ``self`` (a
+    :class:`~mooncake._store.tensor_host.TensorHost`, see :class:`ParallelTensorMethods`)."""
 
     # -- the object paths (mooncake._store.tensor_io) ------------------------------------
 

@@ -8,8 +8,8 @@ byte-level ``put_from`` / ``batch_put_from``. A get (:meth:`TensorIO.read`) copi
 from a pinned replica into a fresh tensor, or reads into the staging buffer and copies out once.
 The staging buffer grows on demand and is guarded by its lock.
 
-Every function takes the facade object (a :class:`TensorHost`: the published byte-level
-methods) as an argument; a :class:`TensorIO` holds only the staging state, so the facade and its
+Every function takes the facade object (a
+:class:`~mooncake._store.tensor_host.TensorHost`: the published byte-level methods) as an argument; a :class:`TensorIO` holds only the staging state, so the facade and its
 TensorIO form no reference cycle (the facade's ``__del__`` runs when its last reference goes).
 """
 
@@ -20,7 +20,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from mooncake import _fast
 from mooncake._core import tensor_layout as tl
 from mooncake._store import tensor_support as ts
 from mooncake._store.moves import _check_key
+from mooncake._store.tensor_host import TensorHost
 from mooncake._store.tensor_support import TorchMissingError
 from mooncake.errors import ErrorCode, InvalidArgumentError, MooncakeError, to_code
 
@@ -42,27 +43,6 @@ _MIN_STAGING = 1 << 20
 
 # (key, header, data tensor or None): one object to write
 _Item = tuple[str, bytes, Any]
-
-
-class TensorHost(Protocol):
-    """The byte-level methods of the published store the tensor I/O is built on (a facade
-    object; its ``_dummy`` / ``_store`` / ``_fast`` attributes are read when present)."""
-
-    def put_from(self, key: str, buffer_ptr: int, size: int, config: Any = None) -> int: ...
-    def upsert_from(self, key: str, buffer_ptr: int, size: int, config: Any = None) -> int: ...
-    def batch_put_from(
-        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: Any = None
-    ) -> list[int]: ...
-    def batch_upsert_from(
-        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: Any = None
-    ) -> list[int]: ...
-    def get_into(self, key: str, buffer_ptr: int, size: int) -> int: ...
-    def get_size(self, key: str) -> int: ...
-    def batch_get_into(
-        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
-    ) -> list[int]: ...
-    def register_buffer(self, buffer_ptr: int, size: int) -> int: ...
-    def unregister_buffer(self, buffer_ptr: int) -> int: ...
 
 
 class _Staging:

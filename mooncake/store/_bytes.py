@@ -82,6 +82,16 @@ class BytesMethods(StoreBase):
         except Exception as e:
             return fail("upsert" if upsert else "put", e)
 
+    def _put_parts(self, key: str, parts: tuple[Any, ...], config: Any, upsert: bool) -> int:
+        """The concatenation of ``parts`` put (or upserted) as one value; parts without the
+        buffer protocol answer the invalid-argument code, logged as ``put_parts`` /
+        ``upsert_parts``."""
+        try:
+            value = _joined(parts)
+        except MooncakeError as e:
+            return fail("upsert_parts" if upsert else "put_parts", e)
+        return self._put_value(key, value, config, upsert)
+
     def _put_batch(self, keys: list[str], values: list[Any], config: Any, upsert: bool) -> int:
         try:
             res = self._call(
@@ -142,11 +152,7 @@ class BytesMethods(StoreBase):
 
     def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
         """Store the concatenation of ``parts`` under ``key``."""
-        try:
-            value = _joined(parts)
-        except MooncakeError as e:
-            return fail("put_parts", e)
-        return self.put(key, value, config)
+        return self._put_parts(key, parts, config, False)
 
     def put_batch(
         self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None

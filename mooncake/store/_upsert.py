@@ -6,9 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from mooncake._store.config import ReplicateConfig
-from mooncake.errors import MooncakeError
-from mooncake.store._base import fail
-from mooncake.store._bytes import BytesMethods, _joined
+from mooncake.store._bytes import BytesMethods
 
 
 class UpsertMethods(BytesMethods):
@@ -19,11 +17,8 @@ class UpsertMethods(BytesMethods):
         return self._put_value(key, value, config, True)
 
     def upsert_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
-        try:
-            value = _joined(parts)
-        except MooncakeError as e:
-            return fail("upsert_parts", e)
-        return self.upsert(key, value, config)
+        """Insert or replace ``key`` with the concatenation of ``parts``."""
+        return self._put_parts(key, parts, config, True)
 
     def upsert_batch(
         self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None
