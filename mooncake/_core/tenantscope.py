@@ -18,13 +18,11 @@ segment or SSD owner (``FetchTierTasks``, ``FetchTasks``), and are checked again
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
 import msgspec
 
-from mooncake._core import rpc
 from mooncake._core.master import MasterState
 from mooncake._core.master.config import _compile
 from mooncake._core.master.tenants import (
@@ -35,12 +33,11 @@ from mooncake._core.master.tenants import (
     tenant_keys,
     user_key,
 )
+from mooncake._core.methods import Handler, ScanHandler
+from mooncake._core.rpc_types import KeysPage
 from mooncake.errors import MooncakeError
 
 __all__ = ["KEYS_METHODS", "KEY_METHODS", "TENANT_SCOPED", "scan_keys", "tenant", "wrap"]
-
-Handler = Callable[[MasterState, Any, float], Any]
-ScanHandler = Callable[[MasterState, Any, list[str], float], Any]
 
 #: methods whose ``key`` is the caller's
 KEY_METHODS = frozenset(
@@ -178,7 +175,7 @@ def _listing(method: str, fn: Handler) -> Handler:
     def keys_page(s: MasterState, p: Any, now: float) -> Any:
         if not p.tenant and not s.tenants.objects:
             return fn(s, p, now)
-        return rpc.KeysPage(*s.all_keys_page(p.cursor, p.limit, tenant(p.tenant)))
+        return KeysPage(*s.all_keys_page(p.cursor, p.limit, tenant(p.tenant)))
 
     def by_regex(s: MasterState, p: Any, now: float) -> Any:
         if not p.tenant and not s.tenants.objects:
