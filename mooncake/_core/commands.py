@@ -41,6 +41,7 @@ from mooncake._core.master import MasterState
 from mooncake._core.methods import (
     LEASE_ONLY,
     METHODS,
+    MUTATING,
     PURE_READS,
     Durability,
     Handler,
@@ -64,6 +65,7 @@ __all__ = [
     "Sweep",
     "Undrain",
     "apply",
+    "call",
     "config_fingerprint",
     "decode_commands",
     "durability",
@@ -95,6 +97,21 @@ class Command(msgspec.Struct, array_like=True, frozen=True):
 
 def rpc_command(method: str, params: bytes, now: float, rid: bytes | None = None) -> Command:
     return Command("rpc", now, method, bytes(params), rid)
+
+
+def call(
+    method: str,
+    params: bytes | msgspec.Raw,
+    now: float,
+    rid: bytes | None = None,
+    keys: list[str] | None = None,
+) -> Command:
+    """The command of one RPC call as its client sent it (``params`` its msgpack bytes):
+    :func:`rpc_command`, or for a regex method whose pattern the leader matched already,
+    :func:`ScanApply` of the matched ``keys``. What the server applies and what it logs."""
+    if keys is None:
+        return Command("rpc", now, method, bytes(params), rid)
+    return Command("scan", now, method, bytes(params), rid, keys=keys)  # keys: taken, not copied
 
 
 def Sweep(now: float) -> Command:
@@ -235,8 +252,8 @@ def apply(
     """
     kind = command.kind
     if kind == "rpc" or kind == "scan":
-        rid = command.rid if command.method in rpc.MUTATING else None
-        if rid is None:
+        rid = command.rid
+        if rid is None or command.method not in MUTATING:  # not deduplicated
             return _apply_call(state, command, params)
         return _apply_once(state, command, params, rid, unrecorded)
     if kind == "sweep":
