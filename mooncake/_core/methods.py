@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -99,10 +99,12 @@ __all__ = [
     "MUTATING",
     "PURE_READS",
     "SCAN_METHODS",
+    "TENANT_SCOPED",
     "Durability",
     "Handler",
     "MethodSpec",
     "ScanHandler",
+    "Scope",
 ]
 
 
@@ -113,6 +115,14 @@ class Durability(enum.Enum):
     LEASE_ONLY = "lease-only"
     PURE_READ = "pure-read"
 
+
+Scope = Literal["", "key", "keys", "listing"]
+"""Which keys of a call are the caller's, scoped by its tenant (:mod:`mooncake._core.tenantscope`):
+``"key"`` its params' ``key``, ``"keys"`` its ``keys``, ``"listing"`` the keys it lists or
+matches (only the caller's tenant's), ``""`` none (tier and task calls name internal keys)."""
+KEY: Scope = "key"
+KEYS: Scope = "keys"
+LISTING: Scope = "listing"
 
 Handler = Callable[["MasterState", Any, float], Any]
 """``handler(state, decoded params, now)`` -> the call's result."""
@@ -139,6 +149,7 @@ class MethodSpec:
     scan: ScanHandler | None = None
     auth: bool = False
     dedup: bool = False
+    scope: Scope = ""
 
 
 def _m(
@@ -146,10 +157,11 @@ def _m(
     params: type[msgspec.Struct],
     result: Any,
     durability: Durability,
-    handler: Handler | None,
+    handler: Handler | None = None,
     *,
     scan: ScanHandler | None = None,
     auth: bool = False,
+    scope: Scope = "",
 ) -> MethodSpec:
     if (handler is None) is not auth:
         raise AssertionError(f"{name}: a handler unless answered by the connection")
@@ -164,6 +176,7 @@ def _m(
         scan,
         auth,
         durability is Durability.MUTATING and not auth,
+        scope,
     )
 
 
@@ -199,62 +212,69 @@ METHODS: dict[str, MethodSpec] = {
         _m("DrainSegment", UnmountSegmentParams, DrainStatus, M,
            lambda s, p, now: s.drain_segment(p.client_id, p.segment_id, now)),
         _m("PutStart", PutStartParams, list[ReplicaDescriptor], M,
-           lambda s, p, now: s.put_start(p.client_id, p.key, p.size, p.config, now)),
+           lambda s, p, now: s.put_start(p.client_id, p.key, p.size, p.config, now), scope=KEY),
         _m("PutEnd", PutEndParams, None, M,
-           lambda s, p, now: s.put_end_crc(p.client_id, p.key, p.crc, now)),
+           lambda s, p, now: s.put_end_crc(p.client_id, p.key, p.crc, now), scope=KEY),
         _m("PutRevoke", KeyClientParams, None, M,
-           lambda s, p, now: s.put_revoke(p.client_id, p.key, now)),
+           lambda s, p, now: s.put_revoke(p.client_id, p.key, now), scope=KEY),
         _m("UpsertStart", PutStartParams, list[ReplicaDescriptor], M,
-           lambda s, p, now: s.upsert_start(p.client_id, p.key, p.size, p.config, now)),
+           lambda s, p, now: s.upsert_start(p.client_id, p.key, p.size, p.config, now), scope=KEY),
         _m("UpsertEnd", PutEndParams, None, M,
-           lambda s, p, now: s.put_end_crc(p.client_id, p.key, p.crc, now)),
+           lambda s, p, now: s.put_end_crc(p.client_id, p.key, p.crc, now), scope=KEY),
         _m("UpsertRevoke", KeyClientParams, None, M,
-           lambda s, p, now: s.upsert_revoke(p.client_id, p.key, now)),
-        _m("BatchPutStart", BatchPutStartParams, _PUT_ITEMS, M,
-           lambda s, p, now: s.batch_put_start(p.client_id, p.keys, p.sizes, p.config, now)),
+           lambda s, p, now: s.upsert_revoke(p.client_id, p.key, now), scope=KEY),
+        _m("BatchPutStart", BatchPutStartParams, _PUT_ITEMS, M, scope=KEYS,
+           handler=lambda s, p, now: s.batch_put_start(
+               p.client_id, p.keys, p.sizes, p.config, now
+           )),
         _m("BatchPutEnd", BatchPutEndParams, list[int], M,
-           lambda s, p, now: s.batch_put_end_crc(p.client_id, p.keys, p.crcs, now)),
+           lambda s, p, now: s.batch_put_end_crc(p.client_id, p.keys, p.crcs, now), scope=KEYS),
         _m("BatchPutRevoke", BatchKeyClientParams, list[int], M,
-           lambda s, p, now: s.batch_put_revoke(p.client_id, p.keys, now)),
+           lambda s, p, now: s.batch_put_revoke(p.client_id, p.keys, now), scope=KEYS),
         _m("BatchUpsertStart", BatchPutStartParams, _PUT_ITEMS, M,
            lambda s, p, now: s.batch_put_start(
                p.client_id, p.keys, p.sizes, p.config, now, upsert=True
-           )),
+           ), scope=KEYS),
         _m("BatchUpsertEnd", BatchPutEndParams, list[int], M,
-           lambda s, p, now: s.batch_put_end_crc(p.client_id, p.keys, p.crcs, now)),
+           lambda s, p, now: s.batch_put_end_crc(p.client_id, p.keys, p.crcs, now), scope=KEYS),
         _m("BatchUpsertRevoke", BatchKeyClientParams, list[int], M,
-           lambda s, p, now: s.batch_put_revoke(p.client_id, p.keys, now)),
+           lambda s, p, now: s.batch_put_revoke(p.client_id, p.keys, now), scope=KEYS),
         _m("GetReplicaList", KeyParams, GetReplicaListResponse, L,
-           lambda s, p, now: s.get_replica_list(p.key, now, for_read=p.for_read)),
-        _m("BatchGetReplicaList", KeysParams, list[Item[GetReplicaListResponse]], L,
-           lambda s, p, now: s.batch_get_replica_list(p.keys, now, for_read=p.for_read)),
+           lambda s, p, now: s.get_replica_list(p.key, now, for_read=p.for_read), scope=KEY),
+        _m("BatchGetReplicaList", KeysParams, list[Item[GetReplicaListResponse]], L, scope=KEYS,
+           handler=lambda s, p, now: s.batch_get_replica_list(p.keys, now, for_read=p.for_read)),
         _m("GetReplicaListByRegex", RegexParams, _REPLICA_MAP, L,
            lambda s, p, now: s.get_replica_list_by_regex(p.regex, now),
-           scan=lambda s, p, keys, now: s.replica_lists_of(keys, now)),
-        _m("ExistKey", KeyParams, bool, L, lambda s, p, now: s.exist_key(p.key, now)),
+           scan=lambda s, p, keys, now: s.replica_lists_of(keys, now), scope=LISTING),
+        _m("ExistKey", KeyParams, bool, L, lambda s, p, now: s.exist_key(p.key, now), scope=KEY),
         _m("BatchExistKey", KeysParams, list[int], L,
-           lambda s, p, now: s.batch_exist_key(p.keys, now)),
-        _m("Remove", RemoveParams, None, M, lambda s, p, now: s.remove(p.key, p.force, now)),
+           lambda s, p, now: s.batch_exist_key(p.keys, now), scope=KEYS),
+        _m("Remove", RemoveParams, None, M, scope=KEY,
+           handler=lambda s, p, now: s.remove(p.key, p.force, now)),
         _m("BatchRemove", BatchRemoveParams, list[int], M,
-           lambda s, p, now: s.batch_remove(p.keys, p.force, now)),
+           lambda s, p, now: s.batch_remove(p.keys, p.force, now), scope=KEYS),
         _m("RemoveByRegex", RegexParams, int, M,
            lambda s, p, now: s.remove_by_regex(p.regex, p.force, now),
-           scan=lambda s, p, keys, now: s.remove_keys(keys, p.force, now)),
-        _m("RemoveAll", ForceParams, int, M, lambda s, p, now: s.remove_all(p.force, now)),
-        _m("QueryKey", KeyParams, ObjectInfo, R, lambda s, p, now: s.query_key(p.key)),
-        _m("GetAllKeys", Empty, list[str], R, lambda s, p, now: s.all_keys_bounded()),
+           scan=lambda s, p, keys, now: s.remove_keys(keys, p.force, now), scope=LISTING),
+        _m("RemoveAll", ForceParams, int, M, scope=LISTING,
+           handler=lambda s, p, now: s.remove_all(p.force, now)),
+        _m("QueryKey", KeyParams, ObjectInfo, R, lambda s, p, now: s.query_key(p.key), scope=KEY),
+        _m("GetAllKeys", Empty, list[str], R, scope=LISTING,
+           handler=lambda s, p, now: s.all_keys_bounded()),
         _m("GetAllSegments", Empty, list[SegmentInfo], R,
            lambda s, p, now: s.all_segments_bounded()),
         _m("GetAllKeysPage", PageParams, KeysPage, R,
-           lambda s, p, now: KeysPage(*s.all_keys_page(p.cursor, p.limit))),
+           lambda s, p, now: KeysPage(*s.all_keys_page(p.cursor, p.limit)), scope=LISTING),
         _m("GetAllSegmentsPage", PageParams, SegmentsPage, R,
            lambda s, p, now: SegmentsPage(*s.all_segments_page(p.cursor, p.limit))),
-        _m("BatchReplicaClear", ReplicaClearParams, list[str], M,
-           lambda s, p, now: s.batch_replica_clear(p.client_id, p.keys, p.segment_name, now)),
+        _m("BatchReplicaClear", ReplicaClearParams, list[str], M, scope=KEYS,
+           handler=lambda s, p, now: s.batch_replica_clear(
+               p.client_id, p.keys, p.segment_name, now
+           )),
         _m("CreateCopyTask", CopyTaskParams, str, M,
-           lambda s, p, now: s.create_copy_task(p.key, p.targets, now)),
+           lambda s, p, now: s.create_copy_task(p.key, p.targets, now), scope=KEY),
         _m("CreateMoveTask", MoveTaskParams, str, M,
-           lambda s, p, now: s.create_move_task(p.key, p.source, p.target, now)),
+           lambda s, p, now: s.create_move_task(p.key, p.source, p.target, now), scope=KEY),
         _m("QueryTask", TaskIdParams, ReplicaTask, R, lambda s, p, now: s.query_task(p.task_id)),
         _m("FetchTasks", ClientParams, list[ReplicaTask], M,
            lambda s, p, now: s.fetch_tasks(p.client_id, now)),
@@ -283,7 +303,7 @@ METHODS: dict[str, MethodSpec] = {
         _m("PutLocal", PutLocalParams, int, M,
            lambda s, p, now: s.put_local(p.client_id, p.key, p.size, now)),
         _m("ExplainMiss", KeyParams, MissInfo, R,
-           lambda s, p, now: _miss_info(s.explain_miss(p.key))),
+           lambda s, p, now: _miss_info(s.explain_miss(p.key)), scope=KEY),
         _m("GetTierStats", Empty, _TIER_MAP, R,
            lambda s, p, now: {t: c.as_dict() for t, c in s.tiers.items()}),
         _m("GetSegmentTiers", Empty, _TIER_MAP, R, lambda s, p, now: s.segment_tiers()),
@@ -318,3 +338,5 @@ PURE_READS = frozenset(
 """Change nothing: never logged."""
 SCAN_METHODS = frozenset(n for n, s in METHODS.items() if s.scan is not None)
 """The regex methods: matched off the loop (:mod:`mooncake._store.keyscan`), then applied."""
+TENANT_SCOPED = frozenset(n for n, s in METHODS.items() if s.scope)
+"""Every method whose keys are scoped by the caller's tenant (:attr:`MethodSpec.scope`)."""
