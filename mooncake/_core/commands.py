@@ -65,7 +65,6 @@ __all__ = [
     "Sweep",
     "Undrain",
     "apply",
-    "call",
     "config_fingerprint",
     "decode_commands",
     "durability",
@@ -97,21 +96,6 @@ class Command(msgspec.Struct, array_like=True, frozen=True):
 
 def rpc_command(method: str, params: bytes, now: float, rid: bytes | None = None) -> Command:
     return Command("rpc", now, method, bytes(params), rid)
-
-
-def call(
-    method: str,
-    params: bytes | msgspec.Raw,
-    now: float,
-    rid: bytes | None = None,
-    keys: list[str] | None = None,
-) -> Command:
-    """The command of one RPC call as its client sent it (``params`` its msgpack bytes):
-    :func:`rpc_command`, or for a regex method whose pattern the leader matched already,
-    :func:`ScanApply` of the matched ``keys``. What the server applies and what it logs."""
-    if keys is None:
-        return Command("rpc", now, method, bytes(params), rid)
-    return Command("scan", now, method, bytes(params), rid, keys=keys)  # keys: taken, not copied
 
 
 def Sweep(now: float) -> Command:
@@ -253,9 +237,9 @@ def apply(
     kind = command.kind
     if kind == "rpc" or kind == "scan":
         rid = command.rid
-        if rid is None or command.method not in MUTATING:  # not deduplicated
-            return _apply_call(state, command, params)
-        return _apply_once(state, command, params, rid, unrecorded)
+        if rid is not None and command.method in MUTATING:
+            return _apply_once(state, command, params, rid, unrecorded)
+        return _apply_call(state, command, params)
     if kind == "sweep":
         state.sweep(command.now)
         return None

@@ -218,7 +218,11 @@ class MasterServer:
                     self.deduplicated += 1
                     ticket = ha.barrier if ha is not None else 0
                     return rpc.encode_reply(req.id, recorded, max_frame=max_frame), ticket
-            cmd = commands.call(name, req.params, now, rid, matched)
+            # the call as its client sent it (logged as is; for a regex method, with the keys
+            # its pattern matched here, so no replica runs the pattern)
+            cmd = commands.Command(
+                "rpc" if matched is None else "scan", now, name, bytes(req.params), rid, matched
+            )
             if ha is not None and refusal is None:
                 ticket = self._log_call(ha, cmd)
             # the one apply path, the function the standbys apply the log with (it settles;
