@@ -65,6 +65,7 @@ __all__ = [
     "Sweep",
     "Undrain",
     "apply",
+    "apply_call",
     "config_fingerprint",
     "decode_commands",
     "durability",
@@ -176,22 +177,15 @@ def decode(method: str, params: bytes | msgspec.Raw) -> Any:
         raise InvalidArgumentError(f"bad params for {method}: {e}") from None
 
 
-def _apply_call(state: MasterState, command: Command, params: Any) -> Any:
-    try:
-        if command.kind == "rpc":
-            p = params if params is not None else decode(command.method, command.params)
-            return HANDLERS[command.method](state, p, command.now)
-        scan = SCAN_APPLY.get(command.method)
-        if scan is None:
-            raise NotSupportedError(f"{command.method!r} is not a key-scan method")
-        p = params if params is not None else decode(command.method, command.params)
-        return scan(state, p, list(command.keys or ()), command.now)
-    finally:
-        state.settle()
-
-
 def _apply_once(
-    state: MasterState, command: Command, params: Any, rid: bytes, unrecorded: bool
+    state: MasterState,
+    method: str,
+    now: float,
+    params: Any,
+    raw: bytes | msgspec.Raw,
+    keys: list[str] | None,
+    rid: bytes,
+    unrecorded: bool,
 ) -> Any:
     """A mutating call with a request id: applied unless ``state.dedup`` has it (then nothing
     happens: the leader answered the retry from the ledger), its reply recorded -- the framed
@@ -203,7 +197,7 @@ def _apply_once(
         except StaleRequestError:
             return None
     try:
-        result = _apply_call(state, command, params)
+        result = apply_call(state, method, now, params, raw, None, keys)
     except MooncakeError as e:
         state.dedup.record(rid, rpc.encode_error(0, e))
         raise
@@ -217,6 +211,44 @@ def _apply_once(
     except InvalidArgumentError as e:  # too large for one frame: the leader answered that
         state.dedup.record(rid, rpc.encode_error(0, e))
     return result
+
+
+def apply_call(
+    state: MasterState,
+    method: str,
+    now: float,
+    params: Any,
+    raw: bytes | msgspec.Raw = b"",
+    rid: bytes | None = None,
+    keys: list[str] | None = None,
+    unrecorded: bool = False,
+) -> Any:
+    """Apply one RPC call: what :func:`apply` does with an ``rpc`` or ``scan`` command, and
+    what the leader calls with the call it is answering (building a :class:`Command` only
+    when it logs one). Returns the RPC result or raises the RPC's error.
+
+    ``params``: the decoded params (None: ``raw``, the msgpack params, is decoded); ``keys``:
+    for a regex method, the keys its pattern matched (its scan handler runs on them). A
+    mutating call with a request id ``rid`` is applied at most once per id and its reply
+    recorded in ``state.dedup`` (:mod:`mooncake._core.dedup`); a repeated one returns
+    ``None`` and changes nothing. ``unrecorded``: the caller has just looked the id up and
+    found it new, so the ledger is not asked twice. The state settles after the call.
+    """
+    if rid is not None and method in MUTATING:
+        return _apply_once(state, method, now, params, raw, keys, rid, unrecorded)
+    try:
+        if keys is None:
+            if params is None:  # (decoded first: an unknown method is NOT_SUPPORTED)
+                params = decode(method, raw)
+            return HANDLERS[method](state, params, now)
+        scan = SCAN_APPLY.get(method)
+        if scan is None:
+            raise NotSupportedError(f"{method!r} is not a key-scan method")
+        if params is None:
+            params = decode(method, raw)
+        return scan(state, params, keys, now)
+    finally:
+        state.settle()
 
 
 def apply(
@@ -236,10 +268,17 @@ def apply(
     """
     kind = command.kind
     if kind == "rpc" or kind == "scan":
-        rid = command.rid
-        if rid is not None and command.method in MUTATING:
-            return _apply_once(state, command, params, rid, unrecorded)
-        return _apply_call(state, command, params)
+        keys = None if kind == "rpc" else list(command.keys or ())
+        return apply_call(
+            state,
+            command.method,
+            command.now,
+            params,
+            command.params,
+            command.rid,
+            keys,
+            unrecorded,
+        )
     if kind == "sweep":
         state.sweep(command.now)
         return None

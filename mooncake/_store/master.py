@@ -218,16 +218,13 @@ class MasterServer:
                     self.deduplicated += 1
                     ticket = ha.barrier if ha is not None else 0
                     return rpc.encode_reply(req.id, recorded, max_frame=max_frame), ticket
-            # the call as its client sent it (logged as is; for a regex method, with the keys
-            # its pattern matched here, so no replica runs the pattern)
-            cmd = commands.Command(
-                "rpc" if matched is None else "scan", now, name, bytes(req.params), rid, matched
-            )
             if ha is not None and refusal is None:
-                ticket = self._log_call(ha, cmd)
-            # the one apply path, the function the standbys apply the log with (it settles;
-            # with a request id it records the reply)
-            result = commands.apply(self.state, cmd, params, unrecorded=rid is not None)
+                ticket = self._log_call(ha, req, now, rid, matched)
+            # the one apply path: what the standbys apply the log with (it settles; with a
+            # request id it records the reply)
+            result = commands.apply_call(
+                self.state, name, now, params, req.params, rid, matched, rid is not None
+            )
             try:
                 return rpc.encode_result(req.id, result, max_frame=max_frame), ticket
             except InvalidArgumentError as e:  # answer too large for one frame
@@ -266,17 +263,31 @@ class MasterServer:
         a replicated master does not wait (its standbys would skip the repeated request id)."""
         return 0.0 if self.ha is not None else float(self.state.config.default_kv_lease_ttl)
 
-    def _log_call(self, ha: Replication, cmd: commands.Command) -> int:
+    def _log_call(
+        self,
+        ha: Replication,
+        req: rpc.Request,
+        now: float,
+        rid: bytes | None,
+        matched: list[str] | None,
+    ) -> int:
         """Queue the call's command for the log (unless a pure read): the ticket its reply
-        waits for (its own entry if mutating, else the mutations before it)."""
-        kind = commands.durability(cmd.method)
+        waits for (its own entry if mutating, else the mutations before it). A regex method's
+        command carries the keys its pattern matched here, so no replica runs the pattern."""
+        name = req.method
+        kind = commands.durability(name)
         if kind is commands.Durability.PURE_READ:
             return ha.barrier
-        if len(cmd.params) > MAX_LOGGED_PARAMS:
+        if len(req.params) > MAX_LOGGED_PARAMS:
             raise InvalidArgumentError(
-                f"{cmd.method} params of {len(cmd.params)} bytes exceed the "
+                f"{name} params of {len(req.params)} bytes exceed the "
                 f"{MAX_LOGGED_PARAMS} a replicated master logs in one entry"
             )
+        cmd = (
+            commands.ScanApply(name, bytes(req.params), matched, now, rid)
+            if matched is not None
+            else commands.rpc_command(name, bytes(req.params), now, rid)
+        )
         own = ha.append(cmd)
         return own if kind is commands.Durability.MUTATING else ha.barrier
 
