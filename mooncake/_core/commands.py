@@ -2,7 +2,9 @@
 
 Everything that changes a :class:`~mooncake._core.master.MasterState` goes through
 :func:`apply`: the leader applies a command when it receives it, a standby when it reads it from
-the replicated log, and the tests when they replay one. The state being deterministic (all
+the replicated log, and the tests when they replay one. An RPC call takes one path wherever it
+comes from: :func:`apply_call`, which :func:`apply` hands every ``rpc``/``scan`` command and
+the leader's server every call it answers (decoded already; logged first when replicated). The state being deterministic (all
 randomness from ``state.rng``, all time from ``command.now``), the same command sequence gives
 the same state everywhere, allocators included.
 
