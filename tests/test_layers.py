@@ -311,9 +311,7 @@ MAX_MODULE_LINES = 800
 
 #: What is still over, with its size now: an entry may only shrink, and goes once it fits
 #: (module paths relative to ``mooncake/``; classes as ``path:Class``).
-OVERSIZED: dict[str, int] = {
-    "_core/rpc.py": 884,
-}
+OVERSIZED: dict[str, int] = {}
 
 
 def _sizes() -> dict[str, int]:

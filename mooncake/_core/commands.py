@@ -2,7 +2,9 @@
 
 Everything that changes a :class:`~mooncake._core.master.MasterState` goes through
 :func:`apply`: the leader applies a command when it receives it, a standby when it reads it from
-the replicated log, and the tests when they replay one. The state being deterministic (all
+the replicated log, and the tests when they replay one. An RPC call takes one path wherever it
+comes from: :func:`apply_call`, which :func:`apply` hands every ``rpc``/``scan`` command and
+the leader's server every call it answers (decoded already; logged first when replicated). The state being deterministic (all
 randomness from ``state.rng``, all time from ``command.now``), the same command sequence gives
 the same state everywhere, allocators included.
 
@@ -22,15 +24,15 @@ A :class:`Command` is either an RPC call (``kind == "rpc"``: ``method`` and the 
   randomness is fixed by the log, whatever seed each process started with); the cluster's
   first leader (``genesis``) also draws the view id from it.
 
-Classification (:func:`durability`): a **mutating** call's reply is sent only after its log
-entry is durable; a **lease-only** call (read leases, pings) is logged but its reply does not
-wait for its own entry; a **pure read** changes nothing and is not logged.
+Classification (:func:`durability`, each method's row of
+:data:`~mooncake._core.methods.METHODS`): a **mutating** call's reply is sent only after its
+log entry is durable; a **lease-only** call (read leases, pings) is logged but its reply does
+not wait for its own entry; a **pure read** changes nothing and is not logged.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -38,8 +40,15 @@ import msgspec
 from mooncake._core import rpc, tenantscope
 from mooncake._core.dedup import StaleRequestError
 from mooncake._core.master import MasterState
-from mooncake._core.misses import Miss
-from mooncake._core.store_types import MissInfo
+from mooncake._core.methods import (
+    LEASE_ONLY,
+    METHODS,
+    MUTATING,
+    PURE_READS,
+    Durability,
+    Handler,
+    ScanHandler,
+)
 from mooncake.errors import ErrorCode, InvalidArgumentError, MooncakeError, NotSupportedError
 
 __all__ = [
@@ -58,6 +67,7 @@ __all__ = [
     "Sweep",
     "Undrain",
     "apply",
+    "apply_call",
     "config_fingerprint",
     "decode_commands",
     "durability",
@@ -142,150 +152,26 @@ def config_fingerprint(config: Any) -> str:
     return hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
 
 
-class Durability(enum.Enum):
-    MUTATING = "mutating"
-    LEASE_ONLY = "lease-only"
-    PURE_READ = "pure-read"
-
-
-#: logged, but the reply does not wait for the entry to be durable
-LEASE_ONLY = frozenset(
-    {
-        "Ping",
-        "GetReplicaList",
-        "BatchGetReplicaList",
-        "GetReplicaListByRegex",
-        "ExistKey",
-        "BatchExistKey",
-        "ReportSegmentFailure",  # a hint: lost with a failover, the next failure reports again
-    }
-)
-#: change nothing: never logged (a standby could answer them, but refuses to: it may lag)
-PURE_READS = frozenset(
-    {
-        "ServiceReady",
-        "QueryKey",
-        "GetAllKeys",
-        "GetAllSegments",
-        "GetAllKeysPage",
-        "GetAllSegmentsPage",
-        "ExplainMiss",
-        "GetTierStats",
-        "GetSegmentTiers",
-        "QueryTask",
-    }
-)
-
-
 def durability(method: str) -> Durability:
-    """How a call of ``method`` is replicated (every other method is mutating)."""
-    if method in PURE_READS:
-        return Durability.PURE_READ
-    if method in LEASE_ONLY:
-        return Durability.LEASE_ONLY
-    return Durability.MUTATING
+    """How a call of ``method`` is replicated (:data:`~mooncake._core.methods.METHODS`; a name
+    not in the table counts as mutating)."""
+    spec = METHODS.get(method)
+    return spec.durability if spec is not None else Durability.MUTATING
 
 
-def _miss_info(miss: Miss) -> MissInfo:
-    return MissInfo(
-        reason=miss.reason.value,
-        policy=miss.policy,
-        tier=miss.tier,
-        owner=miss.owner,
-        at=miss.at or 0.0,
-    )
-
-
-Handler = Callable[[MasterState, Any, float], Any]
-
-#: RPC method -> handler(state, decoded params, now)
-HANDLERS: dict[str, Handler] = {
-    "ServiceReady": lambda s, p, now: rpc.VERSION,
-    "Ping": lambda s, p, now: s.ping(p.client_id, now),
-    "MountLocalDisk": lambda s, p, now: s.mount_local_disk(
-        p.client_id, p.capacity, now, tier_id=p.tier_id
-    ),
-    "FetchTierTasks": lambda s, p, now: s.fetch_tier_tasks(p.client_id, now),
-    "DemoteEnd": lambda s, p, now: s.demote_end(p.client_id, p.key, p.vid, now),
-    "DemoteRevoke": lambda s, p, now: s.demote_revoke(p.client_id, p.key, p.vid, now),
-    "PromoteStart": lambda s, p, now: s.promote_start(p.client_id, p.key, p.vid, now),
-    "PromoteEnd": lambda s, p, now: s.promote_end(p.client_id, p.key, p.vid, now),
-    "PromoteRevoke": lambda s, p, now: s.promote_revoke(p.client_id, p.key, p.vid, now),
-    "EvictDiskReplica": lambda s, p, now: s.evict_disk_replica(
-        p.client_id, p.key, p.vid, p.policy, now
-    ),
-    "PutLocal": lambda s, p, now: s.put_local(p.client_id, p.key, p.size, now),
-    "ExplainMiss": lambda s, p, now: _miss_info(s.explain_miss(p.key)),
-    "GetTierStats": lambda s, p, now: {t: c.as_dict() for t, c in s.tiers.items()},
-    "GetSegmentTiers": lambda s, p, now: s.segment_tiers(),
-    "ReportSegmentFailure": lambda s, p, now: s.report_segment_failure(
-        p.client_id, p.segment_name, p.reason, now
-    ),
-    "ReportCorruptReplica": lambda s, p, now: s.report_corrupt_replica(
-        p.client_id, p.key, p.vid, p.segment_name, p.addr, now
-    ),
-    "MountSegment": lambda s, p, now: s.mount_segment(p.client_id, p.segment, now),
-    "ReMountSegment": lambda s, p, now: s.remount_segments(p.client_id, p.segments, now),
-    "UnmountSegment": lambda s, p, now: s.unmount_segment(p.client_id, p.segment_id, now),
-    "DrainSegment": lambda s, p, now: s.drain_segment(p.client_id, p.segment_id, now),
-    "PutStart": lambda s, p, now: s.put_start(p.client_id, p.key, p.size, p.config, now),
-    "PutEnd": lambda s, p, now: s.put_end_crc(p.client_id, p.key, p.crc, now),
-    "PutRevoke": lambda s, p, now: s.put_revoke(p.client_id, p.key, now),
-    "UpsertStart": lambda s, p, now: s.upsert_start(p.client_id, p.key, p.size, p.config, now),
-    "UpsertEnd": lambda s, p, now: s.put_end_crc(p.client_id, p.key, p.crc, now),
-    "UpsertRevoke": lambda s, p, now: s.upsert_revoke(p.client_id, p.key, now),
-    "BatchPutStart": lambda s, p, now: s.batch_put_start(
-        p.client_id, p.keys, p.sizes, p.config, now
-    ),
-    "BatchPutEnd": lambda s, p, now: s.batch_put_end_crc(p.client_id, p.keys, p.crcs, now),
-    "BatchPutRevoke": lambda s, p, now: s.batch_put_revoke(p.client_id, p.keys, now),
-    "BatchUpsertStart": lambda s, p, now: s.batch_put_start(
-        p.client_id, p.keys, p.sizes, p.config, now, upsert=True
-    ),
-    "BatchUpsertEnd": lambda s, p, now: s.batch_put_end_crc(p.client_id, p.keys, p.crcs, now),
-    "BatchUpsertRevoke": lambda s, p, now: s.batch_put_revoke(p.client_id, p.keys, now),
-    "GetReplicaList": lambda s, p, now: s.get_replica_list(p.key, now, for_read=p.for_read),
-    "BatchGetReplicaList": lambda s, p, now: s.batch_get_replica_list(
-        p.keys, now, for_read=p.for_read
-    ),
-    "GetReplicaListByRegex": lambda s, p, now: s.get_replica_list_by_regex(p.regex, now),
-    "ExistKey": lambda s, p, now: s.exist_key(p.key, now),
-    "BatchExistKey": lambda s, p, now: s.batch_exist_key(p.keys, now),
-    "Remove": lambda s, p, now: s.remove(p.key, p.force, now),
-    "BatchRemove": lambda s, p, now: s.batch_remove(p.keys, p.force, now),
-    "RemoveByRegex": lambda s, p, now: s.remove_by_regex(p.regex, p.force, now),
-    "RemoveAll": lambda s, p, now: s.remove_all(p.force, now),
-    "QueryKey": lambda s, p, now: s.query_key(p.key),
-    "GetAllKeys": lambda s, p, now: s.all_keys_bounded(),
-    "GetAllSegments": lambda s, p, now: s.all_segments_bounded(),
-    "GetAllKeysPage": lambda s, p, now: rpc.KeysPage(*s.all_keys_page(p.cursor, p.limit)),
-    "GetAllSegmentsPage": lambda s, p, now: rpc.SegmentsPage(
-        *s.all_segments_page(p.cursor, p.limit)
-    ),
-    "BatchReplicaClear": lambda s, p, now: s.batch_replica_clear(
-        p.client_id, p.keys, p.segment_name, now
-    ),
-    "CreateCopyTask": lambda s, p, now: s.create_copy_task(p.key, p.targets, now),
-    "CreateMoveTask": lambda s, p, now: s.create_move_task(p.key, p.source, p.target, now),
-    "QueryTask": lambda s, p, now: s.query_task(p.task_id),
-    "FetchTasks": lambda s, p, now: s.fetch_tasks(p.client_id, now),
-    "TaskStart": lambda s, p, now: s.task_start(p.client_id, p.task_id, now),
-    "TaskEnd": lambda s, p, now: s.task_end(p.client_id, p.task_id, now),
-    "TaskRevoke": lambda s, p, now: s.task_revoke(p.client_id, p.task_id, p.message, now),
-}
-
-#: regex methods applied to keys matched beforehand (off the loop)
-SCAN_APPLY: dict[str, Callable[[MasterState, Any, list[str], float], Any]] = {
-    "GetReplicaListByRegex": lambda s, p, keys, now: s.replica_lists_of(keys, now),
-    "RemoveByRegex": lambda s, p, keys, now: s.remove_keys(keys, p.force, now),
-}
+#: RPC method -> handler(state, decoded params, now), tenant scoping applied: a view of
+#: :data:`~mooncake._core.methods.METHODS` (every method but the auth ones)
+HANDLERS: dict[str, Handler] = {n: s.handler for n, s in METHODS.items() if s.handler is not None}
+#: regex methods applied to keys matched beforehand (off the loop): a view of the table's
+#: ``scan`` handlers, tenant scoping applied
+SCAN_APPLY: dict[str, ScanHandler] = {n: s.scan for n, s in METHODS.items() if s.scan is not None}
 tenantscope.wrap(HANDLERS, SCAN_APPLY)  # keys scoped by the caller's tenant
 
 
 def decode(method: str, params: bytes | msgspec.Raw) -> Any:
     """``params`` as ``method``'s params Struct (errors as :func:`rpc.decode_params`)."""
-    spec = rpc.METHODS.get(method)
-    if spec is None or method not in HANDLERS:
+    spec = METHODS.get(method)
+    if spec is None or spec.handler is None:
         raise NotSupportedError(f"unknown method {method!r}")
     try:
         return spec.params_decoder.decode(params)
@@ -293,22 +179,15 @@ def decode(method: str, params: bytes | msgspec.Raw) -> Any:
         raise InvalidArgumentError(f"bad params for {method}: {e}") from None
 
 
-def _apply_call(state: MasterState, command: Command, params: Any) -> Any:
-    try:
-        if command.kind == "rpc":
-            p = params if params is not None else decode(command.method, command.params)
-            return HANDLERS[command.method](state, p, command.now)
-        scan = SCAN_APPLY.get(command.method)
-        if scan is None:
-            raise NotSupportedError(f"{command.method!r} is not a key-scan method")
-        p = params if params is not None else decode(command.method, command.params)
-        return scan(state, p, list(command.keys or ()), command.now)
-    finally:
-        state.settle()
-
-
 def _apply_once(
-    state: MasterState, command: Command, params: Any, rid: bytes, unrecorded: bool
+    state: MasterState,
+    method: str,
+    now: float,
+    params: Any,
+    raw: bytes | msgspec.Raw,
+    keys: list[str] | None,
+    rid: bytes,
+    unrecorded: bool,
 ) -> Any:
     """A mutating call with a request id: applied unless ``state.dedup`` has it (then nothing
     happens: the leader answered the retry from the ledger), its reply recorded -- the framed
@@ -320,7 +199,7 @@ def _apply_once(
         except StaleRequestError:
             return None
     try:
-        result = _apply_call(state, command, params)
+        result = apply_call(state, method, now, params, raw, None, keys)
     except MooncakeError as e:
         state.dedup.record(rid, rpc.encode_error(0, e))
         raise
@@ -334,6 +213,44 @@ def _apply_once(
     except InvalidArgumentError as e:  # too large for one frame: the leader answered that
         state.dedup.record(rid, rpc.encode_error(0, e))
     return result
+
+
+def apply_call(
+    state: MasterState,
+    method: str,
+    now: float,
+    params: Any,
+    raw: bytes | msgspec.Raw = b"",
+    rid: bytes | None = None,
+    keys: list[str] | None = None,
+    unrecorded: bool = False,
+) -> Any:
+    """Apply one RPC call: what :func:`apply` does with an ``rpc`` or ``scan`` command, and
+    what the leader calls with the call it is answering (building a :class:`Command` only
+    when it logs one). Returns the RPC result or raises the RPC's error.
+
+    ``params``: the decoded params (None: ``raw``, the msgpack params, is decoded); ``keys``:
+    for a regex method, the keys its pattern matched (its scan handler runs on them). A
+    mutating call with a request id ``rid`` is applied at most once per id and its reply
+    recorded in ``state.dedup`` (:mod:`mooncake._core.dedup`); a repeated one returns
+    ``None`` and changes nothing. ``unrecorded``: the caller has just looked the id up and
+    found it new, so the ledger is not asked twice. The state settles after the call.
+    """
+    if rid is not None and method in MUTATING:
+        return _apply_once(state, method, now, params, raw, keys, rid, unrecorded)
+    try:
+        if keys is None:
+            if params is None:  # (decoded first: an unknown method is NOT_SUPPORTED)
+                params = decode(method, raw)
+            return HANDLERS[method](state, params, now)
+        scan = SCAN_APPLY.get(method)
+        if scan is None:
+            raise NotSupportedError(f"{method!r} is not a key-scan method")
+        if params is None:
+            params = decode(method, raw)
+        return scan(state, params, keys, now)
+    finally:
+        state.settle()
 
 
 def apply(
@@ -353,10 +270,17 @@ def apply(
     """
     kind = command.kind
     if kind == "rpc" or kind == "scan":
-        rid = command.rid if command.method in rpc.MUTATING else None
-        if rid is None:
-            return _apply_call(state, command, params)
-        return _apply_once(state, command, params, rid, unrecorded)
+        keys = None if kind == "rpc" else list(command.keys or ())
+        return apply_call(
+            state,
+            command.method,
+            command.now,
+            params,
+            command.params,
+            command.rid,
+            keys,
+            unrecorded,
+        )
     if kind == "sweep":
         state.sweep(command.now)
         return None

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from mooncake._core.rpc import RID_BYTES, RID_FIRST, check_rid
+from mooncake._core.rpc_types import RID_BYTES, RID_FIRST, check_rid
 from mooncake.errors import ErrorCode, InvalidArgumentError, StoreError
 
 DEFAULT_PER_CLIENT = 1024

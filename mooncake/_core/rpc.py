@@ -1,4 +1,4 @@
-"""The master RPC: message definitions and the sans-I/O frame codec.
+"""The master RPC: the wire format and its sans-I/O frame codec.
 
 Wire format
 -----------
@@ -100,31 +100,65 @@ AuthProve              AuthProveParams                  None (cluster secret onl
 gets ``RPC_FAIL`` "authentication required" and the connection is closed).
 
 Semantics of each call are the master's (:mod:`mooncake._core.master`); this module only
-defines shapes. :class:`Item` carries per-key results of batch calls: ``code`` 0 and ``value``,
-or ``code`` < 0 and no value.
+frames and decodes. The shapes (params and result Structs, request ids) live in
+:mod:`mooncake._core.rpc_types` and the method table (each method's codec, durability, dedup,
+scan, auth and handler) in :mod:`mooncake._core.methods`; both are re-exported here.
+:class:`Item` carries per-key results of batch calls: ``code`` 0 and ``value``, or ``code`` < 0
+and no value.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import msgspec
 
-from mooncake._core.store_types import (
-    DrainStatus,
-    GetReplicaListResponse,
-    MissInfo,
-    ObjectInfo,
-    PingResponse,
-    ReplicaDescriptor,
-    ReplicaTask,
-    ReplicateConfig,
-    Segment,
-    SegmentInfo,
-    TaskStartResponse,
-    TierTasks,
+from mooncake._core.methods import AUTH_METHODS, METHODS, MUTATING, MethodSpec
+from mooncake._core.rpc_types import MAX_ID as _MAX_ID
+from mooncake._core.rpc_types import (
+    RID_BYTES,
+    RID_FIRST,
+    VERSION,
+    AuthChallenge,
+    AuthHelloParams,
+    AuthProveParams,
+    BatchKeyClientParams,
+    BatchPutEndParams,
+    BatchPutStartParams,
+    BatchRemoveParams,
+    ClientParams,
+    CopyTaskParams,
+    CorruptReplicaParams,
+    Empty,
+    EvictDiskParams,
+    ForceParams,
+    Item,
+    KeyClientParams,
+    KeyParams,
+    KeysPage,
+    KeysParams,
+    LocalDiskParams,
+    MountSegmentParams,
+    MoveTaskParams,
+    PageParams,
+    PutEndParams,
+    PutLocalParams,
+    PutStartParams,
+    RegexParams,
+    ReMountSegmentParams,
+    RemoveParams,
+    ReplicaClearParams,
+    SegmentFailureParams,
+    SegmentsPage,
+    TaskIdParams,
+    TaskParams,
+    TaskRevokeParams,
+    TierKeyParams,
+    UnmountSegmentParams,
+    check_rid,
+    first_attempt,
+    make_rid,
 )
 from mooncake.errors import (
     ErrorCode,
@@ -135,327 +169,9 @@ from mooncake.errors import (
     error_from_code,
 )
 
-VERSION = 1
 HEADER = struct.Struct(">I")
-RID_BYTES = 16
-"""Length of a request id: 8 bytes of client instance, 8 bytes of big-endian sequence number."""
 DEFAULT_MAX_FRAME = 64 << 20
 """Default bound on one frame's body (64 MiB: a batch of ~10k keys of 4 KiB each fits)."""
-
-T = TypeVar("T")
-
-
-# -- params -----------------------------------------------------------------------------------
-
-
-class _Params(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
-    tenant: str = ""
-    """The caller's tenant (``""``: the default tenant, never sent); it scopes the keys of
-    the calls in :data:`TENANT_SCOPED` (:mod:`mooncake._core.tenantscope`). On ``AuthHello``:
-    the tenant whose derived key the connection authenticates with (binding it)."""
-
-
-class Empty(_Params):
-    """No parameters."""
-
-
-class ClientParams(_Params):
-    client_id: str
-
-
-class MountSegmentParams(_Params):
-    client_id: str
-    segment: Segment
-
-
-class ReMountSegmentParams(_Params):
-    client_id: str
-    segments: list[Segment]
-
-
-class UnmountSegmentParams(_Params):
-    client_id: str
-    segment_id: str
-
-
-class PutStartParams(_Params):
-    client_id: str
-    key: str
-    size: int
-    config: ReplicateConfig = msgspec.field(default_factory=ReplicateConfig)
-
-
-class KeyClientParams(_Params):
-    client_id: str
-    key: str
-
-
-class PutEndParams(KeyClientParams):
-    """PutEnd/UpsertEnd: ``crc`` is the CRC32C of the whole value as the writer had it
-    (``-1``, the default and absent on the wire: none, e.g. an older writer's or one with
-    verification off); the master hands it to readers in ``GetReplicaListResponse.crc``."""
-
-    crc: int = -1
-
-
-class CorruptReplicaParams(_Params):
-    """``client_id`` read the replica at ``addr`` in segment ``segment_name`` of version ``vid``
-    of ``key`` and its bytes failed the version's CRC32C: the master drops that replica."""
-
-    client_id: str
-    key: str
-    vid: int
-    segment_name: str
-    addr: int
-
-
-class SegmentFailureParams(_Params):
-    """``client_id`` failed a transfer to the segment named ``segment_name`` (its transfer
-    engine segment name, as in ``ReplicaDescriptor.segment_name``); ``reason`` for the log."""
-
-    client_id: str
-    segment_name: str
-    reason: str = ""
-
-
-class BatchPutStartParams(_Params):
-    client_id: str
-    keys: list[str]
-    sizes: list[int]
-    config: ReplicateConfig = msgspec.field(default_factory=ReplicateConfig)
-
-
-class BatchKeyClientParams(_Params):
-    client_id: str
-    keys: list[str]
-
-
-class BatchPutEndParams(BatchKeyClientParams):
-    """BatchPutEnd/BatchUpsertEnd: ``crcs[i]`` for ``keys[i]`` as :class:`PutEndParams`
-    (absent or shorter than ``keys``: none for the rest)."""
-
-    crcs: list[int] = msgspec.field(default_factory=list)
-
-
-class KeyParams(_Params):
-    key: str
-    for_read: bool = True  # GetReplicaList only: False = descriptor query, no read window
-
-
-class KeysParams(_Params):
-    keys: list[str]
-    for_read: bool = True
-
-
-class LocalDiskParams(_Params):
-    client_id: str
-    capacity: int
-    tier_id: str = ""
-    """The SSD directory's identity: the same directory seen again (the client restarted on
-    it) takes over what the master lists on its previous instance's tier."""
-
-
-class TierKeyParams(_Params):
-    client_id: str
-    key: str
-    vid: int
-
-
-class EvictDiskParams(_Params):
-    client_id: str
-    key: str
-    vid: int
-    policy: str = ""
-
-
-class PutLocalParams(_Params):
-    client_id: str
-    key: str
-    size: int
-
-
-class RegexParams(_Params):
-    regex: str
-    force: bool = False
-
-
-class RemoveParams(_Params):
-    key: str
-    force: bool = False
-
-
-class BatchRemoveParams(_Params):
-    keys: list[str]
-    force: bool = False
-
-
-class ForceParams(_Params):
-    force: bool = False
-
-
-class PageParams(_Params):
-    """A page of a listing: from ``cursor`` (0 first), at most ``limit`` items
-    (:mod:`mooncake._core.paging`)."""
-
-    cursor: int = 0
-    limit: int = 10_000
-
-
-class KeysPage(msgspec.Struct, array_like=True):
-    """One page of ``GetAllKeysPage``: its keys and the next cursor (-1 after the last)."""
-
-    keys: list[str]
-    cursor: int
-
-
-class SegmentsPage(msgspec.Struct, array_like=True):
-    """One page of ``GetAllSegmentsPage``: its segments and the next cursor (-1: done)."""
-
-    segments: list[SegmentInfo]
-    cursor: int
-
-
-class CopyTaskParams(_Params):
-    key: str
-    targets: list[str]
-
-
-class ReplicaClearParams(_Params):
-    client_id: str
-    keys: list[str]
-    segment_name: str = ""
-
-
-class MoveTaskParams(_Params):
-    key: str
-    source: str
-    target: str
-
-
-class TaskIdParams(_Params):
-    task_id: str
-
-
-class TaskParams(_Params):
-    client_id: str
-    task_id: str
-
-
-class TaskRevokeParams(_Params):
-    client_id: str
-    task_id: str
-    message: str = ""
-
-
-class AuthHelloParams(_Params):
-    nonce: bytes
-
-
-class AuthProveParams(_Params):
-    proof: bytes
-
-
-class AuthChallenge(msgspec.Struct, kw_only=True):
-    """The master's half of the challenge-response: its nonce and its proof."""
-
-    nonce: bytes
-    proof: bytes
-
-
-class Item(msgspec.Struct, Generic[T], array_like=True, omit_defaults=True):
-    """One key's result in a batch answer: ``code`` 0 with ``value``, or an error code."""
-
-    code: int
-    value: T | None = None
-
-
-# -- the method table -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class MethodSpec:
-    """One RPC: its params Struct and result type, with their cached decoders."""
-
-    name: str
-    params: type[msgspec.Struct]
-    result: Any
-    params_decoder: msgspec.msgpack.Decoder[Any]
-    result_decoder: msgspec.msgpack.Decoder[Any]
-
-
-def _spec(name: str, params: type[msgspec.Struct], result: Any) -> MethodSpec:
-    return MethodSpec(
-        name,
-        params,
-        result,
-        msgspec.msgpack.Decoder(params),
-        msgspec.msgpack.Decoder(result),
-    )
-
-
-_PUT_ITEMS = list[Item[list[ReplicaDescriptor]]]
-
-METHODS: dict[str, MethodSpec] = {
-    s.name: s
-    for s in (
-        _spec("ServiceReady", Empty, int),
-        _spec("Ping", ClientParams, PingResponse),
-        _spec("MountSegment", MountSegmentParams, None),
-        _spec("ReMountSegment", ReMountSegmentParams, None),
-        _spec("UnmountSegment", UnmountSegmentParams, None),
-        _spec("DrainSegment", UnmountSegmentParams, DrainStatus),
-        _spec("PutStart", PutStartParams, list[ReplicaDescriptor]),
-        _spec("PutEnd", PutEndParams, None),
-        _spec("PutRevoke", KeyClientParams, None),
-        _spec("UpsertStart", PutStartParams, list[ReplicaDescriptor]),
-        _spec("UpsertEnd", PutEndParams, None),
-        _spec("UpsertRevoke", KeyClientParams, None),
-        _spec("BatchPutStart", BatchPutStartParams, _PUT_ITEMS),
-        _spec("BatchPutEnd", BatchPutEndParams, list[int]),
-        _spec("BatchPutRevoke", BatchKeyClientParams, list[int]),
-        _spec("BatchUpsertStart", BatchPutStartParams, _PUT_ITEMS),
-        _spec("BatchUpsertEnd", BatchPutEndParams, list[int]),
-        _spec("BatchUpsertRevoke", BatchKeyClientParams, list[int]),
-        _spec("GetReplicaList", KeyParams, GetReplicaListResponse),
-        _spec("BatchGetReplicaList", KeysParams, list[Item[GetReplicaListResponse]]),
-        _spec("GetReplicaListByRegex", RegexParams, dict[str, list[ReplicaDescriptor]]),
-        _spec("ExistKey", KeyParams, bool),
-        _spec("BatchExistKey", KeysParams, list[int]),
-        _spec("Remove", RemoveParams, None),
-        _spec("BatchRemove", BatchRemoveParams, list[int]),
-        _spec("RemoveByRegex", RegexParams, int),
-        _spec("RemoveAll", ForceParams, int),
-        _spec("QueryKey", KeyParams, ObjectInfo),
-        _spec("GetAllKeys", Empty, list[str]),
-        _spec("GetAllSegments", Empty, list[SegmentInfo]),
-        _spec("GetAllKeysPage", PageParams, KeysPage),
-        _spec("GetAllSegmentsPage", PageParams, SegmentsPage),
-        _spec("BatchReplicaClear", ReplicaClearParams, list[str]),
-        _spec("CreateCopyTask", CopyTaskParams, str),
-        _spec("CreateMoveTask", MoveTaskParams, str),
-        _spec("QueryTask", TaskIdParams, ReplicaTask),
-        _spec("FetchTasks", ClientParams, list[ReplicaTask]),
-        _spec("TaskStart", TaskParams, TaskStartResponse),
-        _spec("TaskEnd", TaskParams, None),
-        _spec("TaskRevoke", TaskRevokeParams, None),
-        _spec("MountLocalDisk", LocalDiskParams, None),
-        _spec("FetchTierTasks", ClientParams, TierTasks),
-        _spec("DemoteEnd", TierKeyParams, None),
-        _spec("DemoteRevoke", TierKeyParams, None),
-        _spec("PromoteStart", TierKeyParams, list[ReplicaDescriptor]),
-        _spec("PromoteEnd", TierKeyParams, None),
-        _spec("PromoteRevoke", TierKeyParams, None),
-        _spec("EvictDiskReplica", EvictDiskParams, None),
-        _spec("PutLocal", PutLocalParams, int),
-        _spec("ExplainMiss", KeyParams, MissInfo),
-        _spec("GetTierStats", Empty, dict[str, dict[str, int]]),
-        _spec("GetSegmentTiers", Empty, dict[str, dict[str, int]]),
-        _spec("ReportSegmentFailure", SegmentFailureParams, bool),
-        _spec("ReportCorruptReplica", CorruptReplicaParams, int),
-        _spec("AuthHello", AuthHelloParams, AuthChallenge),
-        _spec("AuthProve", AuthProveParams, None),
-    )
-}
 
 
 # -- envelopes --------------------------------------------------------------------------------
@@ -505,7 +221,6 @@ Message = Request | Response
 
 _encoder = msgspec.msgpack.Encoder()
 _message_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)  # type: ignore[arg-type]
-_MAX_ID = (1 << 64) - 1
 
 
 def _frame(body: bytes, max_frame: int) -> bytes:
@@ -538,35 +253,6 @@ def encode_request(
         return _frame(_encoder.encode(_OutRequest(req_id, method, params)), max_frame)
     check_rid(rid)
     return _frame(_encoder.encode(_OutRequestRid(req_id, method, params, rid)), max_frame)
-
-
-def make_rid(instance: bytes, seq: int) -> bytes:
-    """The request id for call number ``seq`` (>= 1) of client instance ``instance`` (8 bytes)."""
-    if len(instance) != 8 or not 1 <= seq <= _MAX_ID:
-        raise InvalidArgumentError(
-            "a request id is an 8-byte instance and a sequence in [1, 2**64)"
-        )
-    return instance + seq.to_bytes(8, "big")
-
-
-RID_FIRST = 1 << 63
-"""Set in a request id's sequence number on the *first* attempt of a call (:func:`first_attempt`):
-the master then knows it was never sent before, so it is never refused as stale
-(:mod:`mooncake._core.dedup`); retries resend the id without it. Sequence numbers stay below."""
-
-
-def first_attempt(rid: bytes) -> bytes:
-    """``rid`` marked as the first attempt of its call (:data:`RID_FIRST`)."""
-    return rid[:8] + (int.from_bytes(rid[8:], "big") | RID_FIRST).to_bytes(8, "big")
-
-
-def check_rid(rid: bytes) -> None:
-    """Raise :class:`InvalidArgumentError` unless ``rid`` is a well-formed request id."""
-    if len(rid) != RID_BYTES or int.from_bytes(rid[8:], "big") & ~RID_FIRST == 0:
-        raise InvalidArgumentError(
-            f"request id must be {RID_BYTES} bytes (8 instance + u64 sequence >= 1), "
-            f"got {len(rid)} bytes"
-        )
 
 
 def canonical_reply(frame: bytes) -> bytes:
@@ -779,54 +465,6 @@ class MessageDecoder:
             raise ProtocolError(f"connection closed inside a frame ({self.buffered} bytes pending)")
 
 
-#: methods the connection itself answers (authentication), not the master's state
-AUTH_METHODS = frozenset({"AuthHello", "AuthProve"})
-
-#: methods that change the master's state: the client sends a ``rid`` with each, the master
-#: deduplicates them by it (a retry is answered, not applied twice). Everything else is a read,
-#: a lease grant or a heartbeat, harmless to repeat.
-MUTATING = frozenset(
-    {
-        "MountSegment",
-        "ReMountSegment",
-        "UnmountSegment",
-        "DrainSegment",
-        "PutStart",
-        "PutEnd",
-        "PutRevoke",
-        "UpsertStart",
-        "UpsertEnd",
-        "UpsertRevoke",
-        "BatchPutStart",
-        "BatchPutEnd",
-        "BatchPutRevoke",
-        "BatchUpsertStart",
-        "BatchUpsertEnd",
-        "BatchUpsertRevoke",
-        "Remove",
-        "BatchRemove",
-        "RemoveByRegex",
-        "RemoveAll",
-        "BatchReplicaClear",
-        "CreateCopyTask",
-        "CreateMoveTask",
-        "FetchTasks",
-        "TaskStart",
-        "TaskEnd",
-        "TaskRevoke",
-        "MountLocalDisk",
-        "FetchTierTasks",
-        "DemoteEnd",
-        "DemoteRevoke",
-        "PromoteStart",
-        "PromoteEnd",
-        "PromoteRevoke",
-        "EvictDiskReplica",
-        "PutLocal",
-        "ReportCorruptReplica",
-    }
-)
-
 __all__ = [
     "AUTH_METHODS",
     "DEFAULT_MAX_FRAME",
@@ -834,6 +472,7 @@ __all__ = [
     "METHODS",
     "MUTATING",
     "RID_BYTES",
+    "RID_FIRST",
     "VERSION",
     "AuthChallenge",
     "AuthHelloParams",
@@ -846,12 +485,14 @@ __all__ = [
     "CopyTaskParams",
     "CorruptReplicaParams",
     "Empty",
+    "EvictDiskParams",
     "ForceParams",
     "Item",
     "KeyClientParams",
     "KeyParams",
     "KeysPage",
     "KeysParams",
+    "LocalDiskParams",
     "Message",
     "MessageDecoder",
     "MethodSpec",
@@ -859,10 +500,12 @@ __all__ = [
     "MoveTaskParams",
     "PageParams",
     "PutEndParams",
+    "PutLocalParams",
     "PutStartParams",
     "ReMountSegmentParams",
     "RegexParams",
     "RemoveParams",
+    "ReplicaClearParams",
     "Request",
     "Response",
     "SegmentFailureParams",
@@ -870,6 +513,7 @@ __all__ = [
     "TaskIdParams",
     "TaskParams",
     "TaskRevokeParams",
+    "TierKeyParams",
     "UnmountSegmentParams",
     "canonical_reply",
     "check_rid",

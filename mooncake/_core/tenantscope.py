@@ -8,7 +8,8 @@ keys (:func:`mooncake._core.master.tenants.internal_key`) before the state sees 
 in results and error messages become the caller's keys again. Listing calls (``GetAllKeys``,
 ``GetReplicaListByRegex``, ``RemoveByRegex``, ``RemoveAll``) see only the caller's tenant; the
 default tenant's see only default keys. A default-tenant key beginning with NUL is refused
-(``INVALID_KEY``): it could name a tenant's object.
+(``INVALID_KEY``): it could name a tenant's object. Which methods are scoped, and how, is each
+method's ``scope`` in :data:`~mooncake._core.methods.METHODS`.
 
 Tier and task calls (``DemoteEnd``, ``PromoteStart``, ``PutLocal``, ``EvictDiskReplica``,
 ``TaskStart``, ...) are not scoped: they name the internal keys the master itself handed to the
@@ -18,13 +19,11 @@ segment or SSD owner (``FetchTierTasks``, ``FetchTasks``), and are checked again
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
 import msgspec
 
-from mooncake._core import rpc
 from mooncake._core.master import MasterState
 from mooncake._core.master.config import _compile
 from mooncake._core.master.tenants import (
@@ -35,51 +34,19 @@ from mooncake._core.master.tenants import (
     tenant_keys,
     user_key,
 )
+from mooncake._core.methods import METHODS, TENANT_SCOPED, Handler, ScanHandler
+from mooncake._core.rpc_types import KeysPage
 from mooncake.errors import MooncakeError
 
 __all__ = ["KEYS_METHODS", "KEY_METHODS", "TENANT_SCOPED", "scan_keys", "tenant", "wrap"]
 
-Handler = Callable[[MasterState, Any, float], Any]
-ScanHandler = Callable[[MasterState, Any, list[str], float], Any]
-
-#: methods whose ``key`` is the caller's
-KEY_METHODS = frozenset(
-    {
-        "PutStart",
-        "PutEnd",
-        "PutRevoke",
-        "UpsertStart",
-        "UpsertEnd",
-        "UpsertRevoke",
-        "GetReplicaList",
-        "ExistKey",
-        "Remove",
-        "QueryKey",
-        "ExplainMiss",
-        "CreateCopyTask",
-        "CreateMoveTask",
-    }
-)
+#: methods whose ``key`` is the caller's (views of :data:`~mooncake._core.methods.METHODS`:
+#: each method's ``scope``)
+KEY_METHODS = frozenset(n for n, s in METHODS.items() if s.scope == "key")
 #: methods whose ``keys`` are the caller's
-KEYS_METHODS = frozenset(
-    {
-        "BatchPutStart",
-        "BatchPutEnd",
-        "BatchPutRevoke",
-        "BatchUpsertStart",
-        "BatchUpsertEnd",
-        "BatchUpsertRevoke",
-        "BatchGetReplicaList",
-        "BatchExistKey",
-        "BatchRemove",
-        "BatchReplicaClear",
-    }
-)
-_LISTING = frozenset(
-    {"GetAllKeys", "GetAllKeysPage", "GetReplicaListByRegex", "RemoveByRegex", "RemoveAll"}
-)
-TENANT_SCOPED = KEY_METHODS | KEYS_METHODS | _LISTING
-"""Every method whose keys are scoped by the caller's tenant."""
+KEYS_METHODS = frozenset(n for n, s in METHODS.items() if s.scope == "keys")
+#: methods that list or match keys: they see only the caller's tenant's
+_LISTING = frozenset(n for n, s in METHODS.items() if s.scope == "listing")
 
 
 @lru_cache(maxsize=1024)
@@ -178,7 +145,7 @@ def _listing(method: str, fn: Handler) -> Handler:
     def keys_page(s: MasterState, p: Any, now: float) -> Any:
         if not p.tenant and not s.tenants.objects:
             return fn(s, p, now)
-        return rpc.KeysPage(*s.all_keys_page(p.cursor, p.limit, tenant(p.tenant)))
+        return KeysPage(*s.all_keys_page(p.cursor, p.limit, tenant(p.tenant)))
 
     def by_regex(s: MasterState, p: Any, now: float) -> Any:
         if not p.tenant and not s.tenants.objects:

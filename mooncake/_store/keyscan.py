@@ -26,11 +26,11 @@ import time
 import anyio
 import regex
 
+from mooncake._core.methods import SCAN_METHODS
 from mooncake.errors import InvalidArgumentError, InvalidKeyError
 
 __all__ = ["DEFAULT_BUDGET_S", "SCAN_METHODS", "KeyScanner"]
 
-SCAN_METHODS = frozenset({"GetReplicaListByRegex", "RemoveByRegex"})
 DEFAULT_BUDGET_S = 5.0
 MAX_PATTERN = 4096
 

@@ -118,9 +118,6 @@ class MasterServer:
     def __init__(self, config: MasterServerConfig, state: MasterState | None = None) -> None:
         self.config = config
         self.state = state if state is not None else MasterState(config.state)
-        self.handlers = commands.HANDLERS
-        missing = set(rpc.METHODS) - set(self.handlers) - rpc.AUTH_METHODS
-        assert not missing, f"RPC methods without a handler: {missing}"
         self.requests: dict[str, int] = dict.fromkeys(rpc.METHODS, 0)
         self.failures: dict[str, int] = dict.fromkeys(rpc.METHODS, 0)
         self.connections = 0
@@ -198,7 +195,6 @@ class MasterServer:
         name = req.method
         ha = self.ha
         ticket = 0
-        cmd: commands.Command | None = None
         try:
             params = rpc.decode_params(req)
             self.requests[name] += 1
@@ -208,13 +204,12 @@ class MasterServer:
                 seen = self._heartbeats.get(sock)
                 self._heartbeats[sock] = (cid, seen[1] + 1 if seen and seen[0] == cid else 1)
             rid = req.rid if name in rpc.MUTATING else None
-            if ha is not None:
-                refusal = ha.refusal()
-                if refusal is not None and name != "ServiceReady":
-                    self.failures[name] += 1
-                    return rpc.encode_error(
-                        req.id, ErrorCode.UNAVAILABLE_IN_CURRENT_MODE, refusal, max_frame=max_frame
-                    ), 0
+            refusal = ha.refusal() if ha is not None else None
+            if refusal is not None and name != "ServiceReady":
+                self.failures[name] += 1
+                return rpc.encode_error(
+                    req.id, ErrorCode.UNAVAILABLE_IN_CURRENT_MODE, refusal, max_frame=max_frame
+                ), 0
             if rid is not None and not fresh:
                 # a retried call: answered from the dedup ledger, neither applied nor logged
                 # again (its reply still waits until everything before it is durable)
@@ -224,23 +219,12 @@ class MasterServer:
                     ticket = ha.barrier if ha is not None else 0
                     return rpc.encode_reply(req.id, recorded, max_frame=max_frame), ticket
             if ha is not None and refusal is None:
-                ticket, cmd = self._log_call(ha, req, now, matched)
-            if cmd is None and rid is not None:  # not replicated: apply records the reply too
-                cmd = (
-                    commands.ScanApply(name, bytes(req.params), matched, now, rid)
-                    if matched is not None
-                    else commands.rpc_command(name, bytes(req.params), now, rid)
-                )
-            if cmd is not None:  # the same function the standbys apply with (it settles)
-                result = commands.apply(self.state, cmd, params, unrecorded=rid is not None)
-            else:
-                try:
-                    if matched is not None:
-                        result = commands.SCAN_APPLY[name](self.state, params, matched, now)
-                    else:
-                        result = self.handlers[name](self.state, params, now)
-                finally:
-                    self.state.settle()
+                ticket = self._log_call(ha, req, now, rid, matched)
+            # the one apply path: what the standbys apply the log with (it settles; with a
+            # request id it records the reply)
+            result = commands.apply_call(
+                self.state, name, now, params, req.params, rid, matched, rid is not None
+            )
             try:
                 return rpc.encode_result(req.id, result, max_frame=max_frame), ticket
             except InvalidArgumentError as e:  # answer too large for one frame
@@ -280,27 +264,32 @@ class MasterServer:
         return 0.0 if self.ha is not None else float(self.state.config.default_kv_lease_ttl)
 
     def _log_call(
-        self, ha: Replication, req: rpc.Request, now: float, matched: list[str] | None
-    ) -> tuple[int, commands.Command | None]:
-        """Queue the call for the log (unless a pure read): (the ticket its reply waits for,
-        the command queued)."""
+        self,
+        ha: Replication,
+        req: rpc.Request,
+        now: float,
+        rid: bytes | None,
+        matched: list[str] | None,
+    ) -> int:
+        """Queue the call's command for the log (unless a pure read): the ticket its reply
+        waits for (its own entry if mutating, else the mutations before it). A regex method's
+        command carries the keys its pattern matched here, so no replica runs the pattern."""
         name = req.method
         kind = commands.durability(name)
         if kind is commands.Durability.PURE_READ:
-            return ha.barrier, None
+            return ha.barrier
         if len(req.params) > MAX_LOGGED_PARAMS:
             raise InvalidArgumentError(
                 f"{name} params of {len(req.params)} bytes exceed the "
                 f"{MAX_LOGGED_PARAMS} a replicated master logs in one entry"
             )
-        rid = getattr(req, "rid", None)
         cmd = (
             commands.ScanApply(name, bytes(req.params), matched, now, rid)
             if matched is not None
             else commands.rpc_command(name, bytes(req.params), now, rid)
         )
         own = ha.append(cmd)
-        return (own if kind is commands.Durability.MUTATING else ha.barrier), cmd
+        return own if kind is commands.Durability.MUTATING else ha.barrier
 
     def run_command(self, command: commands.Command) -> Any:
         """Apply an internal command (sweep, stall credit, drain step), logging it when

@@ -10,7 +10,7 @@ from mooncake._core.master.config import _compile, format_miss
 from mooncake._core.master.records import KeySet, _Object
 from mooncake._core.misses import PREDATES_DETAIL
 from mooncake._core.policies import Pin
-from mooncake._core.rpc import Item
+from mooncake._core.rpc_types import Item
 from mooncake._core.store_types import GetReplicaListResponse, ReplicaDescriptor, ReplicaStatus
 from mooncake.errors import MooncakeError, ObjectNotFoundError, ReplicaNotFoundError
 

@@ -18,7 +18,7 @@ from mooncake._core.master.config import (
 from mooncake._core.master.records import _Object, _Pending, _Version
 from mooncake._core.master.tenants import tenant_of
 from mooncake._core.policies import Pin
-from mooncake._core.rpc import Item
+from mooncake._core.rpc_types import Item
 from mooncake._core.store_types import (
     ObjectInfo,
     ReplicaDescriptor,
