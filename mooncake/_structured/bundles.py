@@ -11,7 +11,10 @@ A payload larger than ``chunk_bytes`` is split over ``/chunk/I`` keys. A tensor 
 key holding the 304-byte tensor header then the data (``"kind": "tensor"``: what
 ``put_tensor``/``get_tensor`` store). Every payload of a bundle is written with one batched
 multi-buffer put straight from the caller's memory, and every member of a read with one batched
-multi-buffer get straight into the arrays and tensors returned (:mod:`.io`).
+multi-buffer get straight into the arrays and tensors returned (:mod:`.io`). On a store without
+the multi-buffer calls a tensor member is written by its ``put_tensor``/``pub_tensor`` (the
+same object), or, without those either, as the same bytes by ``put`` recorded as a raw payload
+(``metadata_bytes``, no ``kind``), as the published module does.
 """
 
 from __future__ import annotations
@@ -93,6 +96,9 @@ class _Source:
         self.parts = parts
         self.extra = extra or {}
         self.chunked = chunked
+        #: the torch tensor this member encodes (a store without the multi-buffer calls but
+        #: with ``put_tensor``/``pub_tensor`` is given it whole, as the published module does)
+        self.tensor: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -141,6 +147,7 @@ def encode_member(name: str, value: Any) -> tuple[dict[str, Any], _Source]:
             src = _bytes_source(buf.getvalue(), name)
             src.extra = {"format": "torch_save"}
             src.chunked = False
+            src.tensor = value
             return spec, src
         serialize, _ = _tensor_helpers()
         header, ptr, n, owner = serialize(value)
@@ -154,7 +161,9 @@ def encode_member(name: str, value: Any) -> tuple[dict[str, Any], _Source]:
             "shape": list(value.shape),
             "metadata_bytes": len(header),
         }
-        return spec, _Source(parts, extra, chunked=False)
+        src = _Source(parts, extra, chunked=False)
+        src.tensor = value
+        return spec, src
     if isinstance(value, BytesParts):
         parts = []
         for p in value.parts:
@@ -177,6 +186,23 @@ def encode_member(name: str, value: Any) -> tuple[dict[str, Any], _Source]:
             [Part(int(array.ctypes.data), int(array.nbytes), array)] if array.nbytes else []
         )
     return {"encoding": "bytes"}, _bytes_source(value, name)
+
+
+def tensor_spec(key: str, tensor: Any) -> dict[str, Any]:
+    """The payload spec of ``tensor`` stored whole at ``key`` by ``put_tensor``: one key of
+    the tensor header then the data (``"kind": "tensor"``, the layout both packages read)."""
+    serialize, _ = _tensor_helpers()
+    header, _ptr, n, _owner = serialize(tensor)
+    total = len(header) + int(n)
+    return {
+        "key": key,
+        "bytes": total,
+        "chunks": [{"key": key, "bytes": total}],
+        "kind": "tensor",
+        "dtype": str(tensor.dtype),
+        "shape": list(tensor.shape),
+        "metadata_bytes": len(header),
+    }
 
 
 def _split(parts: Sequence[Part], chunk_bytes: int) -> list[list[Part]]:
@@ -271,8 +297,17 @@ class ManifestStore:
         object_id = f"{partition}/{uuid.uuid4().hex}"
         base = f"{self.key_prefix}/{object_id}"
         writes: list[tuple[str, list[Part]]] = []
+        tensor_writes: list[tuple[str, Any]] = []
+        tensor_call = self.io.tensor_put_call(config)
 
         def add(key: str, src: _Source) -> dict[str, Any]:
+            if tensor_call is not None and src.tensor is not None:
+                tensor_writes.append((key, src.tensor))
+                return tensor_spec(key, src.tensor)
+            if src.tensor is not None and not self.io.zero_copy and "kind" in src.extra:
+                # a store without tensor calls: the same header+data bytes written with
+                # ``put`` are a raw payload, not a tensor object (the published spec)
+                src.extra = {"metadata_bytes": src.extra["metadata_bytes"]}
             total = src.nbytes
             if total == 0:
                 return {"key": key, "bytes": 0, "chunks": [], **src.extra}
@@ -319,6 +354,12 @@ class ManifestStore:
         written = [k for k, _ in writes]
         self.io.put_many(writes, config)
         try:
+            for key, tensor in tensor_writes:
+                assert tensor_call is not None
+                code = tensor_call(key, tensor)
+                if code not in (None, 0):
+                    raise StructuredObjectError(f"put_tensor failed for {key}: {code}")
+                written.append(key)
             code = _put(self.store, manifest_key, encode_json(manifest, "bundle manifest"), config)
             if code not in (None, 0):
                 raise StructuredObjectError(f"put failed for {manifest_key}: {code}")

@@ -281,6 +281,11 @@ class StructuredLayer:
         dtype_name = fspec.get("dtype")
         if dest is not None:
             return self._plan_tensor_into(name, pspec, fspec, mslice, dest, header, reads)
+        if mslice is None and pspec.get("kind") == "tensor":
+            get_tensor = self.bundles.io.tensor_get_call()
+            if get_tensor is not None:
+                key = str(pspec["key"])
+                return lambda: get_tensor(key)
         if header < 0 or not isinstance(shape, list) or not isinstance(dtype_name, str):
             if mslice is not None:
                 raise InvalidArgumentError(
