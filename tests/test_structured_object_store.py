@@ -23,6 +23,7 @@ from mooncake.structured_object_store import (  # noqa: E402
     FieldSchema,
     MooncakeBundleTransfer,
     StructuredObjectPayload,
+    _decode_manifest,
     export_ref,
     import_ref,
     raw_destination,
@@ -419,7 +420,9 @@ def test_a_store_without_multi_buffer_calls_uses_the_published_calls_and_formats
     data = _data()
     ref = slow.put_dataproto(data)  # a DataProto's keys share one storage group
     assert (narrow.calls["pub_tensor"], narrow.calls["put_tensor"]) == (len(data["batch"]), 0)
-    spec = ref.stage_refs["default"].manifest["buffers"]["batch.lp"]
+    stage = ref.stage_refs["default"]
+    assert _decode_manifest(store.get(stage.manifest_key)) == stage.manifest
+    spec = stage.manifest["buffers"]["batch.lp"]
     assert spec["kind"] == "tensor"
     assert torch.equal(store.get_tensor(spec["key"]), data["batch"]["lp"])  # a tensor object
     _same(fast.get_dataproto(ref), data)
