@@ -99,6 +99,9 @@ class _Source:
         #: the torch tensor this member encodes (a store without the multi-buffer calls but
         #: with ``put_tensor``/``pub_tensor`` is given it whole, as the published module does)
         self.tensor: Any = None
+        #: a tensor-object buffer (header+data in caller memory): written whole by
+        #: ``put_tensor_from``/``put_from`` on a store without the multi-buffer calls
+        self.object_buffer = False
 
     @property
     def nbytes(self) -> int:
@@ -122,9 +125,9 @@ def _tensor_helpers() -> tuple[Any, Any]:
 def encode_member(name: str, value: Any) -> tuple[dict[str, Any], _Source]:
     """The field spec and payload source of one structured member."""
     if isinstance(value, TensorObjectBuffer):
-        return {"encoding": "torch_tensor"}, _Source(
-            [Part(value.ptr, value.size, value.owner)], chunked=False
-        )
+        src = _Source([Part(value.ptr, value.size, value.owner)], chunked=False)
+        src.object_buffer = True
+        return {"encoding": "torch_tensor"}, src
     if _torch is not None and isinstance(value, _torch.Tensor):
         if value.is_nested:
             nspec, tensor_parts = encode_nested(name, value)
@@ -297,13 +300,18 @@ class ManifestStore:
         object_id = f"{partition}/{uuid.uuid4().hex}"
         base = f"{self.key_prefix}/{object_id}"
         writes: list[tuple[str, list[Part]]] = []
-        tensor_writes: list[tuple[str, Any]] = []
+        direct: list[tuple[str, Any]] = []  # (key, a write answering the store's code)
         tensor_call = self.io.tensor_put_call(config)
+        from_call = self.io.put_from_call(config)
 
         def add(key: str, src: _Source) -> dict[str, Any]:
             if tensor_call is not None and src.tensor is not None:
-                tensor_writes.append((key, src.tensor))
+                direct.append((key, lambda t=src.tensor: tensor_call(key, t)))
                 return tensor_spec(key, src.tensor)
+            if from_call is not None and src.object_buffer and src.nbytes:
+                (p,) = src.parts
+                direct.append((key, lambda p=p: from_call(key, p.ptr, p.size)))
+                return {"key": key, "bytes": p.size, "chunks": [{"key": key, "bytes": p.size}]}
             if src.tensor is not None and not self.io.zero_copy and "kind" in src.extra:
                 # a store without tensor calls: the same header+data bytes written with
                 # ``put`` are a raw payload, not a tensor object (the published spec)
@@ -354,11 +362,10 @@ class ManifestStore:
         written = [k for k, _ in writes]
         self.io.put_many(writes, config)
         try:
-            for key, tensor in tensor_writes:
-                assert tensor_call is not None
-                code = tensor_call(key, tensor)
+            for key, write in direct:
+                code = write()
                 if code not in (None, 0):
-                    raise StructuredObjectError(f"put_tensor failed for {key}: {code}")
+                    raise StructuredObjectError(f"put failed for {key}: {code}")
                 written.append(key)
             code = _put(self.store, manifest_key, encode_json(manifest, "bundle manifest"), config)
             if code not in (None, 0):

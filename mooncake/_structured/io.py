@@ -191,6 +191,33 @@ class BatchIO:
         cfg = grouped_config(config, 1)
         return lambda key, tensor: pub_tensor(key, tensor, config=cfg)
 
+    def put_from_call(self, config: Any) -> Any:
+        """How a tensor-object buffer is written whole when the store lacks the multi-buffer
+        calls: ``put_tensor_from`` (``config`` None) or ``put_from`` (with the one-key
+        grouped ``config``), as the published module writes one; ``None`` otherwise. The
+        callable takes ``(key, ptr, size)`` and answers the store's code."""
+        if self.zero_copy:
+            return None
+        put_tensor_from = getattr(self.store, "put_tensor_from", None)
+        if config is None and callable(put_tensor_from):
+            return put_tensor_from
+        put_from = getattr(self.store, "put_from", None)
+        if not callable(put_from):
+            return None
+        cfg = grouped_config(config, 1)
+        return lambda key, ptr, size: _call(put_from, key, ptr, size, config=cfg)
+
+    @property
+    def range_reads(self) -> bool:
+        """Whether a store without the multi-buffer calls reads byte ranges by
+        ``get_into_ranges`` into registered memory (the published module's destination read)."""
+        return (
+            not self.zero_copy
+            and callable(self._ranges)
+            and callable(self._register)
+            and callable(self._unregister)
+        )
+
     def tensor_get_call(self) -> Any:
         """How a ``"kind": "tensor"`` payload is read whole when the store lacks the
         multi-buffer calls: its ``get_tensor`` (``key`` -> tensor); ``None`` where the bytes

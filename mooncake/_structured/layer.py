@@ -348,7 +348,12 @@ class StructuredLayer:
                 raise InvalidArgumentError(
                     f"tensor destination has {dest.size} bytes, expected at least {total}"
                 )
-            reads.extend(_scatter(chunks, [Part(dest.ptr, total, dest.owner)] if total else []))
+            if total and self.bundles.io.range_reads:  # the published destination read
+                self.bundles.io.get_ranges(
+                    fragments(chunks, 0, total), Part(dest.ptr, total, dest.owner)
+                )
+            elif total:
+                reads.extend(_scatter(chunks, [Part(dest.ptr, total, dest.owner)]))
             shape, dtype = fspec.get("shape"), fspec.get("dtype")
             if pspec.get("kind") != "tensor" or not isinstance(shape, list) or header < 0:
                 return dest
