@@ -383,6 +383,7 @@ class _PublishedCallsStore:
         "is_exist",
         "put_tensor",
         "pub_tensor",
+        "put_from",
         "get_tensor",
         "batch_get_into",
         "get_into_ranges",
@@ -452,6 +453,39 @@ def test_a_store_without_multi_buffer_calls_uses_the_published_calls_and_formats
     got = fast.get_object(obj)
     assert torch.equal(got["t"], tensor) and np.array_equal(got["a"], np.arange(5))
     slow.remove_bundle(obj)
+
+
+def test_a_store_without_multi_buffer_calls_writes_tensor_object_buffers_by_put_from(
+    store: MooncakeDistributedStore,
+) -> None:
+    from mooncake.structured_object_store import BundleTransferPolicy
+
+    narrow = _PublishedCallsStore(store)
+    slow = MooncakeBundleTransfer(narrow)
+    source = np.frombuffer(b"tensor-object-payload", dtype=np.uint8).copy()
+    ptr = int(source.ctypes.data)
+    assert store.register_buffer(ptr, source.nbytes) == 0
+    try:
+        ref = slow.put_structured_object(
+            StructuredObjectPayload(
+                buffers={"t": tensor_object_buffer(ptr, source.nbytes, source, batch_size=1)}
+            ),
+            policy=BundleTransferPolicy(copy_mode="zero_copy"),
+        )
+    finally:
+        store.unregister_buffer(ptr)
+    spec = ref.manifest["buffers"]["t"]
+    assert narrow.calls["put_from"] == 1
+    assert spec["chunks"] == [{"key": spec["key"], "bytes": source.nbytes}]
+    assert store.get(spec["key"]) == source.tobytes()
+    dest = np.zeros(source.nbytes, dtype=np.uint8)
+    slow.materialize_into(
+        slow.read_spec(ref),
+        {"t": tensor_object_buffer(int(dest.ctypes.data), dest.nbytes, dest, batch_size=1)},
+    )
+    assert narrow.calls["get_into_ranges"] == 1
+    assert dest.tobytes() == source.tobytes()
+    slow.remove_bundle(ref)
 
 
 class _FailingManifestPut:
