@@ -22,7 +22,8 @@ them and count as one test each. Every process it starts is stopped by PID.
 
 ``--published`` runs the same against the published wheel instead (the anchor venv,
 ``scripts/setup-anchor.sh``; its interpreter and console scripts, nothing of this package), so
-the two result sets can be compared test by test. Upstream CI runs ``scripts/test_engram_store.py``
+the two result sets can be compared test by test; a published venv without pytest is lent
+this interpreter's (``pytest_overlay``: links to pytest and its pure-Python dependencies only). Upstream CI runs ``scripts/test_engram_store.py``
 from a build tree (``build/mooncake-integration/store.so``): a one-line ``store`` module there
 re-exports ``mooncake.store`` of whichever package is under test.
 
