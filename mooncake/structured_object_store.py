@@ -40,6 +40,7 @@ from mooncake._structured.bundles import (
     ManifestStore,
     _bytes_source,
     check_chunk_bytes,
+    decode_json,
     normalize_key_prefix,
 )
 from mooncake._structured.dataproto import (
@@ -137,6 +138,12 @@ _Missing = Missing
 _choose_leaf_codec = choose_leaf_codec
 _escape_key = escape_key
 _structured_path_tokens = path_tokens
+
+
+def _decode_manifest(payload: bytes) -> dict[str, Any]:
+    """A stored bundle manifest's JSON (the published module's name); ``ValueError`` for
+    bytes that are not a JSON object."""
+    return decode_json(payload, "bundle manifest")
 
 
 class BundleStore(Protocol):

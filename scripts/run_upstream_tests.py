@@ -22,7 +22,8 @@ them and count as one test each. Every process it starts is stopped by PID.
 
 ``--published`` runs the same against the published wheel instead (the anchor venv,
 ``scripts/setup-anchor.sh``; its interpreter and console scripts, nothing of this package), so
-the two result sets can be compared test by test. Upstream CI runs ``scripts/test_engram_store.py``
+the two result sets can be compared test by test; a published venv without pytest is lent
+this interpreter's (``pytest_overlay``: links to pytest and its pure-Python dependencies only). Upstream CI runs ``scripts/test_engram_store.py``
 from a build tree (``build/mooncake-integration/store.so``): a one-line ``store`` module there
 re-exports ``mooncake.store`` of whichever package is under test.
 
@@ -172,6 +173,27 @@ class Result:
     name: str
     outcome: str  # passed / failed / error / skipped
     reason: str = ""
+
+
+#: pytest and what it imports, lent to an interpreter that lacks it (pure Python)
+PYTEST_MODULES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments", "py.py")
+
+
+def pytest_overlay(python: str, folder: Path) -> str:
+    """A folder for ``PYTHONPATH`` holding links to this interpreter's pytest, when
+    ``python`` (the published wheel's venv) has none; "" when it has its own. Only those
+    modules are lent, so the package under test and its dependencies stay the venv's."""
+    probe = subprocess.run([python, "-c", "import pytest"], capture_output=True)
+    if probe.returncode == 0:
+        return ""
+    import pytest as _pytest_pkg
+
+    site = Path(_pytest_pkg.__file__).resolve().parents[1]
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in PYTEST_MODULES:
+        if (site / name).exists():
+            (folder / name).symlink_to(site / name)
+    return str(folder)
 
 
 def free_port() -> int:
@@ -483,6 +505,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         env["PATH"] = f"{tmp / 'bin'}{os.pathsep}{env.get('PATH', '')}"
         if args.published:
             env.pop("PYTHONPATH", None)
+            runner = pytest_overlay(python, tmp / "pytest-overlay")
+            if runner:
+                env["PYTHONPATH"] = runner
         else:
             env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
         env["MC_FORCE_TCP"] = "true"

@@ -18,10 +18,11 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from mooncake.errors import ErrorCode
+from mooncake.errors import ErrorCode, InvalidArgumentError
 from mooncake.store import (
     MooncakeDistributedStore,
     QueryTaskResponse,
+    ReplicaStatus,
     ReplicateConfig,
     TaskStatus,
     TaskType,
@@ -526,6 +527,17 @@ def test_ssd_offload_serves_evicted_objects_and_counts_them(tmp_path: str) -> No
                     break
                 time.sleep(0.02)
             assert rc == 0, k
+        # an evicted object stays as a LOCAL_DISK-only replica (published offload_on_evict)
+        descs = s.batch_get_replica_desc(list(values))
+        assert set(descs) == set(values)
+        cold = [k for k, d in descs.items() if d and not any(r.is_memory_replica() for r in d)]
+        assert cold
+        (disk,) = descs[cold[0]]
+        assert disk.is_local_disk_replica() and not disk.is_disk_replica()
+        assert disk.status == ReplicaStatus.COMPLETE
+        with pytest.raises(InvalidArgumentError):
+            disk.get_memory_descriptor()
+        assert [r.is_local_disk_replica() for r in s.get_replica_desc(cold[0])] == [True]
         assert s.get_offload_rpc_read_count() == 0
         assert all(s.get(k) == v for k, v in values.items())
         served = s.get_offload_rpc_read_count()

@@ -341,3 +341,21 @@ def test_dummy_get_into_ranges_stays_inside_the_registered_buffer(
         assert d.get_into_ranges([p], [["r1"]], [[[size]]], [[[0]]], [[[4]]]) == [[[4]]]
     finally:
         assert d.close() == 0
+
+
+def test_replica_descriptors_of_both_kinds_cross_the_wire() -> None:
+    """A LOCAL_DISK replica and a memory replica come back from the standalone wire encoding
+    as the same kinds, with their fields."""
+    from mooncake._core import store_types as st
+    from mooncake._store.config import ReplicaDescriptor
+    from mooncake.store._standalone import decode_result, encode_result
+
+    mem = ReplicaDescriptor(st.ReplicaDescriptor(segment_name="h:1", addr=4096, length=7))
+    disk = ReplicaDescriptor.local_disk("client-a", 7)
+    got = decode_result(encode_result({"k": [mem, disk]}))
+    back_mem, back_disk = got["k"]
+    assert back_mem.is_memory_replica() and not back_mem.is_local_disk_replica()
+    d = back_mem.get_memory_descriptor().buffer_descriptor
+    assert (d.buffer_address, d.size, d.transport_endpoint) == (4096, 7, "h:1")
+    assert back_disk.is_local_disk_replica() and not back_disk.is_memory_replica()
+    assert (back_disk.local_disk_client, back_disk.local_disk_size) == ("client-a", 7)

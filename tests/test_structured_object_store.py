@@ -23,6 +23,7 @@ from mooncake.structured_object_store import (  # noqa: E402
     FieldSchema,
     MooncakeBundleTransfer,
     StructuredObjectPayload,
+    _decode_manifest,
     export_ref,
     import_ref,
     raw_destination,
@@ -368,6 +369,123 @@ def test_any_store_with_put_and_get_works() -> None:
     assert torch.equal(part["batch"]["lp"], data["batch"]["lp"][1:3])
     t.cleanup_dataproto(ref)
     assert store.objects == {}
+
+
+class _PublishedCallsStore:
+    """A real store showing only the calls the published module moves bytes with (no
+    ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``); counts them."""
+
+    CALLS = (
+        "put",
+        "get",
+        "remove",
+        "batch_remove",
+        "is_exist",
+        "put_tensor",
+        "pub_tensor",
+        "put_from",
+        "get_tensor",
+        "batch_get_into",
+        "get_into_ranges",
+        "register_buffer",
+        "unregister_buffer",
+    )
+
+    def __init__(self, store: MooncakeDistributedStore) -> None:
+        self._store = store
+        self.calls: dict[str, int] = dict.fromkeys(self.CALLS, 0)
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in self.CALLS:
+            raise AttributeError(name)
+        fn = getattr(self._store, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def test_a_store_without_multi_buffer_calls_uses_the_published_calls_and_formats(
+    store: MooncakeDistributedStore,
+) -> None:
+    """Tensors go through ``put_tensor``/``pub_tensor`` and back through ``get_tensor``,
+    other payloads are read by ``batch_get_into`` and slices by ``get_into_ranges``; what is
+    written either way reads back the other way (the same keys and bytes on the store)."""
+    from mooncake.store import ReplicateConfig
+
+    narrow = _PublishedCallsStore(store)
+    slow = MooncakeBundleTransfer(narrow, default_chunk_bytes=64 * 1024)
+    fast = MooncakeBundleTransfer(store, default_chunk_bytes=64 * 1024)
+    data = _data()
+    ref = slow.put_dataproto(data)  # a DataProto's keys share one storage group
+    assert (narrow.calls["pub_tensor"], narrow.calls["put_tensor"]) == (len(data["batch"]), 0)
+    stage = ref.stage_refs["default"]
+    assert _decode_manifest(store.get(stage.manifest_key)) == stage.manifest
+    spec = stage.manifest["buffers"]["batch.lp"]
+    assert spec["kind"] == "tensor"
+    assert torch.equal(store.get_tensor(spec["key"]), data["batch"]["lp"])  # a tensor object
+    _same(fast.get_dataproto(ref), data)
+    _same(slow.get_dataproto(ref), data)
+    assert narrow.calls["get_tensor"] == len(data["batch"])
+    assert narrow.calls["batch_get_into"] > 0
+    part = slow.get_dataproto(ref, rows=slice(2, 5), fields=["lp"])
+    assert torch.equal(part["batch"]["lp"], data["batch"]["lp"][2:5])
+    assert narrow.calls["get_into_ranges"] > 0
+    slow.cleanup_dataproto(ref)
+
+    back = fast.put_dataproto(data)  # the batched fast path, read the published way
+    _same(slow.get_dataproto(back), data)
+    fast.cleanup_dataproto(back)
+
+    config = ReplicateConfig()
+    config.group_ids = ["g-published-calls"]
+    grouped = slow.put_dataproto(data, config=config)
+    assert narrow.calls["pub_tensor"] == 2 * len(data["batch"])
+    _same(fast.get_dataproto(grouped), data)
+    slow.cleanup_dataproto(grouped)
+    assert store.is_exist(grouped.stage_refs["default"].manifest_key) == 0
+
+    tensor = data["batch"]["ids"]
+    obj = slow.put_object({"t": tensor, "a": np.arange(5)})  # ungrouped: put_tensor
+    assert narrow.calls["put_tensor"] == 1
+    got = fast.get_object(obj)
+    assert torch.equal(got["t"], tensor) and np.array_equal(got["a"], np.arange(5))
+    slow.remove_bundle(obj)
+
+
+def test_a_store_without_multi_buffer_calls_writes_tensor_object_buffers_by_put_from(
+    store: MooncakeDistributedStore,
+) -> None:
+    from mooncake.structured_object_store import BundleTransferPolicy
+
+    narrow = _PublishedCallsStore(store)
+    slow = MooncakeBundleTransfer(narrow)
+    source = np.frombuffer(b"tensor-object-payload", dtype=np.uint8).copy()
+    ptr = int(source.ctypes.data)
+    assert store.register_buffer(ptr, source.nbytes) == 0
+    try:
+        ref = slow.put_structured_object(
+            StructuredObjectPayload(
+                buffers={"t": tensor_object_buffer(ptr, source.nbytes, source, batch_size=1)}
+            ),
+            policy=BundleTransferPolicy(copy_mode="zero_copy"),
+        )
+    finally:
+        store.unregister_buffer(ptr)
+    spec = ref.manifest["buffers"]["t"]
+    assert narrow.calls["put_from"] == 1
+    assert spec["chunks"] == [{"key": spec["key"], "bytes": source.nbytes}]
+    assert store.get(spec["key"]) == source.tobytes()
+    dest = np.zeros(source.nbytes, dtype=np.uint8)
+    slow.materialize_into(
+        slow.read_spec(ref),
+        {"t": tensor_object_buffer(int(dest.ctypes.data), dest.nbytes, dest, batch_size=1)},
+    )
+    assert narrow.calls["get_into_ranges"] == 1
+    assert dest.tobytes() == source.tobytes()
+    slow.remove_bundle(ref)
 
 
 class _FailingManifestPut:

@@ -94,6 +94,23 @@ class _Admin(_Ranges):
             if not isinstance(r, MooncakeError)
         }
 
+    async def replica_listing(self, key: str) -> st.GetReplicaListResponse:
+        """The master's whole answer for ``key``: its memory replicas, the clients holding an
+        SSD copy (``disk_clients``) and its size (grants a read lease)."""
+        self._check_open()
+        resp, _ = await self._query(key, for_read=False)
+        return resp
+
+    async def batch_replica_listing(
+        self, keys: Sequence[str]
+    ) -> dict[str, st.GetReplicaListResponse]:
+        """:meth:`replica_listing` of each readable key (keys that fail are left out)."""
+        self._check_open()
+        if not keys:
+            return {}
+        resps, _ = await self._batch_query(keys, for_read=False)
+        return {k: r for k, r in zip(keys, resps, strict=True) if not isinstance(r, MooncakeError)}
+
     async def remove(self, key: str, *, force: bool = False) -> None:
         self._check_open()
         await self.master.call("Remove", rpc.RemoveParams(key=_check_key(key), force=force))

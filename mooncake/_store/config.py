@@ -272,30 +272,58 @@ class DiskDescriptor:
 
 
 class ReplicaDescriptor:
-    """One replica as ``get_replica_desc`` reports it (published ``ReplicaDescriptor``)."""
+    """One replica as ``get_replica_desc`` reports it (published ``ReplicaDescriptor``).
 
-    __slots__ = ("_memory", "status")
+    A memory replica (``is_memory_replica``: ``get_memory_descriptor`` names its segment,
+    address and size) or, from :meth:`local_disk`, a copy on a client's local SSD tier
+    (``is_local_disk_replica``; the published ``LOCAL_DISK`` replica an ``offload_on_evict``
+    eviction leaves). Asking a replica for the other kind's descriptor raises
+    ``InvalidArgumentError``.
+    """
 
-    def __init__(self, wire: st.ReplicaDescriptor) -> None:
-        self.status = ReplicaStatus(wire.status)
-        self._memory = MemoryDescriptor(Descriptor(wire.addr, wire.length, wire.segment_name))
+    __slots__ = ("_memory", "local_disk_client", "local_disk_size", "status")
+
+    def __init__(self, wire: st.ReplicaDescriptor | None) -> None:
+        self.status = ReplicaStatus(wire.status) if wire is not None else ReplicaStatus.COMPLETE
+        self._memory = (
+            MemoryDescriptor(Descriptor(wire.addr, wire.length, wire.segment_name))
+            if wire is not None
+            else None
+        )
+        self.local_disk_client = ""
+        self.local_disk_size = 0
+
+    @classmethod
+    def local_disk(cls, client_id: str, size: int) -> ReplicaDescriptor:
+        """A complete copy of ``size`` bytes on client ``client_id``'s local SSD tier."""
+        out = cls(None)
+        out.local_disk_client = client_id
+        out.local_disk_size = size
+        return out
 
     def is_memory_replica(self) -> bool:
-        return True
+        return self._memory is not None
 
     def is_disk_replica(self) -> bool:
         return False
 
     def is_local_disk_replica(self) -> bool:
-        return False
+        return self._memory is None
 
     def get_memory_descriptor(self) -> MemoryDescriptor:
+        if self._memory is None:
+            raise InvalidArgumentError("not a memory replica")
         return self._memory
 
     def get_disk_descriptor(self) -> DiskDescriptor:
         raise InvalidArgumentError("not a disk replica")
 
     def __repr__(self) -> str:
+        if self._memory is None:
+            return (
+                f"ReplicaDescriptor(status={self.status.name}, local_disk="
+                f"{self.local_disk_client!r}, size={self.local_disk_size})"
+            )
         return f"ReplicaDescriptor(status={self.status.name}, {self._memory.buffer_descriptor!r})"
 
 

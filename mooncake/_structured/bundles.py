@@ -11,7 +11,10 @@ A payload larger than ``chunk_bytes`` is split over ``/chunk/I`` keys. A tensor 
 key holding the 304-byte tensor header then the data (``"kind": "tensor"``: what
 ``put_tensor``/``get_tensor`` store). Every payload of a bundle is written with one batched
 multi-buffer put straight from the caller's memory, and every member of a read with one batched
-multi-buffer get straight into the arrays and tensors returned (:mod:`.io`).
+multi-buffer get straight into the arrays and tensors returned (:mod:`.io`). On a store without
+the multi-buffer calls a tensor member is written by its ``put_tensor``/``pub_tensor`` (the
+same object), or, without those either, as the same bytes by ``put`` recorded as a raw payload
+(``metadata_bytes``, no ``kind``), as the published module does.
 """
 
 from __future__ import annotations
@@ -93,6 +96,12 @@ class _Source:
         self.parts = parts
         self.extra = extra or {}
         self.chunked = chunked
+        #: the torch tensor this member encodes (a store without the multi-buffer calls but
+        #: with ``put_tensor``/``pub_tensor`` is given it whole, as the published module does)
+        self.tensor: Any = None
+        #: a tensor-object buffer (header+data in caller memory): written whole by
+        #: ``put_tensor_from``/``put_from`` on a store without the multi-buffer calls
+        self.object_buffer = False
 
     @property
     def nbytes(self) -> int:
@@ -116,9 +125,9 @@ def _tensor_helpers() -> tuple[Any, Any]:
 def encode_member(name: str, value: Any) -> tuple[dict[str, Any], _Source]:
     """The field spec and payload source of one structured member."""
     if isinstance(value, TensorObjectBuffer):
-        return {"encoding": "torch_tensor"}, _Source(
-            [Part(value.ptr, value.size, value.owner)], chunked=False
-        )
+        src = _Source([Part(value.ptr, value.size, value.owner)], chunked=False)
+        src.object_buffer = True
+        return {"encoding": "torch_tensor"}, src
     if _torch is not None and isinstance(value, _torch.Tensor):
         if value.is_nested:
             nspec, tensor_parts = encode_nested(name, value)
@@ -141,6 +150,7 @@ def encode_member(name: str, value: Any) -> tuple[dict[str, Any], _Source]:
             src = _bytes_source(buf.getvalue(), name)
             src.extra = {"format": "torch_save"}
             src.chunked = False
+            src.tensor = value
             return spec, src
         serialize, _ = _tensor_helpers()
         header, ptr, n, owner = serialize(value)
@@ -154,7 +164,9 @@ def encode_member(name: str, value: Any) -> tuple[dict[str, Any], _Source]:
             "shape": list(value.shape),
             "metadata_bytes": len(header),
         }
-        return spec, _Source(parts, extra, chunked=False)
+        src = _Source(parts, extra, chunked=False)
+        src.tensor = value
+        return spec, src
     if isinstance(value, BytesParts):
         parts = []
         for p in value.parts:
@@ -177,6 +189,23 @@ def encode_member(name: str, value: Any) -> tuple[dict[str, Any], _Source]:
             [Part(int(array.ctypes.data), int(array.nbytes), array)] if array.nbytes else []
         )
     return {"encoding": "bytes"}, _bytes_source(value, name)
+
+
+def tensor_spec(key: str, tensor: Any) -> dict[str, Any]:
+    """The payload spec of ``tensor`` stored whole at ``key`` by ``put_tensor``: one key of
+    the tensor header then the data (``"kind": "tensor"``, the layout both packages read)."""
+    serialize, _ = _tensor_helpers()
+    header, _ptr, n, _owner = serialize(tensor)
+    total = len(header) + int(n)
+    return {
+        "key": key,
+        "bytes": total,
+        "chunks": [{"key": key, "bytes": total}],
+        "kind": "tensor",
+        "dtype": str(tensor.dtype),
+        "shape": list(tensor.shape),
+        "metadata_bytes": len(header),
+    }
 
 
 def _split(parts: Sequence[Part], chunk_bytes: int) -> list[list[Part]]:
@@ -271,8 +300,22 @@ class ManifestStore:
         object_id = f"{partition}/{uuid.uuid4().hex}"
         base = f"{self.key_prefix}/{object_id}"
         writes: list[tuple[str, list[Part]]] = []
+        direct: list[tuple[str, Any]] = []  # (key, a write answering the store's code)
+        tensor_call = self.io.tensor_put_call(config)
+        from_call = self.io.put_from_call(config)
 
         def add(key: str, src: _Source) -> dict[str, Any]:
+            if tensor_call is not None and src.tensor is not None:
+                direct.append((key, lambda t=src.tensor: tensor_call(key, t)))
+                return tensor_spec(key, src.tensor)
+            if from_call is not None and src.object_buffer and src.nbytes:
+                (p,) = src.parts
+                direct.append((key, lambda p=p: from_call(key, p.ptr, p.size)))
+                return {"key": key, "bytes": p.size, "chunks": [{"key": key, "bytes": p.size}]}
+            if src.tensor is not None and not self.io.zero_copy and "kind" in src.extra:
+                # a store without tensor calls: the same header+data bytes written with
+                # ``put`` are a raw payload, not a tensor object (the published spec)
+                src.extra = {"metadata_bytes": src.extra["metadata_bytes"]}
             total = src.nbytes
             if total == 0:
                 return {"key": key, "bytes": 0, "chunks": [], **src.extra}
@@ -319,6 +362,11 @@ class ManifestStore:
         written = [k for k, _ in writes]
         self.io.put_many(writes, config)
         try:
+            for key, write in direct:
+                code = write()
+                if code not in (None, 0):
+                    raise StructuredObjectError(f"put failed for {key}: {code}")
+                written.append(key)
             code = _put(self.store, manifest_key, encode_json(manifest, "bundle manifest"), config)
             if code not in (None, 0):
                 raise StructuredObjectError(f"put failed for {manifest_key}: {code}")

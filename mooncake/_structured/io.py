@@ -4,9 +4,14 @@
 ``k`` over these destinations" into one ``batch_put_from_multi_buffers`` /
 ``batch_get_into_multi_buffers`` call each. Parts of at least :data:`REGISTER_MIN_BYTES` are
 registered in place for the call (no copy); smaller ones, and any whose registration the store
-refuses (already registered, overlapping), go through one staging buffer per call. A store
-without those calls (any object with ``put``/``get``, the published ``BundleStore`` protocol)
-is served with plain ``put``/``get``.
+refuses (already registered, overlapping), go through one staging buffer per call.
+
+A store without those calls is served with the calls the published module uses, the store
+formats unchanged: writes by ``put`` (tensor members by ``put_tensor``/``pub_tensor``, see
+:meth:`BatchIO.tensor_put_call`), reads by ``batch_get_into`` into registered memory and
+slices by ``get_into_ranges`` where the store has them and ``register_buffer``, else by
+``get`` (any object with ``put``/``get``: the published ``BundleStore`` protocol); tensor
+objects come back by ``get_tensor``.
 """
 
 from __future__ import annotations
@@ -154,6 +159,12 @@ class BatchIO:
         self._register = getattr(store, "register_buffer", None)
         self._unregister = getattr(store, "unregister_buffer", None)
         self._ranges = getattr(store, "get_into_ranges", None)
+        #: a store without the multi-buffer calls reads by ``batch_get_into`` into registered
+        #: memory when it has both (the published module's read), else by ``get``
+        self._batch_get_into = all(
+            callable(f)
+            for f in (getattr(store, "batch_get_into", None), self._register, self._unregister)
+        )
 
     @property
     def zero_copy(self) -> bool:
@@ -162,6 +173,66 @@ class BatchIO:
             callable(f)
             for f in (self._put_parts, self._get_parts, self._register, self._unregister)
         )
+
+    def tensor_put_call(self, config: Any) -> Any:
+        """How a tensor member is written when the store lacks the multi-buffer calls: its
+        ``put_tensor`` (``config`` None) or ``pub_tensor`` (with the one-key grouped
+        ``config``), as the published module writes tensors; ``None`` on a store with the
+        multi-buffer calls (every payload goes in one batch) or without those tensor calls.
+        The callable takes ``(key, tensor)`` and answers the store's code."""
+        if self.zero_copy:
+            return None
+        if config is None:
+            put_tensor = getattr(self.store, "put_tensor", None)
+            return put_tensor if callable(put_tensor) else None
+        pub_tensor = getattr(self.store, "pub_tensor", None)
+        if not callable(pub_tensor):
+            return None
+        cfg = grouped_config(config, 1)
+        return lambda key, tensor: pub_tensor(key, tensor, config=cfg)
+
+    def put_from_call(self, config: Any) -> Any:
+        """How a tensor-object buffer is written whole when the store lacks the multi-buffer
+        calls: ``put_tensor_from`` (``config`` None) or ``put_from`` (with the one-key
+        grouped ``config``), as the published module writes one; ``None`` otherwise. The
+        callable takes ``(key, ptr, size)`` and answers the store's code."""
+        if self.zero_copy:
+            return None
+        put_tensor_from = getattr(self.store, "put_tensor_from", None)
+        if config is None and callable(put_tensor_from):
+            return put_tensor_from
+        put_from = getattr(self.store, "put_from", None)
+        if not callable(put_from):
+            return None
+        cfg = grouped_config(config, 1)
+        return lambda key, ptr, size: _call(put_from, key, ptr, size, config=cfg)
+
+    @property
+    def range_reads(self) -> bool:
+        """Whether a store without the multi-buffer calls reads byte ranges by
+        ``get_into_ranges`` into registered memory (the published module's destination read)."""
+        return (
+            not self.zero_copy
+            and callable(self._ranges)
+            and callable(self._register)
+            and callable(self._unregister)
+        )
+
+    def tensor_get_call(self) -> Any:
+        """How a ``"kind": "tensor"`` payload is read whole when the store lacks the
+        multi-buffer calls: its ``get_tensor`` (``key`` -> tensor); ``None`` where the bytes
+        are read as any other payload (a store with the multi-buffer calls, or one without
+        any tensor calls, whose tensors were written with ``put``). A store that writes
+        tensors (``put_tensor``/``pub_tensor``) but cannot read them raises ``RuntimeError``
+        naming ``get_tensor``, as the published module does."""
+        if self.zero_copy:
+            return None
+        get_tensor = getattr(self.store, "get_tensor", None)
+        if callable(get_tensor):
+            return get_tensor
+        if any(callable(getattr(self.store, n, None)) for n in ("put_tensor", "pub_tensor")):
+            raise RuntimeError("structured tensor payload does not support get_tensor")
+        return None
 
     # -- registration --------------------------------------------------------------------------
 
@@ -296,6 +367,9 @@ class BatchIO:
 
     def _get_batch(self, keys: list[_Key]) -> list[_Key]:
         """One batched read of ``keys``; answers the keys whose read lease expired."""
+        if not self.zero_copy and self._batch_get_into:
+            self._get_batch_into(keys)
+            return []
         if not self.zero_copy:
             for k in keys:
                 data = self.store.get(k.key)
@@ -337,12 +411,45 @@ class BatchIO:
                 )
         return expired
 
+    def _get_batch_into(self, keys: list[_Key]) -> None:
+        """``keys`` read by the store's ``batch_get_into`` (a store without the multi-buffer
+        calls, as the published module reads) into one scratch buffer registered for the call,
+        then scattered over each key's parts."""
+        offsets: list[int] = []
+        size = 0
+        for k in keys:
+            offsets.append(size)
+            size += (k.total + _ALIGN - 1) // _ALIGN * _ALIGN
+        buf = np.empty(max(size, 1), dtype=np.uint8)
+        base = int(buf.ctypes.data)
+        assert self._register is not None
+        if self._register(base, int(buf.nbytes)) != 0:
+            raise StructuredObjectError("register_buffer failed for a read buffer")
+        try:
+            got = self.store.batch_get_into(
+                [k.key for k in keys], [base + o for o in offsets], [k.total for k in keys]
+            )
+        finally:
+            self._release([base])
+        got = list(got)
+        if len(got) != len(keys):
+            raise StructuredObjectError(f"batch_get_into answered {len(got)} of {len(keys)} keys")
+        for k, offset, n in zip(keys, offsets, got, strict=True):
+            if n != k.total:
+                raise StructuredObjectError(
+                    f"batch_get_into failed for {k.key}: expected {k.total} bytes, got {n}"
+                )
+            pos = base + offset
+            for p in k.parts:
+                ctypes.memmove(p.ptr, pos, p.size)
+                pos += p.size
+
     def get_ranges(self, fragments: Sequence[tuple[str, int, int, int]], dest: Part) -> None:
         """Copy ``(key, src_offset, dst_offset, size)`` fragments of stored values into ``dest``."""
         frags = [f for f in fragments if f[3] > 0]
         if not frags:
             return
-        if not (self.zero_copy and callable(self._ranges)):
+        if not (callable(self._ranges) and callable(self._register) and callable(self._unregister)):
             for key, src, dst, size in frags:
                 data = self.store.get(key)
                 if data is None or len(data) < src + size:

@@ -281,6 +281,11 @@ class StructuredLayer:
         dtype_name = fspec.get("dtype")
         if dest is not None:
             return self._plan_tensor_into(name, pspec, fspec, mslice, dest, header, reads)
+        if mslice is None and pspec.get("kind") == "tensor":
+            get_tensor = self.bundles.io.tensor_get_call()
+            if get_tensor is not None:
+                key = str(pspec["key"])
+                return lambda: get_tensor(key)
         if header < 0 or not isinstance(shape, list) or not isinstance(dtype_name, str):
             if mslice is not None:
                 raise InvalidArgumentError(
@@ -343,7 +348,12 @@ class StructuredLayer:
                 raise InvalidArgumentError(
                     f"tensor destination has {dest.size} bytes, expected at least {total}"
                 )
-            reads.extend(_scatter(chunks, [Part(dest.ptr, total, dest.owner)] if total else []))
+            if total and self.bundles.io.range_reads:  # the published destination read
+                self.bundles.io.get_ranges(
+                    fragments(chunks, 0, total), Part(dest.ptr, total, dest.owner)
+                )
+            elif total:
+                reads.extend(_scatter(chunks, [Part(dest.ptr, total, dest.owner)]))
             shape, dtype = fspec.get("shape"), fspec.get("dtype")
             if pspec.get("kind") != "tensor" or not isinstance(shape, list) or header < 0:
                 return dest

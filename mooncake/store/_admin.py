@@ -28,6 +28,13 @@ from mooncake.store._types import (
 )
 
 
+def _descriptors(resp: st.GetReplicaListResponse) -> list[ReplicaDescriptor]:
+    size = resp.size or (resp.replicas[0].length if resp.replicas else 0)
+    out = [ReplicaDescriptor(r) for r in resp.replicas]
+    out += [ReplicaDescriptor.local_disk(c, size) for c in resp.disk_clients]
+    return out
+
+
 def _task_code(e: BaseException) -> int:
     # the published master answers INVALID_PARAMS for a segment it cannot use (an unknown
     # target, a move source holding no replica)
@@ -40,19 +47,21 @@ class AdminMethods(StoreBase):
     """Replica descriptors, replica clearing and copy/move tasks."""
 
     def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
-        """The replicas of ``key`` (empty if it is missing)."""
+        """The replicas of ``key``: memory replicas, then one ``LOCAL_DISK`` replica per client
+        holding an SSD copy (empty if it is missing)."""
         try:
-            reps = self._call(self._s.replica_descriptors, key)
+            resp = self._call(self._s.replica_listing, key)
         except Exception:
             return []
-        return [ReplicaDescriptor(r) for r in reps]
+        return _descriptors(resp)
 
     def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[ReplicaDescriptor]]:
+        """:meth:`get_replica_desc` of each readable key (missing keys are left out)."""
         try:
-            got = self._call(self._s.batch_replica_descriptors, keys)
+            got = self._call(self._s.batch_replica_listing, keys)
         except Exception:
             return {}
-        return {k: [ReplicaDescriptor(r) for r in v] for k, v in got.items()}
+        return {k: _descriptors(v) for k, v in got.items()}
 
     def batch_replica_clear(self, keys: list[str], segment_name: str = "") -> list[str]:
         try:

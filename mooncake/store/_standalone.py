@@ -289,6 +289,8 @@ def encode_result(value: Any) -> Any:
     """A facade result for the wire: replica descriptors, task responses and buffer handles
     become tagged lists."""
     if isinstance(value, ReplicaDescriptor):
+        if value.is_local_disk_replica():
+            return ["__rld__", value.local_disk_client, value.local_disk_size]
         d = value.get_memory_descriptor().buffer_descriptor
         return ["__rd__", int(value.status), d.buffer_address, d.size, d.transport_endpoint]
     if isinstance(value, QueryTaskResponse):
@@ -317,6 +319,8 @@ def decode_result(value: Any) -> Any:
             return ReplicaDescriptor(
                 st.ReplicaDescriptor(segment_name=ep, addr=addr, length=size, status=status)
             )
+        if tag == "__rld__":
+            return ReplicaDescriptor.local_disk(value[1], value[2])
         if tag == "__qt__":
             q = QueryTaskResponse()
             q.id = (value[1][0], value[1][1])
