@@ -1,0 +1,321 @@
+"""One evaluation run: models, workload, scenarios, gate, replay, report, plots.
+
+:func:`run_eval` writes everything into its own run directory (``--out``, default
+``./eval-runs/<UTC stamp>-<pid>``): ``run.json`` (every record, metric sample, telemetry sum,
+summary and the gate), ``report.md``, the PNG plots, ``scaled_trace.jsonl`` (the workload as a
+trace, which ``mooncake replay`` reads), ``replay.json``, the models and each scenario's
+process logs. Exit status 0 when every scenario ran and the gate held, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mooncake._eval.cluster import EvalError, check_hot_path
+from mooncake._eval.report import gate, render_markdown, scenario_summary
+from mooncake._eval.scenarios import ScenarioConfig, run_scenario
+from mooncake._eval.weights import kv_bytes_per_token
+from mooncake._eval.workload import ScaledRequest, WorkloadConfig, control_prompt, scale, select
+
+__all__ = ["EvalConfig", "run_eval", "scaled_trace_lines"]
+
+
+@dataclass
+class EvalConfig:
+    """The whole run (the CLI's flags)."""
+
+    trace: str
+    out: Path
+    python: str
+    models: tuple[str, ...] = ("llama",)
+    scenarios: tuple[str, ...] = ("local", "store", "pd")
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    store_segment: str = "64MB"
+    block_sizes: dict[str, int] = field(default_factory=lambda: {"llama": 32, "qwen2": 64})
+    max_model_len: int = 1024
+    fault_at: float = 0.5
+    replay: bool = True
+    plots: bool = True
+    model_dir: Path | None = None
+    extra_vllm_args: tuple[str, ...] = ()
+
+
+def _say(msg: str) -> None:
+    print(f"[eval] {msg}", file=sys.stderr, flush=True)
+
+
+def scaled_trace_lines(requests: list[ScaledRequest]) -> list[str]:
+    """The workload as FAST'25 trace lines (arrival in ms, prompt/output tokens, block ids)."""
+    return [
+        json.dumps(
+            {
+                "timestamp": round(r.arrival_s * 1000.0, 3),
+                "input_length": len(r.prompt),
+                "output_length": r.max_tokens,
+                "hash_ids": list(r.hash_ids),
+            }
+        )
+        for r in requests
+    ]
+
+
+def _size_bytes(text: str) -> int:
+    t = text.strip().lower().rstrip("b").rstrip("i")
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    if t and t[-1] in mult:
+        return int(float(t[:-1]) * mult[t[-1]])
+    return int(t)
+
+
+def _control(requests: list[ScaledRequest], wl: WorkloadConfig) -> Any:
+    import httpx
+
+    req = requests[0]
+
+    def run(url: str) -> dict[str, Any]:
+        out = []
+        for prompt in (list(req.prompt), control_prompt(req.prompt, wl)):
+            body = {
+                "model": "tiny",
+                "prompt": prompt,
+                "max_tokens": req.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
+            resp = httpx.post(url + "/v1/completions", json=body, timeout=300).json()
+            out.append([int(t) for t in resp["choices"][0]["token_ids"]])
+        return {"reference": out[0], "control": out[1], "diverges": out[0] != out[1]}
+
+    return run
+
+
+def _replay(cfg: EvalConfig, trace: Path, model: str, measured: dict[str, Any]) -> dict[str, Any]:
+    mdir = (cfg.model_dir or cfg.out / "models") / model
+    kvpt = kv_bytes_per_token(json.loads((mdir / "config.json").read_text()))
+    capacity = _size_bytes(cfg.store_segment) // (cfg.workload.block_tokens * kvpt)
+    argv = [
+        sys.executable, "-m", "mooncake", "replay", str(trace),
+        "--block-tokens", str(cfg.workload.block_tokens),
+        "--capacities", str(capacity), "--policies", "lru", "--local-policies", "lru",
+        "--instances", "2", "--strategies", "none", "--no-belady", "--json", "--no-progress",
+        "--kv-bytes-per-token", str(kvpt),
+    ]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:], "text": f"replay failed: {proc.stderr[-500:]}"}
+    doc = json.loads(proc.stdout)
+    (cfg.out / f"replay-{model}.json").write_text(proc.stdout)
+    glob = next(c for c in doc["caches"] if c["scope"] == "global")
+    local = next((c for c in doc["caches"] if c["scope"] == "local"), None)
+    pred = {
+        "capacity_blocks": capacity,
+        "max_token_hit": doc["max"]["token_hit_rate"],
+        "global_lru_token_hit": glob["token_hit_rate"],
+        "local2_lru_token_hit": local["token_hit_rate"] if local else None,
+        "modelled_prefill_s_nocache": glob["prefill_nocache_s_per_request"],
+        "modelled_prefill_s_cached": glob["prefill_s_per_request"],
+    }
+    rows = [
+        f"- simulator (`mooncake replay`, {capacity} blocks of {cfg.workload.block_tokens} "
+        f"tokens = the pool's {cfg.store_segment}, LRU): token hit rate "
+        f"{100 * pred['global_lru_token_hit']:.1f}% with one global pool, "
+        f"{100 * (pred['local2_lru_token_hit'] or 0):.1f}% with 2 local caches (round robin), "
+        f"{100 * pred['max_token_hit']:.1f}% at most; modelled prefill per request "
+        f"{pred['modelled_prefill_s_nocache']:.4f} s uncached vs "
+        f"{pred['modelled_prefill_s_cached']:.4f} s (its GPU prefill model, not this CPU)",
+    ]
+    for scen, s in measured.items():
+        if scen.startswith("pd"):
+            rows.append(
+                f"- measured {model}/{scen}: the decoder loads every prompt token from the "
+                f"prefiller by design (its cached share is 100%); the prefiller's own prefix "
+                f"cache saved {100 * (s['hits']['local_hit_rate'] or 0):.1f}% of the tokens "
+                "queried on both instances"
+            )
+            continue
+        rows.append(
+            f"- measured {model}/{scen}: {100 * (s['cached_share'] or 0):.1f}% of prompt tokens "
+            f"not computed (vLLM's cached_tokens); TTFT p50 {s['ttft_s']['p50']:.3f} s"
+        )
+    rows.append(
+        "\nWhy they differ: the simulator counts every trace block already seen as a hit the "
+        "instant its request arrives; vLLM matches only whole vLLM blocks, never the last "
+        "prompt token (a full match still computes one token, so the last block of a "
+        "block-aligned prompt is recomputed), and a request that arrives while the request "
+        "sharing its prefix is still prefilling finds nothing stored yet (the store connector "
+        "saves after the forward pass, asynchronously). The local scenario hits as the global "
+        "pool does, because one instance sees every request; the store scenario's hits are "
+        "local (same instance) plus external (the other instance's KV loaded from the pool)."
+    )
+    return {"prediction": pred, "text": "\n".join(rows)}
+
+
+def _fault_text(results: list[dict[str, Any]], summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    rows = []
+    for res, s in zip(results, summaries, strict=True):
+        if res["scenario"] != "store_fault" or not res["events"]:
+            continue
+        kill = next(e["t"] for e in res["events"] if e["event"] == "pool_killed")
+        recs = [r for r in res["records"] if not r["error"] and r["ttft"] is not None]
+        before = [r["ttft"] for r in recs if r["sent_s"] < kill]
+        after = [r for r in recs if r["sent_s"] >= kill]
+        base = next(
+            (x for x in summaries if x["model"] == s["model"] and x["scenario"] == "store"), None
+        )
+        hit_after = [
+            (r["cached_tokens"] or 0) / r["prompt_tokens"] for r in after if r["prompt_tokens"]
+        ]
+        recovered = None
+        ref = (base or s)["cached_share"] or 0
+        for r in after:
+            share = (r["cached_tokens"] or 0) / r["prompt_tokens"] if r["prompt_tokens"] else 0
+            if share >= 0.8 * ref and share > 0:
+                recovered = r["sent_s"] - kill
+                break
+
+        def mean(xs: list[float]) -> float:
+            return sum(xs) / len(xs) if xs else float("nan")
+
+        rows.append(
+            f"- {s['model']}: pool SIGKILLed at t={kill:.1f} s, a fresh pool started "
+            f"{res['events'][-1]['t'] - kill:.1f} s later; mean TTFT {mean(before):.3f} s before, "
+            f"{mean([r['ttft'] for r in after]):.3f} s after (store scenario without fault: "
+            f"p50 {base['ttft_s']['p50'] if base else float('nan'):.3f} s); cached share after "
+            f"the kill {100 * mean(hit_after):.1f}% (no fault: {100 * ref:.1f}%); first request "
+            f"back at >= 80% of the no-fault share "
+            f"{f'after {recovered:.1f} s' if recovered is not None else 'never in this run'}; "
+            f"failed requests {s['failed']}"
+        )
+    return {"text": "\n".join(rows)} if rows else {}
+
+
+def run_eval(cfg: EvalConfig) -> int:
+    """Runs everything (see the module docstring); returns the exit status."""
+    from mooncake.replay.trace import load_trace
+
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    run_id = cfg.out.name
+    _say(f"run directory {cfg.out}")
+    flags = check_hot_path(cfg.python)
+    vllm_version = subprocess.run(
+        [cfg.python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True
+    ).stdout.strip()
+    _say(f"vLLM {vllm_version} in {cfg.python}; compiled hot path: {flags}")
+    requests = scale(select(load_trace(cfg.trace), cfg.workload), cfg.workload)
+    if not requests:
+        raise EvalError(f"no requests selected from {cfg.trace}")
+    trace_path = cfg.out / "scaled_trace.jsonl"
+    trace_path.write_text("\n".join(scaled_trace_lines(requests)) + "\n")
+    lens = [len(r.prompt) for r in requests]
+    first = requests[0].arrival_s
+    span = requests[-1].arrival_s - first
+    _say(f"{len(requests)} requests over {span:.1f} s, prompts {min(lens)}-{max(lens)} tokens")
+    model_root = cfg.model_dir or cfg.out / "models"
+    results: list[dict[str, Any]] = []
+    control: dict[str, Any] = {}
+    failures: list[str] = []
+    for model in cfg.models:
+        mdir = model_root / model
+        if not (mdir / "model.safetensors").exists():
+            subprocess.run(
+                [cfg.python, "-m", "mooncake._eval.weights", model, str(mdir)],
+                check=True,
+                env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])),
+            )
+        scfg = ScenarioConfig(
+            python=cfg.python,
+            run_dir=cfg.out,
+            store_segment=cfg.store_segment,
+            block_size=cfg.block_sizes.get(model, 32),
+            max_model_len=cfg.max_model_len,
+            fault_at=cfg.fault_at,
+            extra_vllm_args=cfg.extra_vllm_args,
+        )
+        for scen in cfg.scenarios:
+            _say(f"{model}/{scen}: starting")
+            t0 = time.monotonic()
+            try:
+                res = run_scenario(
+                    scen,
+                    mdir,
+                    model,
+                    requests,
+                    scfg,
+                    control=_control(requests, cfg.workload) if scen == "local" else None,
+                )
+            except (EvalError, OSError, subprocess.SubprocessError) as exc:
+                _say(f"{model}/{scen}: FAILED: {exc}")
+                failures.append(f"{model}/{scen}: {str(exc)[:2000]}")
+                continue
+            if res.get("control"):
+                control[model] = res["control"]
+            results.append(res)
+            _say(f"{model}/{scen}: done in {time.monotonic() - t0:.0f} s")
+    summaries = [scenario_summary(r) for r in results]
+    doc: dict[str, Any] = {
+        "run_id": run_id,
+        "env": {"vllm": vllm_version, "hot_path": flags, "python": cfg.python},
+        "config": {**asdict(cfg), "out": str(cfg.out), "model_dir": str(cfg.model_dir)},
+        "workload": {
+            "trace": os.path.basename(cfg.trace),
+            "requests": len(requests),
+            "mode": cfg.workload.mode,
+            "span_s": span,
+            "time_scale": cfg.workload.time_scale or 0.0,
+            "block_tokens": cfg.workload.block_tokens,
+            "prompt_min": min(lens),
+            "prompt_max": max(lens),
+            "prompt_mean": sum(lens) / len(lens),
+            "max_tokens": cfg.workload.max_tokens,
+        },
+        "gate": gate(results),
+        "control": control,
+        "failures": failures,
+        "summaries": summaries,
+        "results": results,
+    }
+    if cfg.workload.time_scale is None:
+        from mooncake._eval.workload import time_scale_for
+
+        sel = select(load_trace(cfg.trace), cfg.workload)
+        doc["workload"]["time_scale"] = time_scale_for(sel, cfg.workload.duration_s or 0.0)
+    if cfg.replay:
+        for model in cfg.models:
+            measured = {s["scenario"]: s for s in summaries if s["model"] == model}
+            if measured:
+                doc["replay"] = _replay(cfg, trace_path, model, measured)
+    doc["fault"] = _fault_text(results, summaries)
+    if "pd_store" in cfg.scenarios and not any(r["scenario"] == "pd_store" for r in results):
+        why = next((f for f in failures if "/pd_store" in f), "not run")
+        doc["pd_store_note"] = {"text": f"PD + store did not run: {why[:1500]}"}
+    if failures:
+        doc["failures_text"] = failures
+    if cfg.plots:
+        try:
+            from mooncake._eval.plots import write_plots
+
+            doc["plots"] = write_plots(results, cfg.out)
+        except ImportError as exc:
+            _say(f"no plots: {exc}")
+    (cfg.out / "run.json").write_text(json.dumps(doc, indent=1, default=str))
+    md = render_markdown(doc)
+    if failures:
+        md += (
+            "\n## Scenarios that failed\n\n"
+            + "\n".join(f"- {f.splitlines()[0][:300]}" for f in failures)
+            + "\n"
+        )
+    (cfg.out / "report.md").write_text(md)
+    _say(f"report: {cfg.out / 'report.md'}")
+    print(md)
+    bad = any(v for g in doc["gate"].values() for k, v in g.items() if k != "baseline")
+    diverge_ok = all(c["diverges"] for c in control.values())
+    return 0 if not failures and not bad and diverge_ok else 1
