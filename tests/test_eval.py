@@ -185,3 +185,22 @@ def test_report_hit_rates_gate_and_markdown() -> None:
     md = render_markdown(doc)
     assert "**1 differ**: requests [1]" in md
     assert "| llama | store | 2/2 |" in md
+
+
+def test_cli_refuses_unknown_scenarios_and_models_before_starting_anything(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from mooncake._cli import main
+
+    assert main(["eval", "--scenarios", "local,nonsense", "--out", "/nonexistent/x"]) == 2
+    assert main(["eval", "--models", "gpt5"]) == 2
+    assert "nonsense" in capsys.readouterr().err
+
+
+def test_model_shapes_kv_bytes() -> None:
+    from mooncake._eval.weights import config_for, kv_bytes_per_token
+
+    assert kv_bytes_per_token(config_for("llama")) == 2 * 2 * 2 * 32 * 4
+    qwen = config_for("qwen2")
+    assert qwen["num_key_value_heads"] < qwen["num_attention_heads"]  # GQA
+    assert kv_bytes_per_token(qwen) == 2 * 2 * 2 * 16 * 4
