@@ -4,7 +4,8 @@
   left is faster; the gap between curves at y = 0.5 / 0.9 is the p50 / p90 difference.
 * ``hit_rate_MODEL.png``: per request, the share of its prompt tokens vLLM did not compute
   (``cached_tokens / prompt_tokens``), rolling mean over ``window`` requests, against arrival
-  time; fault events as vertical lines (where the fault scenario ran).
+  time; fault events as vertical lines (where the fault scenario ran). PD scenarios are left
+  out (their decoder's share is 1 by design).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def write_plots(results: list[dict[str, Any]], out: Path, window: int = 5) -> li
 
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for r in rs:
+            if r["scenario"].startswith("pd"):
+                continue  # the decoder loads every prompt token from the prefiller: always 1
             pts = sorted(
                 (x["arrival_s"], (x["cached_tokens"] or 0) / x["prompt_tokens"])
                 for x in r["records"]
