@@ -86,6 +86,15 @@ def register(subparsers: Any) -> None:
     s.add_argument("--max-model-len", type=int, default=1024)
     s.add_argument("--fault-at", type=float, default=0.5, help="store_fault: kill at this share")
     s.add_argument(
+        "--client-ttl", default="2s", help="master's client TTL (a dead pool unmounted after it)"
+    )
+    s.add_argument(
+        "--on-load-failure",
+        choices=("recompute", "fail"),
+        default="recompute",
+        help="the store connector's kv_load_failure_policy (vLLM's own default is fail)",
+    )
+    s.add_argument(
         "--vllm-arg", action="append", default=[], help="extra vLLM server argument (repeat)"
     )
     p.add_argument("--no-replay", action="store_true", help="skip the simulator's prediction")
@@ -143,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
             store_segment=args.store_segment,
             max_model_len=args.max_model_len,
             fault_at=args.fault_at,
+            client_ttl=args.client_ttl,
+            on_load_failure=args.on_load_failure,
             replay=not args.no_replay,
             plots=not args.no_plots,
             model_dir=model_dir,

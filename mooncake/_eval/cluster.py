@@ -160,12 +160,13 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    def master(self, name: str = "master") -> tuple[Proc, str, str]:
-        """Our master with metrics; returns it, its RPC address and its /metrics URL."""
-        proc = self.spawn(
-            name,
-            [self.python, "-m", "mooncake", "master", "--rpc-port", "0", "--metrics-port", "0"],
-        )
+    def master(self, name: str = "master", client_ttl: str | None = None) -> tuple[Proc, str, str]:
+        """Our master with metrics (and ``--client-ttl`` when given: how soon a dead pool's
+        segment is unmounted); returns it, its RPC address and its /metrics URL."""
+        argv = [self.python, "-m", "mooncake", "master", "--rpc-port", "0", "--metrics-port", "0"]
+        if client_ttl:
+            argv += ["--client-ttl", client_ttl]
+        proc = self.spawn(name, argv)
         line = proc.wait_line("rpc=", 120)
         rpc = line.split("rpc=", 1)[1].split()[0]
         metrics = line.split("metrics=", 1)[1].split()[0]

@@ -41,6 +41,8 @@ class EvalConfig:
     block_sizes: dict[str, int] = field(default_factory=lambda: {"llama": 32, "qwen2": 64})
     max_model_len: int = 1024
     fault_at: float = 0.5
+    client_ttl: str = "2s"
+    on_load_failure: str = "recompute"
     replay: bool = True
     plots: bool = True
     model_dir: Path | None = None
@@ -237,6 +239,8 @@ def run_eval(cfg: EvalConfig) -> int:
             block_size=cfg.block_sizes.get(model, 32),
             max_model_len=cfg.max_model_len,
             fault_at=cfg.fault_at,
+            client_ttl=cfg.client_ttl,
+            on_load_failure=cfg.on_load_failure,
             extra_vllm_args=cfg.extra_vllm_args,
         )
         for scen in cfg.scenarios:

@@ -72,11 +72,18 @@ class ScenarioConfig:
     fault_at: float = 0.5
     restart_after_s: float = 1.0
     client_ttl: str = "2s"
+    on_load_failure: str = "recompute"
     extra_vllm_args: tuple[str, ...] = ()
 
 
-def _store_kv(role: str = "kv_both") -> dict[str, Any]:
-    return {"kv_connector": "MooncakeStoreConnector", "kv_role": role}
+def _store_kv(role: str = "kv_both", on_load_failure: str = "recompute") -> dict[str, Any]:
+    # vLLM's default policy for a KV load that fails is "fail" (the request ends with an
+    # error); a store that can lose a holder wants "recompute"
+    return {
+        "kv_connector": "MooncakeStoreConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": on_load_failure,
+    }
 
 
 def _pd_kv(role: str, engine_id: str) -> dict[str, Any]:
@@ -92,6 +99,7 @@ def _multi_kv(role: str, engine_id: str) -> dict[str, Any]:
     return {
         "kv_connector": "MultiConnector",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "engine_id": engine_id,
         "kv_connector_extra_config": {
             "connectors": [_pd_kv(role, engine_id), _store_kv("kv_both")],
@@ -166,7 +174,7 @@ class _Run:
         )
 
     def _store(self) -> dict[str, str]:
-        _, rpc, murl = self.cluster.master()
+        _, rpc, murl = self.cluster.master(client_ttl=self.cfg.client_ttl)
         self.master_rpc = rpc
         self.metrics["master"] = murl
         self.pool = self.cluster.pool(rpc, self.cfg.store_segment)
@@ -180,7 +188,8 @@ class _Run:
             servers.append(self._vllm("A", None, {}))
         elif name in ("store", "store_fault"):
             env = self._store()
-            servers += [self._vllm("A", _store_kv(), env), self._vllm("B", _store_kv(), env)]
+            kv = _store_kv(on_load_failure=self.cfg.on_load_failure)
+            servers += [self._vllm("A", kv, env), self._vllm("B", kv, env)]
         elif name in ("pd", "pd_store"):
             env = self._store() if name == "pd_store" else {}
             port = free_port()
@@ -188,9 +197,9 @@ class _Run:
             # pd_store: the prefiller also reads and writes the store (MultiConnector), so a
             # prefix another request prefilled is loaded, not computed; the decoder gets
             # every prompt token's KV from the prefiller either way
-            kv = _multi_kv if name == "pd_store" else _pd_kv
+            pkv = _multi_kv if name == "pd_store" else _pd_kv
             servers += [
-                self._vllm("P", kv("kv_producer", "eval-P"), env),
+                self._vllm("P", pkv("kv_producer", "eval-P"), env),
                 self._vllm("D", _pd_kv("kv_consumer", "eval-D"), env),
             ]
         else:
