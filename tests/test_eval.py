@@ -204,3 +204,31 @@ def test_model_shapes_kv_bytes() -> None:
     qwen = config_for("qwen2")
     assert qwen["num_key_value_heads"] < qwen["num_attention_heads"]  # GQA
     assert kv_bytes_per_token(qwen) == 2 * 2 * 2 * 16 * 4
+
+
+def test_rerender_reports_the_fault_against_the_store_scenario(tmp_path) -> None:
+    import json
+
+    from mooncake._eval.run import rerender
+
+    store = _result("store", [[1, 2], [3, 4], [5, 6]])
+    fault = _result("store_fault", [[1, 2], [3, 4], [5, 6]])
+    for i, r in enumerate(fault["records"]):
+        r["sent_s"] = r["arrival_s"] = float(i)
+    fault["records"][1]["cached_tokens"] = 0  # the store scenario had 10 here
+    fault["events"] = [{"event": "pool_killed", "t": 0.5}, {"event": "pool_restarted", "t": 1.5}]
+    doc = {
+        "run_id": "t", "env": {}, "control": {}, "failures": ["llama/pd_store: P exited (rc=1): "
+        "TypeError: boom\nTraceback\nTypeError: boom"], "results": [store, fault],
+        "workload": {"trace": "x", "requests": 3, "mode": "sessions", "span_s": 1.0,
+                     "time_scale": 2.0, "block_tokens": 32, "prompt_min": 1, "prompt_max": 2,
+                     "prompt_mean": 1.5, "max_tokens": 2},
+    }  # fmt: skip
+    (tmp_path / "run.json").write_text(json.dumps(doc))
+    md = rerender(tmp_path)
+    assert "2 requests sent after the kill" in md
+    assert "10 prompt tokens recomputed because of the fault" in md
+    assert "first request with the no-fault hits again: none in this run" in md
+    assert "store_fault vs store: all equal" in md
+    assert "last error in the log: `TypeError: boom`" in md
+    assert (tmp_path / "report.md").read_text() == md

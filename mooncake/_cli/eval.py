@@ -84,7 +84,12 @@ def register(subparsers: Any) -> None:
     s = p.add_argument_group("serving")
     s.add_argument("--store-segment", default="64MB", help="the pool's size (default 64MB)")
     s.add_argument("--max-model-len", type=int, default=1024)
-    s.add_argument("--fault-at", type=float, default=0.5, help="store_fault: kill at this share")
+    s.add_argument(
+        "--fault-at",
+        type=float,
+        default=0.5,
+        help="store_fault: kill before this share of the requests",
+    )
     s.add_argument(
         "--client-ttl", default="2s", help="master's client TTL (a dead pool unmounted after it)"
     )
@@ -99,6 +104,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--no-replay", action="store_true", help="skip the simulator's prediction")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument(
+        "--report-only",
+        type=Path,
+        metavar="RUN_DIR",
+        help="only rewrite RUN_DIR's report.md and plots from its run.json (no vLLM needed)",
+    )
     p.set_defaults(func=run)
 
 
@@ -110,6 +121,11 @@ def run(args: argparse.Namespace) -> int:
     from mooncake._eval.workload import WorkloadConfig
     from mooncake.errors import MooncakeError
 
+    if args.report_only:
+        from mooncake._eval.run import rerender
+
+        print(rerender(args.report_only))
+        return 0
     if not args.trace:
         print("error: --trace is required (no shipped trace found)", file=sys.stderr)
         return 2

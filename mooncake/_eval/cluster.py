@@ -264,8 +264,12 @@ class Cluster:
         t0 = proc.started
         while time.monotonic() - t0 < timeout:
             if not proc.alive():
-                tail = proc.log.read_text(errors="replace")[-3000:]
-                raise EvalError(f"{proc.name} exited (rc={proc.popen.returncode}):\n{tail}")
+                text = proc.log.read_text(errors="replace").replace("\0", "")
+                errs = [ln.strip() for ln in text.splitlines() if "Error:" in ln][-3:]
+                raise EvalError(
+                    f"{proc.name} exited (rc={proc.popen.returncode}): {' | '.join(errs)}\n"
+                    f"{text[-3000:]}"
+                )
             try:
                 if httpx.get(url + "/health", timeout=5).status_code == 200:
                     return time.monotonic() - t0

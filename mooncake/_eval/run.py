@@ -24,7 +24,7 @@ from mooncake._eval.scenarios import ScenarioConfig, run_scenario
 from mooncake._eval.weights import kv_bytes_per_token
 from mooncake._eval.workload import ScaledRequest, WorkloadConfig, control_prompt, scale, select
 
-__all__ = ["EvalConfig", "run_eval", "scaled_trace_lines"]
+__all__ = ["EvalConfig", "rerender", "run_eval", "scaled_trace_lines"]
 
 
 @dataclass
@@ -161,42 +161,94 @@ def _replay(cfg: EvalConfig, trace: Path, model: str, measured: dict[str, Any]) 
 
 
 def _fault_text(results: list[dict[str, Any]], summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fault scenario against the ``store`` scenario, request by request (same requests):
+    TTFT and cached tokens of the requests sent after the kill, the prompt tokens recomputed
+    because of it, and when a request first got back the no-fault scenario's hits."""
     rows = []
     for res, s in zip(results, summaries, strict=True):
         if res["scenario"] != "store_fault" or not res["events"]:
             continue
         kill = next(e["t"] for e in res["events"] if e["event"] == "pool_killed")
+        restart = next((e["t"] for e in res["events"] if e["event"] == "pool_restarted"), None)
+        base_res = next(
+            (x for x in results if x["model"] == res["model"] and x["scenario"] == "store"), None
+        )
         recs = [r for r in res["records"] if not r["error"] and r["ttft"] is not None]
-        before = [r["ttft"] for r in recs if r["sent_s"] < kill]
         after = [r for r in recs if r["sent_s"] >= kill]
-        base = next(
-            (x for x in summaries if x["model"] == s["model"] and x["scenario"] == "store"), None
+        line = (
+            f"- {s['model']}: pool SIGKILLed at t={kill:.1f} s (before request "
+            f"{min((r['index'] for r in after), default='-')}), fresh pool up "
+            f"{(restart - kill) if restart is not None else float('nan'):.1f} s later; "
+            f"{len(after)} requests sent after the kill, {s['failed']} failed in the run"
         )
-        hit_after = [
-            (r["cached_tokens"] or 0) / r["prompt_tokens"] for r in after if r["prompt_tokens"]
-        ]
-        recovered = None
-        ref = (base or s)["cached_share"] or 0
-        for r in after:
-            share = (r["cached_tokens"] or 0) / r["prompt_tokens"] if r["prompt_tokens"] else 0
-            if share >= 0.8 * ref and share > 0:
-                recovered = r["sent_s"] - kill
-                break
+        if base_res is not None and after:
+            base = {r["index"]: r for r in base_res["records"]}
+            pairs = [(r, base[r["index"]]) for r in after if r["index"] in base]
+            lost = sum(
+                max(0, (b["cached_tokens"] or 0) - (r["cached_tokens"] or 0)) for r, b in pairs
+            )
+            back = next(
+                (r for r, b in pairs if (r["cached_tokens"] or 0) >= (b["cached_tokens"] or 0)
+                 and (b["cached_tokens"] or 0) > (b["prompt_tokens"] or 0) // 2),
+                None,
+            )  # fmt: skip
 
-        def mean(xs: list[float]) -> float:
-            return sum(xs) / len(xs) if xs else float("nan")
+            def mean(xs: list[float]) -> float:
+                return sum(xs) / len(xs) if xs else float("nan")
 
-        rows.append(
-            f"- {s['model']}: pool SIGKILLed at t={kill:.1f} s, a fresh pool started "
-            f"{res['events'][-1]['t'] - kill:.1f} s later; mean TTFT {mean(before):.3f} s before, "
-            f"{mean([r['ttft'] for r in after]):.3f} s after (store scenario without fault: "
-            f"p50 {base['ttft_s']['p50'] if base else float('nan'):.3f} s); cached share after "
-            f"the kill {100 * mean(hit_after):.1f}% (no fault: {100 * ref:.1f}%); first request "
-            f"back at >= 80% of the no-fault share "
-            f"{f'after {recovered:.1f} s' if recovered is not None else 'never in this run'}; "
-            f"failed requests {s['failed']}"
-        )
+            line += (
+                f"; those requests: mean TTFT {mean([r['ttft'] for r, _ in pairs]):.3f} s vs "
+                f"{mean([b['ttft'] or 0.0 for _, b in pairs]):.3f} s without the fault, cached "
+                f"tokens {sum(r['cached_tokens'] or 0 for r, _ in pairs)} vs "
+                f"{sum(b['cached_tokens'] or 0 for _, b in pairs)}: {lost} prompt tokens "
+                f"recomputed because of the fault; first request with the no-fault hits again: "
+                + (
+                    f"request {back['index']}, {back['sent_s'] - kill:.1f} s after the kill"
+                    if back is not None
+                    else "none in this run"
+                )
+            )
+        rows.append(line)
     return {"text": "\n".join(rows)} if rows else {}
+
+
+def rerender(run_dir: Path) -> str:
+    """Recomputes the summaries, the fault section and the report of a finished run from its
+    ``run.json`` (the replay's prediction is kept, the plots redrawn when matplotlib is there);
+    writes ``report.md`` and returns it."""
+    doc = json.loads((run_dir / "run.json").read_text())
+    results = doc["results"]
+    doc["summaries"] = [scenario_summary(r) for r in results]
+    doc["gate"] = gate(results)
+    doc["fault"] = _fault_text(results, doc["summaries"])
+    why = next((f for f in doc.get("failures") or [] if "/pd_store" in f), None)
+    if why is not None:
+        doc["pd_store_note"] = {"text": f"PD + store did not run: {_why(why)}"}
+    try:
+        from mooncake._eval.plots import write_plots
+
+        doc["plots"] = write_plots(results, run_dir)
+    except ImportError:
+        pass
+    (run_dir / "run.json").write_text(json.dumps(doc, indent=1, default=str))
+    md = render_markdown(doc) + _failures_md(doc.get("failures") or [])
+    (run_dir / "report.md").write_text(md)
+    return md
+
+
+def _failures_md(failures: list[str]) -> str:
+    if not failures:
+        return ""
+    return "\n## Scenarios that failed\n\n" + "\n".join(f"- {_why(f)}" for f in failures) + "\n"
+
+
+def _why(failure: str) -> str:
+    """The first line of a failure and its last ``...Error: ...`` line (the root cause that
+    vLLM's traceback ends with)."""
+    lines = failure.splitlines()
+    errs = [ln.strip() for ln in lines[1:] if "Error:" in ln]
+    head = lines[0][:600] if lines else ""
+    return head + (f" (last error in the log: `{errs[-1][:400]}`)" if errs else "")
 
 
 def run_eval(cfg: EvalConfig) -> int:
@@ -257,7 +309,7 @@ def run_eval(cfg: EvalConfig) -> int:
                 )
             except (EvalError, OSError, subprocess.SubprocessError) as exc:
                 _say(f"{model}/{scen}: FAILED: {exc}")
-                failures.append(f"{model}/{scen}: {str(exc)[:2000]}")
+                failures.append(f"{model}/{scen}: {exc}")
                 continue
             if res.get("control"):
                 control[model] = res["control"]
@@ -299,9 +351,7 @@ def run_eval(cfg: EvalConfig) -> int:
     doc["fault"] = _fault_text(results, summaries)
     if "pd_store" in cfg.scenarios and not any(r["scenario"] == "pd_store" for r in results):
         why = next((f for f in failures if "/pd_store" in f), "not run")
-        doc["pd_store_note"] = {"text": f"PD + store did not run: {why[:1500]}"}
-    if failures:
-        doc["failures_text"] = failures
+        doc["pd_store_note"] = {"text": f"PD + store did not run: {_why(why)}"}
     if cfg.plots:
         try:
             from mooncake._eval.plots import write_plots
@@ -310,13 +360,7 @@ def run_eval(cfg: EvalConfig) -> int:
         except ImportError as exc:
             _say(f"no plots: {exc}")
     (cfg.out / "run.json").write_text(json.dumps(doc, indent=1, default=str))
-    md = render_markdown(doc)
-    if failures:
-        md += (
-            "\n## Scenarios that failed\n\n"
-            + "\n".join(f"- {f.splitlines()[0][:300]}" for f in failures)
-            + "\n"
-        )
+    md = render_markdown(doc) + _failures_md(failures)
     (cfg.out / "report.md").write_text(md)
     _say(f"report: {cfg.out / 'report.md'}")
     print(md)

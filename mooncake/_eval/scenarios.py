@@ -10,8 +10,8 @@
 * ``pd_store``: ``pd`` with the prefill instance also on the store through vLLM's
   ``MultiConnector`` ([MooncakeConnector producer, MooncakeStoreConnector kv_both]): it loads
   the prefixes the store has and saves what it computes; the decoder as in ``pd``;
-* ``store_fault``: ``store`` with the pool process SIGKILLed at ``fault_at`` of the arrival
-  span and a fresh pool started ``restart_after_s`` later (the store's holder crashes and is
+* ``store_fault``: ``store`` with the pool process SIGKILLed just before request
+  ``int(n * fault_at)`` arrives and a fresh pool started ``restart_after_s`` later (the store's holder crashes and is
   replaced; the KV it held is gone).
 
 :func:`run_scenario` starts the processes, waits for them, drives the requests, polls the
@@ -102,7 +102,12 @@ def _multi_kv(role: str, engine_id: str) -> dict[str, Any]:
         "kv_load_failure_policy": "recompute",
         "engine_id": engine_id,
         "kv_connector_extra_config": {
-            "connectors": [_pd_kv(role, engine_id), _store_kv("kv_both")],
+            # children inherit the parent's engine_id (MultiConnector passes it itself and
+            # refuses a child config that names one too)
+            "connectors": [
+                {k: v for k, v in _pd_kv(role, engine_id).items() if k != "engine_id"},
+                _store_kv("kv_both"),
+            ],
         },
     }
 
@@ -260,7 +265,9 @@ def run_scenario(
 
         at: list[tuple[float, Callable[[], Any]]] = []
         if name == "store_fault" and requests:
-            at.append((requests[-1].arrival_s * cfg.fault_at, run.fault))
+            # midway by requests, not by time (a session trace's arrivals come in bursts)
+            k = min(len(requests) - 1, int(len(requests) * cfg.fault_at))
+            at.append((max(0.0, requests[k].arrival_s - 0.05), run.fault))
 
         async def main() -> tuple[list[RequestRecord], float]:
             async with anyio.create_task_group() as tg:
