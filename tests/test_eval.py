@@ -203,7 +203,7 @@ def test_model_shapes_kv_bytes() -> None:
     assert kv_bytes_per_token(config_for("llama")) == 2 * 2 * 2 * 32 * 4
     qwen = config_for("qwen2")
     assert qwen["num_key_value_heads"] < qwen["num_attention_heads"]  # GQA
-    assert kv_bytes_per_token(qwen) == 2 * 2 * 2 * 16 * 4
+    assert kv_bytes_per_token(qwen) == 2 * 2 * 2 * 32 * 4  # head_dim 256 / 8
 
 
 def test_rerender_reports_the_fault_against_the_store_scenario(tmp_path) -> None:

@@ -258,6 +258,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
             verdict = "all equal" if not bad else f"**{len(bad)} differ**: requests {bad}"
             lines.append(f"- {model}: {scen} vs {g['baseline']}: {verdict}")
     for model, c in doc.get("control", {}).items():
+        if c.get("error"):
+            lines.append(f"- {model}: control prompt **not checked**: {c['error'][:300]}")
+            continue
         lines.append(
             f"- {model}: control prompt (request 0, first token changed) "
             f"{'diverges' if c['diverges'] else '**does not diverge**'}: "

@@ -82,6 +82,12 @@ def _control(requests: list[ScaledRequest], wl: WorkloadConfig) -> Any:
     req = requests[0]
 
     def run(url: str) -> dict[str, Any]:
+        try:
+            return _run(url)
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+            return {"reference": [], "control": [], "diverges": False, "error": repr(exc)}
+
+    def _run(url: str) -> dict[str, Any]:
         out = []
         for prompt in (list(req.prompt), control_prompt(req.prompt, wl)):
             body = {
@@ -307,7 +313,7 @@ def run_eval(cfg: EvalConfig) -> int:
                     scfg,
                     control=_control(requests, cfg.workload) if scen == "local" else None,
                 )
-            except (EvalError, OSError, subprocess.SubprocessError) as exc:
+            except Exception as exc:  # one scenario's failure is reported, the run goes on
                 _say(f"{model}/{scen}: FAILED: {exc}")
                 failures.append(f"{model}/{scen}: {exc}")
                 continue

@@ -7,7 +7,7 @@ N(0, 1/fan_in), norms 1, biases N(0, 0.02)), so attention is far from uniform an
 depends on every prompt token (the evaluation checks that with a control prompt).
 
 Shapes (``SHAPES``): ``llama`` (LlamaForCausalLM, 4 heads over 2 KV heads) and ``qwen2``
-(Qwen2ForCausalLM with GQA: 8 heads over 2 KV heads, q/k/v biases). ``python -m
+(Qwen2ForCausalLM with GQA: hidden 256, 8 heads over 2 KV heads, q/k/v biases). ``python -m
 mooncake._eval.weights SHAPE DIR [--seed N]`` writes ``DIR/config.json`` and
 ``DIR/model.safetensors`` (needs torch and safetensors: run it with vLLM's python) and prints
 the directory; the same seed writes the same bytes.
@@ -46,10 +46,12 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 2,
         "head_dim": 32,
     },
-    "qwen2": {
+    "qwen2": {  # head_dim 32: vLLM's CPU attention has no kernel for 16
         **_COMMON,
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
+        "hidden_size": 256,
+        "intermediate_size": 512,
         "num_attention_heads": 8,
         "num_key_value_heads": 2,
         "use_sliding_window": False,
