@@ -157,7 +157,9 @@ class _Run:
         self.master_rpc = ""
         self._next = 0
 
-    def _vllm(self, name: str, kv: dict[str, Any] | None, env: dict[str, str]) -> Any:
+    def _vllm(
+        self, name: str, kv: dict[str, Any] | None, env: dict[str, str], extra: Sequence[str] = ()
+    ) -> Any:
         # vLLM's CPU backend binds its OpenMP threads to core 0 unless told: give each
         # instance of a scenario its own core where there are enough (ignored on GPUs)
         cores = os.cpu_count() or 1
@@ -173,7 +175,7 @@ class _Run:
             self.model,
             kv_config=kv,
             env=env,
-            extra=list(self.cfg.extra_vllm_args),
+            extra=[*extra, *self.cfg.extra_vllm_args],
             block_size=self.cfg.block_size,
             max_model_len=self.cfg.max_model_len,
         )
@@ -203,8 +205,15 @@ class _Run:
             # prefix another request prefilled is loaded, not computed; the decoder gets
             # every prompt token's KV from the prefiller either way
             pkv = _multi_kv if name == "pd_store" else _pd_kv
+            # vLLM 0.32's MultiConnector Prometheus observer asserts that every child
+            # reporting transfer stats registered Prometheus metrics; MooncakeConnector
+            # reports stats but registers none, so with stats logging on the prefiller's API
+            # server dies at its first stats interval after a transfer (AssertionError:
+            # "MooncakeConnector is not contained in the list of registered connectors with
+            # Prometheus metrics support"). The prefiller of pd_store runs without stats.
+            no_stats = ["--disable-log-stats"] if name == "pd_store" else []
             servers += [
-                self._vllm("P", pkv("kv_producer", "eval-P"), env),
+                self._vllm("P", pkv("kv_producer", "eval-P"), env, no_stats),
                 self._vllm("D", _pd_kv("kv_consumer", "eval-D"), env),
             ]
         else:
