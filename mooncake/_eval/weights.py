@@ -3,8 +3,9 @@
 vLLM's ``load_format="dummy"`` fills every tensor with U(-1e-3, 1e-3): greedy decoding then
 cycles between two tokens whatever the prompt, so "outputs equal" can hardly fail. These
 weights follow the usual initialisation scales instead (embeddings N(0, 1), each linear layer
-N(0, 1/fan_in), norms 1, biases N(0, 0.02)), so attention is far from uniform and the output
-depends on every prompt token (the evaluation checks that with a control prompt).
+N(0, 1/fan_in), norms 1, biases N(0, 0.02); q/k projections times ``ATTN_GAIN``), so attention
+is far from uniform and the output depends on every prompt token (the evaluation checks that
+with a control prompt).
 
 Shapes (``SHAPES``): ``llama`` (LlamaForCausalLM, 4 heads over 2 KV heads) and ``qwen2``
 (Qwen2ForCausalLM with GQA: hidden 256, 8 heads over 2 KV heads, q/k/v biases). ``python -m
@@ -59,6 +60,11 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+#: q/k projection gain per shape: sharper attention, so the first prompt token still moves
+#: the last position's output (qwen2 at gain 1 answered the control prompt like the original)
+ATTN_GAIN: dict[str, float] = {"llama": 1.0, "qwen2": 3.0}
+
+
 def config_for(shape: str) -> dict[str, Any]:
     """The HF ``config.json`` of a shape (a copy)."""
     try:
@@ -81,6 +87,7 @@ def _tensors(cfg: dict[str, Any], seed: int) -> dict[str, Any]:
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or h // heads
     bias = cfg["model_type"] == "qwen2"
+    gain = ATTN_GAIN.get(cfg["model_type"], 1.0)
 
     def lin(out: int, inp: int) -> Any:
         return torch.randn(out, inp, generator=gen) / inp**0.5
@@ -91,7 +98,7 @@ def _tensors(cfg: dict[str, Any], seed: int) -> dict[str, Any]:
         t[p + "input_layernorm.weight"] = torch.ones(h)
         t[p + "post_attention_layernorm.weight"] = torch.ones(h)
         for name, out in (("q", heads * hd), ("k", kv * hd), ("v", kv * hd)):
-            t[p + f"self_attn.{name}_proj.weight"] = lin(out, h)
+            t[p + f"self_attn.{name}_proj.weight"] = lin(out, h) * (gain if name != "v" else 1.0)
             if bias:
                 t[p + f"self_attn.{name}_proj.bias"] = 0.02 * torch.randn(out, generator=gen)
         t[p + "self_attn.o_proj.weight"] = lin(h, heads * hd)
