@@ -27,13 +27,16 @@ if [ ! -x "$VENV/bin/python" ] || ! (cd /tmp && PYTHONPATH="$here" "$VENV/bin/py
 fi
 # this package's own runtime dependencies (the package itself comes from PYTHONPATH)
 pip_ anyio trio msgspec httpx h11 rich "prometheus-client<=0.24.1" regex
-[ -e mooncake/_fast/_tcp.cpython-311-x86_64-linux-gnu.so ] || log "note: compiled hot path not built here; pure-Python twins in use"
+. scripts/_integration_common.sh
+ensure_hot_path
+RESULTS="$(results_dir lmcache)"
+log "results in $RESULTS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 checks=("$@")
 [ ${#checks[@]} -gt 0 ] || checks=(store channel)
 for check in "${checks[@]}"; do
   log "running $check"
-  "$VENV/bin/python" "tests/integration/lmcache_${check}.py" --json "/tmp/mooncake-lmcache-${check}.json" || status=1
+  "$VENV/bin/python" "tests/integration/lmcache_${check}.py" --json "$RESULTS/${check}.json" || status=1
 done
 exit $status

@@ -26,13 +26,16 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "$probe" 2>/dev/null; 
 fi
 # this package's own runtime dependencies (the package itself comes from PYTHONPATH)
 pip_ anyio trio msgspec httpx h11 rich prometheus-client regex
-[ -e mooncake/_fast/_tcp.cpython-311-x86_64-linux-gnu.so ] || log "note: compiled hot path not built here; pure-Python twins in use"
+. scripts/_integration_common.sh
+ensure_hot_path
+RESULTS="$(results_dir sglang)"
+log "results in $RESULTS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 checks=("$@")
 [ ${#checks[@]} -gt 0 ] || checks=(hicache pd)
 for check in "${checks[@]}"; do
   log "running $check"
-  "$VENV/bin/python" "tests/integration/sglang_${check}.py" --json "/tmp/mooncake-sglang-${check}.json" || status=1
+  "$VENV/bin/python" "tests/integration/sglang_${check}.py" --json "$RESULTS/${check}.json" || status=1
 done
 exit $status

@@ -61,6 +61,7 @@ FLOORS: dict[str, int] = {
     "shared_segment": 6,
     # 7: tools and layers over the sync store
     "_cli": 7,
+    "_eval": 7,
     "async_store": 7,
     "_structured": 7,
     "structured_object_store": 7,

@@ -16,6 +16,7 @@ _SUBCOMMANDS: list[str] = [
     "bench",
     "c_abi",
     "demo",
+    "eval",
     "master",
     "metadata_server",
     "replay",
