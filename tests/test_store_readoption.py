@@ -75,9 +75,14 @@ class Load(threading.Thread):
 
 
 def on_ssd(me: MooncakeDistributedStore, keys: list[str]) -> list[str]:
-    """Keys readable with no memory replica: held only by an SSD tier."""
+    """Keys readable with no memory replica: held only by an SSD tier (their descriptors are
+    the LOCAL_DISK replicas of the holders' SSD copies)."""
     exist = me.batch_is_exist(keys)
-    return [k for k, e in zip(keys, exist, strict=True) if e == 1 and not me.get_replica_desc(k)]
+    return [
+        k
+        for k, e in zip(keys, exist, strict=True)
+        if e == 1 and not any(r.is_memory_replica() for r in me.get_replica_desc(k))
+    ]
 
 
 def readable_with_bytes(holder: Client, keys: list[str]) -> list[str]:
