@@ -24,7 +24,8 @@ from tests.helpers.store_procs import Client, Master
 
 class Relay:
     """Forward every connection accepted on a loopback port to ``target``; :meth:`cut` closes
-    every pair open now (new connections are still accepted and forwarded)."""
+    every pair open now (new connections are still accepted and forwarded, except while
+    :attr:`down` is set: then each is closed at once, the link staying down)."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
@@ -33,6 +34,7 @@ class Relay:
         self.lock = threading.Lock()
         self.pairs: list[tuple[socket.socket, socket.socket]] = []
         self.accepted = 0
+        self.down = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -41,6 +43,9 @@ class Relay:
                 a, _ = self.listener.accept()
             except OSError:
                 return
+            if self.down.is_set():
+                a.close()
+                continue
             try:
                 b = socket.create_connection(self.target)
             except OSError:
@@ -101,6 +106,9 @@ def test_cut_master_connections_of_a_live_holder(master: Master) -> None:
         assert holder.cmd("put", key="k", seed=7, size=size, preferred=[holder.hostname])["rc"] == 0
         assert reader.cmd("digest", key="k")["sha"] == want
         before = relay.accepted
+        # the link stays down until the reader has seen the key unserved: a holder that
+        # reconnects at once could otherwise be back before a loaded reader's first call
+        relay.down.set()
         assert relay.cut() >= 1
 
         states: list[tuple[int, int]] = []  # (exist, readable) as the reader saw them
@@ -114,12 +122,13 @@ def test_cut_master_connections_of_a_live_holder(master: Master) -> None:
             readable = 1 if got["len"] else 0
             if seen is None and not readable:
                 seen = len(states)
+                relay.down.clear()  # the cut is seen: the holder may reconnect
             states.append((exist, readable))
             if exist == 1 and readable == 1 and seen is not None:
                 break
             time.sleep(0.05)
-        # the cut was seen (the key stopped being served for a while: a holder that reconnects
-        # fast may leave only one (1, 0), the master learning of the cut between the two calls) ...
+        # the cut was seen (the key stopped being served while the link was down; the first
+        # unreadable state may be (1, 0), the master learning of the cut between the two calls) ...
         assert seen is not None, states[:20]
         # ... and the holder came back on its own: new connections, the key served again
         assert states[-1] == (1, 1), states[-20:]
