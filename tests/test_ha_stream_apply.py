@@ -70,10 +70,10 @@ def test_standbys_apply_from_the_stream_and_a_successor_has_every_object(
         )
         endpoint = etcd1.members[0].endpoint
         if ack == "replica":
-            # applied from memory, and the log is not watched: only the view-key watches
-            assert all(m.ha()["stream_applied"] >= len(keys) for m in standbys), [
-                m.ha() for m in standbys
-            ]
+            # applied from memory, and the log is not watched: only the view-key watches (a
+            # standby the loaded host leaves behind reads the entries it lacks from the log,
+            # so not every entry need have come through the stream)
+            assert all(m.ha()["stream_applied"] > 0 for m in standbys), [m.ha() for m in standbys]
             _until(lambda: _watchers(endpoint) == 3, "only the three view-key watches")
             _until(lambda: all(m.ha()["held"] == 0 for m in standbys), "nothing held unapplied")
         else:
