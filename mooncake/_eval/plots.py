@@ -41,13 +41,7 @@ def write_plots(results: list[dict[str, Any]], out: Path, window: int = 5) -> li
         ax.set_xlabel("TTFT (s, log)")
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"TTFT CDF per scenario ({model})")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        name = f"ttft_cdf_{model}.png"
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        names.append(name)
+        names.append(_save(plt, fig, ax, out / f"ttft_cdf_{model}.png"))
 
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for r in rs:
@@ -77,11 +71,15 @@ def write_plots(results: list[dict[str, Any]], out: Path, window: int = 5) -> li
         ax.set_ylabel(f"cached share of prompt (rolling {window})")
         ax.set_ylim(0, 1)
         ax.set_title(f"Prefix hit rate over time ({model}); dashed: pool killed/restarted")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        name = f"hit_rate_{model}.png"
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        names.append(name)
+        names.append(_save(plt, fig, ax, out / f"hit_rate_{model}.png"))
     return names
+
+
+def _save(plt: Any, fig: Any, ax: Any, path: Path) -> str:
+    """Grid and legend on ``ax``, ``fig`` written to ``path`` and closed; answers its file name."""
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
