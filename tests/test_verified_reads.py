@@ -249,12 +249,21 @@ def test_ssd_copies_are_verified_against_the_writers_crc(tmp_path: Path) -> None
             await put_retrying(s, "bad", value(999))
             rep = (await replicas_of(s, "bad")).replicas[0]
             flip_replica(s, rep, 100)  # before the object is demoted
-            keys = await fill_and_demote(s, 40)  # "bad" was touched last: demoted late
+            keys = await fill_and_demote(s, 40)
+            # A fast host can put all 40 within the lease ``replicas_of`` gave "bad", and
+            # every GetReplicaList (``where``) extends it and makes it most recently used: so
+            # wait on its SSD file, not the master, and add pressure until it is demoted.
+            extra = 0
+            with anyio.fail_after(60):
+                while not (tmp_path / "objects" / file_name("bad")).exists():
+                    await anyio.sleep(0.1)  # past the 50 ms lease: evictable again
+                    await put_retrying(s, f"extra{extra}", value(1000 + extra))
+                    extra += 1
 
             async def bad_on_ssd() -> bool:
                 return await where(s, "bad") == "ssd"
 
-            await eventually(bad_on_ssd, "the demotion of the corrupt replica")
+            await eventually(bad_on_ssd, "the master listing the corrupt replica on the SSD")
             other = (await ssd_keys(s, keys))[0]
             with pytest.raises(TierDataError, match="writer recorded"):
                 await s.get("bad")
