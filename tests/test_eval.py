@@ -232,3 +232,25 @@ def test_rerender_reports_the_fault_against_the_store_scenario(tmp_path) -> None
     assert "store_fault vs store: all equal" in md
     assert "last error in the log: `TypeError: boom`" in md
     assert (tmp_path / "report.md").read_text() == md
+
+
+def test_plots_are_drawn_per_model_and_leave_out_pd(tmp_path) -> None:
+    """Each model gets a TTFT CDF and a hit-rate figure, real PNGs, with PD results and fault
+    events among the inputs."""
+    pytest.importorskip("matplotlib")
+    from mooncake._eval.plots import write_plots
+
+    store = _result("store", [[1, 2], [3, 4], [5, 6]])
+    pd = _result("pd", [[1, 2], [3, 4]])
+    for i, r in enumerate(store["records"]):
+        r["arrival_s"] = float(i)
+    store["events"] = [{"event": "pool_killed", "t": 0.5}]
+    qwen = _result("local", [[1, 2]])
+    qwen["model"] = "qwen2"
+    names = write_plots([store, pd, qwen], tmp_path)
+    assert sorted(names) == sorted(
+        f"{kind}_{m}.png" for kind in ("ttft_cdf", "hit_rate") for m in ("llama", "qwen2")
+    )
+    for name in names:
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000, name
