@@ -117,9 +117,8 @@ def http_response(
         query = parse_qs(url.query)
         key = query.get("key", [""])[0]
         try:  # ?tenant=NAME: that tenant's key (default: the default tenant's)
-            info = commands.HANDLERS["QueryKey"](
-                server.state, rpc.KeyParams(key=key, tenant=query.get("tenant", [""])[0]), 0.0
-            )
+            params = rpc.KeyParams(key=key, tenant=query.get("tenant", [""])[0])
+            info = commands.apply_call(server.state, "QueryKey", 0.0, params)
         except MooncakeError as e:
             body = msgspec.json.encode({"success": False, "error_code": int(e.code)})
             return 404, "application/json", body
