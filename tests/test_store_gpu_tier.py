@@ -44,6 +44,9 @@ HELPER = ROOT / "tests" / "helpers" / "gpu_store_peer.py"
 
 @asynccontextmanager
 async def master_server(**state: Any) -> AsyncIterator[Any]:
+    # A read window long enough for a loaded host: the default 0.5 s (+10 ms per MiB) was
+    # exceeded by a 1 MiB read on the pure-Python path with three engines on one loop.
+    state.setdefault("read_fence_ttl", 5.0)
     cfg = MasterServerConfig(rpc_port=0, enable_metric_reporting=False, state=MasterConfig(**state))
     async with anyio.create_task_group() as tg:
         server = await tg.start(serve_master, cfg)
