@@ -339,6 +339,39 @@ async def test_process_vm_write_stops_before_the_peers_unregister_returns() -> N
         p.close()
 
 
+async def test_session_ending_during_a_process_vm_copy_is_a_peer_death() -> None:
+    """The connection to the peer ends (as when it dies) while a process_vm write runs on a
+    worker thread: the copy stops at the next piece and the transfer fails with
+    PeerDiedError. The session's end also marks its entries dead, which used to make it read
+    as a local unregister (RemoteAccessError "buffer unregistered during the copy")."""
+    n = 512 << 20
+    p = Peer(array=n)
+    try:
+        async with open_engine("127.0.0.1") as engine:
+            local = await engine.allocate(n)
+            await engine.read(p.segment, local.addr, p.info["array"], 64)  # listed, not mapped
+            shm = (await engine.peer(p.segment)).state["shm"]
+            (entry,) = [e for e in shm.entries if e.addr == p.info["array"]]
+            assert entry.mm is None  # reached with process_vm_writev
+            out: list[Any] = []
+
+            async def write() -> None:
+                out.extend(
+                    await engine.transfer(
+                        p.segment, [TransferRequest.write(local.addr, p.info["array"], n)]
+                    )
+                )
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(write)
+                await anyio.wait_all_tasks_blocked()  # the copy runs on a worker thread
+                assert entry.users == 1
+                shm.close()  # what the reader task does when the peer's end closes
+            assert not out[0].ok and isinstance(out[0].error, PeerDiedError), out[0].error
+    finally:
+        p.close()
+
+
 CLOSE_MID_COPY = """
 import anyio, sys
 from mooncake._engine.engine import open_engine

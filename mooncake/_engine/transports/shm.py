@@ -490,10 +490,10 @@ class ShmTransport(Transport):
             if rc == -errno.EPERM:
                 s.vm_denied = True
                 return
-            for k, (i, ent) in enumerate(sel):
+            for k, (i, _) in enumerate(sel):
                 if rc >= 0 and k < ndone:
                     results[i] = completed(requests[i].length)
-                elif rc >= 0 and not ent.dead and s.closed:  # stopped: the session ended
+                elif rc >= 0 and s.closed:  # stopped: the session ended (its entries with it)
                     results[i] = failed(
                         PeerDiedError(f"{peer.segment}: its shm session ended during the copy")
                     )
