@@ -8,9 +8,14 @@ and then off (the order alternating), it measures
 * ``batch_put_from`` and ``batch_get_into`` of ``--batch`` x ``--size`` values (GB/s), and
 * ``get`` (bytes) and ``get_into`` of one ``--small`` value, ``--small-reps`` times (p50 us),
 
-and prints the medians over rounds with the cost (on vs off). Same-host replicas are read and
+and prints the medians over rounds with the cost (on vs off), and the *paired* cost: the
+median over rounds of each round's on against its own off (measured back to back, so a
+loaded machine's drift between rounds cancels). Same-host replicas are read and
 written with ``memcpy`` through the holder's memfd mapping; ``--tcp`` (``MC_STORE_MEMCPY=0``)
-sends them through the engine (TCP) instead. ``--json FILE`` writes the numbers.
+sends them through the engine (TCP) instead. ``--split`` also charges the batch get's CPU to
+its copies (the thread CPU of the ``memcpy_at`` / ``copy_crc32c_batch`` calls it makes, in
+whichever thread) and the rest (the loop, the RPC, the bookkeeping). ``--json FILE`` writes
+the numbers.
 
     python benchmarks/verify_cost.py --rounds 9
     python benchmarks/verify_cost.py --rounds 9 --tcp
@@ -28,6 +33,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -64,6 +70,40 @@ def wait_port(port: int, limit: float = 30) -> None:
 
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def paired(on: list[float], off: list[float], ratio: bool) -> float:
+    """The median over rounds of round ``i``'s ``on`` against its ``off``: ``on / off - 1``
+    (in %) with ``ratio``, else ``on - off``."""
+    if ratio:
+        return med([(a / b - 1) * 100 for a, b in zip(on, off, strict=True) if b > 0])
+    return med([a - b for a, b in zip(on, off, strict=True)])
+
+
+class CopyClock:
+    """Thread CPU spent in the copy primitives while :attr:`on` (``--split``): wraps
+    ``_fast.memcpy_at`` and ``_fast.copy_crc32c_batch``, which the store's copies look up on
+    the module at each call."""
+
+    def __init__(self, fast: Any) -> None:
+        self.on = False
+        self.spent = 0.0
+        self._lock = threading.Lock()
+        for name in ("memcpy_at", "copy_crc32c_batch"):
+            setattr(fast, name, self._wrap(getattr(fast, name)))
+
+    def _wrap(self, f: Any) -> Any:
+        @functools.wraps(f)
+        def timed(*a: Any, **k: Any) -> Any:
+            t = time.thread_time()
+            try:
+                return f(*a, **k)
+            finally:
+                if self.on:
+                    with self._lock:
+                        self.spent += time.thread_time() - t
+
+        return timed
 
 
 def small_blocks(args: argparse.Namespace, s: Any, store: Any, small: bytes, da: int) -> int:
@@ -164,6 +204,9 @@ def main() -> int:
     ap.add_argument("--small", type=int, default=4096)
     ap.add_argument("--small-reps", type=int, default=2000)
     ap.add_argument("--tcp", action="store_true", help="MC_STORE_MEMCPY=0: replicas over TCP")
+    ap.add_argument(
+        "--split", action="store_true", help="the batch get's CPU: its copies and the rest"
+    )
     ap.add_argument("--json")
     ap.add_argument(
         "--small-blocks",
@@ -219,6 +262,7 @@ def run(args: argparse.Namespace, master: str) -> int:
     from mooncake import _fast
     from mooncake.store import MooncakeDistributedStore
 
+    clock = CopyClock(_fast) if args.split else None
     s = MooncakeDistributedStore()
     n, b = args.size, args.batch
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 2 * n * b + (16 << 20), "tcp", "", master) == 0
@@ -237,6 +281,7 @@ def run(args: argparse.Namespace, master: str) -> int:
             "get_gbs": [],
             "put_cpu_ms": [],
             "get_cpu_ms": [],
+            **({"get_copy_cpu_ms": [], "get_rest_cpu_ms": []} if args.split else {}),
             "get_p50_us": [],
             "get_into_p50_us": [],
         }
@@ -259,10 +304,16 @@ def run(args: argparse.Namespace, master: str) -> int:
             cpu_put = time.process_time() - c
             assert all(c == 0 for c in rc), rc
             for _ in range(5):  # a read that outlives its window (-707) on a loaded box: again
+                if clock is not None:
+                    clock.on, clock.spent = True, 0.0
                 t, c = time.perf_counter(), time.process_time()
                 got = s.batch_get_into(keys, [da + i * n for i in range(b)], [n] * b)
                 dt_get = time.perf_counter() - t
                 cpu_get = time.process_time() - c
+                copy_cpu = 0.0
+                if clock is not None:
+                    clock.on = False
+                    copy_cpu = clock.spent
                 if all(g == n for g in got):
                     break
                 fenced += 1
@@ -271,6 +322,9 @@ def run(args: argparse.Namespace, master: str) -> int:
             out[mode]["get_gbs"].append(n * b / dt_get / 1e9)
             out[mode]["put_cpu_ms"].append(cpu_put * 1e3)
             out[mode]["get_cpu_ms"].append(cpu_get * 1e3)
+            if clock is not None:
+                out[mode]["get_copy_cpu_ms"].append(copy_cpu * 1e3)
+                out[mode]["get_rest_cpu_ms"].append((cpu_get - copy_cpu) * 1e3)
             skey = f"small-{mode}-{rnd}"
             assert s.put(skey, small) == 0
             lat = []
@@ -308,19 +362,25 @@ def run(args: argparse.Namespace, master: str) -> int:
         f"path={summary['path']} rounds={args.rounds} load={os.getloadavg()[0]:.2f} "
         f"crc_kernel={_fast.CRC_KERNEL}"
     )
-    print(f"{'metric (median | best)':<30}{'on':>16}{'off':>16}{'cost':>18}")
+    print(f"{'metric (median | best)':<30}{'on':>16}{'off':>16}{'cost':>18}{'paired':>10}")
     for metric in res["on"]:
         xs_on, xs_off = res["on"][metric], res["off"][metric]
         on, off = med(xs_on), med(xs_off)
         hi = metric.endswith("gbs")  # higher is better
         b_on, b_off = (max if hi else min)(xs_on), (max if hi else min)(xs_off)
-        if hi:
+        if hi:  # throughput: the cost is the fraction lost (1 - on / off)
+            pc = -paired(xs_on, xs_off, True)
+            pcs = f"{pc:+.1f}%"
             cost = f"{(1 - on / off) * 100:+.1f}% | {(1 - b_on / b_off) * 100:+.1f}%"
             label = f"{metric} ({b} x {n >> 10} KiB)"
         elif metric.endswith("cpu_ms"):
+            pc = paired(xs_on, xs_off, True)
+            pcs = f"{pc:+.1f}%"
             cost = f"{(on / off - 1) * 100:+.1f}% | {(b_on / b_off - 1) * 100:+.1f}%"
             label = f"{metric} ({b} x {n >> 10} KiB)"
         else:
+            pc = paired(xs_on, xs_off, False)
+            pcs = f"{pc:+.2f}"
             cost = f"{on - off:+.2f} | {b_on - b_off:+.2f} us"
             label = f"{metric} ({args.small >> 10} KiB)"
         summary[metric] = {
@@ -328,10 +388,11 @@ def run(args: argparse.Namespace, master: str) -> int:
             "off": off,
             "best_on": b_on,
             "best_off": b_off,
+            "paired_cost": pc,
             "all_on": xs_on,
             "all_off": xs_off,
         }
-        print(f"{label:<30}{on:>8.3f} |{b_on:>6.2f}{off:>8.3f} |{b_off:>6.2f}{cost:>18}")
+        print(f"{label:<30}{on:>8.3f} |{b_on:>6.2f}{off:>8.3f} |{b_off:>6.2f}{cost:>18}{pcs:>10}")
     print(
         f"verified reads {v['verified']}, unverified {v['unverified']}, "
         f"fenced batches retried {fenced}"

@@ -304,3 +304,17 @@ def test_the_switch_default_and_environment(monkeypatch: pytest.MonkeyPatch) -> 
             assert r.verify.unverified == 1 and not r.verify.mismatches
 
     trio.run(main)
+
+
+def test_setup_verify_flag_reaches_open_store() -> None:
+    """``setup(..., verify=...)`` (keyword or ``setup(dict)`` key) turns verified reads on or
+    off for that client; unset, ``open_store`` decides (the variable, else the default)."""
+    from mooncake.store import _setup
+
+    base = ("127.0.0.1", "P2PHANDSHAKE", 1 << 20, 1 << 20, "tcp", "", "127.0.0.1:1")
+    assert "verify" not in _setup.open_store_options(_setup.collect(base, {}))
+    for given, want in ((False, False), (True, True), ("0", False), ("on", True)):
+        opts = _setup.open_store_options(_setup.collect(base, {"verify": given}))
+        assert opts["verify"] is want, given
+    cfg = {"local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE", "verify": "false"}
+    assert _setup.open_store_options(_setup.collect((cfg,), {}))["verify"] is False

@@ -50,6 +50,8 @@ log = logging.getLogger("mooncake.store")
 def _landed_crc(ops: Sequence[_Op], landed: Sequence[tuple[int, int]]) -> int:
     """The CRC32C of a value read by ``ops`` (contiguous from offset 0, as ``landed``): from
     the CRCs their copies computed (combined in offset order), else one pass over ``landed``."""
+    if len(ops) == 1 and ops[0].crc >= 0:  # one copy landed the whole value (the usual case)
+        return ops[0].crc
     if ops and all(op.crc >= 0 for op in ops):
         ordered = sorted(ops, key=lambda op: op.offset)
         crc = ordered[0].crc

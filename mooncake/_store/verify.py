@@ -19,11 +19,13 @@ counters (exported by :mod:`mooncake._store.metrics`).
 Switch: ``open_store(verify=...)``, else ``MOONCAKE_STORE_CHECKSUM`` (the published client's
 variable; ``1`` on, ``0`` off), else :data:`DEFAULT`: on where this process's CRC32C kernel
 is one of :data:`FAST_KERNELS`, the kernels measured to cost within the goal (<= 5 % of batch
-CPU at 1 MiB x 32 put and get, <= 1 us on a 4 KiB get). None is, so the default is **off**:
-with the AVX-512 VPCLMULQDQ folding kernel (its fused copy at ``memcpy``'s speed) a verified
-put costs ~0 % and a 4 KiB get <= ~1 us, but a verified 1 MiB x 32 ``batch_get_into`` still
-~+7 % CPU; with the SSE4.2 / ARMv8 CRC instruction ~+28-48 % (``docs/benchmarks.md``,
-verified reads). Off: writers send no CRC, readers check none (and count the read unverified).
+CPU at 1 MiB x 32 put and get, <= 1 us on a 4 KiB get p50): ``avx512`` (VPCLMULQDQ folding,
+its fused copy at ``memcpy``'s speed: a verified put ~0 %, a 1 MiB x 32 ``batch_get_into``
+~+3 % CPU, a 4 KiB ``get`` ~2 us faster and a ``get_into`` within ~1 us; docs/benchmarks.md,
+"verified reads on by default"). So the default is **on** with ``avx512``, **off** with the
+SSE4.2 / ARMv8 CRC instruction (~+28-48 % at 1 MiB x 32), the 128-bit folding and the tables
+(the pure-Python twin's kernel is ``table``). Off: writers send no CRC, readers check none
+(and count the read unverified).
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ ENV = "MOONCAKE_STORE_CHECKSUM"
 
 
 #: the CRC32C kernels (``mooncake._fast._crc32c.KERNELS``) measured fast enough for
-#: verification on by default (docs/benchmarks.md): none yet ("avx512" misses the batch get)
-FAST_KERNELS: tuple[str, ...] = ()
+#: verification on by default (docs/benchmarks.md)
+FAST_KERNELS: tuple[str, ...] = ("avx512",)
 
 #: verified reads when neither ``open_store(verify=...)`` nor the variable says (see above):
 #: whether the CRC32C kernel chosen at import is one of :data:`FAST_KERNELS`

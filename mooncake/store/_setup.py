@@ -18,6 +18,9 @@ enable_client_http_server=False, client_http_port=9300)`` (positional or keyword
 * **drain_timeout** (ours, after the published arguments; also a ``setup(dict)`` key): the bound
   in seconds of the drain SIGTERM runs (:mod:`mooncake.store._drain`); default 5 s or
   ``MC_STORE_DRAIN_TIMEOUT``.
+* **verify** (ours, last; also a ``setup(dict)`` key): verified reads on (true) or off (false)
+  for this client; unset: ``MOONCAKE_STORE_CHECKSUM``, else the default of
+  :mod:`mooncake._store.verify` (on with the ``avx512`` CRC32C kernel).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ SETUP_NAMES = (
     "enable_client_http_server",
     "client_http_port",
     "drain_timeout",
+    "verify",
 )
 #: config-file spellings accepted in ``setup(dict)`` for the published dict keys
 CONFIG_ALIASES = {
@@ -193,6 +197,8 @@ def open_store_options(cfg: dict[str, Any]) -> dict[str, Any]:
             os.environ.get("MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES", str(2 << 40)),
             "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES",
         )
+    if cfg.get("verify") is not None:
+        opts["verify"] = _flag(cfg["verify"])
     tenant = cfg.get("tenant_id")
     if tenant not in (None, "", "default"):
         opts["tenant"] = str(tenant)
