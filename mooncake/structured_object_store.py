@@ -35,6 +35,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from mooncake._fast_copy import concat_arrays_into
 from mooncake._structured import codecs
 from mooncake._structured.bundles import (
     ManifestStore,
@@ -64,7 +65,7 @@ from mooncake._structured.inference import (
     infer_structure,
     path_tokens,
 )
-from mooncake._structured.io import Part, remove_keys
+from mooncake._structured.io import Part, grouped_config, remove_keys
 from mooncake._structured.layer import StructuredLayer
 from mooncake._structured.model import (
     AUTO_PARALLEL_MIN_BYTES,
@@ -91,6 +92,13 @@ from mooncake._structured.model import (
     raw_destination,
     resolve_dataproto_ref,
     tensor_object_buffer,
+)
+from mooncake._structured.payloads import (
+    DirectCopyPayload,
+    MultiBufferPayload,
+    decode_typed_ragged_values,
+    encode_typed_ragged_regular_ndarray_rows,
+    encode_typed_ragged_values,
 )
 from mooncake._structured.policy import check_policy, check_zero_copy
 from mooncake._structured.reads import read_fields
@@ -138,6 +146,18 @@ _Missing = Missing
 _choose_leaf_codec = choose_leaf_codec
 _escape_key = escape_key
 _structured_path_tokens = path_tokens
+# the published module's payload members and codec helpers (mooncake._structured.payloads,
+# mooncake._structured.codecs): same arguments and results, on this package's codecs
+_MultiBufferPayload = MultiBufferPayload
+_DirectCopyPayload = DirectCopyPayload
+_encode_typed_ragged_values = encode_typed_ragged_values
+_encode_typed_ragged_regular_ndarray_rows = encode_typed_ragged_regular_ndarray_rows
+_decode_typed_ragged_values = decode_typed_ragged_values
+_encode_msgpack_ragged_values = codecs.encode_msgpack_ragged_values
+_decode_msgpack_ragged_values = codecs.decode_msgpack_ragged_values
+_encode_with_schema = codecs.encode_schema_leaf
+_config_for_grouped_keys = grouped_config
+_concat_arrays_into = concat_arrays_into
 
 
 def _decode_manifest(payload: bytes) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from mooncake._structured.codecs import BytesParts
+from mooncake._structured.payloads import parts_of
 from mooncake._structured.io import BatchIO, Part, buffer_address, grouped_config, remove_keys
 from mooncake._structured.model import (
     RemoteBundleRef,
@@ -167,13 +167,20 @@ def encode_member(name: str, value: Any) -> tuple[dict[str, Any], _Source]:
         src = _Source(parts, extra, chunked=False)
         src.tensor = value
         return spec, src
-    if isinstance(value, BytesParts):
+    multi = parts_of(value)
+    if multi is not None:
         parts = []
-        for p in value.parts:
+        for p in multi:
             ptr, n, owner = buffer_address(p)
             if n:
                 parts.append(Part(ptr, n, owner))
         if value.dtype is not None and value.shape is not None:
+            want = int(np.prod(value.shape, dtype=np.int64)) * np.dtype(value.dtype).itemsize
+            if sum(p.size for p in parts) != want:
+                raise InvalidArgumentError(
+                    f"{name} holds {sum(p.size for p in parts)} bytes, its dtype and shape "
+                    f"{want}"
+                )
             return {
                 "encoding": "ndarray",
                 "dtype": value.dtype,

@@ -39,6 +39,7 @@ __all__ = [
     "StructuredObjectReadSpec",
     "StructuredObjectResult",
     "StructuredTypeError",
+    "StructuredValueTypeError",
     "TensorObjectBuffer",
     "export_dataproto_ref",
     "import_dataproto_ref",
@@ -72,6 +73,12 @@ class StructuredObjectError(StoreError, RuntimeError):
 
 class StructuredTypeError(MooncakeError, TypeError):
     """A value of the wrong type was handed to the structured object store."""
+
+
+class StructuredValueTypeError(StructuredTypeError, AttributeError):
+    """A column value its schema codec cannot encode (a ``utf8_ragged`` value that is not a
+    ``str``): a ``TypeError``, and an ``AttributeError`` as the published module raises (from
+    the value's missing ``encode``)."""
 
 
 class StructuredKeyError(MooncakeError, KeyError):
