@@ -244,7 +244,9 @@ class MooncakeBundleTransfer:
         self.key_prefix = normalize_key_prefix(key_prefix)
         self.default_chunk_bytes = check_chunk_bytes(default_chunk_bytes)
         self.buffer_pool = buffer_pool
-        self._bundles = ManifestStore(store, self.key_prefix, self.default_chunk_bytes)
+        self._bundles = ManifestStore(
+            store, self.key_prefix, self.default_chunk_bytes, buffer_pool
+        )
         self._structured = StructuredLayer(self._bundles)
 
     # -- bundles and structured objects ----------------------------------------------------------

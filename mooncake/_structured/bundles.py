@@ -280,9 +280,11 @@ def fragments(
 class ManifestStore:
     """Manifests and payload keys of bundles under one key prefix."""
 
-    def __init__(self, store: Any, key_prefix: str, default_chunk_bytes: int) -> None:
+    def __init__(
+        self, store: Any, key_prefix: str, default_chunk_bytes: int, buffer_pool: Any = None
+    ) -> None:
         self.store = store
-        self.io = BatchIO(store)
+        self.io = BatchIO(store, buffer_pool)
         self.key_prefix = key_prefix
         self.default_chunk_bytes = default_chunk_bytes
 

@@ -152,8 +152,13 @@ class _Staging:
 class BatchIO:
     """Batched multi-part writes and reads over one store (see the module docstring)."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, buffer_pool: Any = None) -> None:
         self.store = store
+        #: a ``BufferPool``-like object (``acquire(size)`` -> a lease with ``ptr`` and
+        #: ``release()``, its memory registered with the store) that stages writes on a store
+        #: without the multi-buffer calls, as the published module stages them
+        self.buffer_pool = buffer_pool
+        self._batch_put_from = getattr(store, "batch_put_from", None)
         self._put_parts = getattr(store, "batch_put_from_multi_buffers", None)
         self._get_parts = getattr(store, "batch_get_into_multi_buffers", None)
         self._register = getattr(store, "register_buffer", None)
@@ -279,6 +284,9 @@ class BatchIO:
         keys = [k for k in keys if k.parts]
         if not keys:
             return
+        if not self.zero_copy and self.buffer_pool is not None and callable(self._batch_put_from):
+            self._put_staged(keys, config)
+            return
         if not self.zero_copy:
             written: list[str] = []
             try:
@@ -322,6 +330,32 @@ class BatchIO:
             )
             key, code = failed[0] if failed else (names[0], codes)
             raise StructuredObjectError(f"batch_put_from_multi_buffers failed for {key}: {code}")
+
+    def _put_staged(self, keys: Sequence[_Key], config: Any) -> None:
+        """The published module's pooled write, for a store without the multi-buffer calls:
+        per key, a pool lease of its size, its parts copied in, one ``batch_put_from`` of that
+        key (with the one-key grouped ``config``), the lease released. On a failure every key
+        of this call written so far (and the failed one) is removed."""
+        assert self._batch_put_from is not None
+        cfg = grouped_config(config, 1)
+        done: list[str] = []
+        try:
+            for k in keys:
+                lease = self.buffer_pool.acquire(k.total)
+                try:
+                    base, offset = int(lease.ptr), 0
+                    for p in k.parts:
+                        ctypes.memmove(base + offset, p.ptr, p.size)
+                        offset += p.size
+                    codes = _call(self._batch_put_from, [k.key], [base], [k.total], config=cfg)
+                finally:
+                    lease.release()
+                done.append(k.key)
+                if len(codes) != 1 or codes[0] not in (None, 0):
+                    raise StructuredObjectError(f"batch_put_from failed for {k.key}: {codes}")
+        except BaseException:
+            remove_keys(self.store, done, strict=False)
+            raise
 
     # -- reads ---------------------------------------------------------------------------------
 
