@@ -37,6 +37,7 @@ import numpy as np
 
 from mooncake._fast_copy import concat_arrays_into
 from mooncake._structured import codecs
+from mooncake._structured.bundle_store import BundleManifestStore
 from mooncake._structured.bundles import (
     ManifestStore,
     _bytes_source,
@@ -248,6 +249,8 @@ class MooncakeBundleTransfer:
             store, self.key_prefix, self.default_chunk_bytes, buffer_pool
         )
         self._structured = StructuredLayer(self._bundles)
+        #: the published ``_bundle_store`` calls (mooncake._structured.bundle_store)
+        self._bundle_store = BundleManifestStore(self._bundles)
 
     # -- bundles and structured objects ----------------------------------------------------------
 

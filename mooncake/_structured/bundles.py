@@ -367,6 +367,7 @@ class ManifestStore:
             manifest["buffer_object_ids"] = sorted(i for i in ids if i)
             if cleanup_keys:
                 manifest["cleanup_keys"] = list(dict.fromkeys(cleanup_keys))
+            self.validate(manifest)
         manifest_key = f"{base}/manifest"
         written = [k for k, _ in writes]
         self.io.put_many(writes, config)
@@ -383,6 +384,26 @@ class ManifestStore:
             remove_keys(self.store, written, strict=False)
             raise
         return RemoteBundleRef(manifest_key=manifest_key, manifest=manifest)
+
+    def put_payload(
+        self, key: str, src: _Source, chunk_bytes: int | None, config: Any = None
+    ) -> tuple[dict[str, Any], list[str]]:
+        """Write one payload (``src``) at ``key``, cut into chunks of ``chunk_bytes``, by one
+        batched put: ``(payload spec, keys written)``. On failure nothing of it stays."""
+        chunk = check_chunk_bytes(self.default_chunk_bytes if chunk_bytes is None else chunk_bytes)
+        if src.nbytes == 0:
+            return {"key": key, "bytes": 0, "chunks": []}, []
+        groups = _split(src.parts, chunk)
+        keys = [key] if len(groups) == 1 else [f"{key}/chunk/{i}" for i in range(len(groups))]
+        self.io.put_many(list(zip(keys, groups, strict=True)), config)
+        spec = {
+            "key": key,
+            "bytes": src.nbytes,
+            "chunks": [
+                {"key": k, "bytes": sum(p.size for p in g)} for k, g in zip(keys, groups, strict=True)
+            ],
+        }
+        return spec, keys
 
     # -- manifests -----------------------------------------------------------------------------
 
