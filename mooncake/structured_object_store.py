@@ -43,6 +43,7 @@ from mooncake._structured.bundles import (
     _bytes_source,
     check_chunk_bytes,
     decode_json,
+    has_tensor_codec_helpers,
     normalize_key_prefix,
 )
 from mooncake._structured.dataproto import (
@@ -159,6 +160,7 @@ _decode_msgpack_ragged_values = codecs.decode_msgpack_ragged_values
 _encode_with_schema = codecs.encode_schema_leaf
 _config_for_grouped_keys = grouped_config
 _concat_arrays_into = concat_arrays_into
+_has_tensor_codec_helpers = has_tensor_codec_helpers
 
 
 def _decode_manifest(payload: bytes) -> dict[str, Any]:
@@ -245,10 +247,10 @@ class MooncakeBundleTransfer:
         self.key_prefix = normalize_key_prefix(key_prefix)
         self.default_chunk_bytes = check_chunk_bytes(default_chunk_bytes)
         self.buffer_pool = buffer_pool
-        self._bundles = ManifestStore(
-            store, self.key_prefix, self.default_chunk_bytes, buffer_pool
-        )
+        self._bundles = ManifestStore(store, self.key_prefix, self.default_chunk_bytes, buffer_pool)
         self._structured = StructuredLayer(self._bundles)
+        # the published module-level switch, read at each put
+        self._bundles.tensor_codec = lambda: _has_tensor_codec_helpers()
         #: the published ``_bundle_store`` calls (mooncake._structured.bundle_store)
         self._bundle_store = BundleManifestStore(self._bundles)
 

@@ -22,12 +22,11 @@ from __future__ import annotations
 import io
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from mooncake._structured.payloads import parts_of
 from mooncake._structured.io import BatchIO, Part, buffer_address, grouped_config, remove_keys
 from mooncake._structured.model import (
     RemoteBundleRef,
@@ -38,6 +37,7 @@ from mooncake._structured.model import (
     optional_module,
 )
 from mooncake._structured.nested import encode_nested
+from mooncake._structured.payloads import parts_of
 from mooncake.errors import InvalidArgumentError
 
 _torch: Any = optional_module("torch")
@@ -122,8 +122,24 @@ def _tensor_helpers() -> tuple[Any, Any]:
     return _serialize_tensor, _deserialize_tensor
 
 
-def encode_member(name: str, value: Any) -> tuple[dict[str, Any], _Source]:
-    """The field spec and payload source of one structured member."""
+def has_tensor_codec_helpers() -> bool:
+    """Whether ``mooncake.store`` offers the tensor header helpers (``_serialize_tensor``,
+    ``_deserialize_tensor``); without them tensors are stored as ``torch_save`` blobs."""
+    try:
+        import mooncake.store as store
+    except ImportError:  # pragma: no cover
+        return False
+    return all(
+        callable(getattr(store, n, None)) for n in ("_serialize_tensor", "_deserialize_tensor")
+    )
+
+
+def encode_member(
+    name: str, value: Any, tensor_codec: bool = True
+) -> tuple[dict[str, Any], _Source]:
+    """The field spec and payload source of one structured member. ``tensor_codec`` false
+    stores a tensor as one ``torch_save`` blob (the published fallback without the tensor
+    header helpers), else 0-d tensors only."""
     if isinstance(value, TensorObjectBuffer):
         src = _Source([Part(value.ptr, value.size, value.owner)], chunked=False)
         src.object_buffer = True
@@ -144,13 +160,13 @@ def encode_member(name: str, value: Any) -> tuple[dict[str, Any], _Source]:
             "shape": list(value.shape),
             "element_size": int(value.element_size()),
         }
-        if value.dim() == 0:
+        if value.dim() == 0 or not tensor_codec:
             buf = io.BytesIO()
             _torch.save(value.detach().cpu(), buf)
             src = _bytes_source(buf.getvalue(), name)
             src.extra = {"format": "torch_save"}
             src.chunked = False
-            src.tensor = value
+            src.tensor = value if tensor_codec else None
             return spec, src
         serialize, _ = _tensor_helpers()
         header, ptr, n, owner = serialize(value)
@@ -178,8 +194,7 @@ def encode_member(name: str, value: Any) -> tuple[dict[str, Any], _Source]:
             want = int(np.prod(value.shape, dtype=np.int64)) * np.dtype(value.dtype).itemsize
             if sum(p.size for p in parts) != want:
                 raise InvalidArgumentError(
-                    f"{name} holds {sum(p.size for p in parts)} bytes, its dtype and shape "
-                    f"{want}"
+                    f"{name} holds {sum(p.size for p in parts)} bytes, its dtype and shape {want}"
                 )
             return {
                 "encoding": "ndarray",
@@ -285,6 +300,8 @@ class ManifestStore:
     ) -> None:
         self.store = store
         self.io = BatchIO(store, buffer_pool)
+        #: whether tensors are stored by their header helpers (else as ``torch_save`` blobs)
+        self.tensor_codec: Callable[[], bool] = has_tensor_codec_helpers
         self.key_prefix = key_prefix
         self.default_chunk_bytes = default_chunk_bytes
 
@@ -400,7 +417,8 @@ class ManifestStore:
             "key": key,
             "bytes": src.nbytes,
             "chunks": [
-                {"key": k, "bytes": sum(p.size for p in g)} for k, g in zip(keys, groups, strict=True)
+                {"key": k, "bytes": sum(p.size for p in g)}
+                for k, g in zip(keys, groups, strict=True)
             ],
         }
         return spec, keys

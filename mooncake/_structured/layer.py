@@ -132,9 +132,10 @@ class StructuredLayer:
         metadata.setdefault("layout", "structured")
         specs: dict[str, Any] = {}
         sources: dict[str, _Source] = {}
+        tensor_codec = self.bundles.tensor_codec()
         for name, value in payload.buffers.items():
             check_key_segment(name, "buffer name")
-            specs[name], sources[name] = encode_member(name, value)
+            specs[name], sources[name] = encode_member(name, value, tensor_codec)
         reuse: dict[str, Any] | None = None
         cleanup: list[str] | None = None
         if merge_into is not None:

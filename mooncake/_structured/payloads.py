@@ -129,7 +129,7 @@ def _data_member(flats: list[np.ndarray], dtype: np.dtype[Any], ndarray_rows: bo
     if not flats or (ndarray_rows and len(flats) == 1):
         flat = flats[0] if flats else np.empty(0, dtype=dtype)
         return MultiBufferPayload(
-            buffers=(memoryview(flat).cast("B"),),
+            buffers=(memoryview(flat.data).cast("B"),),
             owners=(flat,),
             dtype=dtype.str,
             shape=(total,),
@@ -221,4 +221,6 @@ def decode_typed_ragged_values(
 ) -> list[Any]:
     """The rows of a ``typed_ragged`` column (``data`` as an ndarray, bytes or tensor): ndarray
     rows are views of ``data``, list rows lists, null rows ``None``."""
-    return codecs.decode_column({"codec": "typed_ragged", "metadata": metadata or {}}, payload, rows)
+    return codecs.decode_column(
+        {"codec": "typed_ragged", "metadata": metadata or {}}, payload, rows
+    )
