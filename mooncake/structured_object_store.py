@@ -18,12 +18,18 @@ PIL images in media lists (``media_list_ragged`` is written only for bytes items
 columns; a flat column of media lists gets ``msgpack_ragged``/``json_ragged``).
 ``BundleTransferPolicy`` is validated but the transfer is always one batch (``max_inflight_put``
 and ``put_mode`` change nothing; ``copy_mode="zero_copy"`` admits tensor-object buffers only,
-see :mod:`mooncake._structured.policy`); ``buffer_pool`` is accepted and unused.
+see :mod:`mooncake._structured.policy`); ``buffer_pool`` stages the writes of a store without
+the multi-buffer calls (one ``batch_put_from`` per key from a lease, as published) and is
+otherwise unused.
 
 The published codec-inference helpers are here under their published names (``MISSING``,
 ``infer_structure``, ``_choose_leaf_codec``, ``_escape_key``, ``_CodecDecision``,
 ``_InferredLeaf``, ``_InferredNode``, ``_Missing``, ``_structured_path_tokens``); see
-:mod:`mooncake._structured.inference` for how they relate to the column writer.
+:mod:`mooncake._structured.inference` for how they relate to the column writer. So are the
+published payload members and codec helpers (``_MultiBufferPayload``, ``_DirectCopyPayload``,
+``_encode_typed_ragged_values`` ... :mod:`mooncake._structured.payloads`), ``_bundle_store``
+(:mod:`mooncake._structured.bundle_store`) and ``_has_tensor_codec_helpers`` (replaced by a
+function answering False, tensors are stored as ``torch_save`` blobs).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ formats unchanged: writes by ``put`` (tensor members by ``put_tensor``/``pub_ten
 :meth:`BatchIO.tensor_put_call`), reads by ``batch_get_into`` into registered memory and
 slices by ``get_into_ranges`` where the store has them and ``register_buffer``, else by
 ``get`` (any object with ``put``/``get``: the published ``BundleStore`` protocol); tensor
-objects come back by ``get_tensor``.
+objects come back by ``get_tensor``. Given a buffer pool and a store with ``batch_put_from``,
+writes go as published instead: per key, a lease, the parts copied in, one ``batch_put_from``.
 """
 
 from __future__ import annotations
