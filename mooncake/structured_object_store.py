@@ -34,9 +34,7 @@ function answering False, tensors are stored as ``torch_save`` blobs).
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Mapping, Sequence
-from types import SimpleNamespace
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -55,8 +53,10 @@ from mooncake._structured.bundles import (
 from mooncake._structured.dataproto import (
     build_result,
     check_schema_sections,
+    config_with_group,
     envelope_to_flat_dict,
     flat_dict_to_envelope,
+    new_group_id,
     schema_for,
     select_fields,
     select_rows,
@@ -187,58 +187,6 @@ class BundleStore(Protocol):
     def is_exist(self, key: str) -> int: ...
 
 
-def _replicate_config() -> Any:
-    try:
-        from mooncake.store import ReplicateConfig
-
-        return ReplicateConfig()
-    except ImportError:  # pragma: no cover
-        return SimpleNamespace()
-
-
-def _config_with_group(config: Any, group_id: str) -> Any:
-    """``config`` (or a default ``ReplicateConfig``) whose ``group_ids`` is ``[group_id]``."""
-    ids = getattr(config, "group_ids", None) if config is not None else None
-    if isinstance(ids, str):
-        ids = [ids]
-    if ids and ids[0] and ids[0] != group_id:
-        raise InvalidArgumentError("config.group_ids conflicts with the DataProto storage group")
-    if config is None:
-        out = _replicate_config()
-    else:
-        from mooncake._structured.io import _copy_config
-
-        out = _copy_config(config)
-    out.group_ids = [group_id]
-    return out
-
-
-def _new_group_id(config: Any) -> str | None:
-    raw = getattr(config, "group_ids", None)
-    if raw is None:
-        group = None
-    elif isinstance(raw, str):
-        group = raw
-    else:
-        try:
-            ids = list(raw)
-        except TypeError as e:
-            raise InvalidArgumentError(
-                "structured object store config.group_ids must contain strings"
-            ) from e
-        if len(ids) > 1:
-            raise InvalidArgumentError(
-                "structured object store config.group_ids must contain exactly one logical group "
-                "id; it is expanded across internal Mooncake keys"
-            )
-        group = ids[0] if ids else None
-    if group is None:
-        return f"structured-{uuid.uuid4().hex}"
-    if not isinstance(group, str):
-        raise InvalidArgumentError("structured object store config.group_ids must contain strings")
-    return group or None
-
-
 class MooncakeBundleTransfer:
     """Structured objects and DataProto-like bundles through Mooncake (see the module doc)."""
 
@@ -259,6 +207,8 @@ class MooncakeBundleTransfer:
         self._bundles.tensor_codec = lambda: _has_tensor_codec_helpers()
         #: the published ``_bundle_store`` calls (mooncake._structured.bundle_store)
         self._bundle_store = BundleManifestStore(self._bundles)
+        #: the published ``_transport``'s put-mode choice (``_resolve_buffer_group_put_mode``)
+        self._transport = self._bundles.io
 
     # -- bundles and structured objects ----------------------------------------------------------
 
@@ -273,7 +223,8 @@ class MooncakeBundleTransfer:
         config: Any = None,
     ) -> RemoteBundleRef:
         """Store raw ``meta`` bytes plus named bytes-like buffers as a low-level bundle."""
-        check_zero_copy(check_policy(policy, max_inflight_put), buffers)
+        policy = check_policy(policy, max_inflight_put)
+        check_zero_copy(policy, buffers)
         sources = {}
         for name, value in buffers.items():
             if isinstance(value, TensorObjectBuffer):
@@ -283,7 +234,12 @@ class MooncakeBundleTransfer:
             else:
                 sources[name] = _bytes_source(value, name)
         return self._bundles.put_bundle(
-            meta, sources, partition=partition, chunk_bytes=chunk_bytes, config=config
+            meta,
+            sources,
+            partition=partition,
+            chunk_bytes=chunk_bytes,
+            config=config,
+            policy=policy,
         )
 
     def remove_bundle(self, ref: RemoteBundleRef | Mapping[str, Any]) -> None:
@@ -300,9 +256,10 @@ class MooncakeBundleTransfer:
         config: Any = None,
     ) -> RemoteBundleRef:
         """Store JSON metadata plus named members (tensors, ndarrays, bytes-like)."""
-        check_zero_copy(check_policy(policy, max_inflight_put), payload.buffers)
+        policy = check_policy(policy, max_inflight_put)
+        check_zero_copy(policy, payload.buffers)
         return self._structured.put(
-            payload, partition=partition, chunk_bytes=chunk_bytes, config=config
+            payload, partition=partition, chunk_bytes=chunk_bytes, config=config, policy=policy
         )
 
     def put_object(
@@ -700,7 +657,7 @@ class MooncakeBundleTransfer:
                 namespace=namespace,
                 partition=partition,
                 encoded_non_tensor={},
-                _storage_group_id=_new_group_id(config),
+                _storage_group_id=new_group_id(config),
             )
         if ref is not None:
             dup = sorted(set(ref.field_index) & set(updates))
@@ -716,8 +673,8 @@ class MooncakeBundleTransfer:
                     raise InvalidArgumentError(
                         f"DataProto overwrite for stage {stage!r} must include existing fields: {dangling}"
                     )
-        group = _new_group_id(config) if ref is None else ref._storage_group_id
-        effective = config if group is None else _config_with_group(config, group)
+        group = new_group_id(config) if ref is None else ref._storage_group_id
+        effective = config if group is None else config_with_group(config, group)
         payload = StructuredObjectPayload(
             metadata={
                 "layout": "dataproto_stage",
@@ -739,6 +696,7 @@ class MooncakeBundleTransfer:
             chunk_bytes=chunk_bytes,
             config=effective,
             merge_into=existing if existing is not None and not overwrite else None,
+            policy=effective_policy,
         )
         if existing is not None and overwrite and existing.manifest_key != stage_ref.manifest_key:
             self.remove_bundle(existing)

@@ -4,6 +4,7 @@ members, typed-ragged and msgpack-ragged codecs, ``_bundle_store``, the pooled w
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -185,6 +186,39 @@ def test_a_buffer_pool_stages_each_key_for_batch_put_from(store: MooncakeDistrib
     written = [k for keys, _ in failing.batches for k in keys]
     assert written and all(store.is_exist(k) == 0 for k in written)
     pool.close()
+
+
+def test_a_parallel_put_mode_stages_keys_at_once(store: MooncakeDistributedStore) -> None:
+    narrow = _BatchPutFromStore(store)
+    both_in = threading.Barrier(2, timeout=120)  # broken unless two puts overlap
+    real_put = narrow.batch_put_from
+
+    def overlapping(
+        keys: list[str], ptrs: list[int], sizes: list[int], config: Any = None
+    ) -> list[int]:
+        if len(narrow.batches) < 2:
+            both_in.wait()
+        return real_put(keys, ptrs, sizes, config)
+
+    narrow.batch_put_from = overlapping  # type: ignore[method-assign]
+    pool = BufferPool(store, alignment=4096)
+    t = MooncakeBundleTransfer(narrow, default_chunk_bytes=16, buffer_pool=pool)
+    values = np.arange(16, dtype=np.int32)  # four chunks
+    parallel = sos.BundleTransferPolicy(max_inflight_put=4, put_mode="parallel")
+    ref = t.put_structured_object(
+        StructuredObjectPayload(metadata={}, buffers={"v": values}), policy=parallel
+    )
+    assert not both_in.broken and len(narrow.batches) >= 4
+    got = t.materialize(t.read_spec(ref)).objects["v"]
+    assert got.tolist() == list(range(16))
+    t.remove_bundle(ref)
+    pool.close()
+    choose = t._transport._resolve_buffer_group_put_mode
+    auto = sos.BundleTransferPolicy(max_inflight_put=8)
+    assert choose([[b"x" * MIB]] * 128, auto) == "parallel"
+    assert choose([[b"x" * MIB]] * 4, auto) == "batch"  # too few chunks
+    assert choose([[b"x"]] * 128, auto) == "batch"  # too few bytes
+    assert choose([[b"x"]], parallel) == "parallel"
 
 
 def test_bundle_store_merges_stored_payloads_and_cleans_up(store: MooncakeDistributedStore) -> None:

@@ -65,6 +65,7 @@ class BundleManifestStore:
             config=config,
             reuse_buffers={n: dict(s) for n, s in buffers.items()},
             cleanup_keys=list(cleanup_keys or []),
+            policy=policy,
         )
 
     def _put_parts_payload(
@@ -75,9 +76,10 @@ class BundleManifestStore:
         transfer_policy: BundleTransferPolicy | None,
         config: Any = None,
     ) -> tuple[dict[str, Any], list[str]]:
-        check_zero_copy(check_policy(transfer_policy), {key: value})
+        policy = check_policy(transfer_policy)
+        check_zero_copy(policy, {key: value})
         _spec, src = encode_member(key, value)
-        return self._bundles.put_payload(key, src, chunk_bytes, config)
+        return self._bundles.put_payload(key, src, chunk_bytes, config, policy)
 
     _put_direct_copy_payload = _put_parts_payload
     _put_multi_buffer_payload = _put_parts_payload

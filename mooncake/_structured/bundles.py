@@ -29,6 +29,7 @@ import numpy as np
 
 from mooncake._structured.io import BatchIO, Part, buffer_address, grouped_config, remove_keys
 from mooncake._structured.model import (
+    BundleTransferPolicy,
     RemoteBundleRef,
     StructuredKeyError,
     StructuredObjectError,
@@ -317,6 +318,7 @@ class ManifestStore:
         config: Any = None,
         reuse_buffers: Mapping[str, Any] | None = None,
         cleanup_keys: Sequence[str] | None = None,
+        policy: BundleTransferPolicy | None = None,
     ) -> RemoteBundleRef:
         """Write ``meta`` and every member with one batched put, then the manifest. On failure
         nothing of this bundle is left behind. ``reuse_buffers`` adds payload specs of members
@@ -387,7 +389,7 @@ class ManifestStore:
             self.validate(manifest)
         manifest_key = f"{base}/manifest"
         written = [k for k, _ in writes]
-        self.io.put_many(writes, config)
+        self.io.put_many(writes, config, policy)
         try:
             for key, write in direct:
                 code = write()
@@ -403,7 +405,12 @@ class ManifestStore:
         return RemoteBundleRef(manifest_key=manifest_key, manifest=manifest)
 
     def put_payload(
-        self, key: str, src: _Source, chunk_bytes: int | None, config: Any = None
+        self,
+        key: str,
+        src: _Source,
+        chunk_bytes: int | None,
+        config: Any = None,
+        policy: BundleTransferPolicy | None = None,
     ) -> tuple[dict[str, Any], list[str]]:
         """Write one payload (``src``) at ``key``, cut into chunks of ``chunk_bytes``, by one
         batched put: ``(payload spec, keys written)``. On failure nothing of it stays."""
@@ -412,7 +419,7 @@ class ManifestStore:
             return {"key": key, "bytes": 0, "chunks": []}, []
         groups = _split(src.parts, chunk)
         keys = [key] if len(groups) == 1 else [f"{key}/chunk/{i}" for i in range(len(groups))]
-        self.io.put_many(list(zip(keys, groups, strict=True)), config)
+        self.io.put_many(list(zip(keys, groups, strict=True)), config, policy)
         spec = {
             "key": key,
             "bytes": src.nbytes,
