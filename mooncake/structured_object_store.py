@@ -16,8 +16,8 @@ Nested (jagged) tensor members are stored in the published ``tensor_parts`` form
 (:mod:`mooncake._structured.nested`). What is not here (raises ``NotSupportedError`` by name):
 PIL images in media lists (``media_list_ragged`` is written only for bytes items inside nested
 columns; a flat column of media lists gets ``msgpack_ragged``/``json_ragged``).
-``BundleTransferPolicy`` is validated but the transfer is always one batch (``max_inflight_put``
-and ``put_mode`` change nothing; ``copy_mode="zero_copy"`` admits tensor-object buffers only,
+``BundleTransferPolicy`` is validated; on a store with the multi-buffer calls a put is one batch
+(``max_inflight_put`` and ``put_mode`` matter only to the pooled writes below; ``copy_mode="zero_copy"`` admits tensor-object buffers only,
 see :mod:`mooncake._structured.policy`); ``buffer_pool`` stages the writes of a store without
 the multi-buffer calls (one ``batch_put_from`` per key from a lease, as published) and is
 otherwise unused.
