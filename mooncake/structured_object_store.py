@@ -16,38 +16,47 @@ Nested (jagged) tensor members are stored in the published ``tensor_parts`` form
 (:mod:`mooncake._structured.nested`). What is not here (raises ``NotSupportedError`` by name):
 PIL images in media lists (``media_list_ragged`` is written only for bytes items inside nested
 columns; a flat column of media lists gets ``msgpack_ragged``/``json_ragged``).
-``BundleTransferPolicy`` is validated but the transfer is always one batch (``max_inflight_put``
-and ``put_mode`` change nothing; ``copy_mode="zero_copy"`` admits tensor-object buffers only,
-see :mod:`mooncake._structured.policy`); ``buffer_pool`` is accepted and unused.
+``BundleTransferPolicy`` is validated; on a store with the multi-buffer calls a put is one batch
+(``max_inflight_put`` and ``put_mode`` matter only to the pooled writes below; ``copy_mode="zero_copy"`` admits tensor-object buffers only,
+see :mod:`mooncake._structured.policy`); ``buffer_pool`` stages the writes of a store without
+the multi-buffer calls (one ``batch_put_from`` per key from a lease, as published) and is
+otherwise unused.
 
 The published codec-inference helpers are here under their published names (``MISSING``,
 ``infer_structure``, ``_choose_leaf_codec``, ``_escape_key``, ``_CodecDecision``,
 ``_InferredLeaf``, ``_InferredNode``, ``_Missing``, ``_structured_path_tokens``); see
-:mod:`mooncake._structured.inference` for how they relate to the column writer.
+:mod:`mooncake._structured.inference` for how they relate to the column writer. So are the
+published payload members and codec helpers (``_MultiBufferPayload``, ``_DirectCopyPayload``,
+``_encode_typed_ragged_values`` ... :mod:`mooncake._structured.payloads`), ``_bundle_store``
+(:mod:`mooncake._structured.bundle_store`) and ``_has_tensor_codec_helpers`` (replaced by a
+function answering False, tensors are stored as ``torch_save`` blobs).
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Mapping, Sequence
-from types import SimpleNamespace
 from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from mooncake._fast_copy import concat_arrays_into
 from mooncake._structured import codecs
+from mooncake._structured.bundle_store import BundleManifestStore
 from mooncake._structured.bundles import (
     ManifestStore,
     _bytes_source,
     check_chunk_bytes,
     decode_json,
+    has_tensor_codec_helpers,
     normalize_key_prefix,
 )
 from mooncake._structured.dataproto import (
     build_result,
     check_schema_sections,
+    config_with_group,
     envelope_to_flat_dict,
     flat_dict_to_envelope,
+    new_group_id,
     schema_for,
     select_fields,
     select_rows,
@@ -64,7 +73,7 @@ from mooncake._structured.inference import (
     infer_structure,
     path_tokens,
 )
-from mooncake._structured.io import Part, remove_keys
+from mooncake._structured.io import Part, grouped_config, remove_keys
 from mooncake._structured.layer import StructuredLayer
 from mooncake._structured.model import (
     AUTO_PARALLEL_MIN_BYTES,
@@ -91,6 +100,13 @@ from mooncake._structured.model import (
     raw_destination,
     resolve_dataproto_ref,
     tensor_object_buffer,
+)
+from mooncake._structured.payloads import (
+    DirectCopyPayload,
+    MultiBufferPayload,
+    decode_typed_ragged_values,
+    encode_typed_ragged_regular_ndarray_rows,
+    encode_typed_ragged_values,
 )
 from mooncake._structured.policy import check_policy, check_zero_copy
 from mooncake._structured.reads import read_fields
@@ -138,6 +154,19 @@ _Missing = Missing
 _choose_leaf_codec = choose_leaf_codec
 _escape_key = escape_key
 _structured_path_tokens = path_tokens
+# the published module's payload members and codec helpers (mooncake._structured.payloads,
+# mooncake._structured.codecs): same arguments and results, on this package's codecs
+_MultiBufferPayload = MultiBufferPayload
+_DirectCopyPayload = DirectCopyPayload
+_encode_typed_ragged_values = encode_typed_ragged_values
+_encode_typed_ragged_regular_ndarray_rows = encode_typed_ragged_regular_ndarray_rows
+_decode_typed_ragged_values = decode_typed_ragged_values
+_encode_msgpack_ragged_values = codecs.encode_msgpack_ragged_values
+_decode_msgpack_ragged_values = codecs.decode_msgpack_ragged_values
+_encode_with_schema = codecs.encode_schema_leaf
+_config_for_grouped_keys = grouped_config
+_concat_arrays_into = concat_arrays_into
+_has_tensor_codec_helpers = has_tensor_codec_helpers
 
 
 def _decode_manifest(payload: bytes) -> dict[str, Any]:
@@ -158,58 +187,6 @@ class BundleStore(Protocol):
     def is_exist(self, key: str) -> int: ...
 
 
-def _replicate_config() -> Any:
-    try:
-        from mooncake.store import ReplicateConfig
-
-        return ReplicateConfig()
-    except ImportError:  # pragma: no cover
-        return SimpleNamespace()
-
-
-def _config_with_group(config: Any, group_id: str) -> Any:
-    """``config`` (or a default ``ReplicateConfig``) whose ``group_ids`` is ``[group_id]``."""
-    ids = getattr(config, "group_ids", None) if config is not None else None
-    if isinstance(ids, str):
-        ids = [ids]
-    if ids and ids[0] and ids[0] != group_id:
-        raise InvalidArgumentError("config.group_ids conflicts with the DataProto storage group")
-    if config is None:
-        out = _replicate_config()
-    else:
-        from mooncake._structured.io import _copy_config
-
-        out = _copy_config(config)
-    out.group_ids = [group_id]
-    return out
-
-
-def _new_group_id(config: Any) -> str | None:
-    raw = getattr(config, "group_ids", None)
-    if raw is None:
-        group = None
-    elif isinstance(raw, str):
-        group = raw
-    else:
-        try:
-            ids = list(raw)
-        except TypeError as e:
-            raise InvalidArgumentError(
-                "structured object store config.group_ids must contain strings"
-            ) from e
-        if len(ids) > 1:
-            raise InvalidArgumentError(
-                "structured object store config.group_ids must contain exactly one logical group "
-                "id; it is expanded across internal Mooncake keys"
-            )
-        group = ids[0] if ids else None
-    if group is None:
-        return f"structured-{uuid.uuid4().hex}"
-    if not isinstance(group, str):
-        raise InvalidArgumentError("structured object store config.group_ids must contain strings")
-    return group or None
-
-
 class MooncakeBundleTransfer:
     """Structured objects and DataProto-like bundles through Mooncake (see the module doc)."""
 
@@ -224,8 +201,14 @@ class MooncakeBundleTransfer:
         self.key_prefix = normalize_key_prefix(key_prefix)
         self.default_chunk_bytes = check_chunk_bytes(default_chunk_bytes)
         self.buffer_pool = buffer_pool
-        self._bundles = ManifestStore(store, self.key_prefix, self.default_chunk_bytes)
+        self._bundles = ManifestStore(store, self.key_prefix, self.default_chunk_bytes, buffer_pool)
         self._structured = StructuredLayer(self._bundles)
+        # the published module-level switch, read at each put
+        self._bundles.tensor_codec = lambda: _has_tensor_codec_helpers()
+        #: the published ``_bundle_store`` calls (mooncake._structured.bundle_store)
+        self._bundle_store = BundleManifestStore(self._bundles)
+        #: the published ``_transport``'s put-mode choice (``_resolve_buffer_group_put_mode``)
+        self._transport = self._bundles.io
 
     # -- bundles and structured objects ----------------------------------------------------------
 
@@ -240,7 +223,8 @@ class MooncakeBundleTransfer:
         config: Any = None,
     ) -> RemoteBundleRef:
         """Store raw ``meta`` bytes plus named bytes-like buffers as a low-level bundle."""
-        check_zero_copy(check_policy(policy, max_inflight_put), buffers)
+        policy = check_policy(policy, max_inflight_put)
+        check_zero_copy(policy, buffers)
         sources = {}
         for name, value in buffers.items():
             if isinstance(value, TensorObjectBuffer):
@@ -250,7 +234,12 @@ class MooncakeBundleTransfer:
             else:
                 sources[name] = _bytes_source(value, name)
         return self._bundles.put_bundle(
-            meta, sources, partition=partition, chunk_bytes=chunk_bytes, config=config
+            meta,
+            sources,
+            partition=partition,
+            chunk_bytes=chunk_bytes,
+            config=config,
+            policy=policy,
         )
 
     def remove_bundle(self, ref: RemoteBundleRef | Mapping[str, Any]) -> None:
@@ -267,9 +256,10 @@ class MooncakeBundleTransfer:
         config: Any = None,
     ) -> RemoteBundleRef:
         """Store JSON metadata plus named members (tensors, ndarrays, bytes-like)."""
-        check_zero_copy(check_policy(policy, max_inflight_put), payload.buffers)
+        policy = check_policy(policy, max_inflight_put)
+        check_zero_copy(policy, payload.buffers)
         return self._structured.put(
-            payload, partition=partition, chunk_bytes=chunk_bytes, config=config
+            payload, partition=partition, chunk_bytes=chunk_bytes, config=config, policy=policy
         )
 
     def put_object(
@@ -667,7 +657,7 @@ class MooncakeBundleTransfer:
                 namespace=namespace,
                 partition=partition,
                 encoded_non_tensor={},
-                _storage_group_id=_new_group_id(config),
+                _storage_group_id=new_group_id(config),
             )
         if ref is not None:
             dup = sorted(set(ref.field_index) & set(updates))
@@ -683,8 +673,8 @@ class MooncakeBundleTransfer:
                     raise InvalidArgumentError(
                         f"DataProto overwrite for stage {stage!r} must include existing fields: {dangling}"
                     )
-        group = _new_group_id(config) if ref is None else ref._storage_group_id
-        effective = config if group is None else _config_with_group(config, group)
+        group = new_group_id(config) if ref is None else ref._storage_group_id
+        effective = config if group is None else config_with_group(config, group)
         payload = StructuredObjectPayload(
             metadata={
                 "layout": "dataproto_stage",
@@ -706,6 +696,7 @@ class MooncakeBundleTransfer:
             chunk_bytes=chunk_bytes,
             config=effective,
             merge_into=existing if existing is not None and not overwrite else None,
+            policy=effective_policy,
         )
         if existing is not None and overwrite and existing.manifest_key != stage_ref.manifest_key:
             self.remove_bundle(existing)

@@ -22,14 +22,14 @@ from __future__ import annotations
 import io
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from mooncake._structured.codecs import BytesParts
 from mooncake._structured.io import BatchIO, Part, buffer_address, grouped_config, remove_keys
 from mooncake._structured.model import (
+    BundleTransferPolicy,
     RemoteBundleRef,
     StructuredKeyError,
     StructuredObjectError,
@@ -38,6 +38,7 @@ from mooncake._structured.model import (
     optional_module,
 )
 from mooncake._structured.nested import encode_nested
+from mooncake._structured.payloads import parts_of
 from mooncake.errors import InvalidArgumentError
 
 _torch: Any = optional_module("torch")
@@ -122,8 +123,24 @@ def _tensor_helpers() -> tuple[Any, Any]:
     return _serialize_tensor, _deserialize_tensor
 
 
-def encode_member(name: str, value: Any) -> tuple[dict[str, Any], _Source]:
-    """The field spec and payload source of one structured member."""
+def has_tensor_codec_helpers() -> bool:
+    """Whether ``mooncake.store`` offers the tensor header helpers (``_serialize_tensor``,
+    ``_deserialize_tensor``); without them tensors are stored as ``torch_save`` blobs."""
+    try:
+        import mooncake.store as store
+    except ImportError:  # pragma: no cover
+        return False
+    return all(
+        callable(getattr(store, n, None)) for n in ("_serialize_tensor", "_deserialize_tensor")
+    )
+
+
+def encode_member(
+    name: str, value: Any, tensor_codec: bool = True
+) -> tuple[dict[str, Any], _Source]:
+    """The field spec and payload source of one structured member. ``tensor_codec`` false
+    stores a tensor as one ``torch_save`` blob (the published fallback without the tensor
+    header helpers), else 0-d tensors only."""
     if isinstance(value, TensorObjectBuffer):
         src = _Source([Part(value.ptr, value.size, value.owner)], chunked=False)
         src.object_buffer = True
@@ -144,13 +161,13 @@ def encode_member(name: str, value: Any) -> tuple[dict[str, Any], _Source]:
             "shape": list(value.shape),
             "element_size": int(value.element_size()),
         }
-        if value.dim() == 0:
+        if value.dim() == 0 or not tensor_codec:
             buf = io.BytesIO()
             _torch.save(value.detach().cpu(), buf)
             src = _bytes_source(buf.getvalue(), name)
             src.extra = {"format": "torch_save"}
             src.chunked = False
-            src.tensor = value
+            src.tensor = value if tensor_codec else None
             return spec, src
         serialize, _ = _tensor_helpers()
         header, ptr, n, owner = serialize(value)
@@ -167,13 +184,19 @@ def encode_member(name: str, value: Any) -> tuple[dict[str, Any], _Source]:
         src = _Source(parts, extra, chunked=False)
         src.tensor = value
         return spec, src
-    if isinstance(value, BytesParts):
+    multi = parts_of(value)
+    if multi is not None:
         parts = []
-        for p in value.parts:
+        for p in multi:
             ptr, n, owner = buffer_address(p)
             if n:
                 parts.append(Part(ptr, n, owner))
         if value.dtype is not None and value.shape is not None:
+            want = int(np.prod(value.shape, dtype=np.int64)) * np.dtype(value.dtype).itemsize
+            if sum(p.size for p in parts) != want:
+                raise InvalidArgumentError(
+                    f"{name} holds {sum(p.size for p in parts)} bytes, its dtype and shape {want}"
+                )
             return {
                 "encoding": "ndarray",
                 "dtype": value.dtype,
@@ -273,9 +296,13 @@ def fragments(
 class ManifestStore:
     """Manifests and payload keys of bundles under one key prefix."""
 
-    def __init__(self, store: Any, key_prefix: str, default_chunk_bytes: int) -> None:
+    def __init__(
+        self, store: Any, key_prefix: str, default_chunk_bytes: int, buffer_pool: Any = None
+    ) -> None:
         self.store = store
-        self.io = BatchIO(store)
+        self.io = BatchIO(store, buffer_pool)
+        #: whether tensors are stored by their header helpers (else as ``torch_save`` blobs)
+        self.tensor_codec: Callable[[], bool] = has_tensor_codec_helpers
         self.key_prefix = key_prefix
         self.default_chunk_bytes = default_chunk_bytes
 
@@ -291,6 +318,7 @@ class ManifestStore:
         config: Any = None,
         reuse_buffers: Mapping[str, Any] | None = None,
         cleanup_keys: Sequence[str] | None = None,
+        policy: BundleTransferPolicy | None = None,
     ) -> RemoteBundleRef:
         """Write ``meta`` and every member with one batched put, then the manifest. On failure
         nothing of this bundle is left behind. ``reuse_buffers`` adds payload specs of members
@@ -358,9 +386,10 @@ class ManifestStore:
             manifest["buffer_object_ids"] = sorted(i for i in ids if i)
             if cleanup_keys:
                 manifest["cleanup_keys"] = list(dict.fromkeys(cleanup_keys))
+            self.validate(manifest)
         manifest_key = f"{base}/manifest"
         written = [k for k, _ in writes]
-        self.io.put_many(writes, config)
+        self.io.put_many(writes, config, policy)
         try:
             for key, write in direct:
                 code = write()
@@ -374,6 +403,32 @@ class ManifestStore:
             remove_keys(self.store, written, strict=False)
             raise
         return RemoteBundleRef(manifest_key=manifest_key, manifest=manifest)
+
+    def put_payload(
+        self,
+        key: str,
+        src: _Source,
+        chunk_bytes: int | None,
+        config: Any = None,
+        policy: BundleTransferPolicy | None = None,
+    ) -> tuple[dict[str, Any], list[str]]:
+        """Write one payload (``src``) at ``key``, cut into chunks of ``chunk_bytes``, by one
+        batched put: ``(payload spec, keys written)``. On failure nothing of it stays."""
+        chunk = check_chunk_bytes(self.default_chunk_bytes if chunk_bytes is None else chunk_bytes)
+        if src.nbytes == 0:
+            return {"key": key, "bytes": 0, "chunks": []}, []
+        groups = _split(src.parts, chunk)
+        keys = [key] if len(groups) == 1 else [f"{key}/chunk/{i}" for i in range(len(groups))]
+        self.io.put_many(list(zip(keys, groups, strict=True)), config, policy)
+        spec = {
+            "key": key,
+            "bytes": src.nbytes,
+            "chunks": [
+                {"key": k, "bytes": sum(p.size for p in g)}
+                for k, g in zip(keys, groups, strict=True)
+            ],
+        }
+        return spec, keys
 
     # -- manifests -----------------------------------------------------------------------------
 

@@ -31,7 +31,12 @@ from typing import Any
 import numpy as np
 
 from mooncake._structured import inference, msgpack_lite, recursive
-from mooncake._structured.model import FieldSchema, StructuredTypeError, optional_module
+from mooncake._structured.model import (
+    FieldSchema,
+    StructuredTypeError,
+    StructuredValueTypeError,
+    optional_module,
+)
 from mooncake.errors import InvalidArgumentError, NotSupportedError
 
 _torch: Any = optional_module("torch")
@@ -363,6 +368,60 @@ def _encode(codec: str, values: list[Any], hint: dict[str, Any]) -> EncodedColum
     return EncodedColumn(codec=codec, rows=len(values), payload=payload, metadata=metadata)
 
 
+def encode_typed_ragged_column(values: Sequence[Any], dtype: Any) -> EncodedColumn:
+    """The ``typed_ragged`` column of ``values`` with element type ``dtype`` (``data`` as
+    :class:`BytesParts`; ``physical_layout`` set where the published writer sets it)."""
+    return _encode("typed_ragged", list(values), {"dtype": str(np.dtype(dtype))})
+
+
+def encode_msgpack_ragged_values(
+    path: str, values: Sequence[Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The published ``msgpack_ragged`` encoder: ``({"data": bytearray, "offsets": int64,
+    "nulls": bool}, {})``, the non-null values packed back to back; a value msgpack cannot
+    pack raises ``InvalidArgumentError`` (a ``ValueError``) naming ``path``."""
+    offsets = np.zeros(len(values) + 1, dtype=np.int64)
+    nulls = np.zeros(len(values), dtype=np.bool_)
+    data = bytearray()
+    try:
+        for i, value in enumerate(values):
+            if value is None:
+                nulls[i] = True
+            else:
+                data += msgpack_lite.packb(value)
+            offsets[i + 1] = len(data)
+    except (TypeError, OverflowError) as e:
+        raise InvalidArgumentError(
+            f"unsupported structured non-tensor field {path}: msgpack codec cannot encode value"
+        ) from e
+    return {"data": data, "offsets": offsets, "nulls": nulls}, {}
+
+
+def decode_msgpack_ragged_values(payload: Mapping[str, Any], rows: int) -> list[Any]:
+    """The rows of a ``msgpack_ragged`` column. ``InvalidArgumentError`` (a ``ValueError``)
+    when ``offsets``/``nulls`` do not match ``rows`` or the data holds another number of
+    values than the non-null rows."""
+    offsets = np.asarray(payload["offsets"])
+    nulls = np.asarray(payload["nulls"]).astype(bool)
+    if len(offsets) != rows + 1:
+        raise InvalidArgumentError(
+            f"msgpack_ragged offsets length {len(offsets)} does not match rows {rows}"
+        )
+    if len(nulls) != rows:
+        raise InvalidArgumentError(
+            f"msgpack_ragged nulls length {len(nulls)} does not match rows {rows}"
+        )
+    try:
+        values = msgpack_lite.unpack_all(_as_bytes(payload["data"]))
+    except ValueError as e:
+        raise InvalidArgumentError(f"msgpack_ragged payload is invalid: {e}") from e
+    present = rows - int(nulls.sum())
+    if len(values) != present:
+        raise InvalidArgumentError(f"msgpack_ragged decoded {len(values)} rows, expected {present}")
+    it = iter(values)
+    return [None if nulls[r] else next(it) for r in range(rows)]
+
+
 def _encode_media_lists(values: Sequence[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``media_list_ragged``: rows that are lists of bytes-like items (``None`` rows allowed);
     all item bytes back to back, ``row_offsets`` (items) and ``byte_offsets`` (bytes)."""
@@ -455,7 +514,14 @@ def encode_with_schema(path: str, value: Any, schema: FieldSchema) -> EncodedCol
     if not schema.nullable and any(v is None for v in values):
         raise InvalidArgumentError(f"FieldSchema for {path!r} is not nullable")
     if schema.codec == "auto":
-        return encode_column(path, column) if column.dtype == object else None
+        if column.dtype != object:
+            return None
+        try:
+            return encode_column(path, column)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(
+                f"unable to infer a safe codec for structured non-tensor field {path!r}: {e}"
+            ) from e
     hint: dict[str, Any] = {"keys": schema.metadata.get("keys")}
     dtype = schema.metadata.get("dtype")
     if schema.codec == "ndarray":
@@ -467,8 +533,17 @@ def encode_with_schema(path: str, value: Any, schema: FieldSchema) -> EncodedCol
     elif schema.codec == "utf8_ragged" and any(
         v is not None and not isinstance(v, str) for v in values
     ):
-        raise StructuredTypeError("utf8_ragged codec requires str values")
+        raise StructuredValueTypeError("utf8_ragged codec requires str values")
     return _encode(schema.codec, values, hint)
+
+
+def encode_schema_leaf(path: str, value: Any, schema: FieldSchema) -> EncodedColumn:
+    """The published ``_encode_with_schema``: as :func:`encode_with_schema`, but an ``auto``
+    schema on a non-object column encodes it too (by the codec inferred from its values)."""
+    col = encode_with_schema(path, value, schema)
+    if col is None:
+        col = encode_column(path, object_column(list(value)))
+    return col
 
 
 # -- decoding --------------------------------------------------------------------------------
@@ -575,12 +650,7 @@ def decode_column(encoded: Mapping[str, Any], payload: Mapping[str, Any], rows: 
     if codec == "json_ragged":
         return [None if v is None else json.loads(v) for v in _decode_bytes(payload, rows)]
     if codec == "msgpack_ragged":
-        nulls = np.asarray(payload["nulls"]).tolist()
-        values = iter(msgpack_lite.unpack_all(_as_bytes(payload["data"])))
-        try:
-            return [None if nulls[r] else next(values) for r in range(rows)]
-        except StopIteration as e:
-            raise InvalidArgumentError("msgpack_ragged payload has fewer values than rows") from e
+        return decode_msgpack_ragged_values(payload, rows)
     raise InvalidArgumentError(f"unknown structured non-tensor codec: {codec}")
 
 

@@ -3,8 +3,10 @@ selection, and building the result (a dict envelope or ``data_cls``)."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -353,3 +355,60 @@ def select_rows(rows: Any, total: int) -> RowSelection | None:
     raise StructuredTypeError(
         "DataProto rows must be a slice, StructuredMemberSlice, or row index sequence"
     )
+
+
+# -- storage groups ---------------------------------------------------------------------------
+
+
+def _replicate_config() -> Any:
+    try:
+        from mooncake.store import ReplicateConfig
+
+        return ReplicateConfig()
+    except ImportError:  # pragma: no cover
+        return SimpleNamespace()
+
+
+def config_with_group(config: Any, group_id: str) -> Any:
+    """``config`` (or a default ``ReplicateConfig``) whose ``group_ids`` is ``[group_id]``."""
+    ids = getattr(config, "group_ids", None) if config is not None else None
+    if isinstance(ids, str):
+        ids = [ids]
+    if ids and ids[0] and ids[0] != group_id:
+        raise InvalidArgumentError("config.group_ids conflicts with the DataProto storage group")
+    if config is None:
+        out = _replicate_config()
+    else:
+        from mooncake._structured.io import _copy_config
+
+        out = _copy_config(config)
+    out.group_ids = [group_id]
+    return out
+
+
+def new_group_id(config: Any) -> str | None:
+    """The storage group of a new DataProto: the one ``config.group_ids`` names, a fresh
+    ``structured-<uuid>`` when it names none, ``None`` for an empty name (ungrouped)."""
+    raw = getattr(config, "group_ids", None)
+    if raw is None:
+        group = None
+    elif isinstance(raw, str):
+        group = raw
+    else:
+        try:
+            ids = list(raw)
+        except TypeError as e:
+            raise InvalidArgumentError(
+                "structured object store config.group_ids must contain strings"
+            ) from e
+        if len(ids) > 1:
+            raise InvalidArgumentError(
+                "structured object store config.group_ids must contain exactly one logical group "
+                "id; it is expanded across internal Mooncake keys"
+            )
+        group = ids[0] if ids else None
+    if group is None:
+        return f"structured-{uuid.uuid4().hex}"
+    if not isinstance(group, str):
+        raise InvalidArgumentError("structured object store config.group_ids must contain strings")
+    return group or None

@@ -11,19 +11,27 @@ formats unchanged: writes by ``put`` (tensor members by ``put_tensor``/``pub_ten
 :meth:`BatchIO.tensor_put_call`), reads by ``batch_get_into`` into registered memory and
 slices by ``get_into_ranges`` where the store has them and ``register_buffer``, else by
 ``get`` (any object with ``put``/``get``: the published ``BundleStore`` protocol); tensor
-objects come back by ``get_tensor``.
+objects come back by ``get_tensor``. Given a buffer pool and a store with ``batch_put_from``,
+writes go as published instead: per key, a lease, the parts copied in, one ``batch_put_from``.
 """
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from mooncake._structured.model import MISSING_OBJECT_ERROR, StructuredObjectError
+from mooncake._structured.model import (
+    AUTO_PARALLEL_MIN_BYTES,
+    AUTO_PARALLEL_MIN_CHUNKS,
+    MISSING_OBJECT_ERROR,
+    BundleTransferPolicy,
+    StructuredObjectError,
+)
 
 __all__ = [
     "READ_RETRIES",
@@ -49,6 +57,16 @@ class Part:
     ptr: int
     size: int
     owner: Any = None
+
+
+@dataclass(frozen=True)
+class _Sized:
+    """A buffer of ``n`` bytes, as far as :meth:`BatchIO._resolve_buffer_group_put_mode` asks."""
+
+    n: int
+
+    def __len__(self) -> int:
+        return self.n
 
 
 @dataclass
@@ -152,8 +170,13 @@ class _Staging:
 class BatchIO:
     """Batched multi-part writes and reads over one store (see the module docstring)."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, buffer_pool: Any = None) -> None:
         self.store = store
+        #: a ``BufferPool``-like object (``acquire(size)`` -> a lease with ``ptr`` and
+        #: ``release()``, its memory registered with the store) that stages writes on a store
+        #: without the multi-buffer calls, as the published module stages them
+        self.buffer_pool = buffer_pool
+        self._batch_put_from = getattr(store, "batch_put_from", None)
         self._put_parts = getattr(store, "batch_put_from_multi_buffers", None)
         self._get_parts = getattr(store, "batch_get_into_multi_buffers", None)
         self._register = getattr(store, "register_buffer", None)
@@ -271,13 +294,48 @@ class BatchIO:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def put_many(self, writes: Sequence[tuple[str, Sequence[Part]]], config: Any = None) -> None:
+    def _resolve_buffer_group_put_mode(
+        self, chunk_groups: Sequence[Sequence[Any]], transfer_policy: BundleTransferPolicy
+    ) -> Literal["batch", "parallel"]:
+        """The published choice for staged writes of ``chunk_groups`` (each a sequence of
+        sized buffers): ``put_mode`` when it is ``batch``/``parallel``; under ``auto``,
+        ``parallel`` for at least :data:`AUTO_PARALLEL_MIN_CHUNKS` groups holding at least
+        :data:`AUTO_PARALLEL_MIN_BYTES` with ``max_inflight_put`` >= 2, else ``batch``."""
+        if transfer_policy.put_mode in ("batch", "parallel"):
+            return transfer_policy.put_mode
+        if transfer_policy.max_inflight_put <= 1 or len(chunk_groups) < AUTO_PARALLEL_MIN_CHUNKS:
+            return "batch"
+        if sum(len(b) for g in chunk_groups for b in g) < AUTO_PARALLEL_MIN_BYTES:
+            return "batch"
+        return "parallel"
+
+    def put_many(
+        self,
+        writes: Sequence[tuple[str, Sequence[Part]]],
+        config: Any = None,
+        policy: BundleTransferPolicy | None = None,
+    ) -> None:
         """Store each key as the concatenation of its parts (empty keys are skipped). On any
         failure, the keys of this call that were written are removed and
-        :class:`StructuredObjectError` names the first failed key and its code."""
+        :class:`StructuredObjectError` names the first failed key and its code. ``policy``
+        matters only to staged writes (a buffer pool on a store without the multi-buffer
+        calls): ``copy_mode="copy"`` writes by ``put`` instead, and a ``parallel`` put mode
+        (:meth:`_resolve_buffer_group_put_mode`) writes up to ``max_inflight_put`` keys at
+        once."""
         keys = [_Key(k, [p for p in parts if p.size]) for k, parts in writes]
         keys = [k for k in keys if k.parts]
         if not keys:
+            return
+        policy = policy or BundleTransferPolicy()
+        if (
+            not self.zero_copy
+            and self.buffer_pool is not None
+            and callable(self._batch_put_from)
+            and policy.copy_mode != "copy"
+        ):
+            groups = [[_Sized(k.total)] for k in keys]
+            mode = self._resolve_buffer_group_put_mode(groups, policy)
+            self._put_staged(keys, config, policy.max_inflight_put if mode == "parallel" else 1)
             return
         if not self.zero_copy:
             written: list[str] = []
@@ -322,6 +380,41 @@ class BatchIO:
             )
             key, code = failed[0] if failed else (names[0], codes)
             raise StructuredObjectError(f"batch_put_from_multi_buffers failed for {key}: {code}")
+
+    def _put_staged(self, keys: Sequence[_Key], config: Any, workers: int = 1) -> None:
+        """The published module's pooled write, for a store without the multi-buffer calls:
+        per key, a pool lease of its size, its parts copied in, one ``batch_put_from`` of that
+        key (with the one-key grouped ``config``), the lease released; up to ``workers`` keys
+        at once. On a failure every key of this call that was tried is removed."""
+        assert self._batch_put_from is not None
+        cfg = grouped_config(config, 1)
+        tried: list[str] = []
+
+        def put_one(k: _Key) -> None:
+            lease = self.buffer_pool.acquire(k.total)
+            try:
+                base, offset = int(lease.ptr), 0
+                for p in k.parts:
+                    ctypes.memmove(base + offset, p.ptr, p.size)
+                    offset += p.size
+                tried.append(k.key)
+                codes = _call(self._batch_put_from, [k.key], [base], [k.total], config=cfg)
+            finally:
+                lease.release()
+            if len(codes) != 1 or codes[0] not in (None, 0):
+                raise StructuredObjectError(f"batch_put_from failed for {k.key}: {codes}")
+
+        try:
+            if workers <= 1 or len(keys) < 2:
+                for k in keys:
+                    put_one(k)
+            else:
+                with ThreadPoolExecutor(max_workers=min(workers, len(keys))) as pool:
+                    for future in [pool.submit(put_one, k) for k in keys]:
+                        future.result()
+        except BaseException:
+            remove_keys(self.store, tried, strict=False)
+            raise
 
     # -- reads ---------------------------------------------------------------------------------
 

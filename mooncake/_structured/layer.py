@@ -31,6 +31,7 @@ from mooncake._structured.bundles import (
 from mooncake._structured.io import Part
 from mooncake._structured.model import (
     STRUCTURED_FIELD_SPECS_KEY,
+    BundleTransferPolicy,
     RawDestination,
     RemoteBundleRef,
     StructuredKeyError,
@@ -116,6 +117,7 @@ class StructuredLayer:
         chunk_bytes: int | None,
         config: Any = None,
         merge_into: RemoteBundleRef | None = None,
+        policy: BundleTransferPolicy | None = None,
     ) -> RemoteBundleRef:
         """Store ``payload`` as a new bundle. With ``merge_into`` (a stage bundle), the new
         bundle is one manifest over the old members and the new ones (the old bundle stays
@@ -132,9 +134,10 @@ class StructuredLayer:
         metadata.setdefault("layout", "structured")
         specs: dict[str, Any] = {}
         sources: dict[str, _Source] = {}
+        tensor_codec = self.bundles.tensor_codec()
         for name, value in payload.buffers.items():
             check_key_segment(name, "buffer name")
-            specs[name], sources[name] = encode_member(name, value)
+            specs[name], sources[name] = encode_member(name, value, tensor_codec)
         reuse: dict[str, Any] | None = None
         cleanup: list[str] | None = None
         if merge_into is not None:
@@ -168,6 +171,7 @@ class StructuredLayer:
             config=config,
             reuse_buffers=reuse,
             cleanup_keys=cleanup,
+            policy=policy,
         )
 
     def metadata(self, manifest: Mapping[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from mooncake.errors import InvalidArgumentError, MooncakeError, StoreError
 
 __all__ = [
     "AUTO_PARALLEL_MIN_BYTES",
+    "AUTO_PARALLEL_MIN_CHUNKS",
     "DATAPROTO_REF_HANDLE_TYPE",
     "DATAPROTO_REF_HANDLE_VERSION",
     "DEFAULT_BUNDLE_CHUNK_BYTES",
@@ -39,6 +40,7 @@ __all__ = [
     "StructuredObjectReadSpec",
     "StructuredObjectResult",
     "StructuredTypeError",
+    "StructuredValueTypeError",
     "TensorObjectBuffer",
     "export_dataproto_ref",
     "import_dataproto_ref",
@@ -51,6 +53,8 @@ DEFAULT_BUNDLE_CHUNK_BYTES = 64 * 1024**2
 #: the published module's threshold for writing a payload's chunks in parallel; here every put
 #: is one batched call whatever its size, so this is informational
 AUTO_PARALLEL_MIN_BYTES = DEFAULT_BUNDLE_CHUNK_BYTES
+#: the fewest chunks an ``auto`` put mode writes in parallel (staged writes, as published)
+AUTO_PARALLEL_MIN_CHUNKS = 8
 MISSING_OBJECT_ERROR = -704  # remove() of an object that is already gone
 STRUCTURED_FIELD_SPECS_KEY = "__mooncake_structured_fields__"
 DATAPROTO_REF_HANDLE_TYPE = "mooncake_dataproto_ref"
@@ -72,6 +76,12 @@ class StructuredObjectError(StoreError, RuntimeError):
 
 class StructuredTypeError(MooncakeError, TypeError):
     """A value of the wrong type was handed to the structured object store."""
+
+
+class StructuredValueTypeError(StructuredTypeError, AttributeError):
+    """A column value its schema codec cannot encode (a ``utf8_ragged`` value that is not a
+    ``str``): a ``TypeError``, and an ``AttributeError`` as the published module raises (from
+    the value's missing ``encode``)."""
 
 
 class StructuredKeyError(MooncakeError, KeyError):

@@ -1,8 +1,10 @@
 """``BundleTransferPolicy`` checks: the values a policy may take, and what ``zero_copy`` asks of
 the members of a put.
 
-Every put here is one batched call that reads the caller's memory in place where it can, so
-``max_inflight_put`` and ``put_mode`` change nothing beyond being validated. ``copy_mode=
+On a store with the multi-buffer calls every put is one batched call that reads the caller's
+memory in place where it can, so ``max_inflight_put`` and ``put_mode`` change nothing there;
+they (and ``copy_mode="copy"``) steer only the pooled writes of a store without those calls
+(:meth:`mooncake._structured.io.BatchIO.put_many`). ``copy_mode=
 "zero_copy"`` is the published module's promise that no member is copied into staging memory:
 only members that already are tensor-object buffers (caller memory, typically a ``BufferPool``
 lease) qualify, so a put of anything else is refused before a byte is written.

@@ -15,6 +15,7 @@ from mooncake._structured.destinations import rows_into
 from mooncake._structured.layer import StructuredLayer
 from mooncake._structured.model import MooncakeDataProtoRef, StructuredObjectReadSpec
 from mooncake._structured.nested import is_nested, select_nested_rows
+from mooncake.errors import InvalidArgumentError
 
 __all__ = ["read_fields", "take_rows"]
 
@@ -67,6 +68,14 @@ def read_fields(
                 members.extend(enc["payload_members"].values())
                 continue
             members.append(loc.member)
+            if name in dests and gathered:
+                # refused before any read, as a destination given without row indices is
+                pspec = layer.bundles.resolve(ref.stage_refs[stage])["buffers"].get(loc.member)
+                if isinstance(pspec, dict) and pspec.get("format") == "torch_save":
+                    raise InvalidArgumentError(
+                        f"structured torch_save tensor member {loc.member} does not support "
+                        "destinations"
+                    )
             if name in dests and not gathered:
                 stage_dests[loc.member] = dests[name]
             if sel is not None and sel.member_slice is not None:
