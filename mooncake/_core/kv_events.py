@@ -30,6 +30,7 @@ import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from time import monotonic as _mono
 from typing import Any
 
 import msgspec
@@ -115,17 +116,33 @@ class EventQueue:
         self.idle = False
         """Set by the consumer before it sleeps: the next :meth:`put` calls :attr:`wake`."""
         self.wake: Any = None
+        self.flush: Any = None
+        """Called by :meth:`put` (the producer's thread, under the state lock) once the queue
+        holds a full batch (:data:`MAX_BATCH`) or its oldest event waited :attr:`delay`
+        seconds: the producer publishes what is due itself, so a busy master never wakes the
+        consumer per batch. ``None``: only the consumer publishes."""
+        self.delay = 0.0
+        self.first = 0.0
+        """``time.monotonic()`` when the queue last went from empty to not empty (the
+        oldest pending event's age, and the consumer's sign that producers are active)."""
 
     def put(self, kind: int, key: str, medium: str) -> None:
         q = self._q
-        if self.capacity and len(q) >= self.capacity:
+        n = len(q)
+        if self.capacity and n >= self.capacity:
             self.dropped += 1
         q.append((kind, key, medium))
-        if self.idle:
-            self.idle = False
-            w = self.wake
-            if w is not None:
-                w()
+        if n == 0:
+            self.first = _mono()
+            if self.idle:
+                self.idle = False
+                w = self.wake
+                if w is not None:
+                    w()
+            if self.delay <= 0 and self.flush is not None:
+                self.flush()
+        elif self.flush is not None and (n >= MAX_BATCH - 1 or _mono() - self.first >= self.delay):
+            self.flush()
 
     def mark(self, kind: int, value: str) -> None:
         """A stream marker: what is queued is discarded, the marker comes first."""

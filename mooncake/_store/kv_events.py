@@ -40,6 +40,9 @@ log = logging.getLogger("mooncake.master")
 
 _START = -1
 _STOP = -2
+#: the publisher thread's interval while producers publish inline: the longest a busy
+#: stream's last events wait when the master stops producing (s)
+_TAIL_S = 0.01
 
 
 @dataclass
@@ -126,6 +129,13 @@ class KvEventPublisher:
         self.queue = _kv.EventQueue(config.queue_capacity, config.tenant_id)
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.queue.wake = self._wake
+        self.queue.delay = config.flush_delay
+        self.queue.flush = self._flush_inline
+        # the sockets, the stream's counters and the replay buffer: the publisher thread
+        # and a producer publishing inline (:meth:`_flush_inline`) take turns under it
+        self._lock = threading.Lock()
+        #: how long the thread sleeps between looks while producers publish inline
+        self._tail = max(config.flush_delay, _TAIL_S)
         self._topic = config.topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self.epoch = 0
@@ -185,10 +195,22 @@ class KvEventPublisher:
         if self._stopping:
             return
         self._stopping = True
+        self.queue.flush = None
         self._wake()
         self._thread.join()
-        self._close_sockets()
+        with self._lock:
+            self._close_sockets()
         os.close(self._efd)
+
+    def _flush_inline(self) -> None:
+        """(A producer, under the state lock) publish what is due, unless the publisher
+        thread is at it (then it takes these too): the master never waits here."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self._stopping:
+                    self._drain()
+            finally:
+                self._lock.release()
 
     def _wake(self) -> None:
         try:
@@ -229,14 +251,32 @@ class KvEventPublisher:
                 delay = self.config.flush_delay
                 if delay > 0 and not self._stopping and len(q) < _kv.MAX_BATCH:
                     time.sleep(delay)  # more events arrive meanwhile: fuller batches
-            self._drain()
-            if self._router is not None and self._router in ready:
-                self._serve_replays()
-            if self._stopping:
+                with self._lock:
+                    self._drain()
+                self._linger()
+            with self._lock:
                 self._drain()
-                return
-            if self.active and hb > 0 and time.monotonic() - self._last_send >= hb:
-                self._send([])
+                if self._router is not None and self._router in ready:
+                    self._serve_replays()
+                if self._stopping:
+                    self._drain()
+                    return
+                if self.active and hb > 0 and time.monotonic() - self._last_send >= hb:
+                    self._send([])
+
+    def _linger(self) -> None:
+        """While producers keep putting (they publish full and due batches themselves), look
+        every :attr:`_tail` seconds instead of being woken per batch: what is left when they
+        stop is published within that."""
+        q = self.queue
+        seen = q.first
+        while not self._stopping:
+            time.sleep(self._tail)
+            with self._lock:
+                self._drain()
+            if q.first == seen and not q.pending():
+                return  # no event since the last look: sleep until woken
+            seen = q.first
 
     def _drain(self) -> None:
         while True:
