@@ -37,6 +37,7 @@ import msgspec
 
 from mooncake._core.master.tenants import PREFIX as _TENANT_PREFIX
 from mooncake._core.master.tenants import tenant_of, user_key
+from mooncake._fast import encode_events as _encode_events
 
 __all__ = [
     "MEDIUM_CPU",
@@ -164,7 +165,12 @@ class EventQueue:
                 marks, self._markers = self._markers, []
                 return [], 0, marks
             q = self._q
-            out = [q.popleft() for _ in range(min(limit, len(q)))]
+            if len(q) <= limit:  # the usual case: all of it, at C speed
+                out = list(q)
+                q.clear()
+            else:
+                pop = q.popleft
+                out = [pop() for _ in range(limit)]
             d = self.dropped
             drops, self._reported = d - self._reported, d
         return out, drops, []
@@ -352,6 +358,8 @@ class BatchEncoder:
                 tail["parent_block_hash"] = None
             tail["epoch"] = epoch
             self._tail[kind] = _entries(tail)
+        self._heads = (self._head[STORED], self._head[REMOVED])
+        self._tails = (self._tail[STORED], self._tail[REMOVED])
         self._consts = (tenant_id, backend_id)
 
     def _middle(self, kind: int, medium: str, tenant: str = "") -> bytes:
@@ -382,39 +390,28 @@ class BatchEncoder:
     def encode(
         self, events: list[tuple[int, str, str]], timestamp_ms: int, first_event_id: int
     ) -> tuple[bytes, int]:
-        enc = _enc.encode
-        ts = enc(timestamp_ms)
-        ts_entry = self._ts_key + ts
-        parts: list[bytes] = []
-        eid = first_event_id
-        head, tail, mid = self._head, self._tail, self._mid
-        okey = self._okey if self.object_key else None
-        empty = self._empty_hashes
-        append = parts.append
-        for kind, key, medium in events:
-            tenant = ""
-            if key[:1] == _TENANT_PREFIX:
-                key, tenant = split_tenant(key)
-            h = parse_seq_hash(key) if key[:1] in _DIGITS else None
-            if h is None and (okey is None or not key):
-                continue
-            m = mid.get((kind, medium, tenant)) or self._middle(kind, medium, tenant)
-            if h is None:
-                self.unparsed += 1
-                hashes = empty
-            elif self.legacy:
-                signed = h - (1 << 64) if h >= (1 << 63) else h
-                hashes = self._seq_key + enc([h]) + self._block_key + enc([signed])
-            else:
-                hashes = self._seq_key + enc([h])
-            if okey is not None:
-                append(head[kind] + enc(eid) + ts_entry + m + okey + enc(key) + hashes + tail[kind])
-            else:
-                append(head[kind] + enc(eid) + ts_entry + m + hashes + tail[kind])
-            eid += 1
-        n = eid - first_event_id
+        """The payload of one batch of ``events`` and how many it holds (as
+        :func:`encode_batch`; the per-event loop is :func:`mooncake._fast.encode_events`,
+        compiled where built)."""
+        ts = _enc.encode(timestamp_ms)
+        body, n, unparsed = _encode_events(
+            events,
+            first_event_id,
+            self._ts_key + ts,
+            self._heads,
+            self._tails,
+            self._mid,
+            self._middle,
+            _TENANT_PREFIX,
+            split_tenant,
+            self._okey if self.object_key else None,
+            self._seq_key,
+            self._block_key if self.legacy else None,
+            self._empty_hashes,
+        )
+        self.unparsed += unparsed
         arr = bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
-        return b"\x93" + ts + arr + b"".join(parts) + b"\x00", n
+        return b"\x93" + ts + arr + body + b"\x00", n
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,8 @@ class KvEventPublisher:
         #: how long the thread sleeps between looks while producers publish inline
         self._tail = max(config.flush_delay, _TAIL_S)
         self._topic = config.topic.encode()
+        self._more = int(zmq.NOBLOCK | zmq.SNDMORE)
+        self._last = int(zmq.NOBLOCK)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self.epoch = 0
         self.active = False
@@ -323,10 +325,11 @@ class KvEventPublisher:
         seq = self._seq
         self._buffer.append((seq, payload))
         self._last_send = time.monotonic()
-        try:
-            self._pub.send_multipart(
-                (self._topic, _kv.encode_seq(seq), payload), flags=self._zmq.NOBLOCK, copy=False
-            )
+        send = self._pub.send
+        try:  # three sends (a PUB never refuses a part: past its high-water mark it drops)
+            send(self._topic, self._more)
+            send(seq.to_bytes(8, "big"), self._more)
+            send(payload, self._last)
         except self._zmq.ZMQError:
             self.dropped_events += n
             return
