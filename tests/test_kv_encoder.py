@@ -1,6 +1,7 @@
 """The KV event batch encoder's twins (``mooncake._fast._kvenc`` compiled and pure): each gives
 the reference codec's bytes (:func:`mooncake._core.kv_events.encode_batch`) for every kind of
-key, and each parses sequence hashes as the reference does."""
+key, and each parses sequence hashes as the reference does; the event queue asks its producers
+to publish a full or due batch."""
 
 from __future__ import annotations
 
@@ -100,3 +101,32 @@ def test_twin_is_byte_identical_to_the_reference(
 def test_twin_parses_hashes_as_the_reference(twin: ModuleType) -> None:
     for key in [*KEYS, "0x" + "f" * 16, "0x" + "f" * 17, "18446744073709551616", "-1", "+1"]:
         assert twin.parse_seq_hash(key) == kv.parse_seq_hash(key), key
+
+
+def test_queue_asks_producers_to_publish_full_and_due_batches() -> None:
+    import time
+
+    calls: list[int] = []
+    q = kv.EventQueue(capacity=1000)
+    q.publish_inline(lambda: calls.append(len(q)), 3600.0)  # nothing gets due by waiting
+    for i in range(kv.MAX_BATCH - 1):
+        q.put(kv.STORED, f"k{i}", "cpu")
+    assert calls == []
+    q.put(kv.STORED, "full", "cpu")
+    assert calls == [kv.MAX_BATCH]  # the producer of the batch's last event publishes
+    q.take()
+    q.publish_inline(lambda: calls.append(-len(q)), 1e-6)
+    q.put(kv.STORED, "a", "cpu")
+    assert calls == [kv.MAX_BATCH]  # the first event of a batch is not due yet
+    time.sleep(0.002)  # (far more than the delay)
+    q.put(kv.REMOVED, "b", "cpu")
+    assert calls == [kv.MAX_BATCH, -2]  # the oldest waited past the delay
+    q.take()
+    q.publish_inline(lambda: calls.append(0), 0.0)  # no delay: every event at once
+    q.put(kv.STORED, "c", "cpu")
+    assert calls[-1] == 0
+    q.take()
+    q.publish_inline(None, 0.0)  # off: only the consumer publishes
+    for i in range(2 * kv.MAX_BATCH):
+        q.put(kv.STORED, f"n{i}", "cpu")
+    assert len(calls) == 3 and len(q) == 2 * kv.MAX_BATCH

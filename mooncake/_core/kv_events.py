@@ -62,6 +62,7 @@ __all__ = [
 _DIGITS = frozenset("0123456789")
 MEDIUM_CPU = "cpu"
 MEDIUM_DISK = "disk"
+_NEVER = 1 << 62
 STORED = 0
 REMOVED = 1
 #: events per published batch (upstream's kMaxBatchSize)
@@ -124,26 +125,42 @@ class EventQueue:
         consumer per batch. ``None``: only the consumer publishes."""
         self.delay = 0.0
         self.first = 0.0
+        self._due = 0.0  # first + delay: the producers' flush is due from then on
+        self._batch = _NEVER  # a producer flushes once the queue held this many
+        self._full = capacity or _NEVER  # from this length a put drops the oldest
         """``time.monotonic()`` when the queue last went from empty to not empty (the
         oldest pending event's age, and the consumer's sign that producers are active)."""
+
+    def publish_inline(self, flush: Any, delay: float) -> None:
+        """Let producers call ``flush`` (see :attr:`flush`) once a batch is full or its
+        oldest event waited ``delay`` seconds; ``flush=None``: never."""
+        self.delay = delay
+        self.flush = flush
+        self._batch = MAX_BATCH - 1 if flush is not None else _NEVER
 
     def put(self, kind: int, key: str, medium: str) -> None:
         q = self._q
         n = len(q)
-        if self.capacity and n >= self.capacity:
+        if n >= self._full:
             self.dropped += 1
         q.append((kind, key, medium))
-        if n == 0:
-            self.first = _mono()
-            if self.idle:
-                self.idle = False
-                w = self.wake
-                if w is not None:
-                    w()
-            if self.delay <= 0 and self.flush is not None:
-                self.flush()
-        elif self.flush is not None and (n >= MAX_BATCH - 1 or _mono() - self.first >= self.delay):
-            self.flush()
+        if n:
+            if n >= self._batch or _mono() >= self._due:
+                f = self.flush
+                if f is not None:
+                    f()
+            return
+        self.first = t = _mono()
+        self._due = t + self.delay
+        if self.idle:
+            self.idle = False
+            w = self.wake
+            if w is not None:
+                w()
+        if self.delay <= 0:
+            f = self.flush
+            if f is not None:
+                f()
 
     def mark(self, kind: int, value: str) -> None:
         """A stream marker: what is queued is discarded, the marker comes first."""
@@ -184,14 +201,14 @@ class EventQueue:
 
 # id(state) -> (a weak reference to it, its queue): a plain dict is cheaper per hook than a
 # WeakKeyDictionary (no weakref made per lookup); the reference guards against a reused id
-_SINKS: dict[int, tuple[weakref.ref[object], EventQueue]] = {}
+_SINKS: dict[int, tuple[weakref.ref[object], EventQueue, Any]] = {}
 
 
 def attach(state: object, queue: EventQueue) -> None:
     """Route ``state``'s events into ``queue`` (replacing any earlier queue)."""
-    for k in [k for k, (r, _) in _SINKS.items() if r() is None]:
+    for k in [k for k, (r, _, _) in _SINKS.items() if r() is None]:
         del _SINKS[k]
-    _SINKS[id(state)] = (weakref.ref(state), queue)
+    _SINKS[id(state)] = (weakref.ref(state), queue, queue.put)
 
 
 def detach(state: object) -> None:
@@ -210,7 +227,7 @@ def stored(state: object, key: str, medium: str = MEDIUM_CPU) -> None:
     if _SINKS:
         e = _SINKS.get(id(state))
         if e is not None and e[0]() is state:
-            e[1].put(STORED, key, medium)
+            e[2](STORED, key, medium)
 
 
 def removed(state: object, key: str, medium: str = MEDIUM_CPU) -> None:
@@ -218,7 +235,7 @@ def removed(state: object, key: str, medium: str = MEDIUM_CPU) -> None:
     if _SINKS:
         e = _SINKS.get(id(state))
         if e is not None and e[0]() is state:
-            e[1].put(REMOVED, key, medium)
+            e[2](REMOVED, key, medium)
 
 
 # -- wire --------------------------------------------------------------------------------------

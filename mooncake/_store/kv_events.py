@@ -129,8 +129,7 @@ class KvEventPublisher:
         self.queue = _kv.EventQueue(config.queue_capacity, config.tenant_id)
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.queue.wake = self._wake
-        self.queue.delay = config.flush_delay
-        self.queue.flush = self._flush_inline
+        self.queue.publish_inline(self._flush_inline, config.flush_delay)
         # the sockets, the stream's counters and the replay buffer: the publisher thread
         # and a producer publishing inline (:meth:`_flush_inline`) take turns under it
         self._lock = threading.Lock()
@@ -197,7 +196,7 @@ class KvEventPublisher:
         if self._stopping:
             return
         self._stopping = True
-        self.queue.flush = None
+        self.queue.publish_inline(None, 0.0)
         self._wake()
         self._thread.join()
         with self._lock:
