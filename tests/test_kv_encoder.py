@@ -107,20 +107,20 @@ def test_queue_asks_producers_to_publish_full_and_due_batches() -> None:
     import time
 
     calls: list[int] = []
-    q = kv.EventQueue(capacity=1000)
+    q = kv.EventQueue(capacity=4 * kv.INLINE_EVENTS)
     q.publish_inline(lambda: calls.append(len(q)), 3600.0)  # nothing gets due by waiting
-    for i in range(kv.MAX_BATCH - 1):
+    for i in range(kv.INLINE_EVENTS - 1):
         q.put(kv.STORED, f"k{i}", "cpu")
-    assert calls == []
+    assert calls == []  # full batches wait for the delay, to go out together
     q.put(kv.STORED, "full", "cpu")
-    assert calls == [kv.MAX_BATCH]  # the producer of the batch's last event publishes
+    assert calls == [kv.INLINE_EVENTS]  # enough pending: published without waiting more
     q.take()
     q.publish_inline(lambda: calls.append(-len(q)), 1e-6)
     q.put(kv.STORED, "a", "cpu")
-    assert calls == [kv.MAX_BATCH]  # the first event of a batch is not due yet
+    assert calls == [kv.INLINE_EVENTS]  # the first event of a batch is not due yet
     time.sleep(0.002)  # (far more than the delay)
     q.put(kv.REMOVED, "b", "cpu")
-    assert calls == [kv.MAX_BATCH, -2]  # the oldest waited past the delay
+    assert calls == [kv.INLINE_EVENTS, -2]  # the oldest waited past the delay
     q.take()
     q.publish_inline(lambda: calls.append(0), 0.0)  # no delay: every event at once
     q.put(kv.STORED, "c", "cpu")

@@ -67,6 +67,9 @@ STORED = 0
 REMOVED = 1
 #: events per published batch (upstream's kMaxBatchSize)
 MAX_BATCH = 64
+#: a producer publishes once this many events are pending even if none is due yet (16
+#: batches, sent back to back: one wake-up of ZMQ's I/O thread and of a subscriber for all)
+INLINE_EVENTS = 16 * MAX_BATCH
 #: the end-of-replay marker's sequence frame (vLLM's replay protocol: -1 as a signed u64)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -119,10 +122,11 @@ class EventQueue:
         """Set by the consumer before it sleeps: the next :meth:`put` calls :attr:`wake`."""
         self.wake: Any = None
         self.flush: Any = None
-        """Called by :meth:`put` (the producer's thread, under the state lock) once the queue
-        holds a full batch (:data:`MAX_BATCH`) or its oldest event waited :attr:`delay`
-        seconds: the producer publishes what is due itself, so a busy master never wakes the
-        consumer per batch. ``None``: only the consumer publishes."""
+        """Called by :meth:`put` (the producer's thread, under the state lock) once the
+        queue's oldest event waited :attr:`delay` seconds (or :data:`INLINE_EVENTS` are
+        pending): the producer publishes what is due itself, all of it in batches of
+        :data:`MAX_BATCH` sent back to back, so a busy master never wakes the consumer per
+        batch. ``None``: only the consumer publishes (:meth:`publish_inline` sets it)."""
         self.delay = 0.0
         self.first = 0.0
         self._due = 0.0  # first + delay: the producers' flush is due from then on
@@ -136,7 +140,7 @@ class EventQueue:
         oldest event waited ``delay`` seconds; ``flush=None``: never."""
         self.delay = delay
         self.flush = flush
-        self._batch = MAX_BATCH - 1 if flush is not None else _NEVER
+        self._batch = INLINE_EVENTS - 1 if flush is not None else _NEVER
 
     def put(self, kind: int, key: str, medium: str) -> None:
         q = self._q
