@@ -154,10 +154,11 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     # side -> (source tree, flags, subscribed); "base_*": the same three of --baseline's tree
     trees = [("", ROOT)] + ([("base_", Path(args.baseline).resolve())] if args.baseline else [])
     specs: dict[str, tuple[Path, list[str], bool]] = {}
+    kv_flags = KV + (["--kv-events-flush-delay", str(args.flush_delay)] if args.flush_delay else [])
     for prefix, root in trees:
         specs[prefix + "off"] = (root, [], False)
-        specs[prefix + "on"] = (root, KV, True)
-        specs[prefix + "on_nosub"] = (root, KV, False)  # publishing, nobody subscribed
+        specs[prefix + "on"] = (root, kv_flags, True)
+        specs[prefix + "on_nosub"] = (root, kv_flags, False)  # publishing, nobody subscribed
     masters: dict[str, Master] = {}
     subs: list[subprocess.Popen[str]] = []
     count_files: dict[str, Path] = {}
@@ -469,6 +470,12 @@ def main() -> int:
     t.add_argument("--rounds", type=int, default=5)
     t.add_argument("--seconds", type=float, default=2.0)
     t.add_argument("--depth", type=int, default=32)
+    t.add_argument(
+        "--flush-delay",
+        type=float,
+        default=0.0,
+        help="--kv-events-flush-delay of the publishing masters (default: theirs)",
+    )
     t.add_argument(
         "--baseline",
         default="",

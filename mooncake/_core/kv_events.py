@@ -149,10 +149,9 @@ class EventQueue:
             self.dropped += 1
         q.append((kind, key, medium))
         if n:
-            if n >= self._batch or _mono() >= self._due:
-                f = self.flush
-                if f is not None:
-                    f()
+            f = self.flush
+            if f is not None and (n >= self._batch or _mono() >= self._due):
+                f()
             return
         self.first = t = _mono()
         self._due = t + self.delay

@@ -1,10 +1,15 @@
 """The master's KV event publisher: ZMQ PUB (upstream Mooncake's ``enable_kv_events``) plus a
 replay socket (vLLM's ``replay_endpoint`` protocol).
 
-Codec, queue and stream rules: :mod:`mooncake._core.kv_events`. This module owns the sockets,
-on one thread of their own (ZMQ sockets belong to one thread): the master's loop (or an RPC
-thread) only appends to the bounded :class:`~mooncake._core.kv_events.EventQueue`, which wakes
-the publisher through an eventfd when it stops being empty. The PUB socket never blocks (a
+Codec, queue and stream rules: :mod:`mooncake._core.kv_events`. This module owns the sockets
+and everything numbered (sequence numbers, the replay buffer), under one lock (ZMQ sockets are
+used by one thread at a time: the lock is the memory barrier they need between threads). The
+master's loop or an RPC thread appends to the bounded
+:class:`~mooncake._core.kv_events.EventQueue`; once the oldest pending event waited
+``flush_delay`` (or 1024 are pending) that producer publishes everything pending itself, if it
+gets the lock without waiting. The publisher's thread is woken through an eventfd when a burst
+starts and then looks every ``max(flush_delay, 10 ms)`` until the puts stop: it publishes the
+tail, heartbeats, stream changes and replays. The PUB socket never blocks (a
 send that would is counted as dropped; ZMQ drops for a subscriber past its high-water mark),
 so a slow subscriber never slows the master, and the memory held is bounded by the queue
 capacity, the replay buffer (``buffer_steps`` batches) and ZMQ's high-water marks.
@@ -67,8 +72,9 @@ class KvEventsConfig:
     topic: str = ""
     #: ZMQ send high-water mark (upstream's 10000)
     hwm: int = 10000
-    #: seconds the publisher waits, once woken, for more events before it publishes (fewer,
-    #: fuller batches: the master's loop is not interrupted per event); 0 publishes at once
+    #: seconds an event may wait to be published while events keep coming (fuller batches,
+    #: published by the master's own threads; the tail of a burst waits at most
+    #: max(this, 10 ms)); 0 publishes at once
     flush_delay: float = 0.001
 
     def validate(self) -> None:
