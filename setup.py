@@ -68,6 +68,7 @@ extensions = [
         extra_compile_args=CFLAGS,
     ),
     Extension("mooncake._fast._intmap", ["mooncake/_fast/_intmap.pyx"], extra_compile_args=CFLAGS),
+    Extension("mooncake._fast._kvenc", ["mooncake/_fast/_kvenc.pyx"], extra_compile_args=CFLAGS),
     Extension(
         "mooncake._fast._objtable",
         ["mooncake/_fast/_objtable.pyx"],

@@ -17,6 +17,7 @@ its receipt (the re-home once a leader exists); after each failover, with the wr
 the index is compared with the leader's keys: a difference is an undetected gap.
 
     python benchmarks/kv_events.py throughput --rounds 5 --seconds 2
+    python benchmarks/kv_events.py throughput --rounds 9 --seconds 1 --baseline /tmp/old-tree
     python benchmarks/kv_events.py failover --failovers 20
 """
 
@@ -50,18 +51,21 @@ ANY = "tcp://127.0.0.1:*"
 KV = ["--enable-kv-events", "--kv-events-bind-endpoint", ANY, "--kv-events-replay-endpoint", ANY]
 
 
-def _env() -> dict[str, str]:
+def _env(root: Path = ROOT) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
 class Master:
-    def __init__(self, *flags: str, log: Path | None = None) -> None:
+    def __init__(self, *flags: str, log: Path | None = None, root: Path = ROOT) -> None:
+        """A ``mooncake master`` of the source tree ``root`` (default: this one)."""
         cmd = [sys.executable, "-m", "mooncake", "master", "--rpc-port", "0", "--metrics-port"]
         cmd += ["0", "--client-ttl", "600", *flags]
         err = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=_env())
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=_env(root), cwd=root
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         self.address = line.split("rpc=", 1)[1].split()[0]
@@ -147,73 +151,84 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(5):
         st_off.append(state_rate(False))
         st_on.append(state_rate(True))
-    off = Master()
-    on = Master(*KV)
-    bare = Master(*KV)  # publishing, nobody subscribed
-    count_file = Path(f"/tmp/kv-bench-{os.getpid()}.count")
-    sub = None
+    # side -> (source tree, flags, subscribed); "base_*": the same three of --baseline's tree
+    trees = [("", ROOT)] + ([("base_", Path(args.baseline).resolve())] if args.baseline else [])
+    specs: dict[str, tuple[Path, list[str], bool]] = {}
+    kv_flags = KV + (["--kv-events-flush-delay", str(args.flush_delay)] if args.flush_delay else [])
+    for prefix, root in trees:
+        specs[prefix + "off"] = (root, [], False)
+        specs[prefix + "on"] = (root, kv_flags, True)
+        specs[prefix + "on_nosub"] = (root, kv_flags, False)  # publishing, nobody subscribed
+    masters: dict[str, Master] = {}
+    subs: list[subprocess.Popen[str]] = []
+    count_files: dict[str, Path] = {}
     try:
-        ep = on.get("/kv_events/status")["endpoint"]
-        sub = subprocess.Popen(
-            [sys.executable, "-c", _SUBSCRIBER, ep, str(count_file)],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=_env(),
-        )
-        assert sub.stdout is not None and sub.stdout.readline().strip() == "ready"
-        time.sleep(0.5)  # the subscription reaches the publisher
+        for name, (root, flags, subscribed) in specs.items():
+            m = masters[name] = Master(*flags, root=root)
+            if subscribed:
+                ep = m.get("/kv_events/status")["endpoint"]
+                count_files[name] = Path(f"/tmp/kv-bench-{os.getpid()}-{name}.count")
+                sub = subprocess.Popen(
+                    [sys.executable, "-c", _SUBSCRIBER, ep, str(count_files[name])],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env=_env(),
+                )
+                subs.append(sub)
+                assert sub.stdout is not None and sub.stdout.readline().strip() == "ready"
+        time.sleep(0.5)  # the subscriptions reach the publishers
         conns = {}
-        for name, m in (("off", off), ("on", on), ("on_nosub", bare)):
+        for name, m in masters.items():
             c = Conn(m.port)
             c.call("MountSegment", rpc.MountSegmentParams(client_id="bench", segment=SEG))
             conns[name] = c
-        rates: dict[str, list[float]] = {"off": [], "on": [], "on_nosub": []}
-        cpu: dict[str, list[float]] = {"off": [], "on": [], "on_nosub": []}
-        pids = {"off": off.proc.pid, "on": on.proc.pid, "on_nosub": bare.proc.pid}
-        sides = ["off", "on", "on_nosub"]
+        sides = list(specs)
+        rates: dict[str, list[float]] = {k: [] for k in sides}
+        cpu: dict[str, list[float]] = {k: [] for k in sides}
         for r in range(args.rounds):
-            order = sides[r % 3 :] + sides[: r % 3]
+            order = sides[r % len(sides) :] + sides[: r % len(sides)]
             for name in order:
-                c0 = _cpu_s(pids[name])
+                pid = masters[name].proc.pid
+                c0 = _cpu_s(pid)
                 t0 = time.perf_counter()
                 rate = _put_pipe(conns[name], f"r{r}", args.depth, args.seconds)
                 ops = rate * (time.perf_counter() - t0)
                 rates[name].append(rate)
-                cpu[name].append((_cpu_s(pids[name]) - c0) / ops * 1e6)
+                cpu[name].append((_cpu_s(pid) - c0) / ops * 1e6)
         time.sleep(1.5)
-        st = on.get("/kv_events/status")
-        received = int(count_file.read_text()) if count_file.exists() else -1
+        st = {k: masters[k].get("/kv_events/status") for k in sides if specs[k][1]}
+        received = {k: int(f.read_text()) if f.exists() else -1 for k, f in count_files.items()}
     finally:
-        if sub is not None:
+        for sub in subs:
             sub.kill()
             sub.wait()
-        off.stop()
-        on.stop()
-        bare.stop()
-        count_file.unlink(missing_ok=True)
-    med_off, med_on = statistics.median(rates["off"]), statistics.median(rates["on"])
-    return {
+        for m in masters.values():
+            m.stop()
+        for f in count_files.values():
+            f.unlink(missing_ok=True)
+    med = {k: statistics.median(v) for k, v in cpu.items()}
+    res: dict[str, Any] = {
         "state_put_pairs_per_s_off": statistics.median(st_off),
         "state_put_pairs_per_s_on": statistics.median(st_on),
         "state_cost_pct": 100 * (1 - statistics.median(st_on) / statistics.median(st_off)),
-        "rpc_put_pairs_per_s_off": med_off,
-        "rpc_put_pairs_per_s_on": med_on,
-        "rpc_rounds_off": rates["off"],
-        "rpc_rounds_on": rates["on"],
-        "rpc_cost_pct": 100 * (1 - med_on / med_off),
-        "master_cpu_us_per_pair": {k: statistics.median(v) for k, v in cpu.items()},
-        "master_cpu_cost_pct": 100
-        * (statistics.median(cpu["on"]) / statistics.median(cpu["off"]) - 1),
-        "master_cpu_cost_nosub_pct": 100
-        * (statistics.median(cpu["on_nosub"]) / statistics.median(cpu["off"]) - 1),
-        "rpc_put_pairs_per_s_on_nosub": statistics.median(rates["on_nosub"]),
-        "rpc_rounds_on_nosub": rates["on_nosub"],
-        "rpc_cost_nosub_pct": 100 * (1 - statistics.median(rates["on_nosub"]) / med_off),
-        "published_events": st["published_events"],
-        "published_batches": st["published_batches"],
-        "dropped_events": st["dropped_events"],
-        "subscriber_received_batches": received,
+        "master_cpu_us_per_pair": med,
+        "master_cpu_rounds": cpu,
+        "rpc_put_pairs_per_s": {k: statistics.median(v) for k, v in rates.items()},
     }
+    for prefix, _ in trees:
+        off = med[prefix + "off"]
+        res[prefix + "master_cpu_cost_pct"] = 100 * (med[prefix + "on"] / off - 1)
+        res[prefix + "master_cpu_cost_nosub_pct"] = 100 * (med[prefix + "on_nosub"] / off - 1)
+    res["published"] = {
+        k: {
+            "events": v["published_events"],
+            "batches": v["published_batches"],
+            "dropped": v["dropped_events"],
+            "subscriber_received_batches": received.get(k),
+        }
+        for k, v in st.items()
+    }
+    return res
 
 
 # -- failover ---------------------------------------------------------------------------------
@@ -455,6 +470,18 @@ def main() -> int:
     t.add_argument("--rounds", type=int, default=5)
     t.add_argument("--seconds", type=float, default=2.0)
     t.add_argument("--depth", type=int, default=32)
+    t.add_argument(
+        "--flush-delay",
+        type=float,
+        default=0.0,
+        help="--kv-events-flush-delay of the publishing masters (default: theirs)",
+    )
+    t.add_argument(
+        "--baseline",
+        default="",
+        help="another source tree (with its compiled modules): its three masters join the "
+        "rotation as base_off / base_on / base_on_nosub",
+    )
     f = sp.add_parser("failover")
     f.add_argument("--failovers", type=int, default=20)
     f.add_argument("--interval", type=float, default=1.0)

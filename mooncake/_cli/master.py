@@ -212,7 +212,7 @@ _OWN_FLAGS: dict[str, tuple[str, str, str]] = {
     "kv_events_flush_delay": (
         "double",
         f"{KvFlags.flush_delay:g}",
-        "seconds the KV event publisher waits for more events once woken (fuller batches)",
+        "seconds a KV event may wait to be published while events keep coming (fuller batches)",
     ),
     "kv_events_heartbeat_interval": (
         "double",
@@ -422,7 +422,7 @@ def register(sub: Any) -> None:
     k.add_argument(
         "--kv-events-flush-delay",
         default=str(KvFlags.flush_delay),
-        help="seconds the publisher waits for more events once woken (0: at once)",
+        help="seconds an event may wait to be published while events keep coming (0: at once)",
     )
     k.add_argument(
         "--kv-events-heartbeat-interval",

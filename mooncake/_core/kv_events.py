@@ -30,12 +30,14 @@ import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from time import monotonic as _mono
 from typing import Any
 
 import msgspec
 
 from mooncake._core.master.tenants import PREFIX as _TENANT_PREFIX
 from mooncake._core.master.tenants import tenant_of, user_key
+from mooncake._fast import encode_events as _encode_events
 
 __all__ = [
     "MEDIUM_CPU",
@@ -60,10 +62,14 @@ __all__ = [
 _DIGITS = frozenset("0123456789")
 MEDIUM_CPU = "cpu"
 MEDIUM_DISK = "disk"
+_NEVER = 1 << 62
 STORED = 0
 REMOVED = 1
 #: events per published batch (upstream's kMaxBatchSize)
 MAX_BATCH = 64
+#: a producer publishes once this many events are pending even if none is due yet (16
+#: batches, sent back to back: one wake-up of ZMQ's I/O thread and of a subscriber for all)
+INLINE_EVENTS = 16 * MAX_BATCH
 #: the end-of-replay marker's sequence frame (vLLM's replay protocol: -1 as a signed u64)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -115,17 +121,49 @@ class EventQueue:
         self.idle = False
         """Set by the consumer before it sleeps: the next :meth:`put` calls :attr:`wake`."""
         self.wake: Any = None
+        self.flush: Any = None
+        """Called by :meth:`put` (the producer's thread, under the state lock) once the
+        queue's oldest event waited :attr:`delay` seconds (or :data:`INLINE_EVENTS` are
+        pending): the producer publishes what is due itself, all of it in batches of
+        :data:`MAX_BATCH` sent back to back, so a busy master never wakes the consumer per
+        batch. ``None``: only the consumer publishes (:meth:`publish_inline` sets it)."""
+        self.delay = 0.0
+        self.first = 0.0
+        self._due = 0.0  # first + delay: the producers' flush is due from then on
+        self._batch = _NEVER  # a producer flushes once the queue held this many
+        self._full = capacity or _NEVER  # from this length a put drops the oldest
+        """``time.monotonic()`` when the queue last went from empty to not empty (the
+        oldest pending event's age, and the consumer's sign that producers are active)."""
+
+    def publish_inline(self, flush: Any, delay: float) -> None:
+        """Let producers call ``flush`` (see :attr:`flush`) once a batch is full or its
+        oldest event waited ``delay`` seconds; ``flush=None``: never."""
+        self.delay = delay
+        self.flush = flush
+        self._batch = INLINE_EVENTS - 1 if flush is not None else _NEVER
 
     def put(self, kind: int, key: str, medium: str) -> None:
         q = self._q
-        if self.capacity and len(q) >= self.capacity:
+        n = len(q)
+        if n >= self._full:
             self.dropped += 1
         q.append((kind, key, medium))
+        if n:
+            f = self.flush
+            if f is not None and (n >= self._batch or _mono() >= self._due):
+                f()
+            return
+        self.first = t = _mono()
+        self._due = t + self.delay
         if self.idle:
             self.idle = False
             w = self.wake
             if w is not None:
                 w()
+        if self.delay <= 0:
+            f = self.flush
+            if f is not None:
+                f()
 
     def mark(self, kind: int, value: str) -> None:
         """A stream marker: what is queued is discarded, the marker comes first."""
@@ -147,7 +185,12 @@ class EventQueue:
                 marks, self._markers = self._markers, []
                 return [], 0, marks
             q = self._q
-            out = [q.popleft() for _ in range(min(limit, len(q)))]
+            if len(q) <= limit:  # the usual case: all of it, at C speed
+                out = list(q)
+                q.clear()
+            else:
+                pop = q.popleft
+                out = [pop() for _ in range(limit)]
             d = self.dropped
             drops, self._reported = d - self._reported, d
         return out, drops, []
@@ -161,14 +204,14 @@ class EventQueue:
 
 # id(state) -> (a weak reference to it, its queue): a plain dict is cheaper per hook than a
 # WeakKeyDictionary (no weakref made per lookup); the reference guards against a reused id
-_SINKS: dict[int, tuple[weakref.ref[object], EventQueue]] = {}
+_SINKS: dict[int, tuple[weakref.ref[object], EventQueue, Any]] = {}
 
 
 def attach(state: object, queue: EventQueue) -> None:
     """Route ``state``'s events into ``queue`` (replacing any earlier queue)."""
-    for k in [k for k, (r, _) in _SINKS.items() if r() is None]:
+    for k in [k for k, (r, _, _) in _SINKS.items() if r() is None]:
         del _SINKS[k]
-    _SINKS[id(state)] = (weakref.ref(state), queue)
+    _SINKS[id(state)] = (weakref.ref(state), queue, queue.put)
 
 
 def detach(state: object) -> None:
@@ -187,7 +230,7 @@ def stored(state: object, key: str, medium: str = MEDIUM_CPU) -> None:
     if _SINKS:
         e = _SINKS.get(id(state))
         if e is not None and e[0]() is state:
-            e[1].put(STORED, key, medium)
+            e[2](STORED, key, medium)
 
 
 def removed(state: object, key: str, medium: str = MEDIUM_CPU) -> None:
@@ -195,7 +238,7 @@ def removed(state: object, key: str, medium: str = MEDIUM_CPU) -> None:
     if _SINKS:
         e = _SINKS.get(id(state))
         if e is not None and e[0]() is state:
-            e[1].put(REMOVED, key, medium)
+            e[2](REMOVED, key, medium)
 
 
 # -- wire --------------------------------------------------------------------------------------
@@ -335,6 +378,8 @@ class BatchEncoder:
                 tail["parent_block_hash"] = None
             tail["epoch"] = epoch
             self._tail[kind] = _entries(tail)
+        self._heads = (self._head[STORED], self._head[REMOVED])
+        self._tails = (self._tail[STORED], self._tail[REMOVED])
         self._consts = (tenant_id, backend_id)
 
     def _middle(self, kind: int, medium: str, tenant: str = "") -> bytes:
@@ -365,39 +410,28 @@ class BatchEncoder:
     def encode(
         self, events: list[tuple[int, str, str]], timestamp_ms: int, first_event_id: int
     ) -> tuple[bytes, int]:
-        enc = _enc.encode
-        ts = enc(timestamp_ms)
-        ts_entry = self._ts_key + ts
-        parts: list[bytes] = []
-        eid = first_event_id
-        head, tail, mid = self._head, self._tail, self._mid
-        okey = self._okey if self.object_key else None
-        empty = self._empty_hashes
-        append = parts.append
-        for kind, key, medium in events:
-            tenant = ""
-            if key[:1] == _TENANT_PREFIX:
-                key, tenant = split_tenant(key)
-            h = parse_seq_hash(key) if key[:1] in _DIGITS else None
-            if h is None and (okey is None or not key):
-                continue
-            m = mid.get((kind, medium, tenant)) or self._middle(kind, medium, tenant)
-            if h is None:
-                self.unparsed += 1
-                hashes = empty
-            elif self.legacy:
-                signed = h - (1 << 64) if h >= (1 << 63) else h
-                hashes = self._seq_key + enc([h]) + self._block_key + enc([signed])
-            else:
-                hashes = self._seq_key + enc([h])
-            if okey is not None:
-                append(head[kind] + enc(eid) + ts_entry + m + okey + enc(key) + hashes + tail[kind])
-            else:
-                append(head[kind] + enc(eid) + ts_entry + m + hashes + tail[kind])
-            eid += 1
-        n = eid - first_event_id
+        """The payload of one batch of ``events`` and how many it holds (as
+        :func:`encode_batch`; the per-event loop is :func:`mooncake._fast.encode_events`,
+        compiled where built)."""
+        ts = _enc.encode(timestamp_ms)
+        body, n, unparsed = _encode_events(
+            events,
+            first_event_id,
+            self._ts_key + ts,
+            self._heads,
+            self._tails,
+            self._mid,
+            self._middle,
+            _TENANT_PREFIX,
+            split_tenant,
+            self._okey if self.object_key else None,
+            self._seq_key,
+            self._block_key if self.legacy else None,
+            self._empty_hashes,
+        )
+        self.unparsed += unparsed
         arr = bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
-        return b"\x93" + ts + arr + b"".join(parts) + b"\x00", n
+        return b"\x93" + ts + arr + body + b"\x00", n
 
 
 @dataclass(frozen=True)

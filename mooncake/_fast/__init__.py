@@ -1,7 +1,7 @@
 """Sync, non-blocking C primitives on raw addresses: the bottom layer.
 
 ``mooncake._fast`` re-exports each compiled module (``_io``, ``_tcp``, ``_copyq``, ``_intmap``,
-``_objtable``, ``_crc32c``) when it is built, else its pure-Python twin (``_pure``, ``_tcp_pure``, ...: same
+``_objtable``, ``_crc32c``, ``_kvenc``) when it is built, else its pure-Python twin (``_pure``, ``_tcp_pure``, ...: same
 names, same contracts), each chosen on its own by :func:`_select` over :data:`PUBLIC_API`; the
 package's ``COMPILED``, ``TCP_COMPILED``, ... say which was. ``MOONCAKE_NO_EXTENSIONS=1`` forces
 every twin; the test suite runs against both. Nothing here imports an event loop.
@@ -42,6 +42,11 @@ PUBLIC_API: dict[str, tuple[str, dict[str, str], tuple[str, ...]]] = {
     ),
     "_copyq": ("_copyq_pure", {"COMPILED": "COPYQ_COMPILED"}, ("CopyQueue",)),
     "_intmap": ("_intmap_pure", {"COMPILED": "INTMAP_COMPILED"}, ("IntMap",)),
+    "_kvenc": (
+        "_kvenc_pure",
+        {"COMPILED": "KVENC_COMPILED"},
+        ("encode_events", "parse_seq_hash"),
+    ),
     "_objtable": ("_objtable_pure", {"COMPILED": "OBJTABLE_COMPILED"}, ("ObjectTable",)),
     "_crc32c": (
         "_crc32c_pure",
@@ -102,6 +107,8 @@ if TYPE_CHECKING:  # what the checker sees: the compiled modules' stubs (the twi
         vm_writev_at,
         writev_at,
     )
+    from ._kvenc import COMPILED as KVENC_COMPILED
+    from ._kvenc import encode_events, parse_seq_hash
     from ._objtable import COMPILED as OBJTABLE_COMPILED
     from ._objtable import ObjectTable
     from ._tcp import COMPILED as TCP_COMPILED
@@ -131,6 +138,7 @@ __all__ = [
     "DONE",
     "E_PROTO",
     "INTMAP_COMPILED",
+    "KVENC_COMPILED",
     "OBJTABLE_COMPILED",
     "PEER_CLOSED",
     "PUBLIC_API",
@@ -153,8 +161,10 @@ __all__ = [
     "crc32c_at",
     "crc32c_combine",
     "crc32c_parts",
+    "encode_events",
     "memcpy_at",
     "memcpy_batch",
+    "parse_seq_hash",
     "prefault",
     "readv_at",
     "recv_at",

@@ -1,10 +1,15 @@
 """The master's KV event publisher: ZMQ PUB (upstream Mooncake's ``enable_kv_events``) plus a
 replay socket (vLLM's ``replay_endpoint`` protocol).
 
-Codec, queue and stream rules: :mod:`mooncake._core.kv_events`. This module owns the sockets,
-on one thread of their own (ZMQ sockets belong to one thread): the master's loop (or an RPC
-thread) only appends to the bounded :class:`~mooncake._core.kv_events.EventQueue`, which wakes
-the publisher through an eventfd when it stops being empty. The PUB socket never blocks (a
+Codec, queue and stream rules: :mod:`mooncake._core.kv_events`. This module owns the sockets
+and everything numbered (sequence numbers, the replay buffer), under one lock (ZMQ sockets are
+used by one thread at a time: the lock is the memory barrier they need between threads). The
+master's loop or an RPC thread appends to the bounded
+:class:`~mooncake._core.kv_events.EventQueue`; once the oldest pending event waited
+``flush_delay`` (or 1024 are pending) that producer publishes everything pending itself, if it
+gets the lock without waiting. The publisher's thread is woken through an eventfd when a burst
+starts and then looks every ``max(flush_delay, 10 ms)`` until the puts stop: it publishes the
+tail, heartbeats, stream changes and replays. The PUB socket never blocks (a
 send that would is counted as dropped; ZMQ drops for a subscriber past its high-water mark),
 so a slow subscriber never slows the master, and the memory held is bounded by the queue
 capacity, the replay buffer (``buffer_steps`` batches) and ZMQ's high-water marks.
@@ -40,6 +45,9 @@ log = logging.getLogger("mooncake.master")
 
 _START = -1
 _STOP = -2
+#: the publisher thread's interval while producers publish inline: the longest a busy
+#: stream's last events wait when the master stops producing (s)
+_TAIL_S = 0.01
 
 
 @dataclass
@@ -64,8 +72,9 @@ class KvEventsConfig:
     topic: str = ""
     #: ZMQ send high-water mark (upstream's 10000)
     hwm: int = 10000
-    #: seconds the publisher waits, once woken, for more events before it publishes (fewer,
-    #: fuller batches: the master's loop is not interrupted per event); 0 publishes at once
+    #: seconds an event may wait to be published while events keep coming (fuller batches,
+    #: published by the master's own threads; the tail of a burst waits at most
+    #: max(this, 10 ms)); 0 publishes at once
     flush_delay: float = 0.001
 
     def validate(self) -> None:
@@ -126,7 +135,15 @@ class KvEventPublisher:
         self.queue = _kv.EventQueue(config.queue_capacity, config.tenant_id)
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.queue.wake = self._wake
+        self.queue.publish_inline(self._flush_inline, config.flush_delay)
+        # the sockets, the stream's counters and the replay buffer: the publisher thread
+        # and a producer publishing inline (:meth:`_flush_inline`) take turns under it
+        self._lock = threading.Lock()
+        #: how long the thread sleeps between looks while producers publish inline
+        self._tail = max(config.flush_delay, _TAIL_S)
         self._topic = config.topic.encode()
+        self._more = int(zmq.NOBLOCK | zmq.SNDMORE)
+        self._last = int(zmq.NOBLOCK)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self.epoch = 0
         self.active = False
@@ -185,10 +202,22 @@ class KvEventPublisher:
         if self._stopping:
             return
         self._stopping = True
+        self.queue.publish_inline(None, 0.0)
         self._wake()
         self._thread.join()
-        self._close_sockets()
+        with self._lock:
+            self._close_sockets()
         os.close(self._efd)
+
+    def _flush_inline(self) -> None:
+        """(A producer, under the state lock) publish what is due, unless the publisher
+        thread is at it (then it takes these too): the master never waits here."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self._stopping:
+                    self._drain()
+            finally:
+                self._lock.release()
 
     def _wake(self) -> None:
         try:
@@ -229,14 +258,32 @@ class KvEventPublisher:
                 delay = self.config.flush_delay
                 if delay > 0 and not self._stopping and len(q) < _kv.MAX_BATCH:
                     time.sleep(delay)  # more events arrive meanwhile: fuller batches
-            self._drain()
-            if self._router is not None and self._router in ready:
-                self._serve_replays()
-            if self._stopping:
+                with self._lock:
+                    self._drain()
+                self._linger()
+            with self._lock:
                 self._drain()
-                return
-            if self.active and hb > 0 and time.monotonic() - self._last_send >= hb:
-                self._send([])
+                if self._router is not None and self._router in ready:
+                    self._serve_replays()
+                if self._stopping:
+                    self._drain()
+                    return
+                if self.active and hb > 0 and time.monotonic() - self._last_send >= hb:
+                    self._send([])
+
+    def _linger(self) -> None:
+        """While producers keep putting (they publish full and due batches themselves), look
+        every :attr:`_tail` seconds instead of being woken per batch: what is left when they
+        stop is published within that."""
+        q = self.queue
+        seen = q.first
+        while not self._stopping:
+            time.sleep(self._tail)
+            with self._lock:
+                self._drain()
+            if q.first == seen and not q.pending():
+                return  # no event since the last look: sleep until woken
+            seen = q.first
 
     def _drain(self) -> None:
         while True:
@@ -283,10 +330,11 @@ class KvEventPublisher:
         seq = self._seq
         self._buffer.append((seq, payload))
         self._last_send = time.monotonic()
-        try:
-            self._pub.send_multipart(
-                (self._topic, _kv.encode_seq(seq), payload), flags=self._zmq.NOBLOCK, copy=False
-            )
+        send = self._pub.send
+        try:  # three sends (a PUB never refuses a part: past its high-water mark it drops)
+            send(self._topic, self._more)
+            send(seq.to_bytes(8, "big"), self._more)
+            send(payload, self._last)
         except self._zmq.ZMQError:
             self.dropped_events += n
             return
