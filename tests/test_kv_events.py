@@ -451,6 +451,54 @@ def test_publisher_stays_bounded_beside_a_subscriber_that_never_reads() -> None:
         pub.close()
 
 
+def test_replays_are_answered_while_producers_keep_publishing() -> None:
+    """A producer puts an event about every millisecond (publishing due batches itself, so
+    the publisher thread only lingers): a replay request is still answered, its batches and
+    the end marker, while the puts go on."""
+    import threading
+
+    from mooncake._store.kv_events import KvEventPublisher, KvEventsConfig
+
+    pub = KvEventPublisher(
+        KvEventsConfig(bind_endpoint=ANY, replay_endpoint=ANY, heartbeat_interval=0)
+    )
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(pub.replay_endpoint)
+    done = threading.Event()
+
+    def producer() -> None:
+        i = 0
+        while not done.is_set():
+            pub.queue.put(kv.STORED, f"k{i}", "cpu")
+            i += 1
+            time.sleep(0.001)
+
+    t = threading.Thread(target=producer, daemon=True)
+    try:
+        pub.start_stream(3)
+        t.start()
+        while pub.stats()["published_batches"] < 2:
+            time.sleep(0.01)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        seqs: list[int] = []
+        while dealer.poll(20_000):
+            _, seq, _payload = dealer.recv_multipart()
+            if seq == kv.END_SEQ:
+                break
+            seqs.append(kv.decode_seq(seq))
+        else:
+            pytest.fail("no end marker: the replay was not answered while events kept coming")
+        assert not done.is_set() and t.is_alive()  # answered during the puts
+        assert seqs and seqs == sorted(seqs)
+    finally:
+        done.set()
+        t.join()
+        dealer.close(0)
+        ctx.term()
+        pub.close()
+
+
 def test_published_gflags_configure_the_publisher() -> None:
     from mooncake._cli.master import parse_gflags
 

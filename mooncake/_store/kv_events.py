@@ -274,13 +274,16 @@ class KvEventPublisher:
     def _linger(self) -> None:
         """While producers keep putting (they publish full and due batches themselves), look
         every :attr:`_tail` seconds instead of being woken per batch: what is left when they
-        stop is published within that."""
+        stop is published within that, and a replay request waits at most that long (a
+        burst that never ends must not starve the replay socket)."""
         q = self.queue
         seen = q.first
         while not self._stopping:
             time.sleep(self._tail)
             with self._lock:
                 self._drain()
+                if self._router is not None:
+                    self._serve_replays()  # non-blocking: answers what has arrived
             if q.first == seen and not q.pending():
                 return  # no event since the last look: sleep until woken
             seen = q.first
