@@ -312,7 +312,7 @@ async def open_store(
     another tenant (docs/security.md).
 
     ``verify`` turns verified reads on or off (default: ``MOONCAKE_STORE_CHECKSUM``, else
-    :data:`mooncake._store.verify.DEFAULT`: on with the ``avx512`` CRC32C kernel, else off):
+    :data:`mooncake._store.verify.DEFAULT`, off):
     writers record each value's CRC32C, every read checks the bytes it landed against it
     (:mod:`mooncake._store.verify`, docs/store.md).
     """

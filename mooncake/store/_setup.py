@@ -20,7 +20,7 @@ enable_client_http_server=False, client_http_port=9300)`` (positional or keyword
   ``MC_STORE_DRAIN_TIMEOUT``.
 * **verify** (ours, last; also a ``setup(dict)`` key): verified reads on (true) or off (false)
   for this client; unset: ``MOONCAKE_STORE_CHECKSUM``, else the default of
-  :mod:`mooncake._store.verify` (on with the ``avx512`` CRC32C kernel).
+  :mod:`mooncake._store.verify` (off).
 """
 
 from __future__ import annotations
