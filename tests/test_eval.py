@@ -234,7 +234,7 @@ def test_rerender_reports_the_fault_against_the_store_scenario(tmp_path) -> None
     assert (tmp_path / "report.md").read_text() == md
 
 
-def test_plots_are_drawn_per_model_and_leave_out_pd(tmp_path) -> None:
+def test_plots_are_drawn_per_model(tmp_path) -> None:
     """Each model gets a TTFT CDF and a hit-rate figure, real PNGs, with PD results and fault
     events among the inputs."""
     pytest.importorskip("matplotlib")
