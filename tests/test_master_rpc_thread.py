@@ -244,7 +244,8 @@ def test_a_slow_but_steady_reader_is_not_dropped(threaded: bool) -> None:
     ``progress_timeout``: every byte sent restarts that deadline, so the connection stays."""
 
     async def main() -> None:
-        async with master(threaded, progress_timeout=0.6) as server:
+        # 2.5 s: a loaded host (load 11 on 2 cores) left a reader unscheduled for over 0.6 s
+        async with master(threaded, progress_timeout=2.5) as server:
             stream = await anyio.connect_tcp("127.0.0.1", server.rpc_port)
             keys = [f"key-{i:04d}-" + "x" * 200 for i in range(500)]  # ~100 KB per answer
             async with stream:
@@ -255,7 +256,7 @@ def test_a_slow_but_steady_reader_is_not_dropped(threaded: bool) -> None:
                 await call(
                     stream, 3, "BatchPutEnd", rpc.BatchKeyClientParams(client_id="a", keys=keys)
                 )
-                n = 150  # ~15 MB
+                n = 100  # ~10 MB, read 64 KiB per 50 ms: >= 7.6 s, three progress timeouts
                 await stream.send(
                     b"".join(
                         rpc.encode_request(10 + i, "GetAllKeys", rpc.Empty()) for i in range(n)
@@ -266,7 +267,7 @@ def test_a_slow_but_steady_reader_is_not_dropped(threaded: bool) -> None:
                 with anyio.fail_after(120):
                     while len(ids) < n:
                         await anyio.sleep(0.05)  # seconds in all: several progress timeouts
-                        dec.feed(await stream.receive(256 << 10))
+                        dec.feed(await stream.receive(64 << 10))
                         ids.extend(m.id for m in dec)
                 assert ids == [10 + i for i in range(n)]
             assert server.connections_dropped == 0
