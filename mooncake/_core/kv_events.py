@@ -38,6 +38,7 @@ import msgspec
 from mooncake._core.master.tenants import PREFIX as _TENANT_PREFIX
 from mooncake._core.master.tenants import tenant_of, user_key
 from mooncake._fast import encode_events as _encode_events
+from mooncake._fast import parse_seq_hash as _parse_seq_hash
 
 __all__ = [
     "MEDIUM_CPU",
@@ -74,23 +75,8 @@ INLINE_EVENTS = 16 * MAX_BATCH
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-def parse_seq_hash(key: str) -> int | None:
-    """The u64 a decimal or ``0x``-hex object key encodes (upstream's
-    ``ParseSeqHashFromObjectKey``); ``None`` for any other key."""
-    if not key:
-        return None
-    try:
-        if len(key) >= 2 and key[0] == "0" and key[1] in "xX":
-            if not all(c in "0123456789abcdefABCDEF" for c in key[2:]) or len(key) == 2:
-                return None
-            v = int(key[2:], 16)
-        else:
-            if not key.isdigit() or not key.isascii():
-                return None
-            v = int(key)
-    except ValueError:
-        return None
-    return v if v < (1 << 64) else None
+#: the u64 a key encodes in decimal or ``0x`` hex, else ``None`` (compiled where built)
+parse_seq_hash = _parse_seq_hash
 
 
 class EventQueue:
