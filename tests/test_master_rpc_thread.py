@@ -336,6 +336,38 @@ def test_at_the_connection_cap_an_idle_connection_gives_way(threaded: bool) -> N
     trio.run(main)
 
 
+def test_a_connection_is_stamped_idle_before_its_reply_can_be_seen(monkeypatch: Any) -> None:
+    """A thread's connection is idle from its last reply on, stamped before the reply is sent:
+    stamped after it, a thread descheduled in between (here: made slow after its sends) left
+    the accept loop seeing the older connection as the more recently active one, and at the
+    cap it evicted that one, not the longest idle."""
+    import time
+
+    from mooncake._store import rpc_thread
+
+    rearm = rpc_thread._Worker._rearm
+
+    def late(self: Any, c: Any) -> None:
+        time.sleep(0.2)
+        rearm(self, c)
+
+    monkeypatch.setattr(rpc_thread._Worker, "_rearm", late)
+
+    async def main() -> None:
+        async with master(True) as server:
+            a = await anyio.connect_tcp("127.0.0.1", server.rpc_port)
+            b = await anyio.connect_tcp("127.0.0.1", server.rpc_port)
+            async with a, b:
+                assert await call(a, 1, "ServiceReady", rpc.Empty()) == rpc.VERSION
+                await anyio.sleep(0.5)
+                assert await call(b, 1, "ServiceReady", rpc.Empty()) == rpc.VERSION
+                by_port = {s.sock.getpeername()[1]: s for s in server.slots.live}
+                port = anyio.abc.SocketAttribute.local_port
+                assert by_port[a.extra(port)].since < by_port[b.extra(port)].since
+
+    trio.run(main)
+
+
 def test_a_restored_master_sweeps_on_its_restored_clock(tmp_path: Any) -> None:
     """A master restored from a snapshot goes on from the snapshot's clock: its sweeper expires
     clients by that clock, not by the loop's raw one (trio's starts at a random 10^4-2*10^5 s,

@@ -526,6 +526,7 @@ class _Worker:
     def _send(self, c: _Conn) -> bool:
         """Send what ``c`` has waiting: True once all of it is sent."""
         assert c.wbuf is not None
+        c.slot.since = self.owner.clock.current_time()  # as in _answer: before the peer sees it
         try:
             n = c.sock.send(c.wbuf)
         except (BlockingIOError, InterruptedError):
@@ -584,6 +585,10 @@ class _Worker:
         if out:  # requests done: the clock of "inside a request" restarts
             c.busy_start = time.monotonic()
             data = b"".join(out) if len(out) > 1 else out[0]
+            # idle from this reply on, stamped before the peer can see it: stamped after
+            # the send, a thread descheduled in between left the loop seeing an older
+            # stamp than that of connections active since, and it evicted one of those
+            c.slot.since = self.owner.clock.current_time()
             try:
                 sent = c.sock.send(data)
             except (BlockingIOError, InterruptedError):
@@ -631,5 +636,3 @@ class _Worker:
             )
             if end < c.deadline:
                 c.deadline, c.what = end, "frame not done within its bound"
-        if c.idle:
-            c.slot.since = self.owner.clock.current_time()
