@@ -34,6 +34,8 @@ log = logging.getLogger("mooncake.accept")
 EVICT_WAIT_S = 0.05
 #: at the cap with no idle connection, one inside a request this long (seconds) may be closed
 EVICT_BUSY_S = 1.0
+#: how long (seconds) an asked idle connection may take to go before another is asked too
+EVICT_GONE_S = 2.0
 
 
 class Slot:
@@ -127,8 +129,20 @@ class Slots:
             return
         self.waited += 1
         asked: set[Slot] = set()
+        killing: set[Slot] = set()  # closed whatever they do: going, idle or not
+        asked_at = 0.0
         while len(self.live) >= self.cap:
+            # one asked and still idle is on its way out (its thread may be slow to let go on
+            # a loaded host): wait for it, not close another idle one as well
+            going = any(s in killing or s.is_idle() for s in asked)
+            if going and anyio.current_time() - asked_at < EVICT_GONE_S:
+                self._freed = anyio.Event()
+                with anyio.move_on_after(EVICT_WAIT_S):
+                    await self._freed.wait()
+                asked &= self.live
+                continue
             idle = [s for s in self.live if s not in asked and s.is_idle()]
+            asked_at = anyio.current_time()
             if idle:
                 victim = min(idle, key=lambda s: s.since)
                 asked.add(victim)
@@ -148,11 +162,13 @@ class Slots:
                         self.cap,
                     )
                     slow.kill()
+                    killing.add(slow)
                     idle = [slow]
             self._freed = anyio.Event()
             with anyio.move_on_after(EVICT_WAIT_S if idle else 1.0):
                 await self._freed.wait()
             asked &= self.live  # forget those that went
+            killing &= self.live
             if not idle:
                 asked.clear()  # one that refused (it was busy) may be idle by now
 
